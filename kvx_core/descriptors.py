@@ -1,0 +1,502 @@
+"""KVX descriptors (spec §6) as dataclasses over torch tensors, with spec §7.1 validation.
+
+Each descriptor keeps the tensors it describes (so views stay alive and the reference ops can use
+them) and converts to its C struct with `to_ctypes()` for the ABI.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory,
+                    QuantFormat, ScaleGranularity, kvx_dtype, torch_dtype)
+from .errors import KvxError, Status, require
+from .layouts import Geometry, check_shape, detect_layout
+
+CACHE_DTYPES = (DType.F16, DType.BF16, DType.F32, DType.F8_E4M3, DType.F8_E5M2)
+"""Element dtypes a v1.0 cache (no quantization descriptor) may hold."""
+PACKED_DTYPES = (DType.U8, DType.FP4_E2M1X2, DType.INT4X2)
+"""v1.1 storage dtypes that need a quantization descriptor."""
+IO_DTYPES = (DType.F16, DType.BF16, DType.F32)
+INDEX_DTYPES = (DType.S32, DType.S64)
+
+
+def memory_of(t: torch.Tensor) -> Memory:
+    """KVX memory type of a tensor's storage."""
+    if t.device.type == "cpu":
+        return Memory.HOST_PINNED if t.is_pinned() else Memory.HOST
+    return Memory.DEVICE
+
+
+def _check_no_overlap(shape: tuple[int, ...], stride: tuple[int, ...], what: str) -> None:
+    """Strides must be non-negative and map distinct indices to distinct elements (no aliasing)."""
+    require(all(s >= 0 for s in stride), Status.INVALID_ARGUMENT,
+            f"{what}: negative strides {stride} are not allowed")
+    dims = sorted((s, n) for s, n in zip(stride, shape) if n > 1)
+    span = 1
+    for s, n in dims:
+        require(s >= span, Status.INVALID_ARGUMENT,
+                f"{what}: strides {stride} overlap for shape {shape} (elements would alias)")
+        span = s * n
+
+
+@dataclass
+class TensorDesc:
+    """`kvx_tensor_desc_t`: dtype, layout, memory, shape and strides (in elements) of one buffer."""
+
+    dtype: DType
+    layout: Layout
+    memory: Memory
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    tensor: torch.Tensor | None = field(default=None, repr=False)
+    data_ptr: int = 0
+
+    @classmethod
+    def from_torch(cls, t: torch.Tensor, layout: Layout = Layout.CUSTOM, dtype: DType | None = None) -> TensorDesc:
+        """Describe `t` (zero-copy). `dtype` overrides the storage dtype for packed types (uint8 bytes)."""
+        kdt = dtype if dtype is not None else kvx_dtype(t.dtype)
+        require(torch_dtype(kdt) == t.dtype, Status.INVALID_ARGUMENT,
+                f"dtype {kdt.name} is stored as {torch_dtype(kdt)}, tensor is {t.dtype}")
+        return cls(kdt, Layout(layout), memory_of(t), tuple(t.shape), tuple(t.stride()), t, t.data_ptr())
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def validate(self, what: str) -> None:
+        """Field-level checks shared by every tensor descriptor."""
+        require(self.dtype != DType.UNSPECIFIED, Status.INVALID_ARGUMENT, f"{what}: dtype is UNSPECIFIED")
+        require(1 <= self.ndim <= 5 and len(self.stride) == self.ndim, Status.INVALID_ARGUMENT,
+                f"{what}: ndim must be 1..5 with one stride per dim, got shape {self.shape} stride {self.stride}")
+        require(self.data_ptr != 0 or math.prod(self.shape) == 0, Status.INVALID_ARGUMENT,
+                f"{what}: data pointer is NULL")
+        _check_no_overlap(self.shape, self.stride, what)
+
+    def to_ctypes(self):
+        from .abi import structs
+
+        c = structs.new(structs.TensorDescC, dtype=int(self.dtype), layout=int(self.layout),
+                        memory=int(self.memory), ndim=self.ndim, data=self.data_ptr or None)
+        for i, (n, s) in enumerate(zip(self.shape, self.stride)):
+            c.shape[i], c.stride[i] = n, s
+        return c
+
+
+@dataclass
+class PoolDesc:
+    """`kvx_pool_desc_t`: block pools addressed by KVCacheIndex (TRT-LLM): block = base + idx*bytes_per_block."""
+
+    memory: Memory
+    bytes_per_block: int
+    primary: torch.Tensor | None = field(default=None, repr=False)
+    secondary: torch.Tensor | None = field(default=None, repr=False)
+
+    def to_ctypes(self):
+        from .abi import structs
+
+        return structs.new(structs.PoolDescC, memory=int(self.memory), bytes_per_block=self.bytes_per_block,
+                           primary=self.primary.data_ptr() if self.primary is not None else None,
+                           secondary=self.secondary.data_ptr() if self.secondary is not None else None)
+
+
+@dataclass
+class ScaleDesc:
+    """`kvx_scale_desc_t`: FP8 / quantization scales and their granularity."""
+
+    dtype: DType
+    granularity: ScaleGranularity
+    tensor: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_torch(cls, t: torch.Tensor | None, granularity: ScaleGranularity) -> ScaleDesc:
+        if t is None:
+            return cls(DType.F32, ScaleGranularity.NONE)
+        return cls(kvx_dtype(t.dtype), granularity, t)
+
+    def to_ctypes(self):
+        from .abi import structs
+
+        c = structs.new(structs.ScaleDescC, dtype=int(self.dtype), granularity=int(self.granularity))
+        if self.tensor is not None:
+            c.ndim, c.data = self.tensor.dim(), self.tensor.data_ptr()
+            for i, (n, s) in enumerate(zip(self.tensor.shape, self.tensor.stride())):
+                c.shape[i], c.stride[i] = n, s
+        return c
+
+
+@dataclass
+class QuantDesc:
+    """v1.1 `kvx_quant_desc_t`: the cache format, group size, scale pools and global scales."""
+
+    format: QuantFormat
+    group_size: int
+    k_data_dtype: DType
+    v_data_dtype: DType
+    k_scales: TensorDesc | None
+    v_scales: TensorDesc | None
+    k_global_scale: torch.Tensor | None = None
+    v_global_scale: torch.Tensor | None = None
+    flags: int = 0
+
+    @property
+    def global_scale_count(self) -> int:
+        g = self.k_global_scale
+        return 0 if g is None else g.numel()
+
+    def to_ctypes(self):
+        from .abi import structs
+
+        empty = structs.new(structs.TensorDescC)
+        return structs.new(
+            structs.QuantDescC, format=int(self.format), flags=self.flags, group_size=self.group_size,
+            k_data_dtype=int(self.k_data_dtype), v_data_dtype=int(self.v_data_dtype),
+            k_scales=self.k_scales.to_ctypes() if self.k_scales else empty,
+            v_scales=self.v_scales.to_ctypes() if self.v_scales else empty,
+            k_global_scale=self.k_global_scale.data_ptr() if self.k_global_scale is not None else None,
+            v_global_scale=self.v_global_scale.data_ptr() if self.v_global_scale is not None else None,
+            global_scale_count=self.global_scale_count)
+
+
+@dataclass
+class CacheDesc:
+    """`kvx_cache_desc_t`: one layer's paged K and V buffers plus optional pool and quantization."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    k: TensorDesc
+    v: TensorDesc
+    pool: PoolDesc | None = None
+    quant: QuantDesc | None = None
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def from_torch(cls, k: torch.Tensor, v: torch.Tensor, *, block_size: int, num_kv_heads: int, head_dim: int,
+                   k_layout: Layout | None = None, v_layout: Layout | None = None, pool: PoolDesc | None = None,
+                   quant: QuantDesc | None = None, validate: bool = True) -> CacheDesc:
+        """Describe paged K/V tensors (layouts detected from shape/strides unless given) and validate."""
+        geom = Geometry(int(k.shape[0]), block_size, num_kv_heads, head_dim)
+        geom.check()
+        kd = quant.k_data_dtype if quant else None
+        vd = quant.v_data_dtype if quant else None
+        kl = k_layout if k_layout is not None else detect_layout(k, _storage_geometry(geom, kd))
+        vl = v_layout if v_layout is not None else detect_layout(v, _storage_geometry(geom, vd))
+        desc = cls(geom.num_blocks, block_size, num_kv_heads, head_dim,
+                   TensorDesc.from_torch(k, kl, kd), TensorDesc.from_torch(v, vl, vd), pool, quant)
+        if validate:
+            desc.validate()
+        return desc
+
+    def storage_geometry(self, which: str) -> Geometry:
+        """Geometry of the K or V data tensor in storage elements (packed formats shrink head_dim)."""
+        t = self.k if which == "k" else self.v
+        return _storage_geometry(self.geometry, t.dtype)
+
+    def validate(self) -> None:
+        """Spec §7.1 / §4.2 validation; raises KvxError with the spec status."""
+        geom = self.geometry
+        geom.check()
+        for which, t in (("k", self.k), ("v", self.v)):
+            what = f"cache.{which}"
+            t.validate(what)
+            require(t.layout != Layout.UNSPECIFIED, Status.INVALID_ARGUMENT, f"{what}: layout is UNSPECIFIED")
+            allowed = CACHE_DTYPES + (PACKED_DTYPES if self.quant else ())
+            require(t.dtype in allowed, Status.INVALID_ARGUMENT,
+                    f"{what}: dtype {t.dtype.name} is not a cache dtype (allowed: "
+                    f"{', '.join(d.name for d in allowed)}; packed dtypes need a quantization descriptor)")
+            check_shape(t.layout, t.shape, self.storage_geometry(which), what)
+        require(self.k.memory == self.v.memory, Status.INVALID_ARGUMENT,
+                f"cache K and V live in different memories ({self.k.memory.name} vs {self.v.memory.name})")
+        if self.quant is None:
+            require(self.k.dtype == self.v.dtype, Status.INVALID_ARGUMENT,
+                    f"cache K dtype {self.k.dtype.name} != V dtype {self.v.dtype.name} "
+                    "(mixed K/V dtypes need a quantization descriptor)")
+        else:
+            _validate_quant(self.quant, self)
+        if self.pool is not None:
+            require(self.pool.bytes_per_block > 0, Status.INVALID_ARGUMENT, "pool.bytes_per_block must be > 0")
+            require(self.pool.primary is not None, Status.INVALID_ARGUMENT, "pool.primary is NULL")
+
+    def to_ctypes(self):
+        """The C struct; returns `(struct, keepalive)` where keepalive holds nested structs."""
+        from .abi import structs
+
+        quant = self.quant.to_ctypes() if self.quant else None
+        pool = self.pool.to_ctypes() if self.pool else structs.new(structs.PoolDescC)
+        c = structs.new(structs.CacheDescC, num_blocks=self.num_blocks, block_size=self.block_size,
+                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k=self.k.to_ctypes(),
+                        v=self.v.to_ctypes(), pool=pool)
+        if quant is not None:
+            import ctypes
+
+            c.quant = ctypes.pointer(quant)
+        return c, quant
+
+
+def storage_head_dim(head_dim: int, dtype: DType) -> int:
+    """Elements per token-head in storage: two 4-bit codes share a byte for FP4_E2M1X2 / INT4X2."""
+    if dtype in (DType.FP4_E2M1X2, DType.INT4X2):
+        require(head_dim % 2 == 0, Status.INVALID_ARGUMENT, f"head_dim {head_dim} must be even for {dtype.name}")
+        return head_dim // 2
+    return head_dim
+
+
+def _storage_geometry(geom: Geometry, dtype: DType | None) -> Geometry:
+    if dtype is None:
+        return geom
+    return Geometry(geom.num_blocks, geom.block_size, geom.num_kv_heads, storage_head_dim(geom.head_dim, dtype))
+
+
+def _validate_quant(q: QuantDesc, cache: CacheDesc) -> None:
+    require(q.format != QuantFormat.NONE, Status.INVALID_ARGUMENT, "quant.format is NONE; omit the descriptor")
+    require(q.group_size > 0 and cache.head_dim % q.group_size == 0, Status.INVALID_ARGUMENT,
+            f"quant.group_size {q.group_size} must divide head_dim {cache.head_dim}")
+    require(cache.k.dtype == q.k_data_dtype and cache.v.dtype == q.v_data_dtype, Status.INVALID_ARGUMENT,
+            f"quant data dtypes ({q.k_data_dtype.name}, {q.v_data_dtype.name}) differ from the cache "
+            f"tensors' ({cache.k.dtype.name}, {cache.v.dtype.name})")
+    for which, s in (("k_scales", q.k_scales), ("v_scales", q.v_scales)):
+        if s is None:
+            continue
+        s.validate(f"quant.{which}")
+        require(s.shape[0] == cache.num_blocks, Status.INVALID_ARGUMENT,
+                f"quant.{which}: scale pool has {s.shape[0]} blocks, data pool {cache.num_blocks} "
+                "(dual pools share block ids)")
+    n = q.global_scale_count
+    require(n in (0, 1, cache.num_kv_heads), Status.INVALID_ARGUMENT,
+            f"global scales must be per tensor (1) or per KV head ({cache.num_kv_heads}), got {n}")
+    for name in ("k_global_scale", "v_global_scale"):
+        g = getattr(q, name)
+        require((g is None) == (n == 0) and (g is None or (g.dtype == torch.float32 and g.numel() == n)),
+                Status.INVALID_ARGUMENT, f"quant.{name} must be FP32 with {n} element(s) like k_global_scale")
+
+
+@dataclass
+class BlockTable:
+    """`kvx_block_table_t`: PACKED `[seqs, max_blocks]`, RAGGED `indices`+`indptr` (per token), or
+    KV_OFFSETS `[seqs, beam, 2, max_blocks]` of TRT-LLM KVCacheIndex values."""
+
+    format: BlockTableFormat
+    indices: torch.Tensor
+    seq_count: int
+    max_blocks_per_seq: int
+    indptr: torch.Tensor | None = None
+    beam_width: int = 1
+    flags: int = 0
+
+    @classmethod
+    def packed(cls, table: torch.Tensor) -> BlockTable:
+        require(table.dim() == 2, Status.INVALID_ARGUMENT, f"PACKED block table must be 2-D, got {tuple(table.shape)}")
+        return cls(BlockTableFormat.PACKED, table, int(table.shape[0]), int(table.shape[1]))
+
+    @classmethod
+    def ragged(cls, indices: torch.Tensor, indptr: torch.Tensor, max_blocks_per_seq: int) -> BlockTable:
+        require(indptr.dim() == 1 and indptr.numel() >= 1, Status.INVALID_ARGUMENT,
+                "RAGGED indptr must be 1-D with seq_count + 1 entries")
+        return cls(BlockTableFormat.RAGGED, indices, indptr.numel() - 1, max_blocks_per_seq, indptr)
+
+    @classmethod
+    def kv_offsets(cls, offsets: torch.Tensor) -> BlockTable:
+        require(offsets.dim() == 4 and offsets.shape[2] == 2, Status.INVALID_ARGUMENT,
+                f"KV_OFFSETS table must be [seqs, beam, 2, max_blocks], got {tuple(offsets.shape)}")
+        b, w, _, m = offsets.shape
+        return cls(BlockTableFormat.KV_OFFSETS, offsets, int(b), int(m), beam_width=int(w),
+                   flags=BLOCK_TABLE_FLAG_KVCACHEINDEX)
+
+    @property
+    def index_dtype(self) -> DType:
+        return _index_dtype(self.indices, "block_table.indices")
+
+    @property
+    def indices_count(self) -> int:
+        return self.indices.numel()
+
+    @property
+    def indptr_count(self) -> int:
+        return 0 if self.indptr is None else self.indptr.numel()
+
+    def validate(self, cache: CacheDesc | None = None) -> None:
+        """Spec §5.1 / §7.1 block-table rules (counts, dtypes, indptr, beam width, power of two)."""
+        fmt, dt = self.format, self.index_dtype
+        if fmt == BlockTableFormat.KV_OFFSETS:
+            require(dt == DType.S32, Status.INVALID_ARGUMENT, f"KV_OFFSETS indices must be S32, got {dt.name}")
+            require(self.flags & BLOCK_TABLE_FLAG_KVCACHEINDEX, Status.INVALID_ARGUMENT,
+                    "KV_OFFSETS tables must set KVX_BLOCK_TABLE_FLAG_KVCACHEINDEX")
+            want = self.seq_count * self.beam_width * 2 * self.max_blocks_per_seq
+            if cache is not None:
+                bs = cache.block_size
+                require(bs & (bs - 1) == 0, Status.INVALID_ARGUMENT,
+                        f"KV_OFFSETS needs a power-of-two block_size (TRT-LLM tokensPerBlock), got {bs}")
+                require(cache.pool is not None, Status.INVALID_ARGUMENT,
+                        "KV_OFFSETS needs cache.pool (bytes_per_block and pool base pointers)")
+        else:
+            require(dt in INDEX_DTYPES, Status.INVALID_ARGUMENT, f"{fmt.name} indices must be S32 or S64, got {dt.name}")
+            require(self.beam_width == 1, Status.INVALID_ARGUMENT, f"{fmt.name} tables need beam_width 1")
+            want = self.seq_count * self.max_blocks_per_seq if fmt == BlockTableFormat.PACKED else None
+        require(self.beam_width >= 1, Status.INVALID_ARGUMENT, "beam_width must be >= 1")
+        if fmt == BlockTableFormat.RAGGED:
+            require(self.indptr is not None and self.indptr_count == self.seq_count + 1, Status.INVALID_ARGUMENT,
+                    f"RAGGED indptr_count must be seq_count + 1 = {self.seq_count + 1}, got {self.indptr_count}")
+            ip = self.indptr
+            _index_dtype(ip, "block_table.indptr")
+            require(int(ip[0]) == 0 and bool((ip[1:] >= ip[:-1]).all()), Status.INVALID_ARGUMENT,
+                    "RAGGED indptr must start at 0 and be non-decreasing")
+            want = int(ip[-1])
+        else:
+            require(self.indptr_count == 0, Status.INVALID_ARGUMENT,
+                    f"{fmt.name} tables carry no indptr (indptr_count must be 0, got {self.indptr_count})")
+        require(self.indices_count == want, Status.INVALID_ARGUMENT,
+                f"{fmt.name} indices_count {self.indices_count} != expected {want}")
+
+    def to_ctypes(self):
+        from .abi import structs
+
+        ip = self.indptr
+        return structs.new(structs.BlockTableC, format=int(self.format), index_dtype=int(self.index_dtype),
+                           indptr_dtype=int(_index_dtype(ip, "indptr")) if ip is not None else 0,
+                           seq_count=self.seq_count, beam_width=self.beam_width,
+                           max_blocks_per_seq=self.max_blocks_per_seq, indices=self.indices.data_ptr() or None,
+                           indptr=ip.data_ptr() if ip is not None else None, indices_count=self.indices_count,
+                           indptr_count=self.indptr_count, flags=self.flags)
+
+
+def _index_dtype(t: torch.Tensor, what: str) -> DType:
+    try:
+        return kvx_dtype(t.dtype)
+    except KvxError:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{what}: dtype {t.dtype} is not S32 or S64") from None
+
+
+@dataclass
+class SlotMapping:
+    """`kvx_slot_mapping_t`: one global slot per token; `invalid_slot` (and any negative slot) is a no-op."""
+
+    slots: torch.Tensor
+    invalid_slot: int = -1
+
+    @property
+    def token_count(self) -> int:
+        return self.slots.numel()
+
+    def validate(self, cache: CacheDesc) -> None:
+        dt = _index_dtype(self.slots, "slot_mapping.slots")
+        require(dt in INDEX_DTYPES and self.slots.dim() == 1, Status.INVALID_ARGUMENT,
+                f"slot mapping must be a 1-D S32/S64 tensor, got {dt.name} {tuple(self.slots.shape)}")
+        total = cache.num_blocks * cache.block_size
+        valid = self.slots[(self.slots != self.invalid_slot) & (self.slots >= 0)]
+        if valid.numel():
+            hi = int(valid.max())
+            require(hi < total, Status.OUT_OF_RANGE,
+                    f"slot {hi} is out of range: the cache has {cache.num_blocks} blocks x "
+                    f"{cache.block_size} tokens = {total} slots")
+
+    def to_ctypes(self):
+        from .abi import structs
+
+        return structs.new(structs.SlotMappingC, dtype=int(kvx_dtype(self.slots.dtype)), token_count=self.token_count,
+                           invalid_slot=self.invalid_slot, slots=self.slots.data_ptr() or None)
+
+
+@dataclass
+class SeqLens:
+    """`kvx_seq_lens_t`: cached tokens per sequence."""
+
+    lengths: torch.Tensor
+
+    @property
+    def seq_count(self) -> int:
+        return self.lengths.numel()
+
+    def validate(self, table: BlockTable, block_size: int) -> None:
+        dt = _index_dtype(self.lengths, "seq_lens.lengths")
+        require(dt in INDEX_DTYPES and self.lengths.dim() == 1, Status.INVALID_ARGUMENT,
+                "seq_lens must be a 1-D S32/S64 tensor")
+        require(self.seq_count == table.seq_count, Status.INVALID_ARGUMENT,
+                f"seq_lens has {self.seq_count} sequences, block table {table.seq_count}")
+        if self.seq_count:
+            require(int(self.lengths.min()) >= 0, Status.INVALID_ARGUMENT, "sequence lengths must be >= 0")
+            cap = table.max_blocks_per_seq * block_size
+            require(table.format == BlockTableFormat.RAGGED or int(self.lengths.max()) <= cap, Status.OUT_OF_RANGE,
+                    f"a sequence length {int(self.lengths.max())} exceeds max_blocks_per_seq * block_size = {cap}")
+
+    def to_ctypes(self):
+        from .abi import structs
+
+        return structs.new(structs.SeqLensC, dtype=int(kvx_dtype(self.lengths.dtype)), seq_count=self.seq_count,
+                           lengths=self.lengths.data_ptr() or None)
+
+
+@dataclass
+class KvIoDesc:
+    """`kvx_kv_io_desc_t`: dense `[num_tokens, num_kv_heads, head_dim]` K and V (input of write,
+    output of gather)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.key.shape[0])
+
+    def validate(self, cache: CacheDesc, what: str) -> None:
+        """Spec §7: num_tokens, num_kv_heads and head_dim must agree with the cache."""
+        for name, t in (("key", self.key), ("value", self.value)):
+            require(t.dim() == 3, Status.INVALID_ARGUMENT,
+                    f"{what}.{name} must be [num_tokens, num_kv_heads, head_dim], got {tuple(t.shape)}")
+            require(kvx_dtype(t.dtype) in IO_DTYPES, Status.UNSUPPORTED,
+                    f"{what}.{name} dtype {t.dtype} unsupported (F16, BF16, F32)")
+            n, h, d = t.shape
+            require(n == self.num_tokens, Status.INVALID_ARGUMENT,
+                    f"{what}: key has {self.num_tokens} tokens, {name} {n}")
+            require(h == cache.num_kv_heads and d == cache.head_dim, Status.INVALID_ARGUMENT,
+                    f"{what}.{name}: [{h} heads, {d} head_dim] != cache [{cache.num_kv_heads}, {cache.head_dim}]")
+            require(t.device == cache.k.tensor.device, Status.INVALID_ARGUMENT,
+                    f"{what}.{name} is on {t.device}, the cache on {cache.k.tensor.device}")
+
+    def to_ctypes(self, cache: CacheDesc):
+        from .abi import structs
+
+        return structs.new(structs.KvIoDescC, key=TensorDesc.from_torch(self.key).to_ctypes(),
+                           value=TensorDesc.from_torch(self.value).to_ctypes(), num_tokens=self.num_tokens,
+                           num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim)
+
+
+@dataclass
+class WriteDesc:
+    """`kvx_write_desc_t`: tokens to store and where (slot mapping), with optional FP8 scales."""
+
+    io: KvIoDesc
+    slots: SlotMapping
+    k_scale: ScaleDesc | None = None
+    v_scale: ScaleDesc | None = None
+
+    def validate(self, cache: CacheDesc) -> None:
+        self.io.validate(cache, "write.io")
+        self.slots.validate(cache)
+        require(self.slots.token_count == self.io.num_tokens, Status.INVALID_ARGUMENT,
+                f"slot mapping has {self.slots.token_count} slots for {self.io.num_tokens} tokens")
+
+
+@dataclass
+class GatherDesc:
+    """`kvx_gather_desc_t`: gather `min(seq_len, max_seq_len)` tokens per sequence into ragged dense K/V."""
+
+    block_table: BlockTable
+    seq_lens: SeqLens
+    max_seq_len: int
+
+    def output_lengths(self) -> torch.Tensor:
+        """Tokens gathered per output sequence (beams of KV_OFFSETS tables are separate sequences)."""
+        n = self.seq_lens.lengths.to(torch.int64).clamp(max=self.max_seq_len)
+        return n.repeat_interleave(self.block_table.beam_width)
+
+    def validate(self, cache: CacheDesc) -> None:
+        require(self.max_seq_len >= 0, Status.INVALID_ARGUMENT, "max_seq_len must be >= 0")
+        self.block_table.validate(cache)
+        self.seq_lens.validate(self.block_table, cache.block_size)

@@ -1,0 +1,132 @@
+"""KVX enums (spec §4-§6, v1.1 extension). Values are ABI: they match kvx_abi.h exactly."""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .errors import KvxError, Status
+
+
+class DType(enum.IntEnum):
+    """`kvx_dtype_t`. 0 is reserved so a zero-initialised descriptor is rejected."""
+
+    UNSPECIFIED = 0
+    F16 = 1
+    BF16 = 2
+    F32 = 3
+    F8_E4M3 = 4
+    F8_E5M2 = 5
+    S32 = 6
+    S64 = 7
+    # v1.1: packed / quantized storage types
+    U8 = 8
+    FP4_E2M1X2 = 9  # two E2M1 codes per byte, element 2i in bits 3..0
+    UE8M0 = 10  # MX scale byte, exponent bias 127
+    INT4X2 = 11  # two unsigned 4-bit codes per byte, element 2i in bits 3..0
+
+
+class Layout(enum.IntEnum):
+    """`kvx_layout_t` (spec §4.2)."""
+
+    UNSPECIFIED = 0
+    NHD = 1  # [num_blocks, block_size, num_kv_heads, head_dim]
+    HND = 2  # [num_blocks, num_kv_heads, block_size, head_dim]
+    HND_PACKED = 3  # [num_blocks, num_kv_heads, head_dim / pack, block_size, pack]
+    CUSTOM = 4  # explicit shape/stride, logical order [blocks, block_size, heads, head_dim]
+
+
+class Memory(enum.IntEnum):
+    """`kvx_memory_type_t`."""
+
+    HOST = 0
+    DEVICE = 1
+    UNIFIED = 2
+    HOST_PINNED = 3
+
+
+class BlockTableFormat(enum.IntEnum):
+    """`kvx_block_table_format_t` (spec §5.1)."""
+
+    PACKED = 0
+    RAGGED = 1
+    KV_OFFSETS = 2
+
+
+class ScaleGranularity(enum.IntEnum):
+    """`kvx_scale_granularity_t`."""
+
+    NONE = 0
+    PER_TENSOR = 1
+    PER_HEAD = 2
+    PER_BLOCK = 3
+    PER_TOKEN_HEAD = 4
+    PER_GROUP = 5  # v1.1: one scale per `group_size` elements along head_dim
+
+
+class QuantFormat(enum.IntEnum):
+    """`kvx_quant_format_t` (v1.1): the cache format recorded in the quantization descriptor."""
+
+    NONE = 0
+    FP8_E4M3 = 1
+    FP8_E5M2 = 2
+    INT8 = 3
+    INT4 = 4
+    MXFP4 = 5
+    NVFP4 = 6
+    K8V4 = 7  # keys FP8 E4M3, values NVFP4
+
+
+BLOCK_TABLE_FLAG_KVCACHEINDEX = 1 << 0
+"""`KVX_BLOCK_TABLE_FLAG_KVCACHEINDEX`: KV_OFFSETS indices are TRT-LLM KVCacheIndex values."""
+
+QUANT_FLAG_HADAMARD = 1 << 0
+"""`KVX_QUANT_FLAG_HADAMARD`: K, Q and V are rotated by an orthonormal Hadamard matrix along head_dim."""
+
+KVCACHEINDEX_SECONDARY_BIT = 1 << 31
+KVCACHEINDEX_NULL = -1  # all bits set in int32
+
+_TORCH_OF: dict[DType, torch.dtype] = {
+    DType.F16: torch.float16,
+    DType.BF16: torch.bfloat16,
+    DType.F32: torch.float32,
+    DType.F8_E4M3: torch.float8_e4m3fn,
+    DType.F8_E5M2: torch.float8_e5m2,
+    DType.S32: torch.int32,
+    DType.S64: torch.int64,
+    DType.U8: torch.uint8,
+    DType.FP4_E2M1X2: torch.uint8,
+    DType.UE8M0: torch.uint8,
+    DType.INT4X2: torch.uint8,
+}
+_KVX_OF: dict[torch.dtype, DType] = {
+    torch.float16: DType.F16,
+    torch.bfloat16: DType.BF16,
+    torch.float32: DType.F32,
+    torch.float8_e4m3fn: DType.F8_E4M3,
+    torch.float8_e5m2: DType.F8_E5M2,
+    torch.int32: DType.S32,
+    torch.int64: DType.S64,
+    torch.uint8: DType.U8,
+}
+
+#: Bits per stored element of each dtype.
+DTYPE_BITS: dict[DType, int] = {
+    DType.F16: 16, DType.BF16: 16, DType.F32: 32, DType.F8_E4M3: 8, DType.F8_E5M2: 8,
+    DType.S32: 32, DType.S64: 64, DType.U8: 8, DType.FP4_E2M1X2: 8, DType.UE8M0: 8,
+    DType.INT4X2: 8,
+}
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """The torch storage dtype of a KVX dtype."""
+    if dtype not in _TORCH_OF:
+        raise KvxError(Status.INVALID_ARGUMENT, f"dtype {dtype!r} has no torch storage type")
+    return _TORCH_OF[dtype]
+
+
+def kvx_dtype(dtype: torch.dtype) -> DType:
+    """The KVX dtype of a torch dtype (uint8 maps to U8; packed types are declared explicitly)."""
+    if dtype not in _KVX_OF:
+        raise KvxError(Status.UNSUPPORTED, f"torch dtype {dtype} has no KVX v1 dtype")
+    return _KVX_OF[dtype]
