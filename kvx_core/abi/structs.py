@@ -1,0 +1,232 @@
+"""ctypes mirror of every struct in kvx_abi.h, field for field (tests/test_abi.py checks each
+offset and size against the compiled header). Enum-typed fields are `c_int32`: values from
+`kvx_core.enums` / `kvx_core.errors` can be assigned directly."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, TypeVar
+
+from ..errors import KvxError, Status
+
+MAX_DIMS = 5
+"""`KVX_MAX_DIMS`: rank bound of `shape` / `stride`."""
+
+_u32 = ctypes.c_uint32
+_i64 = ctypes.c_int64
+_enum = ctypes.c_int32  # C enums are int-sized (kvx_abi.h asserts sizeof == 4)
+_ptr = ctypes.c_void_p
+_dims = _i64 * MAX_DIMS
+
+
+class VersionC(ctypes.Structure):
+    """`kvx_version_t`."""
+
+    _fields_ = [("size", _u32), ("major", _u32), ("minor", _u32), ("patch", _u32)]
+
+
+class TensorDescC(ctypes.Structure):
+    """`kvx_tensor_desc_t` (spec §6.2)."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("dtype", _enum),
+        ("layout", _enum),
+        ("memory", _enum),
+        ("ndim", _u32),
+        ("shape", _dims),
+        ("stride", _dims),
+        ("data", _ptr),
+    ]
+
+
+class BlockTableC(ctypes.Structure):
+    """`kvx_block_table_t` (spec §6.3)."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("format", _enum),
+        ("index_dtype", _enum),
+        ("indptr_dtype", _enum),
+        ("seq_count", _u32),
+        ("beam_width", _u32),
+        ("max_blocks_per_seq", _u32),
+        ("indices", _ptr),
+        ("indptr", _ptr),
+        ("indices_count", _u32),
+        ("indptr_count", _u32),
+        ("flags", _u32),
+    ]
+
+
+class SlotMappingC(ctypes.Structure):
+    """`kvx_slot_mapping_t` (spec §6.4)."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("dtype", _enum),
+        ("token_count", _u32),
+        ("invalid_slot", _i64),
+        ("slots", _ptr),
+    ]
+
+
+class SeqLensC(ctypes.Structure):
+    """`kvx_seq_lens_t` (spec §6.5)."""
+
+    _fields_ = [("size", _u32), ("dtype", _enum), ("seq_count", _u32), ("lengths", _ptr)]
+
+
+class ScaleDescC(ctypes.Structure):
+    """`kvx_scale_desc_t` (spec §6.6)."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("dtype", _enum),
+        ("granularity", _enum),
+        ("ndim", _u32),
+        ("shape", _dims),
+        ("stride", _dims),
+        ("data", _ptr),
+    ]
+
+
+class PoolDescC(ctypes.Structure):
+    """`kvx_pool_desc_t` (spec §6.7)."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("memory", _enum),
+        ("bytes_per_block", _u32),
+        ("primary", _ptr),
+        ("secondary", _ptr),
+    ]
+
+
+class QuantDescC(ctypes.Structure):
+    """`kvx_quant_desc_t` (v1.1): quantized cache format, scale pools and global scales."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("format", _enum),
+        ("flags", _u32),
+        ("group_size", _u32),
+        ("k_data_dtype", _enum),
+        ("v_data_dtype", _enum),
+        ("k_scales", TensorDescC),
+        ("v_scales", TensorDescC),
+        ("k_global_scale", ctypes.POINTER(ctypes.c_float)),
+        ("v_global_scale", ctypes.POINTER(ctypes.c_float)),
+        ("global_scale_count", _u32),
+    ]
+
+
+class CacheDescC(ctypes.Structure):
+    """`kvx_cache_desc_t` (spec §6.1); `quant` is the size-guarded v1.1 tail."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("num_blocks", _u32),
+        ("block_size", _u32),
+        ("num_kv_heads", _u32),
+        ("head_dim", _u32),
+        ("k", TensorDescC),
+        ("v", TensorDescC),
+        ("pool", PoolDescC),
+        ("quant", ctypes.POINTER(QuantDescC)),
+    ]
+
+
+class KvIoDescC(ctypes.Structure):
+    """`kvx_kv_io_desc_t` (spec §6.8)."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("key", TensorDescC),
+        ("value", TensorDescC),
+        ("num_tokens", _u32),
+        ("num_kv_heads", _u32),
+        ("head_dim", _u32),
+    ]
+
+
+class WriteDescC(ctypes.Structure):
+    """`kvx_write_desc_t` (spec §6.9)."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("io", KvIoDescC),
+        ("slots", SlotMappingC),
+        ("k_scale", _ptr),
+        ("v_scale", _ptr),
+        ("k_scale_desc", ScaleDescC),
+        ("v_scale_desc", ScaleDescC),
+    ]
+
+
+class GatherDescC(ctypes.Structure):
+    """`kvx_gather_desc_t` (spec §6.10)."""
+
+    _fields_ = [
+        ("size", _u32),
+        ("io", KvIoDescC),
+        ("block_table", BlockTableC),
+        ("seq_lens", SeqLensC),
+        ("max_seq_len", _u32),
+    ]
+
+
+#: C typedef name of every mirrored struct, in header order.
+C_NAMES: dict[type[ctypes.Structure], str] = {
+    VersionC: "kvx_version_t",
+    TensorDescC: "kvx_tensor_desc_t",
+    BlockTableC: "kvx_block_table_t",
+    SlotMappingC: "kvx_slot_mapping_t",
+    SeqLensC: "kvx_seq_lens_t",
+    ScaleDescC: "kvx_scale_desc_t",
+    PoolDescC: "kvx_pool_desc_t",
+    QuantDescC: "kvx_quant_desc_t",
+    CacheDescC: "kvx_cache_desc_t",
+    KvIoDescC: "kvx_kv_io_desc_t",
+    WriteDescC: "kvx_write_desc_t",
+    GatherDescC: "kvx_gather_desc_t",
+}
+
+CACHE_DESC_V1_0_SIZE: int = CacheDescC.quant.offset
+"""`KVX_CACHE_DESC_V1_0_SIZE`: a v1.0 `kvx_cache_desc_t` ends where `quant` begins."""
+
+#: Smallest `size` a consumer accepts per struct: its v1.0 size, or its full size when the
+#: struct is newer than v1.0 or has not grown since.
+V1_0_SIZES: dict[type[ctypes.Structure], int] = {
+    cls: (CACHE_DESC_V1_0_SIZE if cls is CacheDescC else ctypes.sizeof(cls)) for cls in C_NAMES
+}
+
+S = TypeVar("S", bound=ctypes.Structure)
+
+
+def _init_sizes(obj: ctypes.Structure) -> None:
+    """Set `size` of `obj` and of every struct nested in it (by value) to its sizeof."""
+    obj.size = ctypes.sizeof(obj)
+    for name, ctype in obj._fields_:
+        if isinstance(ctype, type) and issubclass(ctype, ctypes.Structure):
+            _init_sizes(getattr(obj, name))
+
+
+def new(struct_cls: type[S], **fields: Any) -> S:
+    """A zeroed `struct_cls` whose `size` (and nested structs' `size`) is its sizeof, then `fields`
+    set. `shape` / `stride` accept any sequence of at most MAX_DIMS ints (the rest stay 0)."""
+    obj = struct_cls()
+    _init_sizes(obj)
+    ctypes_of = dict(struct_cls._fields_)
+    for name, value in fields.items():
+        if name not in ctypes_of:
+            raise KvxError(Status.INVALID_ARGUMENT, f"{struct_cls.__name__} has no field {name!r}")
+        ctype = ctypes_of[name]
+        if issubclass(ctype, ctypes.Array) and not isinstance(value, ctypes.Array):
+            if len(value) > ctype._length_:
+                raise KvxError(
+                    Status.INVALID_ARGUMENT,
+                    f"{struct_cls.__name__}.{name} holds at most {ctype._length_} entries, got {len(value)}",
+                )
+            value = ctype(*value)
+        setattr(obj, name, value)
+    return obj

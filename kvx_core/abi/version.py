@@ -1,0 +1,82 @@
+"""ABI versioning and size guards (spec §3, §6): what a KVX consumer checks before it reads a
+provider's structs."""
+from __future__ import annotations
+
+import ctypes
+
+from ..errors import KvxError, Status
+from .structs import CACHE_DESC_V1_0_SIZE, V1_0_SIZES, CacheDescC, QuantDescC, VersionC
+
+__all__ = [
+    "ABI_VERSION",
+    "CACHE_DESC_V1_0_SIZE",
+    "check_struct_size",
+    "get_version",
+    "negotiate",
+    "quant_of",
+]
+
+ABI_VERSION: tuple[int, int, int] = (1, 1, 0)
+"""(KVX_VERSION_MAJOR, KVX_VERSION_MINOR, KVX_VERSION_PATCH) of kvx_abi.h."""
+
+
+def get_version() -> VersionC:
+    """Python `kvx_get_version`: this package's ABI version, `size` set."""
+    major, minor, patch = ABI_VERSION
+    return VersionC(ctypes.sizeof(VersionC), major, minor, patch)
+
+
+def negotiate(provider: VersionC | tuple[int, int, int]) -> None:
+    """Accept a provider of the same major version, older or newer minor (structs are
+    size-guarded); raise KvxError(INCOMPATIBLE) on a different major version."""
+    if isinstance(provider, VersionC):
+        check_struct_size(provider, VersionC)
+        major, minor, patch = provider.major, provider.minor, provider.patch
+    else:
+        if len(provider) != 3 or not all(isinstance(x, int) and x >= 0 for x in provider):
+            raise KvxError(Status.INVALID_ARGUMENT, f"version must be (major, minor, patch), got {provider!r}")
+        major, minor, patch = provider
+    if major != ABI_VERSION[0]:
+        raise KvxError(
+            Status.INCOMPATIBLE,
+            f"provider ABI {major}.{minor}.{patch} has major version {major}; "
+            f"this consumer speaks KVX {ABI_VERSION[0]}.x only",
+        )
+
+
+def check_struct_size(
+    struct_obj_or_size: ctypes.Structure | int,
+    struct_cls: type[ctypes.Structure],
+    min_size: int | None = None,
+) -> int:
+    """Validate a struct's `size` field (spec §6): smaller than `min_size` (default: the struct's
+    v1.0 size) raises KvxError(INVALID_ARGUMENT); larger is a newer minor and accepted.
+    Returns how many bytes of it this consumer may read: min(size, sizeof(struct_cls))."""
+    if isinstance(struct_obj_or_size, ctypes.Structure):
+        if not isinstance(struct_obj_or_size, struct_cls):
+            raise KvxError(
+                Status.INVALID_ARGUMENT,
+                f"expected a {struct_cls.__name__}, got {type(struct_obj_or_size).__name__}",
+            )
+        size = struct_obj_or_size.size
+    else:
+        size = int(struct_obj_or_size)
+    if min_size is None:
+        min_size = V1_0_SIZES.get(struct_cls, ctypes.sizeof(struct_cls))
+    if size < min_size:
+        raise KvxError(
+            Status.INVALID_ARGUMENT,
+            f"{struct_cls.__name__}.size is {size}, smaller than its v1.0 size {min_size} "
+            f"(was the struct zero-initialised without setting size?)",
+        )
+    return min(size, ctypes.sizeof(struct_cls))
+
+
+def quant_of(cache: CacheDescC) -> QuantDescC | None:
+    """The v1.1 quantization descriptor of `cache`, or None when absent: a v1.0-sized cache
+    descriptor (size < sizeof(CacheDescC)) or a NULL `quant`. Size-checks both structs."""
+    if check_struct_size(cache, CacheDescC) < ctypes.sizeof(CacheDescC) or not cache.quant:
+        return None
+    quant = cache.quant.contents
+    check_struct_size(quant, QuantDescC)
+    return quant
