@@ -82,6 +82,8 @@ BLOCK_TABLE_FLAG_KVCACHEINDEX = 1 << 0
 
 QUANT_FLAG_HADAMARD = 1 << 0
 """`KVX_QUANT_FLAG_HADAMARD`: K, Q and V are rotated by an orthonormal Hadamard matrix along head_dim."""
+QUANT_FLAG_MX_SCALE_FLOOR = 1 << 1
+"""`KVX_QUANT_FLAG_MX_SCALE_FLOOR`: MXFP4 scales use the OCP FLOOR rule instead of RCEIL."""
 
 KVCACHEINDEX_SECONDARY_BIT = 1 << 31
 KVCACHEINDEX_NULL = -1  # all bits set in int32

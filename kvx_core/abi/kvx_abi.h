@@ -149,6 +149,8 @@ typedef enum kvx_quant_format_t {
 /** kvx_quant_desc_t.flags: K, Q and V are rotated by an orthonormal Hadamard
  *  matrix along head_dim (values rotated at write, attention output rotated back). */
 #define KVX_QUANT_FLAG_HADAMARD 0x1u
+/** MXFP4 scales were chosen with the OCP FLOOR rule (default RCEIL); decode is the same either way. */
+#define KVX_QUANT_FLAG_MX_SCALE_FLOOR 0x2u
 
 /* Enum-typed fields are 4 bytes (see the ABI rules above). C99-compatible
  * static assert: a negative array size fails to compile. */
