@@ -1,0 +1,45 @@
+"""Unquantized cache formats (bf16 / fp16 / fp32): the payload is `x.to(dtype)`, no scale pool.
+
+The cast is torch's IEEE cast (round-to-nearest-even; fp16 overflow gives +-inf; NaN/inf are kept,
+the NaN bit pattern being the device's own).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..enums import DType, QuantFormat
+from ..errors import KvxError, Status
+from .base import TensorFormat
+
+_DTYPES = {"bf16": DType.BF16, "fp16": DType.F16, "fp32": DType.F32}
+
+
+class IdentityFormat(TensorFormat):
+    """The model dtype stored as is."""
+
+    quant = QuantFormat.NONE
+    scale_dtype = None
+    group_size = 0
+    scale_bytes_per_group = 0
+    uses_global_scale = False
+
+    def __init__(self, name: str = "bf16") -> None:
+        if name not in _DTYPES:
+            raise KvxError(Status.UNSUPPORTED, f"identity format {name!r}: expected one of {sorted(_DTYPES)}")
+        self.name = name
+        self.data_dtype = _DTYPES[name]
+        self.payload_bits = 32 if name == "fp32" else 16
+
+    def encode(self, x: Tensor, global_scale: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+        self._check_input(x)
+        self._global_scale(global_scale, int(x.shape[-2]), x.device)
+        payload = x.to(self.torch_data_dtype)
+        scales = torch.empty(tuple(x.shape[:-1]) + (0,), dtype=torch.uint8, device=x.device)
+        return payload, scales
+
+    def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
+               out_dtype: torch.dtype = torch.float32) -> Tensor:
+        self._check_stored(payload, scales)
+        self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
+        return payload.to(out_dtype)

@@ -1,0 +1,91 @@
+"""MXFP4 cache format: E2M1 payload + one UE8M0 scale byte (bias 127) per group of 16 or 32 values.
+
+Per group (FP32 arithmetic, amax = max|x|):
+  RCEIL (default; FlashInfer / triton_kernels / cuDNN):  E = ceil(log2(f32(amax / 6)))
+  FLOOR (OCP MX v1.0):                                   E = floor(log2(amax)) - 2
+  E is exact (computed from the FP32 bits, subnormals included) and clamped to [-127, 127];
+  scale byte = E + 127; S = 2**E (byte 0 is 2**-127, an FP32 subnormal).
+  elements: e2m1_rne_saturating(x / S); decode: e2m1 * S (exact in FP32).
+RCEIL never clips (|x / S| <= 6); FLOOR may (|x / S| < 8, saturated to 6).
+All-zero group: amax = 0 -> E clamps to -127 -> byte 0x00, codes 0 (0x8 for negative zeros).
+Decoding overflows FP32 to +-inf where e2m1 * 2**E >= 2**128 (e.g. value 4 at E = 126, which RCEIL
+gives for |x| >= 3.5 * 2**126 ~ 2.98e38, within 13% of the FP32 max), as in any MXFP4 -> FP32 decoder.
+NaN/inf: a group containing a non-finite value gets scale byte 0xFF (the UE8M0 NaN) and codes 0;
+it decodes to NaN for the whole group.
+Note: triton_kernels' RCEIL bit trick maps a subnormal amax/6 to byte 1 where KVX gives the exact
+ceil (byte 0 or 1), and its E2M1 cast breaks ties upward; KVX pins RNE (ties to even) as the
+hardware cvt.rn.satfinite.e2m1x2 does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..enums import DType, QuantFormat, ScaleGranularity
+from ..errors import KvxError, Status
+from .base import TensorFormat
+from .codes import (
+    E8M0_NAN_BYTE, ceil_log2, e2m1_decode, e2m1_encode, e8m0_from_byte, e8m0_to_byte, floor_log2,
+    pack_nibbles, unpack_nibbles,
+)
+
+SCALE_RULES = ("rceil", "floor")
+
+
+class MXFP4Format(TensorFormat):
+    """FP4 E2M1 + power-of-two UE8M0 scale per `group_size` (16: KV default, 32: OCP MX)."""
+
+    quant = QuantFormat.MXFP4
+    data_dtype = DType.FP4_E2M1X2
+    scale_dtype = DType.UE8M0
+    payload_bits = 4
+    scale_bytes_per_group = 1
+    uses_global_scale = False
+    scale_granularity = ScaleGranularity.PER_GROUP
+
+    def __init__(self, group_size: int = 16, scale_rule: str = "rceil") -> None:
+        if group_size not in (16, 32):
+            raise KvxError(Status.UNSUPPORTED, f"MXFP4 group size {group_size}: only 16 and 32 are defined")
+        if scale_rule not in SCALE_RULES:
+            raise KvxError(Status.UNSUPPORTED, f"MXFP4 scale rule {scale_rule!r}: expected one of {SCALE_RULES}")
+        self.group_size = group_size
+        self.scale_rule = scale_rule
+        self.name = f"mxfp4_{group_size}" + ("" if scale_rule == "rceil" else "_floor")
+
+    def scale_exponent(self, amax: Tensor) -> Tensor:
+        """Unbiased scale exponent E in [-127, 127] (int32) of each group's FP32 amax (finite, >= 0)."""
+        pos = amax > 0
+        safe = torch.where(pos, amax, torch.ones_like(amax))
+        if self.scale_rule == "rceil":
+            d = safe / 6.0
+            d_pos = d > 0  # amax/6 may underflow to 0 for the smallest subnormals
+            e = ceil_log2(torch.where(d_pos, d, torch.ones_like(d)))
+            e = torch.where(d_pos, e, torch.full_like(e, -127))
+        else:
+            e = floor_log2(safe) - 2
+        e = torch.where(pos, e, torch.full_like(e, -127))
+        return e.clamp(-127, 127)
+
+    def encode(self, x: Tensor, global_scale: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+        xf = self._check_input(x)
+        self._global_scale(global_scale, int(x.shape[-2]), x.device)
+        d = int(x.shape[-1])
+        xg = xf.reshape(*xf.shape[:-1], d // self.group_size, self.group_size)
+        finite = torch.isfinite(xg).all(dim=-1)
+        amax = torch.where(finite, xg.abs().amax(dim=-1), torch.zeros(finite.shape, device=x.device))
+        byte = e8m0_to_byte(self.scale_exponent(amax))
+        scale = e8m0_from_byte(byte).unsqueeze(-1)
+        codes = e2m1_encode(xg / scale)
+        codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
+        byte = torch.where(finite, byte, torch.full_like(byte, E8M0_NAN_BYTE))
+        payload = pack_nibbles(codes.reshape(*xf.shape))
+        return payload, byte
+
+    def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
+               out_dtype: torch.dtype = torch.float32) -> Tensor:
+        d = self._check_stored(payload, scales)
+        self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
+        vals = e2m1_decode(unpack_nibbles(payload))
+        vals = vals.reshape(*vals.shape[:-1], d // self.group_size, self.group_size)
+        out = vals * e8m0_from_byte(scales).unsqueeze(-1)
+        return out.reshape(*out.shape[:-2], d).to(out_dtype)
