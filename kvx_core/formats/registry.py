@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..enums import QUANT_FLAG_HADAMARD, QuantFormat
+from ..enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, QuantFormat
 from ..errors import KvxError, Status
 from .base import TensorFormat
 from .fp8 import FP8Format
@@ -41,8 +41,10 @@ class CacheFormat:
 
     @property
     def flags(self) -> int:
-        """Quantization descriptor flags (`QUANT_FLAG_HADAMARD` when rotated)."""
-        return QUANT_FLAG_HADAMARD if self.rotate else 0
+        """Quantization descriptor flags: `QUANT_FLAG_HADAMARD` when rotated, `QUANT_FLAG_MX_SCALE_FLOOR`
+        when MXFP4 scales use the OCP FLOOR rule."""
+        floor = any(getattr(t, "scale_rule", "rceil") == "floor" for t in (self.k, self.v))
+        return (QUANT_FLAG_HADAMARD if self.rotate else 0) | (QUANT_FLAG_MX_SCALE_FLOOR if floor else 0)
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise KvxError unless both tensors (and the rotation) support `head_dim`."""
@@ -90,12 +92,14 @@ def _build() -> dict[str, CacheFormat]:
     e4m3, e5m2 = FP8Format("fp8_e4m3"), FP8Format("fp8_e5m2")
     int8, int4 = IntFormat(8), IntFormat(4)
     mx16, mx32 = MXFP4Format(16, "rceil"), MXFP4Format(32, "rceil")
+    mx16f, mx32f = MXFP4Format(16, "floor"), MXFP4Format(32, "floor")
     nv = NVFP4Format()
     plain = {
         "bf16": (bf16, bf16), "fp16": (fp16, fp16), "fp32": (fp32, fp32),
         "fp8_e4m3": (e4m3, e4m3), "fp8_e5m2": (e5m2, e5m2),
         "int8": (int8, int8), "int4": (int4, int4),
         "mxfp4": (mx16, mx16), "mxfp4_32": (mx32, mx32), "nvfp4": (nv, nv),
+        "mxfp4_floor": (mx16f, mx16f), "mxfp4_32_floor": (mx32f, mx32f),
         "k8v4": (e4m3, nv),
     }
     out = {name: CacheFormat(name, k, v, False) for name, (k, v) in plain.items()}

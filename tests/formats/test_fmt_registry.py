@@ -4,13 +4,13 @@ import math
 import pytest
 import torch
 
-from kvx_core.enums import QUANT_FLAG_HADAMARD, DType, QuantFormat, torch_dtype
+from kvx_core.enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, DType, QuantFormat, torch_dtype
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import (
     KvCacheMode, get_format, hadamard, kv_cache_format_name, list_formats, rotate, select_kv_cache_mode,
 )
 
-NAMES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp4", "mxfp4_32", "nvfp4", "k8v4",
+NAMES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp4", "mxfp4_32", "nvfp4", "k8v4", "mxfp4_floor", "mxfp4_32_floor",
          "int4_rot", "mxfp4_rot", "mxfp4_32_rot", "nvfp4_rot", "k8v4_rot"]
 
 
@@ -19,7 +19,8 @@ def test_every_name_listed_and_resolvable():
     for name in NAMES:
         f = get_format(name)
         assert f.name == name and f.rotate == name.endswith("_rot")
-        assert f.flags == (QUANT_FLAG_HADAMARD if f.rotate else 0)
+        floor = QUANT_FLAG_MX_SCALE_FLOOR if name.endswith("_floor") else 0
+        assert f.flags == (QUANT_FLAG_HADAMARD if f.rotate else 0) | floor
 
 
 def test_unknown_name_lists_valid_names():
@@ -37,6 +38,7 @@ def test_bytes_per_element(d):
     want = {
         "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": (d + 4) / d,
         "int4": (d / 2 + 4) / d, "mxfp4": 0.5625, "mxfp4_32": 0.53125, "nvfp4": 0.5625,
+        "mxfp4_floor": 0.5625, "mxfp4_32_floor": 0.53125,
     }
     for name in NAMES:
         f = get_format(name)

@@ -1,0 +1,66 @@
+"""Bridge between cache descriptors and cache formats: which format a `CacheDesc` holds, and the
+v1.1 quantization descriptor that records a format (plus its scale pools and global scales)."""
+from __future__ import annotations
+
+import torch
+
+from .descriptors import CacheDesc, QuantDesc, TensorDesc
+from .enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, DType, Layout, QuantFormat
+from .errors import KvxError, Status, require
+from .formats import CacheFormat, get_format
+from .layouts import Geometry, check_shape
+
+_PLAIN_NAME = {DType.F16: "fp16", DType.BF16: "bf16", DType.F32: "fp32", DType.F8_E4M3: "fp8_e4m3",
+               DType.F8_E5M2: "fp8_e5m2"}
+_QUANT_NAME = {QuantFormat.FP8_E4M3: "fp8_e4m3", QuantFormat.FP8_E5M2: "fp8_e5m2", QuantFormat.INT8: "int8",
+               QuantFormat.INT4: "int4", QuantFormat.NVFP4: "nvfp4", QuantFormat.K8V4: "k8v4"}
+
+
+def format_name(quant: QuantDesc) -> str:
+    """Registry name of the format a quantization descriptor records."""
+    if quant.format == QuantFormat.MXFP4:
+        require(quant.group_size in (16, 32), Status.UNSUPPORTED,
+                f"MXFP4 group size {quant.group_size} (KVX defines 16 and 32)")
+        name = "mxfp4" if quant.group_size == 16 else "mxfp4_32"
+        name += "_floor" if quant.flags & QUANT_FLAG_MX_SCALE_FLOOR else ""
+    elif quant.format in _QUANT_NAME:
+        name = _QUANT_NAME[quant.format]
+    else:
+        raise KvxError(Status.UNSUPPORTED, f"quantization format {quant.format!r} is not supported")
+    return name + ("_rot" if quant.flags & QUANT_FLAG_HADAMARD else "")
+
+
+def format_of(cache: CacheDesc) -> CacheFormat:
+    """The cache format of `cache`: from its quantization descriptor, else from its element dtype."""
+    if cache.quant is None:
+        require(cache.k.dtype in _PLAIN_NAME, Status.UNSUPPORTED,
+                f"cache dtype {cache.k.dtype.name} needs a quantization descriptor")
+        return get_format(_PLAIN_NAME[cache.k.dtype])
+    fmt = get_format(format_name(cache.quant))
+    fmt.check_head_dim(cache.head_dim)
+    geom = cache.geometry
+    for which, tf, scales in (("k", fmt.k, cache.quant.k_scales), ("v", fmt.v, cache.quant.v_scales)):
+        dim = tf.scale_dim(cache.head_dim)
+        require((scales is None) == (dim == 0), Status.INVALID_ARGUMENT,
+                f"{fmt.name}: {which} scale pool must be {'absent' if dim == 0 else 'present'}")
+        if scales is not None:
+            check_shape(scales.layout, scales.shape,
+                        Geometry(geom.num_blocks, geom.block_size, geom.num_kv_heads, dim), f"quant.{which}_scales")
+    return fmt
+
+
+def group_size_of(fmt: CacheFormat, head_dim: int) -> int:
+    """The descriptor's group size: the FP4 group, else one scale per token-head row (head_dim)."""
+    sizes = [t.group_size for t in (fmt.k, fmt.v) if t.group_size > 0]
+    return min(sizes) if sizes else head_dim
+
+
+def quant_desc(fmt: CacheFormat, head_dim: int, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
+               k_global: torch.Tensor | None, v_global: torch.Tensor | None,
+               scale_layout: Layout = Layout.HND) -> QuantDesc | None:
+    """The v1.1 quantization descriptor of `fmt` (None for the plain BF16/FP16/FP32 formats)."""
+    if fmt.quant == QuantFormat.NONE:
+        return None
+    desc = (lambda t: TensorDesc.from_torch(t, scale_layout) if t is not None else None)
+    return QuantDesc(fmt.quant, group_size_of(fmt, head_dim), fmt.k.data_dtype, fmt.v.data_dtype,
+                     desc(k_scales), desc(v_scales), k_global, v_global, fmt.flags)

@@ -1,0 +1,106 @@
+"""Reference paged attention over a KVX cache (any format): the oracle for the GPU kernels, and the CPU path.
+
+K/V are read through `gather_kv` (which dequantizes and undoes any Hadamard rotation), so the
+result is exactly softmax attention over the cache's stored values, computed in FP32.
+LSE is the natural-log log-sum-exp of the (scaled, soft-capped) scores per query head.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..descriptors import BlockTable, CacheDesc, GatherDesc, SeqLens
+from ..errors import Status, require
+from .reference import gather_kv
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, sm_scale: float,
+            softcap: float | None, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Tq, Hq, D] at positions `q_pos`, k/v [L, Hkv, D] at positions 0..L-1 -> (out [Tq,Hq,D], lse [Tq,Hq])."""
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.float().view(tq, hkv, g, d)
+    s = torch.einsum("thgd,lhd->thgl", qg, k.float()) * sm_scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    kpos = torch.arange(k.shape[0], device=q.device)
+    allowed = torch.ones(tq, k.shape[0], dtype=torch.bool, device=q.device)
+    if causal:
+        allowed &= kpos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= kpos[None, :] > q_pos[:, None] - window
+    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no allowed key: output 0, lse -inf
+    out = torch.einsum("thgl,lhd->thgd", p, v.float())
+    return out.reshape(tq, hq, d), lse.reshape(tq, hq)
+
+
+def _check_query(query: torch.Tensor, cache: CacheDesc, what: str) -> None:
+    require(query.dim() == 3 and query.shape[-1] == cache.head_dim, Status.INVALID_ARGUMENT,
+            f"{what}: query must be [tokens, num_q_heads, head_dim={cache.head_dim}], got {tuple(query.shape)}")
+    require(query.shape[1] % cache.num_kv_heads == 0, Status.INVALID_ARGUMENT,
+            f"{what}: num_q_heads {query.shape[1]} must be a multiple of num_kv_heads {cache.num_kv_heads} (GQA)")
+
+
+def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
+    max_len = int(seq_lens.lengths.max()) if seq_lens.seq_count else 0
+    io = gather_kv(cache, GatherDesc(table, seq_lens, max_len))
+    lens = seq_lens.lengths.to(torch.int64).tolist()
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    return io, lens, starts
+
+
+def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
+                 sm_scale: float | None = None, softcap: float | None = None,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token per sequence (`query [B, Hq, D]`) attending over its whole cached sequence.
+
+    Returns `(out [B, Hq, D] in query.dtype, lse [B, Hq] FP32)`; empty sequences give 0 and -inf.
+    """
+    _check_query(query, cache, "paged_decode")
+    require(query.shape[0] == seq_lens.seq_count, Status.INVALID_ARGUMENT,
+            f"paged_decode: {query.shape[0]} queries for {seq_lens.seq_count} sequences")
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
+    io, lens, starts = _gather_all(cache, table, seq_lens)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]
+        pos = torch.tensor([n - 1], device=query.device)
+        out[b:b + 1], lse[b:b + 1] = _attend(query[b:b + 1], k, v, pos, scale, softcap, window, causal=True)
+    return out.to(query.dtype), lse
+
+
+def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc, table: BlockTable,
+                  seq_lens: SeqLens, *, causal: bool = True, sm_scale: float | None = None,
+                  softcap: float | None = None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked prefill / extend: sequence b's `q_len` new tokens (rows `qo_indptr[b]:qo_indptr[b+1]` of
+    `query [T, Hq, D]`) are its last `q_len` cached tokens (already written); each attends to the
+    cached prefix plus itself, causally. `seq_lens` are total cached lengths including the new tokens.
+    """
+    _check_query(query, cache, "paged_prefill")
+    ip = qo_indptr.to(torch.int64).tolist()
+    require(len(ip) == seq_lens.seq_count + 1 and ip[0] == 0 and ip[-1] == query.shape[0]
+            and all(a <= b for a, b in zip(ip, ip[1:])), Status.INVALID_ARGUMENT,
+            "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing entries from 0 to num query tokens")
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
+    io, lens, starts = _gather_all(cache, table, seq_lens)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+    for b, n in enumerate(lens):
+        q0, q1 = ip[b], ip[b + 1]
+        require(q1 - q0 <= n, Status.INVALID_ARGUMENT,
+                f"paged_prefill: sequence {b} has {q1 - q0} new tokens but only {n} cached tokens")
+        if q1 == q0:
+            continue
+        k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]
+        pos = torch.arange(n - (q1 - q0), n, device=query.device)
+        out[q0:q1], lse[q0:q1] = _attend(query[q0:q1], k, v, pos, scale, softcap, window, causal)
+    return out.to(query.dtype), lse

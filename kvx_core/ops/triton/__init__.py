@@ -1,0 +1,219 @@
+"""Triton kernels for KVX paged caches: launchers (torch tensors in, torch tensors out).
+
+- `paged_decode`  split-KV decode attention reading the quantized pools directly (decode.py)
+- `write_kv`      fused quantize + scatter of new K/V tokens by slot mapping (write.py)
+- `gather_kv`     dequantize through the block table into dense ragged K/V (gather.py)
+Pools follow the storage contract: data `[num_blocks, H_kv, block_size, Dk]` (HND, any strides,
+last dim contiguous), scales `uint8 [num_blocks, H_kv, block_size, Sk]`, global scales fp32 `[H_kv]`,
+block table int32 `[B, max_blocks]`, seq_lens int32 `[B]`, slot mapping int64 `[T]` (< 0 = skip).
+On CPU the kernels run under `TRITON_INTERPRET=1` (set before triton is imported).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ...errors import KvxError, Status
+from ...formats import CacheFormat, get_format
+from .spec import KernelFormat, kernel_format
+
+__all__ = ["paged_decode", "write_kv", "gather_kv", "decode_num_splits", "interpreting"]
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if interpreting():
+    from ._interp import install as _install_interp_shim
+    _install_interp_shim()
+
+
+def _fmt(fmt: CacheFormat | str) -> CacheFormat:
+    return get_format(fmt) if isinstance(fmt, str) else fmt
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    dev = tensors[0].device
+    if dev.type != "cuda" and not interpreting():
+        raise KvxError(Status.UNSUPPORTED, "Triton KVX kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    for t in tensors:
+        if t is not None and t.device != dev:
+            raise KvxError(Status.INVALID_ARGUMENT, f"all tensors must be on {dev}, got one on {t.device}")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _check_pool(name: str, data: torch.Tensor, kf: KernelFormat, head_dim: int) -> None:
+    if data.dim() != 4:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{name} pool must be [num_blocks, H_kv, block_size, Dk], got {tuple(data.shape)}")
+    if data.dtype != kf.storage:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{name} pool dtype must be {kf.storage}, got {data.dtype}")
+    dk = head_dim // 2 if kf.packed else head_dim
+    if data.shape[3] != dk or data.stride(3) != 1:
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{name} pool last dim must be {dk} and contiguous, got {data.shape[3]} (stride {data.stride(3)})")
+
+
+def _scale_args(name, scales, data, kf: KernelFormat, tf, head_dim):
+    if not kf.has_scales:
+        return (data, 0, 0, 0)
+    want = tf.scale_dim(head_dim)
+    if scales is None or scales.dim() != 4 or scales.dtype != torch.uint8 or scales.shape[3] != want \
+            or tuple(scales.shape[:3]) != tuple(data.shape[:3]) or scales.stride(3) != 1:
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{name} scale pool must be uint8 {tuple(data.shape[:3]) + (want,)} with a contiguous last dim, "
+                       f"got {None if scales is None else (scales.dtype, tuple(scales.shape))}")
+    return (scales, scales.stride(0), scales.stride(1), scales.stride(2))
+
+
+def _gs(gs, kf: KernelFormat, hkv: int, device) -> torch.Tensor:
+    if not kf.global_scale:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    if gs is None:
+        return torch.ones(hkv, dtype=torch.float32, device=device)
+    if not isinstance(gs, torch.Tensor):
+        return torch.full((hkv,), float(gs), dtype=torch.float32, device=device)
+    g = gs.to(device=device, dtype=torch.float32).reshape(-1)
+    if g.numel() == 1:
+        g = g.expand(hkv)
+    if g.numel() != hkv:
+        raise KvxError(Status.INVALID_ARGUMENT, f"global scale must be [] or [H_kv={hkv}], got {tuple(gs.shape)}")
+    return g.contiguous()
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device) -> int:
+    """Splits per (sequence, KV head) so that the grid covers the GPU ~4 programs deep."""
+    target = 4 * _sm_count(device)
+    base = max(1, batch * num_kv_heads)
+    by_len = max(1, math.ceil(max_seq_len / (4 * block_n)))
+    return int(max(1, min(math.ceil(target / base), by_len, 256)))
+
+
+def _default_block_n(kk: KernelFormat, kv: KernelFormat, head_dim: int) -> int:
+    if kk.packed and kv.packed:
+        return 128 if head_dim <= 128 else 64
+    return 64 if head_dim <= 128 else 32
+
+
+def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, fmt,
+                 sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                 num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
+                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """Decode attention: `q [B, Hq, D]` over the paged quantized cache -> (`out [B, Hq, D]` q.dtype, `lse [B, Hq]` fp32).
+
+    `lse` is the natural-log sum-exp of the (scaled, soft-capped) scores; `-inf` and a zero output
+    for an empty sequence. `window` = FlashInfer's `window_left`: keys at positions
+    `>= seq_len - 1 - window` are attended. Rotated formats take unrotated q and return unrotated out.
+    """
+    fmt = _fmt(fmt)
+    _check_device(q, k_data, v_data, block_table, seq_lens)
+    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or q.stride(2) != 1:
+        raise KvxError(Status.INVALID_ARGUMENT, f"q must be [B, Hq, D] float with a contiguous last dim, got {q.dtype} {tuple(q.shape)}")
+    bsz, hq, d = q.shape
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    fmt.check_head_dim(d)
+    if d & (d - 1) or d < 32:
+        raise KvxError(Status.UNSUPPORTED, f"paged_decode supports power-of-two head_dim >= 32, got {d}")
+    _check_pool("K", k_data, kk, d)
+    _check_pool("V", v_data, kv, d)
+    nb, hkv, bs, _ = k_data.shape
+    if tuple(v_data.shape[:3]) != (nb, hkv, bs):
+        raise KvxError(Status.INVALID_ARGUMENT, "K and V pools must share [num_blocks, H_kv, block_size]")
+    if hq % hkv:
+        raise KvxError(Status.INVALID_ARGUMENT, f"Hq={hq} must be a multiple of H_kv={hkv}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != bsz or block_table.stride(1) != 1:
+        raise KvxError(Status.INVALID_ARGUMENT, "block_table must be int32 [B, max_blocks] with a contiguous last dim")
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (bsz,):
+        raise KvxError(Status.INVALID_ARGUMENT, "seq_lens must be int32 [B]")
+    ks = _scale_args("K", k_scales, k_data, kk, fmt.k, d)
+    vs = _scale_args("V", v_scales, v_data, kv, fmt.v, d)
+    kg, vg = _gs(k_gs, kk, hkv, q.device), _gs(v_gs, kv, hkv, q.device)
+    qh = hq // hkv
+    bm = max(16, triton_next_pow2(qh))
+    if block_n is None:
+        block_n = _default_block_n(kk, kv, d)
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if bsz else 0
+    if window is not None and window >= 0:
+        max_seq_len = min(max_seq_len, window + 1)
+    if num_splits is None:
+        num_splits = decode_num_splits(bsz, hkv, max_seq_len, block_n, q.device)
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
+    if bsz == 0:
+        return out, lse
+    mid_o = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    kdt, vdt = kk.dot_dtype(q.dtype), kv.dot_dtype(q.dtype)
+    rsd = 1.0 / math.sqrt(d)
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 2
+    from .decode import _decode_kernel, _reduce_kernel
+    _decode_kernel[(bsz, hkv, num_splits)](
+        q, q.stride(0), q.stride(1),
+        _u8(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        ks[0], ks[1], ks[2], ks[3],
+        _u8(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2),
+        vs[0], vs[1], vs[2], vs[3],
+        kg, vg,
+        block_table, block_table.stride(0), seq_lens,
+        mid_o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_l, mid_l.stride(0), mid_l.stride(1),
+        sm_scale, float(softcap) if softcap else 1.0, int(window) if window is not None and window >= 0 else 0,
+        BS=bs, QH=qh, BM=bm, D=d, BLOCK_N=block_n,
+        KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
+        KDT=kdt, VDT=vdt, KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
+        KGS=kk.global_scale, VGS=kv.global_scale, K8=_f8(k_data.dtype), V8=_f8(v_data.dtype),
+        ROTATE=fmt.rotate, SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, RSD=rsd,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _reduce_kernel[(bsz, hkv)](
+        mid_o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_l, mid_l.stride(0), mid_l.stride(1),
+        out, out.stride(0), out.stride(1),
+        lse, lse.stride(0), lse.stride(1),
+        num_splits,
+        QH=qh, BM=bm, D=d, ROTATE=fmt.rotate, RSD=rsd,
+        num_warps=4,
+    )
+    return out, lse
+
+
+def _f8(dt: torch.dtype):
+    """Bitcast target of an FP8 pool (the kernels load FP8 payload as bytes)."""
+    import triton.language as tl
+    return tl.float8e5 if dt == torch.float8_e5m2 else tl.float8e4nv
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """FP8 pools are passed as uint8 views (same strides)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def write_kv(*args, **kwargs):
+    """Fused quantize + scatter (see write.py)."""
+    from .write import write_kv as _w
+    return _w(*args, **kwargs)
+
+
+def gather_kv(*args, **kwargs):
+    """Dequantizing gather through the block table (see gather.py)."""
+    from .gather import gather_kv as _g
+    return _g(*args, **kwargs)

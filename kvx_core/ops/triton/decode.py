@@ -1,0 +1,321 @@
+"""Paged decode attention over quantized KV pools (split-KV / flash-decoding + a reduction kernel).
+
+One program = (sequence b, KV head h, split s): it loads each K/V tile of its token range once for
+all `QH = Hq / H_kv` query heads that share the KV head (GQA), dequantizes in registers (see
+`dequant.py`), and runs the online softmax with the tile dots on tensor cores (M = QH padded to 16).
+4-bit formats are never interleaved in registers: even head_dim elements (low nibbles) and odd ones
+(high nibbles) are contracted separately against the even / odd query halves, and the V halves
+accumulate into even / odd output columns. The reduction kernel merges the splits (LSE-weighted),
+rotates the output back for Hadamard formats, casts to the query dtype and writes the LSE.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .dequant import (
+    F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, F_PLAIN, TWO_POW_14, dot_f32, e2m1_hi_f16, e2m1_lo_f16,
+    e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, u4_hi_f16, u4_lo_f16, u8_code_f16,
+)
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _f16_pair(SC, row, byte_off: tl.constexpr, mask):
+    """Little-endian fp16 at bytes [byte_off, byte_off+2) of each scale row -> fp32 [N]."""
+    b0 = tl.load(SC + row + byte_off, mask=mask, other=0).to(tl.uint16)
+    b1 = tl.load(SC + row + (byte_off + 1), mask=mask, other=0).to(tl.uint16)
+    return (b0 | (b1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _load_q_part(Q, q_row, rmask, D: tl.constexpr, BM: tl.constexpr, PART: tl.constexpr, HALF: tl.constexpr,
+                 ROTATE: tl.constexpr, DT: tl.constexpr, RSD: tl.constexpr):
+    """Query tile as the K side needs it: full [BM, D] (HALF=False) or its even/odd half (PART 0/1)."""
+    if ROTATE:
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        if HALF:
+            hm = hadamard_tile(D, D // 2, 1, 0, 2, PART)
+        else:
+            hm = hadamard_tile(D, D, 1, 0, 1, 0)
+        qr = dot_f32(q, hm, tl.bfloat16) * RSD
+        return qr.to(DT)
+    else:
+        if HALF:
+            offs = tl.arange(0, D // 2) * 2 + PART
+        else:
+            offs = tl.arange(0, D)
+        q = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0)
+        return q.to(DT)
+
+
+@triton.jit
+def _decode_kernel(
+    Q, s_qb, s_qh,
+    KD, s_kdb, s_kdh, s_kdt,
+    KS, s_ksb, s_ksh, s_kst,
+    VD, s_vdb, s_vdh, s_vdt,
+    VS, s_vsb, s_vsh, s_vst,
+    KG, VG,
+    BT, s_btb, SEQ,
+    MO, s_mob, s_moh, s_mos,
+    ML, s_mlb, s_mlh,
+    sm_scale, softcap, window,
+    BS: tl.constexpr, QH: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    KF: tl.constexpr, VF: tl.constexpr, KGRP: tl.constexpr, VGRP: tl.constexpr,
+    KDT: tl.constexpr, VDT: tl.constexpr, KIEEE: tl.constexpr, VIEEE: tl.constexpr,
+    KGS: tl.constexpr, VGS: tl.constexpr, K8: tl.constexpr, V8: tl.constexpr,
+    ROTATE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, RSD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    nsp = tl.num_programs(2)
+
+    seq_len = tl.load(SEQ + b)
+    tok_lo = 0
+    if WINDOW:
+        tok_lo = tl.maximum(seq_len - 1 - window, 0)
+    n_tok = seq_len - tok_lo
+    chunk = tl.cdiv(tl.cdiv(n_tok, nsp), BLOCK_N) * BLOCK_N
+    lo = tok_lo + sp * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    KPACK: tl.constexpr = KF == F_INT4 or KF == F_MXFP4 or KF == F_NVFP4
+    VPACK: tl.constexpr = VF == F_INT4 or VF == F_MXFP4 or VF == F_NVFP4
+    KINT: tl.constexpr = KF == F_INT8 or KF == F_INT4
+    VINT: tl.constexpr = VF == F_INT8 or VF == F_INT4
+    HD: tl.constexpr = D // 2
+
+    rows = tl.arange(0, BM)
+    rmask = rows < QH
+    hq = h * QH + rows
+    q_row = b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
+
+    # ---- query (rotated / split into even-odd halves as the K format needs) ----
+    if KPACK:
+        qa = _load_q_part(Q, q_row, rmask, D, BM, 0, True, ROTATE, KDT, RSD)
+        qb = _load_q_part(Q, q_row, rmask, D, BM, 1, True, ROTATE, KDT, RSD)
+    else:
+        qa = _load_q_part(Q, q_row, rmask, D, BM, 0, False, ROTATE, KDT, RSD)
+    if KINT:
+        qsum = tl.sum(qa.to(tl.float32), axis=1)
+        if KPACK:
+            qsum += tl.sum(qb.to(tl.float32), axis=1)
+
+    # per-head constant factors applied after the dots
+    k_fac = sm_scale
+    if KGS:
+        k_fac = k_fac * tl.load(KG + h)
+    if KF == F_NVFP4:
+        k_fac = k_fac * TWO_POW_14
+    v_fac = 1.0
+    if VGS:
+        v_fac = v_fac * tl.load(VG + h)
+    if VF == F_NVFP4:
+        v_fac = v_fac * TWO_POW_14
+    if SOFTCAP:
+        k_fac = k_fac / softcap  # s = softcap * tanh(qk * sm_scale / softcap)
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    if VPACK:
+        acc_a = tl.zeros([BM, HD], tl.float32)
+        acc_b = tl.zeros([BM, HD], tl.float32)
+    else:
+        acc_a = tl.zeros([BM, D], tl.float32)
+    if VINT:
+        pm = tl.zeros([BM], tl.float32)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_hd = tl.arange(0, HD)
+    bt_row = BT + b.to(tl.int64) * s_btb
+    h64 = h.to(tl.int64)
+
+    for start in range(lo, hi, BLOCK_N):
+        t = start + offs_n
+        tmask = t < hi
+        phys = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
+        off = (t % BS).to(tl.int64)
+
+        # ------------------------------------------------------------ K tile -> scores
+        krow = phys * s_kdb + h64 * s_kdh + off * s_kdt
+        if KPACK:
+            if KF == F_INT4:
+                kb8 = tl.load(KD + krow[:, None] + offs_hd[None, :], mask=tmask[:, None], other=0)
+                ka_t = u4_lo_f16(kb8).to(KDT)
+                kb_t = u4_hi_f16(kb8).to(KDT)
+            else:
+                KG_N: tl.constexpr = D // KGRP
+                KGB: tl.constexpr = KGRP // 2
+                offs_g = tl.arange(0, KG_N)
+                offs_gb = tl.arange(0, KGB)
+                kb8 = tl.load(KD + krow[:, None, None] + (offs_g[None, :, None] * KGB + offs_gb[None, None, :]),
+                              mask=tmask[:, None, None], other=0)
+                ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
+                ksb = tl.load(KS + ksrow[:, None] + offs_g[None, :], mask=tmask[:, None], other=0)
+                if KF == F_NVFP4:
+                    ks16 = e4m3_byte_f16(ksb)[:, :, None]
+                    ka3 = e2m1_lo_f16(kb8) * ks16
+                    kb3 = e2m1_hi_f16(kb8) * ks16
+                else:
+                    ks32 = e8m0_f32_x2p14(ksb)[:, :, None]
+                    ka3 = e2m1_lo_f16(kb8).to(tl.float32) * ks32
+                    kb3 = e2m1_hi_f16(kb8).to(tl.float32) * ks32
+                ka_t = tl.reshape(ka3, [BLOCK_N, HD]).to(KDT)
+                kb_t = tl.reshape(kb3, [BLOCK_N, HD]).to(KDT)
+            s = tl.dot(qa, tl.trans(ka_t)) + tl.dot(qb, tl.trans(kb_t))
+        else:
+            kraw = tl.load(KD + krow[:, None] + offs_d[None, :], mask=tmask[:, None], other=0)
+            if KF == F_INT8:
+                k_t = u8_code_f16(kraw).to(KDT)
+            elif KF == F_FP8:
+                k_t = kraw.to(K8, bitcast=True).to(KDT)
+            else:
+                k_t = kraw.to(KDT)
+            if KIEEE:
+                s = tl.dot(qa, tl.trans(k_t), input_precision="ieee")
+            else:
+                s = tl.dot(qa, tl.trans(k_t))
+        if KINT:
+            ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
+            k_sc = _f16_pair(KS, ksrow, 0, tmask)
+            k_mn = _f16_pair(KS, ksrow, 2, tmask)
+            s = s * k_sc[None, :] + qsum[:, None] * k_mn[None, :]
+        s = s * k_fac
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no overflow NaN
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
+        s = s * LOG2E
+        s = tl.where(tmask[None, :], s, float("-inf"))
+
+        # ------------------------------------------------------------ online softmax
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        # ------------------------------------------------------------ V tile
+        vrow = phys * s_vdb + h64 * s_vdh + off * s_vdt
+        if VPACK:
+            acc_a = acc_a * alpha[:, None]
+            acc_b = acc_b * alpha[:, None]
+            if VF == F_INT4:
+                vb8 = tl.load(VD + vrow[:, None] + offs_hd[None, :], mask=tmask[:, None], other=0)
+                va_t = u4_lo_f16(vb8)
+                vb_t = u4_hi_f16(vb8)
+            else:
+                VG_N: tl.constexpr = D // VGRP
+                VGB: tl.constexpr = VGRP // 2
+                offs_vg = tl.arange(0, VG_N)
+                offs_vgb = tl.arange(0, VGB)
+                vb8 = tl.load(VD + vrow[:, None, None] + (offs_vg[None, :, None] * VGB + offs_vgb[None, None, :]),
+                              mask=tmask[:, None, None], other=0)
+                vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
+                vsb = tl.load(VS + vsrow[:, None] + offs_vg[None, :], mask=tmask[:, None], other=0)
+                if VF == F_NVFP4:
+                    vs16 = e4m3_byte_f16(vsb)[:, :, None]
+                    va3 = e2m1_lo_f16(vb8) * vs16
+                    vb3 = e2m1_hi_f16(vb8) * vs16
+                else:
+                    vs32 = e8m0_f32_x2p14(vsb)[:, :, None]
+                    va3 = e2m1_lo_f16(vb8).to(tl.float32) * vs32
+                    vb3 = e2m1_hi_f16(vb8).to(tl.float32) * vs32
+                va_t = tl.reshape(va3, [BLOCK_N, HD]).to(VDT)
+                vb_t = tl.reshape(vb3, [BLOCK_N, HD]).to(VDT)
+        else:
+            acc_a = acc_a * alpha[:, None]
+            vraw = tl.load(VD + vrow[:, None] + offs_d[None, :], mask=tmask[:, None], other=0)
+            if VF == F_INT8:
+                va_t = u8_code_f16(vraw)
+            elif VF == F_FP8:
+                va_t = vraw.to(V8, bitcast=True).to(VDT)
+            else:
+                va_t = vraw.to(VDT)
+        if VINT:
+            vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
+            v_sc = _f16_pair(VS, vsrow, 0, tmask)
+            v_mn = _f16_pair(VS, vsrow, 2, tmask)
+            v_smax = tl.max(v_sc, axis=0)
+            v_smax = tl.where(v_smax > 0, v_smax, 1.0)
+            w = (p * (v_sc / v_smax)[None, :]).to(VDT)
+            pm = pm * alpha + tl.sum(p * v_mn[None, :], axis=1)
+            acc_a += tl.dot(w, va_t.to(VDT)) * v_smax
+            if VPACK:
+                acc_b += tl.dot(w, vb_t.to(VDT)) * v_smax
+        else:
+            pv = p.to(VDT)
+            if VPACK:
+                acc_a += tl.dot(pv, va_t)
+                acc_b += tl.dot(pv, vb_t)
+            else:
+                if VIEEE:
+                    acc_a += tl.dot(p, va_t, input_precision="ieee")
+                else:
+                    acc_a += tl.dot(pv, va_t)
+
+    # ---- store this split's normalised partial output and its log2-sum-exp ----
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    inv_l = 1.0 / l_safe
+    lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    mo_row = b.to(tl.int64) * s_mob + hq.to(tl.int64) * s_moh + sp * s_mos
+    tl.store(ML + b.to(tl.int64) * s_mlb + hq.to(tl.int64) * s_mlh + sp, lse2, mask=rmask)
+    if VINT:
+        add = pm
+    else:
+        add = tl.zeros([BM], tl.float32)
+    if VPACK:
+        oa = (acc_a * v_fac + add[:, None]) * inv_l[:, None]
+        ob = (acc_b * v_fac + add[:, None]) * inv_l[:, None]
+        tl.store(MO + mo_row[:, None] + offs_hd[None, :] * 2, oa, mask=rmask[:, None])
+        tl.store(MO + mo_row[:, None] + offs_hd[None, :] * 2 + 1, ob, mask=rmask[:, None])
+    else:
+        oa = (acc_a * v_fac + add[:, None]) * inv_l[:, None]
+        tl.store(MO + mo_row[:, None] + offs_d[None, :], oa, mask=rmask[:, None])
+
+
+@triton.jit
+def _reduce_kernel(
+    MO, s_mob, s_moh, s_mos,
+    ML, s_mlb, s_mlh,
+    O, s_ob, s_oh,
+    LSE, s_lb, s_lh,
+    num_splits,
+    QH: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr, RSD: tl.constexpr,
+):
+    """Merge the splits of one (sequence, KV head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, BM)
+    rmask = rows < QH
+    hq = (h * QH + rows).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    mo_row = b.to(tl.int64) * s_mob + hq * s_moh
+    ml_row = b.to(tl.int64) * s_mlb + hq * s_mlh
+    for sp in range(0, num_splits):
+        lse2 = tl.load(ML + ml_row + sp, mask=rmask, other=float("-inf"))
+        o = tl.load(MO + mo_row[:, None] + sp * s_mos + offs_d[None, :], mask=rmask[:, None], other=0.0)
+        m_new = tl.maximum(m, lse2)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse2 - m_safe)
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    l_safe = tl.where(l > 0, l, 1.0)
+    out = acc / l_safe[:, None]
+    if ROTATE:
+        hm = hadamard_tile(D, D, 1, 0, 1, 0)
+        out = dot_f32(out, hm, tl.bfloat16) * RSD
+    lse = tl.where(l > 0, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(O + b.to(tl.int64) * s_ob + hq[:, None] * s_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=rmask[:, None])
+    tl.store(LSE + b.to(tl.int64) * s_lb + hq * s_lh, lse, mask=rmask)

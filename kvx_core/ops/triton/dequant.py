@@ -1,0 +1,122 @@
+"""`@triton.jit` helpers that decode each KVX cache format in registers (and the format codes).
+
+Decoding is split into an exactly-representable *payload value* that goes into the tensor-core dot
+and a factor applied after the dot where the algebra allows it (per token, per head), so the hot
+loop does a few integer ops per element and no int->float conversion instructions:
+- E2M1 nibble -> fp16 bits `sign<<15 | code<<9` is exactly e2m1 * 2**-14 (the subnormal code too);
+  the 2**14 goes into the per-head factor.
+- uint8/uint4 code c -> fp16 bits `0x6400 | c` is exactly 1024 + c; subtracting 1024 is exact.
+- NVFP4: (e2m1 * 2**-14) * fp16(E4M3 scale) is exact in fp16 (at most 6 significant bits, smallest
+  product 2**-24 = the smallest fp16 subnormal); g * 2**14 is applied after the dot.
+- MXFP4: e2m1 * 2**(b-127) is exact in bf16 (2 significant bits) for every realistic exponent.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Format codes (tl.constexpr values). Keep in sync with `spec.py`.
+F_PLAIN = tl.constexpr(0)   # bf16 / fp16 / fp32 stored as is
+F_FP8 = tl.constexpr(1)     # float8 e4m3 / e5m2, x = fp8 * g
+F_INT8 = tl.constexpr(2)    # uint8 code, x = c * scale + min (fp16 scale, fp16 min in 4 scale bytes)
+F_INT4 = tl.constexpr(3)    # two uint4 codes per byte, same scales
+F_MXFP4 = tl.constexpr(4)   # E2M1 pairs + E8M0 byte per group (16 or 32)
+F_NVFP4 = tl.constexpr(5)   # E2M1 pairs + E4M3 byte per 16, x = e2m1 * s * g
+
+TWO_POW_14 = tl.constexpr(16384.0)
+
+
+@triton.jit
+def e2m1_lo_f16(b):
+    """uint8 bytes -> fp16 e2m1(low nibble) * 2**-14 (exact)."""
+    x = b.to(tl.uint16)
+    bits = ((x & 0x8) << 12) | ((x & 0x7) << 9)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_hi_f16(b):
+    """uint8 bytes -> fp16 e2m1(high nibble) * 2**-14 (exact)."""
+    x = b.to(tl.uint16)
+    bits = ((x & 0x80) << 8) | ((x & 0x70) << 5)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def u8_code_f16(b):
+    """uint8 code c (0..255) -> fp16 c, exact, via the 1024 + c bit trick (no I2F instruction)."""
+    x = b.to(tl.uint16) | 0x6400
+    return x.to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def u4_lo_f16(b):
+    """Low nibble (0..15) -> fp16, exact."""
+    x = (b.to(tl.uint16) & 0xF) | 0x6400
+    return x.to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def u4_hi_f16(b):
+    """High nibble (0..15) -> fp16, exact."""
+    x = (b.to(tl.uint16) >> 4) | 0x6400
+    return x.to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def e4m3_byte_f16(b):
+    """E4M3 scale byte -> fp16 (exact; 0x7F/0xFF -> NaN)."""
+    return b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def e4m3_byte_f32(b):
+    """E4M3 scale byte -> fp32 (exact; 0x7F/0xFF -> NaN)."""
+    return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e8m0_f32_x2p14(b):
+    """E8M0 byte -> fp32 2**(b-127) * 2**14 (undoes the fp16 E2M1 trick); 255 -> NaN.
+
+    Exact for b <= 240 (scales up to 2**113); larger exponents are outside any KV cache's range.
+    """
+    x = b.to(tl.int32)
+    bits = (x + 14) << 23
+    v = bits.to(tl.float32, bitcast=True)
+    return tl.where(x == 255, float("nan"), v)
+
+
+@triton.jit
+def e8m0_f32(b):
+    """E8M0 byte -> fp32 2**(b-127) exactly (b=0: subnormal 2**-127; 255: NaN)."""
+    x = b.to(tl.int32)
+    bits = tl.where(x == 0, 0x00400000, x << 23)
+    v = bits.to(tl.float32, bitcast=True)
+    return tl.where(x == 255, float("nan"), v)
+
+
+@triton.jit
+def hadamard_tile(R: tl.constexpr, C: tl.constexpr, row_mul: tl.constexpr, row_add: tl.constexpr,
+                  col_mul: tl.constexpr, col_add: tl.constexpr):
+    """Entries H[row_mul*i+row_add, col_mul*j+col_add] of the +-1 Sylvester matrix (fp32, unscaled)."""
+    i = tl.arange(0, R)[:, None] * row_mul + row_add
+    j = tl.arange(0, C)[None, :] * col_mul + col_add
+    x = i & j
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
+def dot_f32(a, b, DT: tl.constexpr):
+    """fp32 [M,K] @ [K,N] to ~fp32 accuracy on tensor cores: split a into hi + lo parts of dtype DT.
+
+    b must be exactly representable in DT (here: +-1 Hadamard entries).
+    """
+    a_hi = a.to(DT)
+    a_lo = (a - a_hi.to(tl.float32)).to(DT)
+    bb = b.to(DT)
+    return tl.dot(a_hi, bb) + tl.dot(a_lo, bb)
