@@ -1,0 +1,80 @@
+"""Global K/V scales for the formats that use one (FP8, NVFP4, and K8V4's two halves).
+
+A global scale maps a layer's K (or V) range onto the format's range: FP8 stores `x / g` with
+`g = amax / fp8_max`; NVFP4 uses `g = amax / (6 * 448)` so the largest E4M3 group scale is 448.
+Scales come from calibration (running amax over calibration tokens) or from a checkpoint's
+`k_scale` / `v_scale`, which follow vLLM / ModelOpt's FP8 convention `amax / 448`.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+from .errors import Status, require
+from .formats import CacheFormat, TensorFormat
+
+_FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+_NVFP4_RANGE = 6.0 * 448.0
+_CKPT_FP8_MAX = 448.0  # checkpoint k_scale/v_scale are amax / 448 (vLLM, ModelOpt)
+
+
+def global_scale_for_amax(tf: TensorFormat, amax: torch.Tensor) -> torch.Tensor | None:
+    """FP32 global scale of one tensor format for an observed amax (None if the format has none).
+
+    A zero amax (a tensor that was never non-zero) keeps scale 1.0.
+    """
+    if not tf.uses_global_scale:
+        return None
+    a = amax.to(torch.float32)
+    require(bool(torch.isfinite(a).all()), Status.INVALID_ARGUMENT, "calibration amax must be finite")
+    rng = _FP8_MAX.get(tf.name, _NVFP4_RANGE)
+    return torch.where(a > 0, a / rng, torch.ones_like(a))
+
+
+class AmaxObserver:
+    """Running per-layer amax of K and V (per tensor, or per KV head) over calibration tokens."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int = 1, per_head: bool = False) -> None:
+        shape = (num_layers, 2, num_kv_heads if per_head else 1)
+        self.amax = torch.zeros(shape, dtype=torch.float32)
+        self.per_head = per_head
+
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Fold `[..., H, D]` K/V into the layer's amax (non-finite values are rejected)."""
+        for i, x in enumerate((key, value)):
+            x = x.detach().float()
+            require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
+                    f"layer {layer}: non-finite {'K' if i == 0 else 'V'} values in calibration data")
+            a = x.abs().amax(dim=-1).reshape(-1, x.shape[-2]).amax(dim=0) if self.per_head else x.abs().amax().reshape(1)
+            self.amax[layer, i] = torch.maximum(self.amax[layer, i], a.cpu())
+
+    def global_scales(self, fmt: CacheFormat) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per layer `(k_global, v_global)` for `fmt` (None where its K or V format has no global scale)."""
+        return [(global_scale_for_amax(fmt.k, a[0]), global_scale_for_amax(fmt.v, a[1])) for a in self.amax]
+
+
+_KV_SCALE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\..*\b([kv])_scale$")
+
+
+def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int) -> torch.Tensor | None:
+    """Per-layer `[num_layers, 2, 1|H]` amax from a checkpoint's `...layers.{i}...k_scale` / `v_scale`
+    tensors (FP8 convention `amax / 448`), or None if the checkpoint has none. Partial sets are an error."""
+    found: dict[tuple[int, int], torch.Tensor] = {}
+    for key, t in state_dict.items():
+        m = _KV_SCALE_KEY.search(key)
+        if m:
+            require(int(m.group(1)) < num_layers, Status.INVALID_ARGUMENT,
+                    f"checkpoint key {key!r} names a layer beyond the model's {num_layers}")
+            found[(int(m.group(1)), 0 if m.group(2) == "k" else 1)] = t.detach().float().reshape(-1) * _CKPT_FP8_MAX
+    if not found:
+        return None
+    missing = [(i, "kv"[j]) for i in range(num_layers) for j in range(2) if (i, j) not in found]
+    require(not missing, Status.INVALID_ARGUMENT,
+            f"checkpoint has k_scale/v_scale for some layers but not {missing[:4]}...; provide all or none")
+    width = max(t.numel() for t in found.values())
+    out = torch.empty(num_layers, 2, width)
+    for (i, j), t in found.items():
+        out[i, j] = t.expand(width) if t.numel() == 1 else t
+    return out
