@@ -107,9 +107,8 @@ class BlockAllocator:
 
     # ------------------------------------------------------------ internals
     def _forget(self, block: int) -> None:
-        key = self._key_of.pop(block, None)
-        if key is not None:
-            del self._block_of[key]
+        if block in self._key_of:  # any hashable is a key, None included
+            del self._block_of[self._key_of.pop(block)]
 
     def _check_id(self, block: int) -> None:
         require(0 <= block < self.num_blocks, Status.OUT_OF_RANGE,

@@ -32,6 +32,9 @@ def make_kv_cache_index(index: torch.Tensor, secondary: torch.Tensor | bool = Fa
     require(bool(((idx >= -1) & (idx <= _INDEX_MASK)).all()), Status.OUT_OF_RANGE,
             f"KVCacheIndex values must be in [0, {_INDEX_MASK}] or -1 (null)")
     sec = torch.as_tensor(secondary, device=idx.device).to(torch.bool)
+    # TRT-LLM asserts value != kNullFlag: secondary index 2**31-1 would encode as the null index (-1).
+    require(not bool((sec & (idx == _INDEX_MASK)).any()), Status.OUT_OF_RANGE,
+            f"KVCacheIndex {_INDEX_MASK} in the secondary pool encodes as the null index (-1)")
     enc = torch.where(sec & (idx >= 0), idx | KVCACHEINDEX_SECONDARY_BIT, idx)
     return torch.where(enc >= 2**31, enc - 2**32, enc).to(torch.int32)
 
@@ -63,6 +66,8 @@ def ragged_to_packed(indices: torch.Tensor, indptr: torch.Tensor, block_size: in
     Every token of a block must name the same block id; INVALID_ARGUMENT otherwise.
     """
     ip = indptr.to(torch.int64)
+    require(ip.numel() >= 1 and int(ip[-1]) == indices.numel(), Status.INVALID_ARGUMENT,
+            f"RAGGED indptr ends at {int(ip[-1]) if ip.numel() else None}, indices hold {indices.numel()} entries")
     lens = ip[1:] - ip[:-1]
     need = blocks_needed(lens, block_size)
     m = int(need.max()) if need.numel() else 0
@@ -116,6 +121,9 @@ def flashinfer_to_packed(indptr: torch.Tensor, indices: torch.Tensor, last_page_
                          block_size: int, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer paged form -> PACKED table and sequence lengths."""
     ip = indptr.to(torch.int64)
+    require(ip.numel() >= 1 and int(ip[-1]) == indices.numel(), Status.INVALID_ARGUMENT,
+            f"paged_kv_indptr ends at {int(ip[-1]) if ip.numel() else None}, paged_kv_indices hold "
+            f"{indices.numel()} pages")
     pages = ip[1:] - ip[:-1]
     last = last_page_len.to(torch.int64)
     require(bool(((pages == 0) & (last == 0) | (pages > 0) & (last >= 1) & (last <= block_size)).all()),
@@ -141,7 +149,8 @@ def slot_mapping(table: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Te
             f"a position needs block {int(blk[ok].max()) if ok.any() else 0} >= max_blocks_per_seq={table.shape[1]}")
     require(not bool(ok.any()) or int(s[ok].max()) < table.shape[0], Status.OUT_OF_RANGE,
             f"sequence id out of range for a table of {table.shape[0]} sequences")
-    ids = table.to(torch.int64)[torch.where(ok, s, 0), blk]
+    ids = torch.zeros_like(s)
+    ids[ok] = table.to(torch.int64)[s[ok], blk[ok]]  # index with valid tokens only: the table may be empty
     return torch.where(ok, ids * block_size + p % block_size, invalid_slot)
 
 
@@ -159,12 +168,13 @@ class TokenAddresses:
 
 
 def resolve_tokens(table: BlockTable, seq_lens: SeqLens, max_seq_len: int, block_size: int,
-                   num_blocks: int, num_secondary_blocks: int = 0) -> TokenAddresses:
+                   num_blocks: int, num_secondary_blocks: int | None = 0) -> TokenAddresses:
     """Physical (block, offset, pool) of the first `min(len, max_seq_len)` tokens of each sequence.
 
     KV_OFFSETS tables yield `seq_count * beam_width` output sequences in (seq, beam) order. Every
     referenced block id must exist (OUT_OF_RANGE otherwise); null KVCacheIndex entries inside a
-    sequence's length are OUT_OF_RANGE too.
+    sequence's length are OUT_OF_RANGE too. `num_secondary_blocks=None` means there is no secondary
+    pool: referencing it is INVALID_ARGUMENT.
     """
     dev = table.indices.device
     beams = table.beam_width
@@ -182,7 +192,8 @@ def resolve_tokens(table: BlockTable, seq_lens: SeqLens, max_seq_len: int, block
         k_blocks = v_blocks = blocks
         k_sec = v_sec = torch.zeros_like(blocks, dtype=torch.bool)
     elif table.format == BlockTableFormat.PACKED:
-        k_blocks = v_blocks = table.indices.to(torch.int64)[seq, pos // block_size]
+        flat = table.indices.reshape(table.seq_count, table.max_blocks_per_seq)  # a flat C buffer is fine too
+        k_blocks = v_blocks = flat.to(torch.int64)[seq, pos // block_size]
         k_sec = v_sec = torch.zeros_like(k_blocks, dtype=torch.bool)
     else:
         flat = table.indices.reshape(n, 2, table.max_blocks_per_seq)
@@ -191,7 +202,9 @@ def resolve_tokens(table: BlockTable, seq_lens: SeqLens, max_seq_len: int, block
         require(not bool((k_null | v_null).any()), Status.OUT_OF_RANGE,
                 "KV_OFFSETS: a null KVCacheIndex lies inside a sequence's length")
     for blocks, sec in ((k_blocks, k_sec), (v_blocks, v_sec)):
-        limit = torch.where(sec, num_secondary_blocks, num_blocks)
+        require(num_secondary_blocks is not None or not bool(sec.any()), Status.INVALID_ARGUMENT,
+                "block table references the secondary pool but cache.pool.secondary is NULL")
+        limit = torch.where(sec, num_secondary_blocks or 0, num_blocks)
         bad = (blocks < 0) | (blocks >= limit)
         if bool(bad.any()):
             i = int(bad.nonzero()[0])

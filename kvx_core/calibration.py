@@ -42,11 +42,17 @@ class AmaxObserver:
         self.per_head = per_head
 
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Fold `[..., H, D]` K/V into the layer's amax (non-finite values are rejected)."""
+        """Fold `[..., H, D]` K/V into the layer's amax (non-finite values are rejected; empty batches add nothing)."""
+        num_layers, _, width = self.amax.shape
+        require(0 <= layer < num_layers, Status.OUT_OF_RANGE, f"layer {layer} out of range [0, {num_layers})")
         for i, x in enumerate((key, value)):
             x = x.detach().float()
+            require(not self.per_head or (x.dim() >= 2 and x.shape[-2] == width), Status.INVALID_ARGUMENT,
+                    f"layer {layer}: per-head observer of {width} KV heads got K/V of shape {tuple(x.shape)}")
             require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
                     f"layer {layer}: non-finite {'K' if i == 0 else 'V'} values in calibration data")
+            if x.numel() == 0:
+                continue
             a = x.abs().amax(dim=-1).reshape(-1, x.shape[-2]).amax(dim=0) if self.per_head else x.abs().amax().reshape(1)
             self.amax[layer, i] = torch.maximum(self.amax[layer, i], a.cpu())
 
@@ -74,6 +80,9 @@ def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int
     require(not missing, Status.INVALID_ARGUMENT,
             f"checkpoint has k_scale/v_scale for some layers but not {missing[:4]}...; provide all or none")
     width = max(t.numel() for t in found.values())
+    require(all(t.numel() in (1, width) for t in found.values()), Status.INVALID_ARGUMENT,
+            f"checkpoint k_scale/v_scale must be per tensor (1 value) or per KV head ({width} values), "
+            f"got sizes {sorted({t.numel() for t in found.values()})}")
     out = torch.empty(num_layers, 2, width)
     for (i, j), t in found.items():
         out[i, j] = t.expand(width) if t.numel() == 1 else t

@@ -155,9 +155,15 @@ class QuantDesc:
             k_data_dtype=int(self.k_data_dtype), v_data_dtype=int(self.v_data_dtype),
             k_scales=self.k_scales.to_ctypes() if self.k_scales else empty,
             v_scales=self.v_scales.to_ctypes() if self.v_scales else empty,
-            k_global_scale=self.k_global_scale.data_ptr() if self.k_global_scale is not None else None,
-            v_global_scale=self.v_global_scale.data_ptr() if self.v_global_scale is not None else None,
+            k_global_scale=_f32_ptr(self.k_global_scale), v_global_scale=_f32_ptr(self.v_global_scale),
             global_scale_count=self.global_scale_count)
+
+
+def _f32_ptr(t: torch.Tensor | None):
+    """A `float*` (ctypes POINTER(c_float)) to `t`'s data, or NULL."""
+    import ctypes
+
+    return None if t is None else ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
 
 
 @dataclass
@@ -214,6 +220,9 @@ class CacheDesc:
             check_shape(t.layout, t.shape, self.storage_geometry(which), what)
         require(self.k.memory == self.v.memory, Status.INVALID_ARGUMENT,
                 f"cache K and V live in different memories ({self.k.memory.name} vs {self.v.memory.name})")
+        if self.k.tensor is not None and self.v.tensor is not None:
+            require(self.k.tensor.device == self.v.tensor.device, Status.INVALID_ARGUMENT,
+                    f"cache K and V live on different devices ({self.k.tensor.device} vs {self.v.tensor.device})")
         if self.quant is None:
             require(self.k.dtype == self.v.dtype, Status.INVALID_ARGUMENT,
                     f"cache K dtype {self.k.dtype.name} != V dtype {self.v.dtype.name} "
@@ -344,7 +353,9 @@ class BlockTable:
             require(self.indptr is not None and self.indptr_count == self.seq_count + 1, Status.INVALID_ARGUMENT,
                     f"RAGGED indptr_count must be seq_count + 1 = {self.seq_count + 1}, got {self.indptr_count}")
             ip = self.indptr
-            _index_dtype(ip, "block_table.indptr")
+            ipdt = _index_dtype(ip, "block_table.indptr")
+            require(ipdt in INDEX_DTYPES and ip.dim() == 1, Status.INVALID_ARGUMENT,
+                    f"RAGGED indptr must be a 1-D S32/S64 tensor, got {ipdt.name} {tuple(ip.shape)}")
             require(int(ip[0]) == 0 and bool((ip[1:] >= ip[:-1]).all()), Status.INVALID_ARGUMENT,
                     "RAGGED indptr must start at 0 and be non-decreasing")
             want = int(ip[-1])

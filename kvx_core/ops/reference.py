@@ -57,6 +57,24 @@ def check_unique_slots(slots: torch.Tensor) -> None:
             "slot mapping names the same slot twice in one write batch")
 
 
+def _byte_offsets(view5: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """Storage byte offsets of every element of rows `view5[blk, off]` (a 5-D block view)."""
+    s, es = view5.stride(), view5.element_size()
+    idx = [torch.arange(n, device=blk.device) * st for n, st in zip(view5.shape[2:], s[2:])]
+    inner = idx[0][:, None, None] + idx[1][None, :, None] + idx[2][None, None, :]
+    return ((view5.storage_offset() + blk * s[0] + off * s[1])[:, None, None, None] + inner).flatten() * es
+
+
+def _check_disjoint(k5: torch.Tensor, v5: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
+    """The K and V elements a write touches must be distinct (a TRT-LLM pool view, where K and V share
+    one buffer and are told apart only by KV_OFFSETS, is for gathering, not slot-mapped writes)."""
+    if k5.untyped_storage().data_ptr() != v5.untyped_storage().data_ptr() or blk.numel() == 0:
+        return
+    require(not bool(torch.isin(_byte_offsets(k5, blk, off), _byte_offsets(v5, blk, off)).any()),
+            Status.INVALID_ARGUMENT, "cache K and V overlap in memory at the written slots, so a write would "
+            "hit both; slot-mapped writes need disjoint K and V (for a TRT-LLM pool, use per-layer K/V views)")
+
+
 def write_kv(cache: CacheDesc, write: WriteDesc) -> None:
     """Encode `write.io` K/V in the cache's format and scatter payload and scales by slot mapping;
     invalid (negative) slots are no-ops."""
@@ -68,6 +86,7 @@ def write_kv(cache: CacheDesc, write: WriteDesc) -> None:
     slots = slots[keep]
     check_unique_slots(slots)
     blk, off = slots // cache.block_size, slots % cache.block_size
+    _check_disjoint(_pools(cache, "k").data, _pools(cache, "v").data, blk, off)
     for which, src, v10 in (("k", write.io.key, write.k_scale), ("v", write.io.value, write.v_scale)):
         p = _pools(cache, which, v10)
         x = src[keep]
@@ -90,7 +109,8 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
     cache.validate()
     gather.validate(cache)
     fmt = format_of(cache)
-    n2 = 0 if cache.pool is None or cache.pool.secondary is None else int(cache.pool.secondary.shape[0])
+    # None: no secondary pool, so resolve_tokens rejects references to it (INVALID_ARGUMENT)
+    n2 = None if cache.pool is None or cache.pool.secondary is None else int(cache.pool.secondary.shape[0])
     addr = resolve_tokens(gather.block_table, gather.seq_lens, gather.max_seq_len, cache.block_size,
                           cache.num_blocks, n2)
     total = int(addr.lengths.sum())
