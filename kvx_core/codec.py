@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .descriptors import CacheDesc, QuantDesc, TensorDesc
-from .enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, DType, Layout, QuantFormat
+from .enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, DType, Layout, QuantFormat, torch_dtype
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, get_format
 from .layouts import Geometry, check_shape
@@ -61,6 +61,10 @@ def quant_desc(fmt: CacheFormat, head_dim: int, k_scales: torch.Tensor | None, v
     """The v1.1 quantization descriptor of `fmt` (None for the plain BF16/FP16/FP32 formats)."""
     if fmt.quant == QuantFormat.NONE:
         return None
-    desc = (lambda t: TensorDesc.from_torch(t, scale_layout) if t is not None else None)
+    def desc(t: torch.Tensor | None, dtype: DType | None) -> TensorDesc | None:
+        # scale pools are bytes; the descriptor names what the bytes are (E4M3, UE8M0, or raw U8)
+        return None if t is None else TensorDesc.from_torch(t.view(torch_dtype(dtype)), scale_layout, dtype)
+
     return QuantDesc(fmt.quant, group_size_of(fmt, head_dim), fmt.k.data_dtype, fmt.v.data_dtype,
-                     desc(k_scales), desc(v_scales), k_global, v_global, fmt.flags)
+                     desc(k_scales, fmt.k.scale_dtype), desc(v_scales, fmt.v.scale_dtype), k_global, v_global,
+                     fmt.flags)

@@ -43,7 +43,7 @@ def _pools(cache: CacheDesc, which: str, v10_scale: ScaleDesc | None = None) -> 
     if not tf.uses_global_scale:
         g = None
     return _Pools(tf, block_view(desc.tensor, desc.layout),
-                  block_view(scales.tensor, scales.layout) if scales is not None else None, g)
+                  block_view(scales.tensor.view(torch.uint8), scales.layout) if scales is not None else None, g)
 
 
 def valid_slots(slots: torch.Tensor, invalid_slot: int) -> torch.Tensor:
