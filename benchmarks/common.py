@@ -1,0 +1,94 @@
+"""Shared benchmark helpers: L2-flushed event timing (median), copy-bandwidth probe, JSON-lines output."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+_FLUSH = None
+
+
+def _flush_buf():
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB > 50/60 MB L2
+    return _FLUSH
+
+
+def bench(fn, n: int = 50, warmup: int = 5) -> dict:
+    """Median / min / p90 ms of `fn()` over `n` runs, L2 flushed before each (the flush also gives the
+    host a head start, so launch overhead of a Python launcher is not timed unless it exceeds it)."""
+    buf = _flush_buf()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        buf.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return {"ms": statistics.median(ts), "ms_min": ts[0], "ms_p90": ts[int(0.9 * (len(ts) - 1))], "runs": n}
+
+
+def bench_graph(fn, n: int = 50) -> dict | None:
+    """Like `bench` but replays a CUDA graph of `fn` (no host overhead at all); None if capture fails."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return bench(g.replay, n=n)
+    except Exception as e:  # noqa: BLE001
+        print("graph capture failed:", repr(e)[:200])
+        return None
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy GB/s counting bytes read + written (the workplace's ceiling probe)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    x.random_(0, 255)
+    y = torch.empty_like(x)
+    r = bench(lambda: y.copy_(x), n=20, warmup=3)
+    del x, y
+    return 2 * nbytes / (r["ms"] * 1e-3) / 1e9
+
+
+def env_info() -> dict:
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001
+        commit = "unknown"
+    p = torch.cuda.get_device_properties(0)
+    import triton
+    info = {"gpu": p.name, "sms": p.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    try:
+        import flashinfer
+        info["flashinfer"] = flashinfer.__version__
+    except Exception:  # noqa: BLE001
+        info["flashinfer"] = None
+    return info
+
+
+def emit(path: str | None, rec: dict) -> None:
+    line = json.dumps(rec, sort_keys=True)
+    print(line, flush=True)
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a") as f:
+            f.write(line + "\n")

@@ -1,0 +1,27 @@
+"""Kernel tests run on CUDA when present, else on CPU under TRITON_INTERPRET=1 (set before triton loads)."""
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: needs a CUDA GPU (run `pytest -m gpu tests/kernels` on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,86 @@
+"""Torch oracles for the Triton kernel tests: build quantized pools with the formats' encode, and
+dense float64 attention over the formats' decode of the same pools."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvx_core.formats import CacheFormat
+
+
+def make_pools(fmt: CacheFormat, num_blocks: int, hkv: int, bs: int, d: int, device="cpu", seed=0,
+               k_gs=None, v_gs=None, scale=1.0):
+    """Random K/V encoded block by block -> (k_data, k_scales, v_data, v_scales), HND pools."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    k = torch.randn(num_blocks, bs, hkv, d, generator=g) * scale
+    v = torch.randn(num_blocks, bs, hkv, d, generator=g) * scale
+    # a few outlier channels, as real keys have
+    k[..., : max(1, d // 32)] *= 4.0
+    kd, ksc = fmt.encode_k(k, k_gs)
+    vd, vsc = fmt.encode_v(v, v_gs)
+    # [nb, bs, H, x] -> HND [nb, H, bs, x]
+    hnd = lambda t: t.permute(0, 2, 1, 3).contiguous().to(device)
+    return hnd(kd), hnd(ksc), hnd(vd), hnd(vsc)
+
+
+def make_table(seq_lens, bs, num_blocks, device="cpu", seed=0):
+    """Random (non-contiguous) block table int32 [B, max_blocks] for `seq_lens`."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    need = [math.ceil(int(L) / bs) for L in seq_lens]
+    mb = max(1, max(need) if need else 1)
+    perm = torch.randperm(num_blocks, generator=g)
+    assert sum(need) <= num_blocks
+    bt = torch.zeros(len(seq_lens), mb, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[i:i + n].to(torch.int32)
+        i += n
+    return bt.to(device)
+
+
+def dense_kv(fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_len, b):
+    """Decode sequence b's first seq_len tokens -> K, V float64 [L, H, D] (K in the rotated domain, V stored domain)."""
+    bs = k_data.shape[2]
+    t = torch.arange(seq_len)
+    blk = block_table[b].cpu().long()[t // bs]
+    off = t % bs
+    kd = k_data.cpu()[blk, :, off]  # [L, H, Dk]
+    ks = k_scales.cpu()[blk, :, off]
+    vd = v_data.cpu()[blk, :, off]
+    vs = v_scales.cpu()[blk, :, off]
+    kgs = None if k_gs is None else k_gs.cpu()
+    vgs = None if v_gs is None else v_gs.cpu()
+    k = fmt.decode_k(kd, ks, kgs if fmt.k.uses_global_scale else None).double()
+    v = fmt.decode_v(vd, vs, vgs if fmt.v.uses_global_scale else None).double()
+    return k, v
+
+
+def ref_decode(q, fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens,
+               sm_scale=None, softcap=None, window=None):
+    """float64 decode attention over the formats' decode of the pools -> (out [B,Hq,D] f64, lse [B,Hq] f64)."""
+    bsz, hq, d = q.shape
+    hkv = k_data.shape[1]
+    qh = hq // hkv
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.zeros(bsz, hq, d, dtype=torch.float64)
+    lse = torch.full((bsz, hq), float("-inf"), dtype=torch.float64)
+    for b in range(bsz):
+        L = int(seq_lens[b])
+        if L == 0:
+            continue
+        k, v = dense_kv(fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, L, b)
+        qq = fmt.rotate_q(q[b].cpu().double())  # [Hq, D]
+        kk = k.repeat_interleave(qh, dim=1)  # [L, Hq, D]
+        vv = v.repeat_interleave(qh, dim=1)
+        s = torch.einsum("hd,lhd->hl", qq, kk) * sm_scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if window is not None and window >= 0:
+            pos = torch.arange(L)
+            s[:, pos < L - 1 - window] = float("-inf")
+        lse[b] = torch.logsumexp(s, dim=-1)
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("hl,lhd->hd", p, vv)
+        out[b] = fmt.unrotate_output(o)
+    return out, lse
