@@ -65,10 +65,27 @@ def _byte_offsets(view5: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> 
     return ((view5.storage_offset() + blk * s[0] + off * s[1])[:, None, None, None] + inner).flatten() * es
 
 
+def _blocks_disjoint(k5: torch.Tensor, v5: torch.Tensor) -> bool:
+    """O(1) sufficient test: K and V blocks share a byte stride, each block's bytes fit in one stride,
+    and V's bytes sit beside K's within it (regions of one page, or FlashInfer's interleaved [N, 2, ...])."""
+    es = k5.element_size()
+    stride = k5.stride(0) * es
+    if v5.stride(0) * v5.element_size() != stride:
+        return False
+    inner = [(sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) + 1) * t.element_size()
+             for t in (k5, v5)]
+    if max(inner) > stride:
+        return False
+    d = (v5.storage_offset() * v5.element_size() - k5.storage_offset() * es) % stride
+    return inner[0] <= d and d + inner[1] <= stride
+
+
 def _check_disjoint(k5: torch.Tensor, v5: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
     """The K and V elements a write touches must be distinct (a TRT-LLM pool view, where K and V share
     one buffer and are told apart only by KV_OFFSETS, is for gathering, not slot-mapped writes)."""
     if k5.untyped_storage().data_ptr() != v5.untyped_storage().data_ptr() or blk.numel() == 0:
+        return
+    if _blocks_disjoint(k5, v5):
         return
     require(not bool(torch.isin(_byte_offsets(k5, blk, off), _byte_offsets(v5, blk, off)).any()),
             Status.INVALID_ARGUMENT, "cache K and V overlap in memory at the written slots, so a write would "
