@@ -37,10 +37,6 @@ def bf16_roundtrip(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(t.dtype)
 
 
-def fp16_roundtrip(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float16).to(t.dtype)
-
-
 class RoundTripLayer(CacheLayerMixin):
     """One layer's cache: stored K/V chunks in plain Python lists."""
 
@@ -92,7 +88,8 @@ class RoundTripLayer(CacheLayerMixin):
         self.num_tokens = 0
         self.is_initialized = False
 
-    def offload(self) -> None:  # only used with Cache(offloading=True)
+    # The base offload/prefetch move self.keys/self.values, which stay None here (Cache(offloading=True) only).
+    def offload(self) -> None:
         pass
 
     def prefetch(self) -> None:
