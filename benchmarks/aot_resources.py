@@ -27,10 +27,14 @@ def compile_decode(name, d=128, bs=16, qh=4, block_n=None, num_warps=4, num_stag
     block_n = block_n or _default_block_n(kk, kv, d)
     consts = dict(BS=bs, QH=qh, BM=max(16, qh), D=d, BLOCK_N=block_n, KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
         KDT=kk.dot_dtype(torch.bfloat16), VDT=kv.dot_dtype(torch.bfloat16), KIEEE=kk.storage==torch.float32, VIEEE=kv.storage==torch.float32,
-        KGS=kk.global_scale, VGS=kv.global_scale, K8=_f8(kk.storage), V8=_f8(kv.storage), ROTATE=fmt.rotate, SOFTCAP=softcap, WINDOW=window, RSD=d**-0.5)
+        KGS=kk.global_scale, VGS=kv.global_scale, K8=_f8(kk.storage), V8=_f8(kv.storage), ROTATE=fmt.rotate, SOFTCAP=softcap, WINDOW=window, RSD=d**-0.5, ASM=True)
     ptrs = dict(Q="*bf16", KD=p(kk.storage), KS="*u8", VD=p(kv.storage), VS="*u8", KG="*fp32", VG="*fp32", BT="*i32", SEQ="*i32", MO="*fp32", ML="*fp32")
     sig = sig_for(_decode_kernel, consts, ptrs)
-    src = ASTSource(_decode_kernel, sig, consts)
+    # the JIT marks pointers and ints divisible by 16 (tt.divisibility); mirror the benchmark's shapes
+    div16 = set(ptrs) | {"s_qb", "s_qh", "s_kdb", "s_kdh", "s_kdt", "s_vdb", "s_vdh", "s_vdt", "s_ksb", "s_ksh",
+                         "s_vsb", "s_vsh", "s_btb", "s_mob", "s_moh", "s_mos"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_decode_kernel.arg_names) if n in div16}
+    src = ASTSource(_decode_kernel, sig, consts, attrs)
     k = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
     return k
 

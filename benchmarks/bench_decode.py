@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--tune", default="", help="formats to sweep block_n/warps/stages/splits on")
     ap.add_argument("--tune-configs", default="64x32768,1x32768")
+    ap.add_argument("--split-sweep", default="", help="num_splits values to try on B=1 configs, e.g. 16,32,64")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--fi-tc", default="0", help="FlashInfer use_tensor_cores values to try, e.g. 0,1")
     ap.add_argument("--out", default="benchmarks/results/decode.jsonl")
@@ -141,10 +142,11 @@ def main():
                 variants = []
                 for bn in (64, 128):
                     for nw in (4, 8):
-                        for ns in (2, 3):
-                            variants.append(dict(block_n=bn, num_warps=nw, num_stages=ns))
-                for sp in (max(1, auto // 2), auto * 2, auto * 4):
+                        variants.append(dict(block_n=bn, num_warps=nw, num_stages=2))
+                for sp in (max(1, auto // 2), auto * 2):
                     variants.append(dict(block_n=128, num_warps=4, num_stages=2, num_splits=sp))
+            if bsz == 1 and args.split_sweep:
+                variants += [dict(num_splits=int(x)) for x in args.split_sweep.split(",")]
             for var in variants:
                 try:
                     kw = dict(var)

@@ -3,6 +3,8 @@
 K/V are read through `gather_kv` (which dequantizes and undoes any Hadamard rotation), so the
 result is exactly softmax attention over the cache's stored values, computed in FP32.
 LSE is the natural-log log-sum-exp of the (scaled, soft-capped) scores per query head.
+Options follow FlashInfer, as the Triton kernels do: `window` is `window_left` (a query at position p
+sees keys p - window .. p; None or negative: no window), `softcap` None or 0 means no soft cap.
 """
 from __future__ import annotations
 
@@ -23,14 +25,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     g = hq // hkv
     qg = q.float().view(tq, hkv, g, d)
     s = torch.einsum("thgd,lhd->thgl", qg, k.float()) * sm_scale
-    if softcap is not None:
+    if softcap:
         s = softcap * torch.tanh(s / softcap)
     kpos = torch.arange(k.shape[0], device=q.device)
     allowed = torch.ones(tq, k.shape[0], dtype=torch.bool, device=q.device)
     if causal:
         allowed &= kpos[None, :] <= q_pos[:, None]
-    if window is not None:
-        allowed &= kpos[None, :] > q_pos[:, None] - window
+    if window is not None and window >= 0:
+        allowed &= kpos[None, :] >= q_pos[:, None] - window
     s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no allowed key: output 0, lse -inf

@@ -3,6 +3,7 @@
 - `paged_decode`  split-KV decode attention reading the quantized pools directly (decode.py)
 - `write_kv`      fused quantize + scatter of new K/V tokens by slot mapping (write.py)
 - `gather_kv`     dequantize through the block table into dense ragged K/V (gather.py)
+- `paged_prefill` causal prefill/extend attention over the quantized pools (prefill.py)
 Pools follow the storage contract: data `[num_blocks, H_kv, block_size, Dk]` (HND, any strides,
 last dim contiguous), scales `uint8 [num_blocks, H_kv, block_size, Sk]`, global scales fp32 `[H_kv]`,
 block table int32 `[B, max_blocks]`, seq_lens int32 `[B]`, slot mapping int64 `[T]` (< 0 = skip).
@@ -19,7 +20,7 @@ from ...errors import KvxError, Status
 from ...formats import CacheFormat, get_format
 from .spec import KernelFormat, kernel_format
 
-__all__ = ["paged_decode", "write_kv", "gather_kv", "decode_num_splits", "interpreting"]
+__all__ = ["paged_decode", "paged_prefill", "prefill_plan", "write_kv", "gather_kv", "decode_num_splits", "interpreting"]
 
 
 def interpreting() -> bool:
@@ -180,15 +181,15 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
         KDT=kdt, VDT=vdt, KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
         KGS=kk.global_scale, VGS=kv.global_scale, K8=_f8(k_data.dtype), V8=_f8(v_data.dtype),
         ROTATE=fmt.rotate, SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, RSD=rsd,
-        num_warps=num_warps, num_stages=num_stages,
+        ASM=not interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
-    _reduce_kernel[(bsz, hkv)](
+    _reduce_kernel[(bsz, hq)](
         mid_o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_l, mid_l.stride(0), mid_l.stride(1),
         out, out.stride(0), out.stride(1),
         lse, lse.stride(0), lse.stride(1),
         num_splits,
-        QH=qh, BM=bm, D=d, ROTATE=fmt.rotate, RSD=rsd,
+        D=d, SB=min(32, triton_next_pow2(num_splits)), ROTATE=fmt.rotate, RSD=rsd,
         num_warps=4,
     )
     return out, lse
@@ -209,13 +210,7 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def write_kv(*args, **kwargs):
-    """Fused quantize + scatter (see write.py)."""
-    from .write import write_kv as _w
-    return _w(*args, **kwargs)
-
-
-def gather_kv(*args, **kwargs):
-    """Dequantizing gather through the block table (see gather.py)."""
-    from .gather import gather_kv as _g
-    return _g(*args, **kwargs)
+# Kernel + launcher modules (they use the validation helpers above, so they are imported last).
+from .gather import gather_kv  # noqa: E402
+from .prefill import paged_prefill, prefill_plan  # noqa: E402
+from .write import write_kv  # noqa: E402

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from .dequant import (
-    F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, F_PLAIN, TWO_POW_14, dot_f32, e2m1_hi_f16, e2m1_lo_f16,
-    e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, u4_hi_f16, u4_lo_f16, u8_code_f16,
+    F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, TWO_POW_24, dot_f32, e2m1_hi_f16_x4, e2m1_lo_f16_x4,
+    e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, u4_hi_f16_sub, u4_lo_f16_sub, u8_f16_sub,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -67,7 +67,7 @@ def _decode_kernel(
     KF: tl.constexpr, VF: tl.constexpr, KGRP: tl.constexpr, VGRP: tl.constexpr,
     KDT: tl.constexpr, VDT: tl.constexpr, KIEEE: tl.constexpr, VIEEE: tl.constexpr,
     KGS: tl.constexpr, VGS: tl.constexpr, K8: tl.constexpr, V8: tl.constexpr,
-    ROTATE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, RSD: tl.constexpr,
+    ROTATE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, RSD: tl.constexpr, ASM: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -116,6 +116,8 @@ def _decode_kernel(
         v_fac = v_fac * tl.load(VG + h)
     if VF == F_NVFP4:
         v_fac = v_fac * TWO_POW_14
+    if VINT:
+        v_fac = v_fac * TWO_POW_24
     if SOFTCAP:
         k_fac = k_fac / softcap  # s = softcap * tanh(qk * sm_scale / softcap)
 
@@ -146,8 +148,8 @@ def _decode_kernel(
         if KPACK:
             if KF == F_INT4:
                 kb8 = tl.load(KD + krow[:, None] + offs_hd[None, :], mask=tmask[:, None], other=0)
-                ka_t = u4_lo_f16(kb8).to(KDT)
-                kb_t = u4_hi_f16(kb8).to(KDT)
+                ka_t = u4_lo_f16_sub(kb8, ASM)
+                kb_t = u4_hi_f16_sub(kb8, ASM)
             else:
                 KG_N: tl.constexpr = D // KGRP
                 KGB: tl.constexpr = KGRP // 2
@@ -159,19 +161,19 @@ def _decode_kernel(
                 ksb = tl.load(KS + ksrow[:, None] + offs_g[None, :], mask=tmask[:, None], other=0)
                 if KF == F_NVFP4:
                     ks16 = e4m3_byte_f16(ksb)[:, :, None]
-                    ka3 = e2m1_lo_f16(kb8) * ks16
-                    kb3 = e2m1_hi_f16(kb8) * ks16
+                    ka3 = e2m1_lo_f16_x4(kb8, ASM) * ks16
+                    kb3 = e2m1_hi_f16_x4(kb8, ASM) * ks16
                 else:
                     ks32 = e8m0_f32_x2p14(ksb)[:, :, None]
-                    ka3 = e2m1_lo_f16(kb8).to(tl.float32) * ks32
-                    kb3 = e2m1_hi_f16(kb8).to(tl.float32) * ks32
+                    ka3 = e2m1_lo_f16_x4(kb8, ASM).to(tl.float32) * ks32
+                    kb3 = e2m1_hi_f16_x4(kb8, ASM).to(tl.float32) * ks32
                 ka_t = tl.reshape(ka3, [BLOCK_N, HD]).to(KDT)
                 kb_t = tl.reshape(kb3, [BLOCK_N, HD]).to(KDT)
             s = tl.dot(qa, tl.trans(ka_t)) + tl.dot(qb, tl.trans(kb_t))
         else:
             kraw = tl.load(KD + krow[:, None] + offs_d[None, :], mask=tmask[:, None], other=0)
             if KF == F_INT8:
-                k_t = u8_code_f16(kraw).to(KDT)
+                k_t = u8_f16_sub(kraw, ASM)
             elif KF == F_FP8:
                 k_t = kraw.to(K8, bitcast=True).to(KDT)
             else:
@@ -182,7 +184,7 @@ def _decode_kernel(
                 s = tl.dot(qa, tl.trans(k_t))
         if KINT:
             ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
-            k_sc = _f16_pair(KS, ksrow, 0, tmask)
+            k_sc = _f16_pair(KS, ksrow, 0, tmask) * TWO_POW_24  # codes enter the dot as fp16 c * 2**-24
             k_mn = _f16_pair(KS, ksrow, 2, tmask)
             s = s * k_sc[None, :] + qsum[:, None] * k_mn[None, :]
         s = s * k_fac
@@ -207,8 +209,8 @@ def _decode_kernel(
             acc_b = acc_b * alpha[:, None]
             if VF == F_INT4:
                 vb8 = tl.load(VD + vrow[:, None] + offs_hd[None, :], mask=tmask[:, None], other=0)
-                va_t = u4_lo_f16(vb8)
-                vb_t = u4_hi_f16(vb8)
+                va_t = u4_lo_f16_sub(vb8, ASM)
+                vb_t = u4_hi_f16_sub(vb8, ASM)
             else:
                 VG_N: tl.constexpr = D // VGRP
                 VGB: tl.constexpr = VGRP // 2
@@ -220,19 +222,19 @@ def _decode_kernel(
                 vsb = tl.load(VS + vsrow[:, None] + offs_vg[None, :], mask=tmask[:, None], other=0)
                 if VF == F_NVFP4:
                     vs16 = e4m3_byte_f16(vsb)[:, :, None]
-                    va3 = e2m1_lo_f16(vb8) * vs16
-                    vb3 = e2m1_hi_f16(vb8) * vs16
+                    va3 = e2m1_lo_f16_x4(vb8, ASM) * vs16
+                    vb3 = e2m1_hi_f16_x4(vb8, ASM) * vs16
                 else:
                     vs32 = e8m0_f32_x2p14(vsb)[:, :, None]
-                    va3 = e2m1_lo_f16(vb8).to(tl.float32) * vs32
-                    vb3 = e2m1_hi_f16(vb8).to(tl.float32) * vs32
+                    va3 = e2m1_lo_f16_x4(vb8, ASM).to(tl.float32) * vs32
+                    vb3 = e2m1_hi_f16_x4(vb8, ASM).to(tl.float32) * vs32
                 va_t = tl.reshape(va3, [BLOCK_N, HD]).to(VDT)
                 vb_t = tl.reshape(vb3, [BLOCK_N, HD]).to(VDT)
         else:
             acc_a = acc_a * alpha[:, None]
             vraw = tl.load(VD + vrow[:, None] + offs_d[None, :], mask=tmask[:, None], other=0)
             if VF == F_INT8:
-                va_t = u8_code_f16(vraw)
+                va_t = u8_f16_sub(vraw, ASM)
             elif VF == F_FP8:
                 va_t = vraw.to(V8, bitcast=True).to(VDT)
             else:
@@ -286,36 +288,36 @@ def _reduce_kernel(
     O, s_ob, s_oh,
     LSE, s_lb, s_lh,
     num_splits,
-    QH: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr, RSD: tl.constexpr,
+    D: tl.constexpr, SB: tl.constexpr, ROTATE: tl.constexpr, RSD: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, KV head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    rows = tl.arange(0, BM)
-    rmask = rows < QH
-    hq = (h * QH + rows).to(tl.int64)
+    """Merge the splits of one (sequence, query head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s.
+
+    Splits are read SB at a time as one [SB, D] tile (one memory latency per SB splits, not per split).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, SB)
     offs_d = tl.arange(0, D)
-    m = tl.full([BM], float("-inf"), tl.float32)
-    l = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, D], tl.float32)
-    mo_row = b.to(tl.int64) * s_mob + hq * s_moh
-    ml_row = b.to(tl.int64) * s_mlb + hq * s_mlh
-    for sp in range(0, num_splits):
-        lse2 = tl.load(ML + ml_row + sp, mask=rmask, other=float("-inf"))
-        o = tl.load(MO + mo_row[:, None] + sp * s_mos + offs_d[None, :], mask=rmask[:, None], other=0.0)
-        m_new = tl.maximum(m, lse2)
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, num_splits, SB):
+        sp = s0 + offs_s
+        smask = sp < num_splits
+        lse2 = tl.load(ML + b * s_mlb + hq * s_mlh + sp, mask=smask, other=float("-inf"))
+        o = tl.load(MO + b * s_mob + hq * s_moh + sp[:, None] * s_mos + offs_d[None, :], mask=smask[:, None],
+                    other=0.0)
+        m_new = tl.maximum(m, tl.max(lse2, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
         w = tl.exp2(lse2 - m_safe)
-        l = l * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
+        l = l * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         m = m_new
     l_safe = tl.where(l > 0, l, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc / l_safe
     if ROTATE:
-        hm = hadamard_tile(D, D, 1, 0, 1, 0)
-        out = dot_f32(out, hm, tl.bfloat16) * RSD
+        out = tl.sum(out[:, None] * hadamard_tile(D, D, 1, 0, 1, 0), axis=0) * RSD
     lse = tl.where(l > 0, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(O + b.to(tl.int64) * s_ob + hq[:, None] * s_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=rmask[:, None])
-    tl.store(LSE + b.to(tl.int64) * s_lb + hq * s_lh, lse, mask=rmask)
+    tl.store(O + b * s_ob + hq * s_oh + offs_d, out.to(O.dtype.element_ty))
+    tl.store(LSE + b * s_lb + hq * s_lh, lse)

@@ -120,3 +120,98 @@ def dot_f32(a, b, DT: tl.constexpr):
     a_lo = (a - a_hi.to(tl.float32)).to(DT)
     bb = b.to(DT)
     return tl.dot(a_hi, bb) + tl.dot(a_lo, bb)
+
+
+# ---- packed decoders: 4 payload bytes per PTX block, two fp16 results per 32-bit register --------
+# `ASM` False selects the portable form (same bits; the CPU interpreter cannot run PTX). The byte
+# permute [b0,b2,b1,b3] puts elements (0,1) into the two 16-bit lanes at bits 0/16 and (2,3) at 8/24,
+# so each fp16x2 result costs two shifts and one lop3 ((x | y) & mask, immLut 0xA8).
+E2M1_PTX_LO = tl.constexpr("""{
+.reg .b32 t, x, y;
+prmt.b32 t, $2, 0, 0x3120;
+and.b32 t, t, 0x0F0F0F0F;
+shl.b32 x, t, 9;
+shl.b32 y, t, 12;
+lop3.b32 $0, x, y, 0x8E008E00, 0xA8;
+shl.b32 x, t, 1;
+shl.b32 y, t, 4;
+lop3.b32 $1, x, y, 0x8E008E00, 0xA8;
+}""")
+E2M1_PTX_HI = tl.constexpr("""{
+.reg .b32 t, x, y;
+prmt.b32 t, $2, 0, 0x3120;
+and.b32 t, t, 0xF0F0F0F0;
+shl.b32 x, t, 5;
+shl.b32 y, t, 8;
+lop3.b32 $0, x, y, 0x8E008E00, 0xA8;
+shr.b32 x, t, 3;
+lop3.b32 $1, x, t, 0x8E008E00, 0xA8;
+}""")
+U4_PTX_LO = tl.constexpr("""{
+.reg .b32 t, x;
+prmt.b32 t, $2, 0, 0x3120;
+and.b32 $0, t, 0x000F000F;
+shr.b32 x, t, 8;
+and.b32 $1, x, 0x000F000F;
+}""")
+U4_PTX_HI = tl.constexpr("""{
+.reg .b32 t, x;
+prmt.b32 t, $2, 0, 0x3120;
+shr.b32 x, t, 4;
+and.b32 $0, x, 0x000F000F;
+shr.b32 x, t, 12;
+and.b32 $1, x, 0x000F000F;
+}""")
+U8_PTX = tl.constexpr("""prmt.b32 $0, $2, 0, 0x4140;
+prmt.b32 $1, $2, 0, 0x4342;""")
+TWO_POW_24 = tl.constexpr(16777216.0)
+
+
+@triton.jit
+def _f16x4(b, asm: tl.constexpr):
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def e2m1_lo_f16_x4(b, ASM: tl.constexpr):
+    """`e2m1_lo_f16` (e2m1 * 2**-14 of the low nibble), ~2 integer ops per element with ASM."""
+    if ASM:
+        return _f16x4(b, E2M1_PTX_LO)
+    else:
+        return e2m1_lo_f16(b)
+
+
+@triton.jit
+def e2m1_hi_f16_x4(b, ASM: tl.constexpr):
+    """`e2m1_hi_f16` (e2m1 * 2**-14 of the high nibble), ~2 integer ops per element with ASM."""
+    if ASM:
+        return _f16x4(b, E2M1_PTX_HI)
+    else:
+        return e2m1_hi_f16(b)
+
+
+@triton.jit
+def u4_lo_f16_sub(b, ASM: tl.constexpr):
+    """Low nibble n -> fp16 n * 2**-24 (the fp16 whose bits are n: exact subnormal; scale by 2**24 later)."""
+    if ASM:
+        return _f16x4(b, U4_PTX_LO)
+    else:
+        return (b & 0xF).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def u4_hi_f16_sub(b, ASM: tl.constexpr):
+    """High nibble n -> fp16 n * 2**-24 (exact subnormal)."""
+    if ASM:
+        return _f16x4(b, U4_PTX_HI)
+    else:
+        return (b >> 4).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def u8_f16_sub(b, ASM: tl.constexpr):
+    """uint8 code c -> fp16 c * 2**-24 (exact subnormal): one byte permute per two elements with ASM."""
+    if ASM:
+        return _f16x4(b, U8_PTX)
+    else:
+        return b.to(tl.uint16).to(tl.float16, bitcast=True)
