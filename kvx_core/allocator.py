@@ -59,23 +59,31 @@ class BlockAllocator:
         return out
 
     def share(self, blocks: Iterable[int]) -> None:
-        """Add a reference to each block (prefix sharing); cached blocks come back into use."""
+        """Add a reference to each block (prefix sharing); cached blocks come back into use.
+        All ids are checked before any is applied."""
+        blocks = list(blocks)
         for block in blocks:
             self._check_id(block)
+            require(block in self._cached or self._refs.get(block, 0) > 0, Status.INVALID_ARGUMENT,
+                    f"block {block} is free: only allocated or cached blocks can be shared")
+        for block in blocks:
             if block in self._cached:
                 del self._cached[block]
                 self._refs[block] = 1
             else:
-                require(self._refs.get(block, 0) > 0, Status.INVALID_ARGUMENT,
-                        f"block {block} is free: only allocated or cached blocks can be shared")
                 self._refs[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference from each block; at zero it becomes cached (if keyed) or free."""
+        """Drop one reference from each block; at zero it becomes cached (if keyed) or free.
+        All ids are checked before any is applied (a list may name a block once per reference)."""
+        blocks = list(blocks)
         for block in blocks:
             self._check_id(block)
-            refs = self._refs.get(block, 0)
-            require(refs > 0, Status.INVALID_ARGUMENT, f"double free of block {block}")
+        for block in set(blocks):
+            require(self._refs.get(block, 0) >= blocks.count(block), Status.INVALID_ARGUMENT,
+                    f"double free of block {block}")
+        for block in blocks:
+            refs = self._refs[block]
             if refs > 1:
                 self._refs[block] = refs - 1
                 continue

@@ -73,6 +73,8 @@ def page_bytes(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim: i
 def blocks_for_budget(fmt: CacheFormat, budget_bytes: int, *, num_layers: int, block_size: int,
                       num_kv_heads: int, head_dim: int) -> int:
     """Blocks (per layer) that fit a byte budget covering all layers."""
+    require(num_layers > 0 and budget_bytes >= 0, Status.INVALID_ARGUMENT,
+            f"need num_layers > 0 and a non-negative budget, got {num_layers} and {budget_bytes}")
     return budget_bytes // (page_bytes(fmt, block_size, num_kv_heads, head_dim) * num_layers)
 
 

@@ -16,8 +16,15 @@ _QUANT_NAME = {QuantFormat.FP8_E4M3: "fp8_e4m3", QuantFormat.FP8_E5M2: "fp8_e5m2
                QuantFormat.INT4: "int4", QuantFormat.NVFP4: "nvfp4", QuantFormat.K8V4: "k8v4"}
 
 
+_KNOWN_FLAGS = QUANT_FLAG_HADAMARD | QUANT_FLAG_MX_SCALE_FLOOR
+
+
 def format_name(quant: QuantDesc) -> str:
     """Registry name of the format a quantization descriptor records."""
+    require(not quant.flags & ~_KNOWN_FLAGS, Status.UNSUPPORTED,
+            f"quantization flags {quant.flags:#x} carry bits this KVX version does not know")
+    require(quant.format == QuantFormat.MXFP4 or not quant.flags & QUANT_FLAG_MX_SCALE_FLOOR, Status.INVALID_ARGUMENT,
+            "KVX_QUANT_FLAG_MX_SCALE_FLOOR is defined for MXFP4 only")
     if quant.format == QuantFormat.MXFP4:
         require(quant.group_size in (16, 32), Status.UNSUPPORTED,
                 f"MXFP4 group size {quant.group_size} (KVX defines 16 and 32)")
@@ -38,6 +45,12 @@ def format_of(cache: CacheDesc) -> CacheFormat:
         return get_format(_PLAIN_NAME[cache.k.dtype])
     fmt = get_format(format_name(cache.quant))
     fmt.check_head_dim(cache.head_dim)
+    q = cache.quant
+    require((q.k_data_dtype, q.v_data_dtype) == (fmt.k.data_dtype, fmt.v.data_dtype), Status.INVALID_ARGUMENT,
+            f"{fmt.name} stores ({fmt.k.data_dtype.name}, {fmt.v.data_dtype.name}) payloads, the descriptor says "
+            f"({q.k_data_dtype.name}, {q.v_data_dtype.name})")
+    require(q.group_size == group_size_of(fmt, cache.head_dim), Status.INVALID_ARGUMENT,
+            f"{fmt.name} has group size {group_size_of(fmt, cache.head_dim)}, the descriptor says {q.group_size}")
     geom = cache.geometry
     for which, tf, scales in (("k", fmt.k, cache.quant.k_scales), ("v", fmt.v, cache.quant.v_scales)):
         dim = tf.scale_dim(cache.head_dim)

@@ -1,0 +1,162 @@
+"""Dequantizing gather: the first `min(seq_len, max_seq_len)` tokens of each sequence, read through a
+PACKED block table, decoded into dense ragged K/V `[T, H, D]` (sequences concatenated in order).
+
+Compat/debug path (the attention kernels never materialise this). Grid `(cdiv(max_len, BT), B, 2 H)`.
+Decoding is the formats' FP32 arithmetic (no FMA contraction), so the output equals
+`reference.gather_kv` bit for bit; Hadamard formats are decoded to FP32 in the kernel and rotated back
+with the reference's own torch matmul.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...errors import KvxError, Status
+from ...formats import CacheFormat, FP8Format, rotate
+from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
+from .quant import cast_exact, e2m1_value, e4m3_f32, f8_byte_f32, f16_bytes_f32
+from .spec import kernel_format
+
+
+@triton.jit
+def _decode_rows(PD, s_pb, s_ph, s_pt, SC, s_sb, s_sh, s_st, G, O, s_ot, s_oh, phys, off, orow, ok, h,
+                 F: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, GRP: tl.constexpr, NGP: tl.constexpr,
+                 F8E5: tl.constexpr):
+    h64 = h.to(tl.int64)
+    prow = phys * s_pb + h64 * s_ph + off * s_pt
+    srow = phys * s_sb + h64 * s_sh + off * s_st
+    orow = orow * s_ot + h64 * s_oh
+    ODT: tl.constexpr = O.dtype.element_ty
+    if F == F_PLAIN or F == F_FP8 or F == F_INT8:
+        d = tl.arange(0, DP)
+        m2 = ok[:, None] & (d < D)[None, :]
+        raw = tl.load(PD + prow[:, None] + d[None, :], mask=m2, other=0)
+        if F == F_PLAIN:
+            x = cast_exact(raw, ODT)
+        elif F == F_FP8:
+            x = cast_exact(f8_byte_f32(raw, F8E5) * tl.load(G + h), ODT)
+        else:
+            s = f16_bytes_f32(SC, srow, 0, ok)
+            m = f16_bytes_f32(SC, srow, 2, ok)
+            x = cast_exact(raw.to(tl.float32) * s[:, None] + m[:, None], ODT)
+        tl.store(O + orow[:, None] + d[None, :], x, mask=m2)
+    elif F == F_INT4:
+        HP: tl.constexpr = DP // 2
+        j = tl.arange(0, HP)
+        m2 = ok[:, None] & (j < D // 2)[None, :]
+        raw = tl.load(PD + prow[:, None] + j[None, :], mask=m2, other=0).to(tl.int32)
+        s = f16_bytes_f32(SC, srow, 0, ok)[:, None]
+        m = f16_bytes_f32(SC, srow, 2, ok)[:, None]
+        xa = (raw & 0xF).to(tl.float32) * s + m
+        xb = (raw >> 4).to(tl.float32) * s + m
+        tl.store(O + orow[:, None] + 2 * j[None, :], cast_exact(xa, ODT), mask=m2)
+        tl.store(O + orow[:, None] + 2 * j[None, :] + 1, cast_exact(xb, ODT), mask=m2)
+    else:  # FP4 groups
+        GH: tl.constexpr = GRP // 2
+        gi = tl.arange(0, NGP)
+        ji = tl.arange(0, GH)
+        gm = gi < D // GRP
+        m3 = ok[:, None, None] & gm[None, :, None]
+        raw = tl.load(PD + prow[:, None, None] + (gi[None, :, None] * GH + ji[None, None, :]), mask=m3, other=0)
+        sb = tl.load(SC + srow[:, None] + gi[None, :], mask=ok[:, None] & gm[None, :], other=0)
+        if F == F_NVFP4:
+            big_s = e4m3_f32(sb) * tl.load(G + h)
+        else:
+            big_s = e8m0_f32(sb)
+        xa = e2m1_value(raw.to(tl.int32)) * big_s[:, :, None]
+        xb = e2m1_value(raw.to(tl.int32) >> 4) * big_s[:, :, None]
+        eidx = gi[None, :, None] * GRP + 2 * ji[None, None, :]
+        tl.store(O + orow[:, None, None] + eidx, cast_exact(xa, ODT), mask=m3)
+        tl.store(O + orow[:, None, None] + eidx + 1, cast_exact(xb, ODT), mask=m3)
+
+
+@triton.jit
+def _gather_kernel(
+    BTAB, s_bt, SEQ, CU, max_len, H,
+    KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, KG, KO, s_kot, s_koh,
+    VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, VG, VO, s_vot, s_voh,
+    D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    KF: tl.constexpr, KGRP: tl.constexpr, KNGP: tl.constexpr, KE5: tl.constexpr,
+    VF: tl.constexpr, VGRP: tl.constexpr, VNGP: tl.constexpr, VE5: tl.constexpr,
+):
+    b = tl.program_id(1)
+    which = tl.program_id(2) // H
+    h = tl.program_id(2) % H
+    n = tl.minimum(tl.load(SEQ + b), max_len)
+    pos = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = pos < n
+    phys = tl.load(BTAB + b.to(tl.int64) * s_bt + pos // BS, mask=ok, other=0).to(tl.int64)
+    off = (pos % BS).to(tl.int64)
+    orow = tl.load(CU + b) + pos.to(tl.int64)
+    if which == 0:
+        _decode_rows(KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, KG, KO, s_kot, s_koh, phys, off, orow, ok, h,
+                     KF, D, DP, KGRP, KNGP, KE5)
+    else:
+        _decode_rows(VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, VG, VO, s_vot, s_voh, phys, off, orow, ok, h,
+                     VF, D, DP, VGRP, VNGP, VE5)
+
+
+def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
+              block_table: torch.Tensor, seq_lens: torch.Tensor, fmt: CacheFormat | str, k_gs=None, v_gs=None, *,
+              max_seq_len: int | None = None, out_dtype: torch.dtype | None = None,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None, block_t: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ragged `(K, V) [sum(min(seq_lens, max_seq_len)), H_kv, D]` in the model's domain.
+
+    `out_dtype` defaults to the pool dtype for unquantized caches and FP32 otherwise (as the reference).
+    `block_table` is PACKED int32 `[B, max_blocks]`; `seq_lens` int32 `[B]`. One host sync (the total).
+    """
+    from . import _check_device, _check_pool, _fmt, _gs, _scale_args, _u8
+    fmt = _fmt(fmt)
+    _check_device(k_data, v_data, block_table, seq_lens)
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64) or block_table.stride(1) != 1 \
+            or seq_lens.dim() != 1 or seq_lens.numel() != block_table.shape[0]:
+        raise KvxError(Status.INVALID_ARGUMENT, "block_table must be int32/int64 [B, max_blocks] (contiguous rows) "
+                       "and seq_lens [B]")
+    nb, hkv, bs = k_data.shape[:3]
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    d = k_data.shape[3] * (2 if kk.packed else 1)
+    fmt.check_head_dim(d)
+    _check_pool("K", k_data, kk, d)
+    _check_pool("V", v_data, kv, d)
+    lens = seq_lens.to(torch.int64)
+    if max_seq_len is not None:
+        lens = lens.clamp(max=max_seq_len)
+    if block_table.shape[0] and bool((lens > block_table.shape[1] * bs).any()):
+        raise KvxError(Status.OUT_OF_RANGE, f"a sequence is longer than its block table row ({block_table.shape[1]} blocks)")
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
+    torch.cumsum(lens, 0, out=cu[1:])
+    total = int(cu[-1])
+    max_len = int(lens.max()) if lens.numel() else 0
+    dt = out_dtype or (kk.storage if kk.code == 0 and kv.code == 0 else torch.float32)
+    work = torch.float32 if fmt.rotate else dt
+    if out is not None and not fmt.rotate:
+        ko, vo = out
+        if ko.shape[0] < total or tuple(ko.shape[1:]) != (hkv, d) or ko.stride(2) != 1 or vo.shape != ko.shape:
+            raise KvxError(Status.INVALID_ARGUMENT, f"out must be two [>= {total}, {hkv}, {d}] tensors")
+    else:
+        ko = torch.empty(total, hkv, d, dtype=work, device=k_data.device)
+        vo = torch.empty(total, hkv, d, dtype=work, device=k_data.device)
+    if total:
+        ks, vs = _scale_args("K", k_scales, k_data, kk, fmt.k, d), _scale_args("V", v_scales, v_data, kv, fmt.v, d)
+        dp = triton.next_power_of_2(d)
+        ngp = lambda k: triton.next_power_of_2(max(1, d // (k.group or 16)))
+        e5 = lambda tf: isinstance(tf, FP8Format) and tf.name == "fp8_e5m2"
+        _gather_kernel[(triton.cdiv(max_len, block_t), block_table.shape[0], 2 * hkv)](
+            block_table, block_table.stride(0), seq_lens, cu, max_len, hkv,
+            _u8(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks, _gs(k_gs, kk, hkv, k_data.device),
+            ko, ko.stride(0), ko.stride(1),
+            _u8(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs, _gs(v_gs, kv, hkv, v_data.device),
+            vo, vo.stride(0), vo.stride(1),
+            D=d, DP=dp, BT=block_t, BS=bs,
+            KF=kk.code, KGRP=kk.group or 16, KNGP=ngp(kk), KE5=e5(fmt.k),
+            VF=kv.code, VGRP=kv.group or 16, VNGP=ngp(kv), VE5=e5(fmt.v),
+            num_warps=4, enable_fp_fusion=False,
+        )
+    if fmt.rotate:
+        ko, vo = rotate(ko).to(dt), rotate(vo).to(dt)
+        if out is not None:
+            out[0][:total].copy_(ko)
+            out[1][:total].copy_(vo)
+            return out
+    return ko, vo

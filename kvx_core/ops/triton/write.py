@@ -1,0 +1,225 @@
+"""Fused KV write: quantize new K/V tokens `[T, H, D]` in any KVX format and scatter payload and scale
+bytes into the paged pools by slot mapping, K and V in ONE launch.
+
+Grid `(cdiv(T, BT), H, 2)`: a program encodes BT tokens of one head of K (axis 2 = 0) or V (= 1).
+Bit-identical to `kvx_core.formats` encode (same FP32 operations, IEEE division, no FMA contraction,
+software FP8 rounding; see quant.py). Hadamard formats rotate with the reference's own torch matmul
+(`formats.rotate`) before the kernel, so the kernel sees exactly the reference's rotated input.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...errors import KvxError, Status
+from ...formats import CacheFormat, FP8Format, MXFP4Format, rotate
+from .dequant import F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, F_PLAIN, e8m0_f32
+from .quant import cast_exact, ceil_log2, e4m3_f32, e2m1_code, f32_to_f8_bits, floor_log2, is_finite, rint, to_f32
+from .spec import kernel_format
+
+F16_MAX = tl.constexpr(65504.0)
+F16_NAN_BITS = tl.constexpr(0x7E00)
+
+
+@triton.jit
+def _int_params(mn, mx, fin, LEVELS: tl.constexpr):
+    """Row min/max -> (fp16 scale bits, fp16 min bits, f32 scale, f32 min, usable) as formats.integer."""
+    sc_h = tl.minimum(tl.math.div_rn(mx - mn, LEVELS), F16_MAX).to(tl.float16)
+    mn_h = tl.minimum(tl.maximum(mn, -F16_MAX), F16_MAX).to(tl.float16)
+    sc_bits = tl.where(fin, sc_h.to(tl.uint16, bitcast=True).to(tl.int32), F16_NAN_BITS)
+    mn_bits = tl.where(fin, mn_h.to(tl.uint16, bitcast=True).to(tl.int32), F16_NAN_BITS)
+    s = sc_h.to(tl.float32)
+    usable = fin & (s > 0)
+    return sc_bits, mn_bits, tl.where(usable, s, 1.0), mn_h.to(tl.float32), usable
+
+
+@triton.jit
+def _int_code(x, m, s, usable, LEVELS: tl.constexpr):
+    q = rint(tl.math.div_rn(x - m[:, None], s[:, None]))
+    q = tl.minimum(tl.maximum(q, 0.0), LEVELS)
+    return tl.where(usable[:, None], q, 0.0).to(tl.int32)
+
+
+@triton.jit
+def _store_f16_bytes(SC, srow, bits, byte_off: tl.constexpr, mask):
+    tl.store(SC + srow + byte_off, (bits & 0xFF).to(tl.uint8), mask=mask)
+    tl.store(SC + srow + (byte_off + 1), (bits >> 8).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _encode_rows(X, s_xt, s_xh, SLOT, T, t0, h, PD, s_pb, s_ph, s_pt, SC, s_sb, s_sh, s_st, G,
+                 F: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, GRP: tl.constexpr, NGP: tl.constexpr,
+                 F8E5: tl.constexpr, RCEIL: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+    offs_t = t0 + tl.arange(0, BT)
+    slot = tl.load(SLOT + offs_t, mask=offs_t < T, other=-1).to(tl.int64)
+    ok = (offs_t < T) & (slot >= 0)
+    blk = tl.where(ok, slot // BS, 0)
+    off = tl.where(ok, slot % BS, 0)
+    h64 = h.to(tl.int64)
+    xrow = offs_t.to(tl.int64) * s_xt + h64 * s_xh
+    prow = blk * s_pb + h64 * s_ph + off * s_pt
+    srow = blk * s_sb + h64 * s_sh + off * s_st
+    if F == F_PLAIN or F == F_FP8 or F == F_INT8:
+        d = tl.arange(0, DP)
+        m2 = ok[:, None] & (d < D)[None, :]
+        x = tl.load(X + xrow[:, None] + d[None, :], mask=m2, other=0)
+        dst = PD + prow[:, None] + d[None, :]
+        if F == F_PLAIN:
+            tl.store(dst, cast_exact(x, PD.dtype.element_ty), mask=m2)
+        elif F == F_FP8:
+            xf = to_f32(x)
+            fmax = 57344.0 if F8E5 else 448.0
+            y = tl.minimum(tl.maximum(tl.math.div_rn(xf, tl.load(G + h)), -fmax), fmax)
+            if F8E5:
+                b = f32_to_f8_bits(y, 2, 15)
+            else:
+                b = f32_to_f8_bits(y, 3, 7)
+            tl.store(dst, tl.where(is_finite(xf), b, 0x7F).to(tl.uint8), mask=m2)
+        else:
+            xf = to_f32(x)
+            dm = (d < D)[None, :]
+            fin = tl.max(tl.where(dm & ~is_finite(xf), 1, 0), axis=1) == 0
+            mn = tl.min(tl.where(dm, xf, float("inf")), axis=1)
+            mx = tl.max(tl.where(dm, xf, float("-inf")), axis=1)
+            sc_bits, mn_bits, s, m, usable = _int_params(mn, mx, fin, 255.0)
+            tl.store(dst, _int_code(xf, m, s, usable, 255.0).to(tl.uint8), mask=m2)
+            _store_f16_bytes(SC, srow, sc_bits, 0, ok)
+            _store_f16_bytes(SC, srow, mn_bits, 2, ok)
+    elif F == F_INT4:
+        HP: tl.constexpr = DP // 2
+        j = tl.arange(0, HP)
+        jm = (j < D // 2)[None, :]
+        m2 = ok[:, None] & jm
+        xa = to_f32(tl.load(X + xrow[:, None] + 2 * j[None, :], mask=m2, other=0))
+        xb = to_f32(tl.load(X + xrow[:, None] + 2 * j[None, :] + 1, mask=m2, other=0))
+        fin = tl.max(tl.where(jm & ~(is_finite(xa) & is_finite(xb)), 1, 0), axis=1) == 0
+        mn = tl.minimum(tl.min(tl.where(jm, xa, float("inf")), axis=1), tl.min(tl.where(jm, xb, float("inf")), axis=1))
+        mx = tl.maximum(tl.max(tl.where(jm, xa, float("-inf")), axis=1), tl.max(tl.where(jm, xb, float("-inf")), axis=1))
+        sc_bits, mn_bits, s, m, usable = _int_params(mn, mx, fin, 15.0)
+        qa = _int_code(xa, m, s, usable, 15.0)
+        qb = _int_code(xb, m, s, usable, 15.0)
+        tl.store(PD + prow[:, None] + j[None, :], (qa | (qb << 4)).to(tl.uint8), mask=m2)
+        _store_f16_bytes(SC, srow, sc_bits, 0, ok)
+        _store_f16_bytes(SC, srow, mn_bits, 2, ok)
+    else:  # F_NVFP4 / F_MXFP4: groups of GRP along D, even/odd elements -> low/high nibbles
+        GH: tl.constexpr = GRP // 2
+        gi = tl.arange(0, NGP)
+        ji = tl.arange(0, GH)
+        gm = gi < D // GRP
+        m3 = ok[:, None, None] & gm[None, :, None]
+        eidx = gi[None, :, None] * GRP + 2 * ji[None, None, :]
+        xa = to_f32(tl.load(X + xrow[:, None, None] + eidx, mask=m3, other=0))
+        xb = to_f32(tl.load(X + xrow[:, None, None] + eidx + 1, mask=m3, other=0))
+        fin = tl.max(tl.where(is_finite(xa) & is_finite(xb), 0, 1), axis=2) == 0
+        amax = tl.maximum(tl.max(tl.abs(xa), axis=2), tl.max(tl.abs(xb), axis=2))
+        amax = tl.where(fin, amax, 0.0)
+        if F == F_NVFP4:
+            g = tl.load(G + h)
+            s = tl.math.div_rn(amax, 6.0 * g)
+            s = tl.where(s == 0, 1.0, s)
+            s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
+            sbyte = f32_to_f8_bits(s, 3, 7)
+            big_s = e4m3_f32(sbyte) * g
+            sbyte = tl.where(fin, sbyte, 0x7F)
+        else:
+            if RCEIL:
+                dd = tl.math.div_rn(amax, 6.0)
+                e = tl.where(dd > 0, ceil_log2(tl.where(dd > 0, dd, 1.0)), -127)
+            else:
+                e = floor_log2(tl.where(amax > 0, amax, 1.0)) - 2
+            e = tl.where(amax > 0, e, -127)
+            e = tl.minimum(tl.maximum(e, -127), 127)
+            sbyte = e + 127
+            big_s = e8m0_f32(sbyte)
+            sbyte = tl.where(fin, sbyte, 0xFF)
+        ca = e2m1_code(tl.math.div_rn(xa, big_s[:, :, None]))
+        cb = e2m1_code(tl.math.div_rn(xb, big_s[:, :, None]))
+        byte = tl.where(fin[:, :, None], ca | (cb << 4), 0)
+        tl.store(PD + prow[:, None, None] + (gi[None, :, None] * GH + ji[None, None, :]), byte.to(tl.uint8), mask=m3)
+        tl.store(SC + srow[:, None] + gi[None, :], sbyte.to(tl.uint8), mask=ok[:, None] & gm[None, :])
+
+
+@triton.jit
+def _write_kernel(
+    SLOT, T,
+    KX, s_kxt, s_kxh, KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, KG,
+    VX, s_vxt, s_vxh, VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, VG,
+    D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    KF: tl.constexpr, KGRP: tl.constexpr, KNGP: tl.constexpr, KE5: tl.constexpr, KRCEIL: tl.constexpr,
+    VF: tl.constexpr, VGRP: tl.constexpr, VNGP: tl.constexpr, VE5: tl.constexpr, VRCEIL: tl.constexpr,
+):
+    t0 = tl.program_id(0) * BT
+    h = tl.program_id(1)
+    if tl.program_id(2) == 0:
+        _encode_rows(KX, s_kxt, s_kxh, SLOT, T, t0, h, KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, KG,
+                     KF, D, DP, KGRP, KNGP, KE5, KRCEIL, BT, BS)
+    else:
+        _encode_rows(VX, s_vxt, s_vxh, SLOT, T, t0, h, VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, VG,
+                     VF, D, DP, VGRP, VNGP, VE5, VRCEIL, BT, BS)
+
+
+def _side(name, x, data, scales, gs, tf, d, hkv):
+    """Validated kernel arguments and constexprs of one of K/V."""
+    from . import _check_pool, _gs, _scale_args, _u8
+    kf = kernel_format(tf)
+    _check_pool(name, data, kf, d)
+    if x.dim() != 3 or x.shape[1] != hkv or x.shape[2] != d or x.stride(2) != 1 \
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{name} must be bf16/fp16/fp32 [T, H_kv={hkv}, D={d}] with a contiguous last dim, "
+                       f"got {x.dtype} {tuple(x.shape)}")
+    sc = _scale_args(name, scales, data, kf, tf, d)
+    grp = kf.group or 16
+    ngp = triton.next_power_of_2(max(1, d // grp))
+    consts = (kf.code, grp, ngp, isinstance(tf, FP8Format) and tf.name == "fp8_e5m2",
+              not isinstance(tf, MXFP4Format) or tf.scale_rule == "rceil")
+    args = (x, x.stride(0), x.stride(1), _u8(data), data.stride(0), data.stride(1), data.stride(2), *sc,
+            _gs(gs, kf, hkv, x.device))
+    return args, consts
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
+             fmt: CacheFormat | str, k_gs=None, v_gs=None, *, check_slots: bool = True, block_t: int | None = None) -> None:
+    """Quantize `key`/`value [T, H_kv, D]` (bf16/fp16/fp32) in `fmt` and scatter them into the HND pools
+    at `slot_mapping [T]` (int32/int64; negative = skip), one launch for K and V.
+
+    `check_slots` verifies (one host sync) that valid slots are in range and unique, as the reference
+    does; hot paths that validated their slot mapping upstream pass False.
+    """
+    from . import _check_device, _fmt
+    fmt = _fmt(fmt)
+    _check_device(key, value, slot_mapping, k_data, v_data)
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64) \
+            or slot_mapping.numel() != key.shape[0] or value.shape[0] != key.shape[0]:
+        raise KvxError(Status.INVALID_ARGUMENT, f"slot_mapping must be int32/int64 [T={key.shape[0]}] and K/V must "
+                       f"have T rows, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}, V {tuple(value.shape)}")
+    d = int(key.shape[-1]) if key.dim() == 3 else -1
+    fmt.check_head_dim(d)
+    nb, hkv, bs = k_data.shape[:3]
+    if tuple(v_data.shape[:3]) != (nb, hkv, bs):
+        raise KvxError(Status.INVALID_ARGUMENT, "K and V pools must share [num_blocks, H_kv, block_size]")
+    if check_slots:
+        valid = slot_mapping[slot_mapping >= 0]
+        if valid.numel():
+            if int(valid.max()) >= nb * bs:
+                raise KvxError(Status.OUT_OF_RANGE, f"slot {int(valid.max())} >= {nb * bs} slots in the cache")
+            if valid.unique().numel() != valid.numel():
+                raise KvxError(Status.INVALID_ARGUMENT, "slot mapping names the same slot twice in one write batch")
+    if fmt.rotate:
+        key, value = rotate(key), rotate(value)  # the reference's own matmul: bit-identical inputs
+    kargs, kc = _side("K", key, k_data, k_scales, k_gs, fmt.k, d, hkv)
+    vargs, vc = _side("V", value, v_data, v_scales, v_gs, fmt.v, d, hkv)
+    t = int(key.shape[0])
+    if t == 0:
+        return
+    dp = triton.next_power_of_2(d)
+    bt = block_t or max(1, min(64, 4096 // dp))
+    _write_kernel[(triton.cdiv(t, bt), hkv, 2)](
+        slot_mapping, t, *kargs, *vargs,
+        D=d, DP=dp, BT=bt, BS=bs,
+        KF=kc[0], KGRP=kc[1], KNGP=kc[2], KE5=kc[3], KRCEIL=kc[4],
+        VF=vc[0], VGRP=vc[1], VNGP=vc[2], VE5=vc[3], VRCEIL=vc[4],
+        num_warps=4, enable_fp_fusion=False,
+    )
