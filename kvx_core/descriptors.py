@@ -78,11 +78,9 @@ class TensorDesc:
     def to_ctypes(self):
         from .abi import structs
 
-        c = structs.new(structs.TensorDescC, dtype=int(self.dtype), layout=int(self.layout),
-                        memory=int(self.memory), ndim=self.ndim, data=self.data_ptr or None)
-        for i, (n, s) in enumerate(zip(self.shape, self.stride)):
-            c.shape[i], c.stride[i] = n, s
-        return c
+        return structs.new(structs.TensorDescC, dtype=int(self.dtype), layout=int(self.layout),
+                           memory=int(self.memory), ndim=self.ndim, shape=list(self.shape),
+                           stride=list(self.stride), data=self.data_ptr or None)
 
 
 @dataclass
@@ -119,12 +117,11 @@ class ScaleDesc:
     def to_ctypes(self):
         from .abi import structs
 
-        c = structs.new(structs.ScaleDescC, dtype=int(self.dtype), granularity=int(self.granularity))
-        if self.tensor is not None:
-            c.ndim, c.data = self.tensor.dim(), self.tensor.data_ptr()
-            for i, (n, s) in enumerate(zip(self.tensor.shape, self.tensor.stride())):
-                c.shape[i], c.stride[i] = n, s
-        return c
+        t = self.tensor
+        if t is None:
+            return structs.new(structs.ScaleDescC, dtype=int(self.dtype), granularity=int(self.granularity))
+        return structs.new(structs.ScaleDescC, dtype=int(self.dtype), granularity=int(self.granularity),
+                           ndim=t.dim(), shape=list(t.shape), stride=list(t.stride()), data=t.data_ptr())
 
 
 @dataclass
