@@ -150,11 +150,7 @@ def main():
             for var in variants:
                 try:
                     kw = dict(var)
-                    bn = kw.get("block_n") or 64
-                    if "num_splits" not in kw:
-                        kw["num_splits"] = decode_num_splits(bsz, hkv, ctx, kw.get("block_n") or
-                                                             (128 if (kernel_format(fmt.k).packed and kernel_format(fmt.v).packed) else 64),
-                                                             torch.device(dev))
+                    kw.setdefault("num_splits", decode_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64, torch.device(dev)))
                     fn = lambda: paged_decode(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=ctx,  # noqa: E731
                                               out=out, lse=lse, **kw)
                     r = bench(fn, n=args.runs)
