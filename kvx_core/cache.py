@@ -19,7 +19,7 @@ from .descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, S
 from .enums import Layout
 from .errors import Status, require
 from .formats import CacheFormat, TensorFormat, get_format
-from .ops import reference
+from .ops import dispatch as reference
 
 _PAGE_ALIGN = 16  # bytes; every region of a page starts 16-byte aligned for vectorized kernels
 
