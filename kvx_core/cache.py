@@ -50,7 +50,7 @@ def capacity_ratio_vs_bf16(fmt: CacheFormat, head_dim: int) -> float:
     return get_format("bf16").bytes_per_token_head(head_dim) / fmt.bytes_per_token_head(head_dim)
 
 
-def _page_regions(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
+def page_regions(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
     """(offset, bytes) of K data, V data, K scales, V scales inside one page."""
     sizes = []
     for tf in (fmt.k, fmt.v):
@@ -66,7 +66,7 @@ def _page_regions(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim
 
 def page_bytes(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """Bytes of one block (page) of one layer, K and V with their scales, regions 16-byte aligned."""
-    off, n = _page_regions(fmt, block_size, num_kv_heads, head_dim)[-1]
+    off, n = page_regions(fmt, block_size, num_kv_heads, head_dim)[-1]
     return _round_up(off + n, _PAGE_ALIGN)
 
 
@@ -111,7 +111,7 @@ class PagedKVCache:
 
     def _page_views(self) -> list[torch.Tensor | None]:
         f = self.format
-        regions = _page_regions(f, self.block_size, self.num_kv_heads, self.head_dim)
+        regions = page_regions(f, self.block_size, self.num_kv_heads, self.head_dim)
         buf = torch.zeros(self.num_blocks, page_bytes(f, self.block_size, self.num_kv_heads, self.head_dim),
                           dtype=torch.uint8, device=self.device)
         views: list[torch.Tensor | None] = []

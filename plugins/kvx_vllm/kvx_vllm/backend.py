@@ -1,0 +1,198 @@
+"""The KVX attention backend for vLLM 0.32: page geometry, metadata builder, cache write, attention.
+
+Writes go through `kvx_core.ops.reference.write_kv` (quantize into the page's data and scale
+regions at the slot mapping) and attention through `kvx_core.ops.attention.paged_decode` /
+`paged_prefill`, which read the quantized pages directly. These are the torch reference ops, the
+CPU path; the GPU kernels plug in behind the same calls.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+
+from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
+from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
+from kvx_core.formats import CacheFormat, get_format
+from kvx_core.ops.attention import paged_decode, paged_prefill
+from kvx_core.ops.reference import write_kv
+from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from .dtypes import KVX_CACHE_DTYPES, is_kvx_dtype
+from .options import check_config
+from .pages import PAGE_BLOCK_ALIGN, page_cache_desc, token_bytes
+
+
+_run: dict[str, CacheFormat] = {}
+"""The format of this process's run, recorded when its layers are built (inside vLLM's config context)
+for `customize_spec`, which vLLM calls outside that context."""
+
+
+def _run_format() -> CacheFormat:
+    """The KVX format of the run being configured (startup checks included), or of the last one built."""
+    cfg = get_current_vllm_config_or_none()
+    if cfg is not None and is_kvx_dtype(cfg.cache_config.cache_dtype):
+        _run["format"] = get_format(check_config(cfg))
+    if "format" not in _run:
+        raise RuntimeError("KVX backend used outside a vLLM run with a kvx_* --kv-cache-dtype")
+    return _run["format"]
+
+
+class KvxAttentionBackend(AttentionBackend):
+    """Paged attention over KVX-quantized pages (one page = K/V payload + scales of one block)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(KVX_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["KvxAttentionImpl"]:
+        return KvxAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["KvxMetadataBuilder"]:
+        return KvxMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(PAGE_BLOCK_ALIGN)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # one head slot per page: every layout keeps a page contiguous; prefer vLLM CPU's default
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """One head slot of `num_kv_heads * bytes_per_token_head` bytes per token: a block is one page."""
+        if spec.state_content_bytes is not None:
+            return spec
+        fmt = _run_format()
+        return replace(spec, dtype=torch.uint8, num_head_slots=1,
+                       state_content_bytes=token_bytes(fmt, spec.num_kv_heads, spec.head_size))
+
+
+@dataclass
+class KvxMetadata:
+    """Per-step attention metadata (rows beyond `num_reqs` / `num_actual_tokens` are padding)."""
+
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs], cached + new tokens
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens]
+
+
+class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
+    """Slices vLLM's common metadata to the live requests; checks the run's config at startup."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        fmt = check_config(vllm_config)
+        init_logger("vllm.plugins.kvx").info("KVX attention backend: format %s for %d layers in pid %d", fmt,
+                                             len(layer_names), os.getpid())
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KvxMetadata:
+        m = common_attn_metadata
+        n = m.num_reqs
+        return KvxMetadata(m.num_actual_tokens, n, m.max_query_len, m.query_start_loc[:n + 1], m.seq_lens[:n],
+                           m.block_table_tensor[:n], m.slot_mapping[:m.num_actual_tokens])
+
+
+class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
+    """Writes K/V into KVX pages and attends over them (decoder self-attention)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **extra) -> None:
+        unsupported = {
+            "attention type " + str(attn_type): attn_type != AttentionType.DECODER,
+            "ALiBi": alibi_slopes is not None,
+            "sliding window": sliding_window is not None,
+            "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
+            "extra attention arguments " + str(sorted(k for k, v in extra.items() if v is not None)):
+                any(v is not None for v in extra.values()),
+        }
+        refused = [name for name, bad in unsupported.items() if bad]
+        if refused:
+            raise ValueError(f"KVX cache dtype {kv_cache_dtype}: this model needs {', '.join(refused)}, which the "
+                             "KVX vLLM backend does not serve (not verified); use another --kv-cache-dtype")
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = float(scale)
+        self.softcap = logits_soft_cap or None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.format = _run_format()
+        self.format.check_head_dim(head_size)
+        self._desc: tuple[tuple, CacheDesc] | None = None
+        self._globals: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+
+    # ------------------------------------------------------------ cache view
+    def _global_scales(self, layer: AttentionLayer, device: torch.device):
+        """FP32 global K/V scales: the checkpoint's k_scale/v_scale when it declares KV cache scales
+        (vLLM loads them into the layer), else 1.0 (the formats' default)."""
+        if self._globals is None:
+            fmt = self.format
+            if isinstance(getattr(layer, "quant_method", None), BaseKVCacheMethod):
+                sd = {"layers.0.k_scale": layer._k_scale.detach().cpu(), "layers.0.v_scale": layer._v_scale.detach().cpu()}
+                amax = amax_from_checkpoint(sd, 1)[0]
+                k, v = global_scale_for_amax(fmt.k, amax[0]), global_scale_for_amax(fmt.v, amax[1])
+            else:
+                ones = torch.ones(1, dtype=torch.float32)
+                k, v = (ones if fmt.k.uses_global_scale else None), (ones if fmt.v.uses_global_scale else None)
+            self._globals = tuple(None if g is None else g.reshape(1).to(device) for g in (k, v))
+        return self._globals
+
+    def _cache(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> CacheDesc:
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
+        if self._desc is None or self._desc[0] != key:
+            kg, vg = self._global_scales(layer, kv_cache.device)
+            self._desc = (key, page_cache_desc(kv_cache, self.format, self.num_kv_heads, self.head_size, kg, vg))
+        return self._desc[1]
+
+    # ------------------------------------------------------------ data path
+    def do_kv_cache_update(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize new K/V `[T, Hkv, D]` into the pages at `slot_mapping` (-1 = padding, skipped)."""
+        n = min(key.shape[0], slot_mapping.numel())
+        write = WriteDesc(KvIoDesc(key[:n], value[:n]), slot_mapping_from_vllm(slot_mapping, n))
+        write_kv(self._cache(layer, kv_cache), write)
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: KvxMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        """`output[:num_actual_tokens] [T, Hq, D]` = attention of each request's new queries over its pages."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("KVX backend: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        m = attn_metadata
+        cache = self._cache(layer, kv_cache)
+        table = block_table_from_vllm(m.block_table)
+        lens = seq_lens_from_vllm(m.seq_lens)
+        q = query[:m.num_actual_tokens]
+        if m.max_query_len == 1 and m.num_actual_tokens == m.num_reqs:
+            out, _ = paged_decode(q, cache, table, lens, sm_scale=self.scale, softcap=self.softcap)
+        else:
+            out, _ = paged_prefill(q, m.query_start_loc, cache, table, lens, sm_scale=self.scale,
+                                   softcap=self.softcap)
+        output[:m.num_actual_tokens] = out.to(output.dtype)
+        return output

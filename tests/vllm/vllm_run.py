@@ -1,0 +1,81 @@
+"""One offline vLLM run of SmolLM2-135M on CPU for one cache dtype; prints one JSON line of results.
+
+Run as a script (vLLM spawns an engine-core process, so it needs its own `__main__`):
+    python tests/vllm/vllm_run.py CKPT_DIR CACHE_DTYPE [--rotate] [--multiproc]
+Without --multiproc the engine core and worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
+and the 'uni' executor, set by the caller's environment / here).
+Measures: KV capacity vLLM reports, generation for prompts of different lengths, greedy
+continuations, `prompt_logprobs` perplexity on the demo text, and prefix-cache reuse.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "Python lists are mutable sequences. To add an item to the end of a list, call",
+           "A" * 3 + " short one:"]
+PPL_TOKENS = 512  # demo-text tokens scored with prompt_logprobs (two chunks of prefill)
+GEN_TOKENS = 24
+PREFIX_REPEAT = 30  # shared prefix of ~300 tokens: two full 128-token blocks
+
+
+def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool) -> dict:
+    from vllm import LLM, SamplingParams
+    from kvx_core.demo.text import default_text, tokenize
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    extra = {"additional_config": {"kvx": {"rotate": True}}} if rotate else {}
+    if not multiproc:  # engine core and worker in this process: ~40 s less startup on 2 cores
+        extra["distributed_executor_backend"] = "uni"
+    llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=1024, enforce_eager=True,
+              max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=True, seed=0, **extra)
+    startup = time.perf_counter() - t0
+    cc = llm.llm_engine.vllm_config.cache_config
+    out: dict = {"dtype": cache_dtype, "rotate": rotate, "startup_s": round(startup, 1),
+                 "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size}
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
+    gens = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    out["gen_tokens"] = [list(g.outputs[0].token_ids) for g in gens]
+    out["gen_text"] = [g.outputs[0].text for g in gens]
+    t_gen = time.perf_counter()
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    ids = tokenize(tok, default_text(), max_tokens=PPL_TOKENS).tolist()
+    scored = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)[0]
+    nll = [-lp[t].logprob for t, lp in zip(ids[1:], scored.prompt_logprobs[1:])]
+    out["ppl"] = math.exp(sum(nll) / len(nll))
+    # greedy next token at every position of the text (teacher-forced), to compare dtypes position by position
+    out["text_top1"] = [next(t for t, v in lp.items() if v.rank == 1) for lp in scored.prompt_logprobs[1:]]
+    t_ppl = time.perf_counter()
+
+    prefix = " ".join(["The quick brown fox jumps over the lazy dog."] * PREFIX_REPEAT)
+    probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    llm.generate([prefix + " First question: what"], probe, use_tqdm=False)
+    warm = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
+    llm.reset_prefix_cache()
+    cold = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
+    out["prefix"] = {"prompt_tokens": len(warm.prompt_token_ids), "warm_cached": warm.num_cached_tokens,
+                     "cold_cached": cold.num_cached_tokens,
+                     "warm": _logprobs(warm), "cold": _logprobs(cold)}
+    t1 = time.perf_counter()
+    out["timing"] = {"gen": round(t_gen - t0 - startup, 1), "ppl": round(t_ppl - t_gen, 1), "prefix": round(t1 - t_ppl, 1)}
+    out["total_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _logprobs(req) -> list[list]:
+    """Per generated position: the sampled token and the top-5 (token, logprob) pairs."""
+    o = req.outputs[0]
+    return [[t, sorted((k, v.logprob) for k, v in lp.items())] for t, lp in zip(o.token_ids, o.logprobs)]
+
+
+if __name__ == "__main__":
+    flags = sys.argv[3:]
+    res = main(sys.argv[1], sys.argv[2], "--rotate" in flags, "--multiproc" in flags)
+    print("KVX_RESULT " + json.dumps(res), flush=True)
