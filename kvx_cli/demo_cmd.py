@@ -143,8 +143,10 @@ def run(a: argparse.Namespace) -> int:
                "tokens_per_s": res.tokens_processed / res.seconds,
                "calibrated": obs is not None and paged.layers[0].k_global is not None,
                "windows": a.windows, "window_len": a.window_len}
+        if not rows:
+            print(_header(), flush=True)
         rows.append(row)
-        print(_fmt_row(row), flush=True) if len(rows) > 1 else print(_header() + "\n" + _fmt_row(row), flush=True)
+        print(_fmt_row(row), flush=True)
     if a.json:
         with a.json.open("a") as f:
             for row in rows:
