@@ -56,6 +56,21 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
+def fp4_encode_groups(xg: Tensor, group_scale: Tensor, finite: Tensor) -> Tensor:
+    """Groups `xg [..., G, g]` divided by their scale `[..., G, 1]` -> packed E2M1 payload `[..., G*g/2]`;
+    the codes of non-finite groups are stored as 0 (their scale byte carries the NaN)."""
+    codes = e2m1_encode(xg / group_scale)
+    codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
+    return pack_nibbles(codes.flatten(-2))
+
+
+def fp4_decode_groups(payload: Tensor, group_size: int, group_scale: Tensor) -> Tensor:
+    """Packed E2M1 payload `[..., D/2]` times its per-group scale `[..., D/group_size]` -> FP32 `[..., D]`."""
+    vals = e2m1_decode(unpack_nibbles(payload))
+    vals = vals.unflatten(-1, (-1, group_size)) * group_scale.unsqueeze(-1)
+    return vals.flatten(-2)
+
+
 def e4m3_to_byte(v: Tensor) -> Tensor:
     """FP32 -> E4M3 (`float8_e4m3fn`) bytes, round-to-nearest-even. Callers clamp to [-448, 448] first."""
     return v.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)

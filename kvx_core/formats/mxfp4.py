@@ -25,8 +25,7 @@ from ..enums import DType, QuantFormat, ScaleGranularity
 from ..errors import KvxError, Status
 from .base import TensorFormat
 from .codes import (
-    E8M0_NAN_BYTE, ceil_log2, e2m1_decode, e2m1_encode, e8m0_from_byte, e8m0_to_byte, floor_log2,
-    pack_nibbles, unpack_nibbles,
+    E8M0_NAN_BYTE, ceil_log2, e8m0_from_byte, e8m0_to_byte, floor_log2, fp4_decode_groups, fp4_encode_groups,
 )
 
 SCALE_RULES = ("rceil", "floor")
@@ -74,18 +73,11 @@ class MXFP4Format(TensorFormat):
         finite = torch.isfinite(xg).all(dim=-1)
         amax = torch.where(finite, xg.abs().amax(dim=-1), torch.zeros(finite.shape, device=x.device))
         byte = e8m0_to_byte(self.scale_exponent(amax))
-        scale = e8m0_from_byte(byte).unsqueeze(-1)
-        codes = e2m1_encode(xg / scale)
-        codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
-        byte = torch.where(finite, byte, torch.full_like(byte, E8M0_NAN_BYTE))
-        payload = pack_nibbles(codes.reshape(*xf.shape))
-        return payload, byte
+        payload = fp4_encode_groups(xg, e8m0_from_byte(byte).unsqueeze(-1), finite)
+        return payload, torch.where(finite, byte, torch.full_like(byte, E8M0_NAN_BYTE))
 
     def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                out_dtype: torch.dtype = torch.float32) -> Tensor:
-        d = self._check_stored(payload, scales)
+        self._check_stored(payload, scales)
         self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
-        vals = e2m1_decode(unpack_nibbles(payload))
-        vals = vals.reshape(*vals.shape[:-1], d // self.group_size, self.group_size)
-        out = vals * e8m0_from_byte(scales).unsqueeze(-1)
-        return out.reshape(*out.shape[:-2], d).to(out_dtype)
+        return fp4_decode_groups(payload, self.group_size, e8m0_from_byte(scales)).to(out_dtype)

@@ -27,8 +27,8 @@ from torch import Tensor
 from ..enums import DType, QuantFormat, ScaleGranularity
 from .base import TensorFormat
 from .codes import (
-    E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, E4M3_NAN_BYTE, e2m1_decode, e2m1_encode, e4m3_from_byte,
-    e4m3_to_byte, pack_nibbles, unpack_nibbles,
+    E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, E4M3_NAN_BYTE, e4m3_from_byte, e4m3_to_byte, fp4_decode_groups,
+    fp4_encode_groups,
 )
 
 
@@ -76,19 +76,11 @@ class NVFP4Format(TensorFormat):
         s, finite = self._raw_scale(xg, g)
         s = torch.where(s == 0, torch.ones_like(s), s).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX)
         byte = e4m3_to_byte(s)
-        big_s = (e4m3_from_byte(byte) * g).unsqueeze(-1)
-        codes = e2m1_encode(xg / big_s)
-        codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
-        byte = torch.where(finite, byte, torch.full_like(byte, E4M3_NAN_BYTE))
-        payload = pack_nibbles(codes.reshape(*xf.shape))
-        return payload, byte
+        payload = fp4_encode_groups(xg, (e4m3_from_byte(byte) * g).unsqueeze(-1), finite)
+        return payload, torch.where(finite, byte, torch.full_like(byte, E4M3_NAN_BYTE))
 
     def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                out_dtype: torch.dtype = torch.float32) -> Tensor:
-        d = self._check_stored(payload, scales)
+        self._check_stored(payload, scales)
         g = self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
-        vals = e2m1_decode(unpack_nibbles(payload))
-        vals = vals.reshape(*vals.shape[:-1], d // self.group_size, self.group_size)
-        big_s = (e4m3_from_byte(scales) * g).unsqueeze(-1)
-        out = vals * big_s
-        return out.reshape(*out.shape[:-2], d).to(out_dtype)
+        return fp4_decode_groups(payload, self.group_size, e4m3_from_byte(scales) * g).to(out_dtype)

@@ -17,16 +17,9 @@ from .dequant import (
     F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, TWO_POW_24, dot_f32, e2m1_hi_f16_x4, e2m1_lo_f16_x4,
     e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, u4_hi_f16_sub, u4_lo_f16_sub, u8_f16_sub,
 )
+from .quant import f16_bytes_f32
 
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _f16_pair(SC, row, byte_off: tl.constexpr, mask):
-    """Little-endian fp16 at bytes [byte_off, byte_off+2) of each scale row -> fp32 [N]."""
-    b0 = tl.load(SC + row + byte_off, mask=mask, other=0).to(tl.uint16)
-    b1 = tl.load(SC + row + (byte_off + 1), mask=mask, other=0).to(tl.uint16)
-    return (b0 | (b1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -184,8 +177,8 @@ def _decode_kernel(
                 s = tl.dot(qa, tl.trans(k_t))
         if KINT:
             ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
-            k_sc = _f16_pair(KS, ksrow, 0, tmask) * TWO_POW_24  # codes enter the dot as fp16 c * 2**-24
-            k_mn = _f16_pair(KS, ksrow, 2, tmask)
+            k_sc = f16_bytes_f32(KS, ksrow, 0, tmask) * TWO_POW_24  # codes enter the dot as fp16 c * 2**-24
+            k_mn = f16_bytes_f32(KS, ksrow, 2, tmask)
             s = s * k_sc[None, :] + qsum[:, None] * k_mn[None, :]
         s = s * k_fac
         if SOFTCAP:
@@ -241,8 +234,8 @@ def _decode_kernel(
                 va_t = vraw.to(VDT)
         if VINT:
             vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
-            v_sc = _f16_pair(VS, vsrow, 0, tmask)
-            v_mn = _f16_pair(VS, vsrow, 2, tmask)
+            v_sc = f16_bytes_f32(VS, vsrow, 0, tmask)
+            v_mn = f16_bytes_f32(VS, vsrow, 2, tmask)
             v_smax = tl.max(v_sc, axis=0)
             v_smax = tl.where(v_smax > 0, v_smax, 1.0)
             w = (p * (v_sc / v_smax)[None, :]).to(VDT)
