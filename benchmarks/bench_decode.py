@@ -1,4 +1,4 @@
-"""Paged decode: KVX Triton (every format) vs FlashInfer BF16 / FP8 in one process, same block tables.
+"""Paged decode: KVX (Triton, every format; CUDA, 4-bit formats) vs FlashInfer BF16 / FP8 in one process, same block tables.
 
 Pools hold random *valid* payload and scale bytes (timing does not depend on values; correctness is
 tests/kernels). Prints and appends JSON lines to benchmarks/results/decode.jsonl:
@@ -22,6 +22,7 @@ from common import bench, bench_graph, copy_bandwidth, emit, env_info  # noqa: E
 
 from kvx_core.formats import get_format  # noqa: E402
 from kvx_core.ops.triton import decode_num_splits, paged_decode  # noqa: E402
+from kvx_core.ops.cuda.decode import num_splits as cuda_splits, supports  # noqa: E402
 from kvx_core.ops.triton.spec import kernel_format  # noqa: E402
 
 
@@ -63,6 +64,9 @@ def main():
     ap.add_argument("--tune", default="", help="formats to sweep block_n/warps/stages/splits on")
     ap.add_argument("--tune-configs", default="64x32768,1x32768")
     ap.add_argument("--split-sweep", default="", help="num_splits values to try on B=1 configs, e.g. 16,32,64")
+    ap.add_argument("--backends", default="auto", help="paged_decode backends to time, e.g. triton,cuda")
+    ap.add_argument("--cuda-warps", default="4", help="num_warps values for the CUDA backend, e.g. 4,8")
+    ap.add_argument("--cuda-splits", default="", help="extra num_splits values for the CUDA backend")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--fi-tc", default="0", help="FlashInfer use_tensor_cores values to try, e.g. 0,1")
     ap.add_argument("--out", default="benchmarks/results/decode.jsonl")
@@ -136,7 +140,17 @@ def main():
             nbytes = tokens * hkv * fmt.bytes_per_token_head(d)
             out = torch.empty_like(q)
             lse = torch.empty(bsz, hq, device=dev, dtype=torch.float32)
-            variants = [dict()]
+            variants = []
+            for be in args.backends.split(","):
+                if be != "cuda":
+                    variants.append(dict(backend=be))
+                    continue
+                if supports(q, fmt, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd):
+                    continue  # the CUDA kernel does not serve this format
+                for nw in (int(x) for x in args.cuda_warps.split(",")):
+                    variants.append(dict(backend="cuda", num_warps=nw))
+                    variants += [dict(backend="cuda", num_warps=nw, num_splits=int(x))
+                                 for x in args.cuda_splits.split(",") if x]
             if name in args.tune.split(",") and cfg in args.tune_configs.split(","):
                 auto = decode_num_splits(bsz, hkv, ctx, 128, torch.device(dev))
                 variants = []
@@ -150,7 +164,11 @@ def main():
             for var in variants:
                 try:
                     kw = dict(var)
-                    kw.setdefault("num_splits", decode_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64, torch.device(dev)))
+                    if kw.get("backend") == "cuda":
+                        kw.setdefault("num_splits", cuda_splits(bsz, hkv, ctx, info["sms"], kw["num_warps"]))
+                    else:
+                        kw.setdefault("num_splits", decode_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64,
+                                                                      torch.device(dev)))
                     fn = lambda: paged_decode(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=ctx,  # noqa: E731
                                               out=out, lse=lse, **kw)
                     r = bench(fn, n=args.runs)

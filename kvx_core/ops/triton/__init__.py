@@ -115,12 +115,15 @@ def _default_block_n(kk: KernelFormat, kv: KernelFormat, head_dim: int) -> int:
 def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, fmt,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
                  num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
-                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 backend: str | None = None):
     """Decode attention: `q [B, Hq, D]` over the paged quantized cache -> (`out [B, Hq, D]` q.dtype, `lse [B, Hq]` fp32).
 
     `lse` is the natural-log sum-exp of the (scaled, soft-capped) scores; `-inf` and a zero output
     for an empty sequence. `window` = FlashInfer's `window_left`: keys at positions
     `>= seq_len - 1 - window` are attended. Rotated formats take unrotated q and return unrotated out.
+    `backend`: "auto" (default, or `$KVX_DECODE_BACKEND`) runs the CUDA 4-bit kernel (`ops/cuda`) where it
+    serves the call and Triton elsewhere; "cuda" requires the CUDA kernel; "triton" forces Triton.
     """
     fmt = _fmt(fmt)
     _check_device(q, k_data, v_data, block_table, seq_lens)
@@ -145,16 +148,19 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
     ks = _scale_args("K", k_scales, k_data, kk, fmt.k, d)
     vs = _scale_args("V", v_scales, v_data, kv, fmt.v, d)
     kg, vg = _gs(k_gs, kk, hkv, q.device), _gs(v_gs, kv, hkv, q.device)
-    qh = hq // hkv
-    bm = max(16, triton_next_pow2(qh))
     if block_n is None:
         block_n = _default_block_n(kk, kv, d)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if bsz else 0
     if window is not None and window >= 0:
         max_seq_len = min(max_seq_len, window + 1)
+    use_cuda = _use_cuda_decode(backend, q, fmt, k_data, ks[0], v_data, vs[0])
     if num_splits is None:
-        num_splits = decode_num_splits(bsz, hkv, max_seq_len, block_n, q.device)
+        if use_cuda:
+            from ..cuda.decode import num_splits as cuda_splits
+            num_splits = cuda_splits(bsz, hkv, max_seq_len, _sm_count(q.device), num_warps or 4)
+        else:
+            num_splits = decode_num_splits(bsz, hkv, max_seq_len, block_n, q.device)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if out is None:
         out = torch.empty_like(q)
@@ -164,13 +170,64 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
         return out, lse
     mid_o = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    from .decode import _reduce_kernel
+    if use_cuda:
+        from ..cuda.decode import launch as cuda_launch
+        cuda_launch(q, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
+                    softcap, window, num_warps=num_warps or 4)
+    else:
+        _triton_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
+                       softcap, window, block_n, num_warps, num_stages)
+    _reduce_kernel[(bsz, hq)](
+        mid_o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_l, mid_l.stride(0), mid_l.stride(1),
+        out, out.stride(0), out.stride(1),
+        lse, lse.stride(0), lse.stride(1),
+        num_splits,
+        D=d, SB=min(32, triton_next_pow2(num_splits)), ROTATE=fmt.rotate, RSD=1.0 / math.sqrt(d),
+        num_warps=4,
+    )
+    return out, lse
+
+
+def _use_cuda_decode(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> bool:
+    """Whether paged_decode runs the CUDA 4-bit kernel (see its `backend` argument)."""
+    backend = backend or os.environ.get("KVX_DECODE_BACKEND", "auto")
+    if backend not in ("auto", "cuda", "triton"):
+        raise KvxError(Status.INVALID_ARGUMENT, f"decode backend must be auto, cuda or triton, got {backend!r}")
+    if backend == "triton" or (backend == "auto" and (interpreting() or q.device.type != "cuda")):
+        return False
+    from ..cuda.decode import supports
+    why = supports(q, fmt, k_data, k_scales, v_data, v_scales)
+    if why is None and backend == "auto":
+        try:
+            from ..cuda import library
+            library(q.device)
+        except KvxError as e:
+            if e.status != Status.UNSUPPORTED:
+                raise
+            why = str(e)  # no nvcc here: Triton serves the call
+    if why is not None and backend == "cuda":
+        raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot serve this call: {why}")
+    return why is None
+
+
+def _triton_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
+                   softcap, window, block_n, num_warps, num_stages) -> None:
+    """The Triton split-KV decode kernel: per-split partials into mid_o / mid_l."""
+    from .decode import _decode_kernel
+    bsz, hq, d = q.shape
+    _, hkv, bs, _ = k_data.shape
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    qh = hq // hkv
+    bm = max(16, triton_next_pow2(qh))
+    num_splits = mid_o.shape[2]
     kdt, vdt = kk.dot_dtype(q.dtype), kv.dot_dtype(q.dtype)
     rsd = 1.0 / math.sqrt(d)
     if num_warps is None:
         num_warps = 4  # run-2 sweep: 8 warps lost 0-45% on every format
     if num_stages is None:
         num_stages = 2 if (kk.packed or kv.packed) else 3
-    from .decode import _decode_kernel, _reduce_kernel
     _decode_kernel[(bsz, hkv, num_splits)](
         q, q.stride(0), q.stride(1),
         _u8(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2),
@@ -189,16 +246,6 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
         ROTATE=fmt.rotate, SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, RSD=rsd,
         ASM=not interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
-    _reduce_kernel[(bsz, hq)](
-        mid_o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_l, mid_l.stride(0), mid_l.stride(1),
-        out, out.stride(0), out.stride(1),
-        lse, lse.stride(0), lse.stride(1),
-        num_splits,
-        D=d, SB=min(32, triton_next_pow2(num_splits)), ROTATE=fmt.rotate, RSD=rsd,
-        num_warps=4,
-    )
-    return out, lse
 
 
 def _f8(dt: torch.dtype):

@@ -1,0 +1,97 @@
+"""CUDA kernels of KVX: the 4-bit paged decode (`decode_fp4.cu`), built with nvcc on first use.
+
+The library is compiled for the current GPU's architecture (SM 8.9+, `sm_90a` on Hopper) into
+`$KVX_CUDA_CACHE` (default `~/.cache/kvx/cuda`), keyed by the source hash, the architecture and the
+nvcc version, then loaded with ctypes; kernels run on torch's current CUDA stream (graph capturable).
+`build()` also runs without a GPU (CI compiles the source for `sm_90a`).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from ...errors import KvxError, Status
+
+SOURCE = Path(__file__).with_name("decode_fp4.cu")
+_LOCK = threading.Lock()
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def nvcc_path() -> str | None:
+    """nvcc from `$CUDA_HOME/bin`, `$PATH` or /usr/local/cuda, else None."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    for cand in ([os.path.join(home, "bin", "nvcc")] if home else []) + [shutil.which("nvcc") or "",
+                                                                         "/usr/local/cuda/bin/nvcc"]:
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVX_CUDA_CACHE", Path.home() / ".cache" / "kvx" / "cuda"))
+
+
+def arch_of(capability: tuple[int, int]) -> str:
+    """nvcc architecture name for a compute capability (`90a` for Hopper: the arch-specific target)."""
+    major, minor = capability
+    if (major, minor) < (8, 9):
+        raise KvxError(Status.UNSUPPORTED, f"KVX CUDA kernels need compute capability >= 8.9 (FP8 converts), "
+                                           f"got {major}.{minor}")
+    return f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+
+
+def build(arch: str, nvcc: str | None = None, out_dir: Path | None = None) -> Path:
+    """Compile `decode_fp4.cu` for `arch` (e.g. '90a') into a shared library; cached by content."""
+    nvcc = nvcc or nvcc_path()
+    if nvcc is None:
+        raise KvxError(Status.UNSUPPORTED, "nvcc not found (set CUDA_HOME): KVX builds its CUDA decode kernel "
+                                           "on first use; without it the Triton kernels are used")
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"kvx_decode_fp4-{arch}-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = arch.rstrip("a")
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{base},code=compute_{base}",
+               str(SOURCE), "-o", str(tmp_lib)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise KvxError(Status.INTERNAL, f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+        os.replace(tmp_lib, lib)  # atomic: concurrent builders never load a half-written file
+    return lib
+
+
+def library(device) -> ctypes.CDLL:
+    """The loaded kernel library for a torch CUDA device (built on first use)."""
+    import torch
+    arch = arch_of(torch.cuda.get_device_capability(device))
+    with _LOCK:
+        if arch not in _LIBS:
+            lib = ctypes.CDLL(str(build(arch)))
+            lib.kvx_decode_fp4.restype = ctypes.c_int
+            lib.kvx_decode_fp4.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+            lib.kvx_decode_params_size.restype = ctypes.c_int
+            from .decode import DecodeParams
+            if lib.kvx_decode_params_size() != ctypes.sizeof(DecodeParams):
+                raise KvxError(Status.INTERNAL, "DecodeParams ctypes mirror does not match decode_fp4.cu")
+            _LIBS[arch] = lib
+        return _LIBS[arch]
+
+
+def cuda_error_name(code: int) -> str:
+    try:
+        import torch
+        return torch.cuda.cudart().cudaGetErrorString(code)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        return f"cudaError {code}"

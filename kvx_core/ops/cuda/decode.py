@@ -1,0 +1,134 @@
+"""Launcher of the CUDA 4-bit paged decode (`decode_fp4.cu`): which calls it serves, and the launch.
+
+It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries) and INT4 (f16/bf16) caches whose K and V
+use the same format (rotated variants too), head_dim 64/128/256, 1..16 query heads per KV head, block
+sizes that are multiples of 16, with payload rows aligned for word loads. Anything else goes to the
+Triton kernel (`supports` says why). The kernel writes per-split partial outputs that the Triton reduce
+kernel merges, exactly as the Triton decode kernel does.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from functools import cache
+
+import torch
+
+from ...errors import KvxError, Status
+from ...formats import CacheFormat, IntFormat, MXFP4Format, NVFP4Format
+
+F_NVFP4, F_MXFP4, F_INT4 = 0, 1, 2
+
+
+class DecodeParams(ctypes.Structure):
+    """ctypes mirror of `kvx::DecodeParams` (checked against the library's sizeof at load)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64),
+        ("kd", ctypes.c_void_p), ("kd_sb", ctypes.c_int64), ("kd_sh", ctypes.c_int64), ("kd_st", ctypes.c_int64),
+        ("ks", ctypes.c_void_p), ("ks_sb", ctypes.c_int64), ("ks_sh", ctypes.c_int64), ("ks_st", ctypes.c_int64),
+        ("vd", ctypes.c_void_p), ("vd_sb", ctypes.c_int64), ("vd_sh", ctypes.c_int64), ("vd_st", ctypes.c_int64),
+        ("vs", ctypes.c_void_p), ("vs_sb", ctypes.c_int64), ("vs_sh", ctypes.c_int64), ("vs_st", ctypes.c_int64),
+        ("kg", ctypes.c_void_p), ("vg", ctypes.c_void_p),
+        ("bt", ctypes.c_void_p), ("bt_sb", ctypes.c_int64), ("seq", ctypes.c_void_p),
+        ("mo", ctypes.c_void_p), ("mo_sb", ctypes.c_int64), ("mo_sh", ctypes.c_int64), ("mo_ss", ctypes.c_int64),
+        ("ml", ctypes.c_void_p), ("ml_sb", ctypes.c_int64), ("ml_sh", ctypes.c_int64),
+        ("sm_scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
+        ("qh", ctypes.c_int32), ("bs", ctypes.c_int32), ("num_splits", ctypes.c_int32),
+    ]
+
+
+def _code(fmt: CacheFormat) -> tuple[int, int] | None:
+    """(format code, group size) when K and V share a format the kernel decodes, else None."""
+    if type(fmt.k) is not type(fmt.v) or fmt.k.group_size != fmt.v.group_size:
+        return None
+    if isinstance(fmt.k, NVFP4Format):
+        return F_NVFP4, 16
+    if isinstance(fmt.k, MXFP4Format):
+        return F_MXFP4, fmt.k.group_size
+    if isinstance(fmt.k, IntFormat) and fmt.k.bits == 4:
+        return F_INT4, 16
+    return None
+
+
+def _aligned(t: torch.Tensor, width: int) -> bool:
+    return t.data_ptr() % width == 0 and all(t.stride(i) % width == 0 for i in range(3))
+
+
+def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
+    """None when the CUDA kernel serves this call, else the reason it does not."""
+    code = _code(fmt)
+    if code is None:
+        return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 (same format for K and V)"
+    if q.device.type != "cuda":
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "needs compute capability >= 8.9"
+    if q.dtype not in (torch.float16, torch.bfloat16) or (code[0] == F_MXFP4 and q.dtype != torch.bfloat16):
+        return f"{q.dtype} queries (MXFP4 needs bf16, NVFP4/INT4 f16 or bf16)"
+    bsz, hq, d = q.shape
+    _, hkv, bs, _ = k_data.shape
+    if d not in (64, 128, 256):
+        return f"head_dim {d} (64/128/256)"
+    if hq // hkv > 16:
+        return f"{hq // hkv} query heads per KV head (<= 16)"
+    if bs % 16:
+        return f"block size {bs} (a multiple of 16)"
+    if bsz > 65535 or hkv > 65535:
+        return "grid too large"
+    kw, vw = d // 8, d // 16  # bytes a thread loads from one K / V row
+    if not (_aligned(k_data, min(16, kw)) and _aligned(v_data, min(16, vw))):
+        return "payload rows not aligned for word loads"
+    ksb = 4 if code[0] == F_INT4 else max(1, (d // 4) // code[1])
+    vsb = 4 if code[0] == F_INT4 else max(1, (d // 8) // code[1])
+    if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
+        return "scale rows not aligned"
+    if q.stride(2) != 1:
+        return "query last dim not contiguous"
+    return None
+
+
+@cache
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    from ...formats import hadamard
+    return hadamard(d, dtype=torch.float32, device=device)
+
+
+def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int, num_warps: int) -> int:
+    """Splits per (sequence, KV head): about 2 waves of CTAs, each at least 2 tiles per warp."""
+    base = max(1, batch * num_kv_heads)
+    by_len = max(1, math.ceil(max_seq_len / (32 * num_warps)))
+    return int(max(1, min(math.ceil(2 * 3 * sm_count / base), by_len, 256)))
+
+
+def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
+           mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
+           window: int | None, num_warps: int = 4) -> None:
+    """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`."""
+    from . import cuda_error_name, library
+    code, group = _code(fmt)
+    bsz, hq, d = q.shape
+    _, hkv, bs, _ = k_data.shape
+    if fmt.rotate:
+        q = (q.to(torch.float32) @ _hadamard(d, q.device)).to(q.dtype)
+    p = DecodeParams()
+    p.q, p.q_sb, p.q_sh = q.data_ptr(), q.stride(0), q.stride(1)
+    for pre, data, sc in (("k", k_data, k_scales), ("v", v_data, v_scales)):
+        setattr(p, pre + "d", data.data_ptr())
+        setattr(p, pre + "s", sc.data_ptr())
+        for suf, i in (("b", 0), ("h", 1), ("t", 2)):
+            setattr(p, f"{pre}d_s{suf}", data.stride(i))
+            setattr(p, f"{pre}s_s{suf}", sc.stride(i))
+    p.kg = kg.data_ptr() if kg is not None and code == F_NVFP4 else None
+    p.vg = vg.data_ptr() if vg is not None and code == F_NVFP4 else None
+    p.bt, p.bt_sb, p.seq = block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr()
+    p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
+    p.ml, p.ml_sb, p.ml_sh = mid_l.data_ptr(), mid_l.stride(0), mid_l.stride(1)
+    p.sm_scale, p.softcap = sm_scale, float(softcap) if softcap else 0.0
+    p.window = int(window) if window is not None and window >= 0 else -1
+    p.qh, p.bs, p.num_splits = hq // hkv, bs, mid_o.shape[2]
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    err = library(q.device).kvx_decode_fp4(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group,
+                                           num_warps, bsz, hkv, stream)
+    if err != 0:
+        raise KvxError(Status.INTERNAL, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")

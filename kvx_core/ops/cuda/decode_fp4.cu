@@ -1,0 +1,563 @@
+// KVX paged decode attention over 4-bit KV caches (NVFP4, MXFP4, INT4): CUDA, SM89+ (Hopper first).
+//
+// Why CUDA and not Triton (benchmarks/results/ncu_decode_b64_32k_h200.txt): Triton's mma-v2 path
+// routes the 4-bit payload through shared memory and layout conversions; its NVFP4 decode used 20%
+// of DRAM bandwidth, bound on L1/TEX. Here a thread loads its payload as 32-bit words straight into
+// registers and decodes them *into the tensor-core fragment layout*: the contraction index of QK^T is
+// permuted so that a thread's K fragment is whole words of one token row, and the output columns of PV
+// are permuted so that a thread's V fragment comes from the same word of two tokens (one PRMT). Q and
+// O carry the same permutations, which is free (Q is loaded once, O stored once).
+//
+// Exactness: every dequantized operand is exact in the mma operand type (f16 or bf16 = query dtype).
+//   NVFP4: e2m1 placed in the f16 / bf16 bit pattern reads as e2m1 * 2^-14 / e2m1 * 2^-126; times the
+//          E4M3 group scale pre-multiplied by 2^7 / 2^119 it is e2m1 * s * 2^-7 exactly (<= 6
+//          significant bits, normal). 2^7 and the FP32 global scale are applied to scores / output.
+//   MXFP4: (raw * 2^126) * 2^(E-127) in bf16, the exponent range of the fp32 reference (bf16 queries).
+//   INT4:  codes c via the magic-number trick ((c | M) - M, exact); the fp16 per-token scale and min
+//          are applied in fp32: s = sc * (q . c) + mn * sum(q); o = sum_t (p_t sc_t) c_t + sum_t p_t mn_t.
+// One CTA = (split, KV head, sequence). Its warps take 16-token tiles round-robin, each with its own
+// online softmax (tile i+NW's raw words are loaded while tile i is computed), and are merged through
+// shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
+// Triton reduce kernel (kvx_core/ops/triton/decode.py), which merges the splits.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace kvx {
+
+enum : int { F_NVFP4 = 0, F_MXFP4 = 1, F_INT4 = 2 };
+
+struct DecodeParams {
+  const void* q;
+  int64_t q_sb, q_sh;  // element strides
+  const uint8_t* kd;
+  int64_t kd_sb, kd_sh, kd_st;  // byte strides
+  const uint8_t* ks;
+  int64_t ks_sb, ks_sh, ks_st;
+  const uint8_t* vd;
+  int64_t vd_sb, vd_sh, vd_st;
+  const uint8_t* vs;
+  int64_t vs_sb, vs_sh, vs_st;
+  const float* kg;  // [H_kv] FP32 global scales (NVFP4) or null
+  const float* vg;
+  const int32_t* bt;
+  int64_t bt_sb;
+  const int32_t* seq;
+  float* mo;
+  int64_t mo_sb, mo_sh, mo_ss;
+  float* ml;
+  int64_t ml_sb, ml_sh;
+  float sm_scale;
+  float softcap;   // <= 0: off
+  int32_t window;  // < 0: off
+  int32_t qh;      // query heads per KV head, 1..16
+  int32_t bs;      // block size, a multiple of 16
+  int32_t num_splits;
+};
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr uint32_t NEG_ZERO2 = 0x80008000u;  // fma(a, b, -0) == a * b exactly (signed zeros kept)
+
+// ------------------------------------------------------------------ operand types (f16 / bf16)
+template <typename T>
+struct Op;
+
+template <>
+struct Op<__half> {
+  static constexpr int EM_POS = 9;  // e2m1 {e1 e0 m} -> f16 bits [11:9]: reads as e2m1 * 2^-14
+  static constexpr uint32_t EM_MASK = 0x0E000E00u;
+  static constexpr uint32_t MAGIC = 0x64006400u;      // 1024.0: (c | MAGIC) reads as 1024 + c
+  static constexpr uint32_t NEG_MAGIC = 0xE400E400u;  // -1024.0
+  static constexpr uint32_t ONE = 0x3C003C00u;
+  static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+  }
+  static __device__ __forceinline__ float to_f32(uint32_t bits16) {
+    return __half2float(__ushort_as_half((unsigned short)bits16));
+  }
+  // E4M3 scale pair (two bytes) -> operand pair s * 2^7 (exact: |s| <= 448 -> <= 57344).
+  static __device__ __forceinline__ uint32_t nv_scale2(uint32_t two_bytes) {
+    uint32_t h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two_bytes));
+    return fma2(h, 0x58005800u, NEG_ZERO2);
+  }
+  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Op<__nv_bfloat16> {
+  static constexpr int EM_POS = 6;  // -> bf16 bits [8:6]: reads as e2m1 * 2^-126
+  static constexpr uint32_t EM_MASK = 0x01C001C0u;
+  static constexpr uint32_t MAGIC = 0x43004300u;      // 128.0
+  static constexpr uint32_t NEG_MAGIC = 0xC300C300u;  // -128.0
+  static constexpr uint32_t ONE = 0x3F803F80u;
+  static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+  }
+  static __device__ __forceinline__ float to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+  // E4M3 scale pair -> operand pair s * 2^119 (exact: 448 * 2^119 < bf16 max).
+  static __device__ __forceinline__ uint32_t nv_scale2(uint32_t two_bytes) {
+    uint32_t h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two_bytes));
+    const float lo = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu))) * 0x1p119f;
+    const float hi = __half2float(__ushort_as_half((unsigned short)(h >> 16))) * 0x1p119f;
+    return pack(lo, hi);
+  }
+  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// UE8M0 byte pair -> bf16 pair 2^(E-127) (E=0: the bf16 subnormal 2^-127; E=255: NaN).
+__device__ __forceinline__ uint32_t e8m0_bf16(uint32_t e) {
+  return e == 0 ? 0x0040u : (e == 255 ? 0x7FC0u : e << 7);
+}
+__device__ __forceinline__ uint32_t mx_scale2(uint32_t two_bytes) {
+  return e8m0_bf16(two_bytes & 0xFFu) | (e8m0_bf16((two_bytes >> 8) & 0xFFu) << 16);
+}
+constexpr uint32_t BF16_TWO_POW_126 = 0x7E807E80u;
+
+// Two e2m1 codes at nibble R of each 16-bit half of `u` -> the raw operand pair (see header).
+template <typename T, int R>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t u) {
+  constexpr int es = Op<T>::EM_POS - 4 * R;
+  uint32_t em;
+  if constexpr (es >= 0) em = u << es; else em = u >> (-es);
+  const uint32_t sg = u << (12 - 4 * R);
+  return (em & Op<T>::EM_MASK) | (sg & 0x80008000u);
+}
+
+// Two u4 codes at nibble R of each half -> the exact operand pair (c_lo, c_hi).
+template <typename T, int R>
+__device__ __forceinline__ uint32_t u4_pair(uint32_t u) {
+  const uint32_t x = ((u >> (4 * R)) & 0x000F000Fu) | Op<T>::MAGIC;
+  return Op<T>::fma2(x, Op<T>::ONE, Op<T>::NEG_MAGIC);
+}
+
+template <int FMT, typename T, int R>
+__device__ __forceinline__ uint32_t code_pair(uint32_t u) {
+  if constexpr (FMT == F_INT4) return u4_pair<T, R>(u); else return e2m1_pair<T, R>(u);
+}
+
+template <int FMT, typename T>
+__device__ __forceinline__ uint32_t code_pair_r(uint32_t u, int r) {  // r folds to a constant when unrolled
+  switch (r) {
+    case 0: return code_pair<FMT, T, 0>(u);
+    case 1: return code_pair<FMT, T, 1>(u);
+    case 2: return code_pair<FMT, T, 2>(u);
+    default: return code_pair<FMT, T, 3>(u);
+  }
+}
+
+// Scale a raw pair into the operand (NVFP4: s*2^7|2^119 pair; MXFP4: 2^(E-127) pair; INT4: untouched).
+template <int FMT, typename T>
+__device__ __forceinline__ uint32_t apply_scale(uint32_t raw, uint32_t sc2) {
+  if constexpr (FMT == F_NVFP4) return Op<T>::fma2(raw, sc2, NEG_ZERO2);
+  else if constexpr (FMT == F_MXFP4) return Op<T>::fma2(Op<T>::fma2(raw, BF16_TWO_POW_126, NEG_ZERO2), sc2, NEG_ZERO2);
+  else return raw;
+}
+
+template <int FMT, typename T>
+__device__ __forceinline__ uint32_t scale2(uint32_t two_bytes) {
+  if constexpr (FMT == F_NVFP4) return Op<T>::nv_scale2(two_bytes);
+  else if constexpr (FMT == F_MXFP4) return mx_scale2(two_bytes);
+  else return 0u;
+}
+
+template <int N>
+__device__ __forceinline__ void ld_words(const uint8_t* p, uint32_t* w) {  // N 32-bit words, 4N-aligned
+  if constexpr (N == 1) {
+    w[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
+  } else if constexpr (N == 2) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x; w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ uint32_t ld_bytes(const uint8_t* p) {  // N in {1, 2, 4}, N-aligned
+  if constexpr (N == 1) return __ldg(p);
+  else if constexpr (N == 2) return __ldg(reinterpret_cast<const unsigned short*>(p));
+  else return __ldg(reinterpret_cast<const uint32_t*>(p));
+}
+
+// ------------------------------------------------------------------ per-thread tile of raw words
+template <int FMT, int D, int GROUP>
+struct Tile {
+  static constexpr int KW = D / 32;  // K words per thread per token (a quarter row)
+  static constexpr int VW = D / 64;  // V words per thread per token (an eighth row)
+  static constexpr int KSB = FMT == F_INT4 ? 4 : ((D / 4) >= GROUP ? (D / 4) / GROUP : 1);
+  static constexpr int VSB = FMT == F_INT4 ? 4 : ((D / 8) >= GROUP ? (D / 8) / GROUP : 1);
+  uint32_t k[2][KW];   // K rows of tokens 8j + g, quarter t
+  uint32_t v[4][VW];   // V rows of tokens 2t, 2t+1, 2t+8, 2t+9, eighth g
+  uint32_t ksc[4];     // K scale bytes: NV/MX of tokens 8j+g (j = 0, 1); INT4 (sc|mn) of tokens 2t.. (4)
+  uint32_t vsc[4];     // V scale bytes of tokens 2t, 2t+1, 2t+8, 2t+9 (INT4: sc|mn)
+};
+
+template <int FMT, typename T, int D, int GROUP, int NW>
+__global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode_kernel(const DecodeParams p) {
+  using TileT = Tile<FMT, D, GROUP>;
+  constexpr int KW = TileT::KW, VW = TileT::VW, KSTEPS = D / 16, NT = D / 8;
+  constexpr int KSB = TileT::KSB, VSB = TileT::VSB;
+  const int sp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int qh = p.qh;
+  extern __shared__ float smem[];  // m [NW][16], l [NW][16], o [NW][qh][D]
+
+  // ---- this split's token range
+  const int seq_len = p.seq[b];
+  const int tok_lo = p.window >= 0 ? max(seq_len - 1 - p.window, 0) : 0;
+  const int n_tok = max(seq_len - tok_lo, 0);
+  const int chunk = (((n_tok + p.num_splits - 1) / p.num_splits) + 15) / 16 * 16;
+  const int lo = tok_lo + sp * chunk;
+  const int hi = min(lo + chunk, seq_len);
+
+  // ---- query fragments (A operand, rows = heads g and g+8), in the permuted contraction order
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(p.q) + (int64_t)b * p.q_sb + (int64_t)h * qh * p.q_sh;
+  uint32_t qf[KSTEPS][4];
+  float qsum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const int base = t * (D / 4) + 8 * (kk / 2) + 2 * (kk & 1);  // k=2t -> base, 2t+1 -> base+4,
+#pragma unroll                                                  // 2t+8 -> base+1, 2t+9 -> base+5
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r;
+      uint32_t e0 = 0, e1 = 0, e2 = 0, e3 = 0;
+      if (row < qh) {
+        const uint16_t* qr = qp + (int64_t)row * p.q_sh;
+        e0 = qr[base]; e1 = qr[base + 4]; e2 = qr[base + 1]; e3 = qr[base + 5];
+      }
+      qf[kk][r] = e0 | (e1 << 16);
+      qf[kk][2 + r] = e2 | (e3 << 16);
+      if constexpr (FMT == F_INT4)
+        qsum[r] += Op<T>::to_f32(e0) + Op<T>::to_f32(e1) + Op<T>::to_f32(e2) + Op<T>::to_f32(e3);
+    }
+  }
+  if constexpr (FMT == F_INT4) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 1);
+      qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 2);
+    }
+  }
+
+  float k_fac = p.sm_scale, v_fac = 1.f;
+  if constexpr (FMT == F_NVFP4) {
+    k_fac *= 128.f * (p.kg ? p.kg[h] : 1.f);
+    v_fac = 128.f * (p.vg ? p.vg[h] : 1.f);
+  }
+  const bool softcap = p.softcap > 0.f;
+  if (softcap) k_fac /= p.softcap;
+
+  const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh;
+  const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh;
+  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh;
+  const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh;
+  const int32_t* bt = p.bt + (int64_t)b * p.bt_sb;
+  // byte offsets of this thread's parts of a row
+  const int k_off = t * (D / 8), v_off = g * (D / 16);
+  const int ks_off = FMT == F_INT4 ? 0 : (t * (D / 4)) / GROUP;
+  const int vs_off = FMT == F_INT4 ? 0 : (g * (D / 8)) / GROUP;
+
+  auto load_tile = [&](TileT& x, int start) {
+    const int64_t page = bt[start / p.bs];
+    const int off = start % p.bs;
+    const uint8_t* kp = kbase + page * p.kd_sb + (int64_t)off * p.kd_st;
+    const uint8_t* vp = vbase + page * p.vd_sb + (int64_t)off * p.vd_st;
+    const uint8_t* ksp = ksbase + page * p.ks_sb + (int64_t)off * p.ks_st;
+    const uint8_t* vsp = vsbase + page * p.vs_sb + (int64_t)off * p.vs_st;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      ld_words<KW>(kp + (int64_t)(8 * j + g) * p.kd_st + k_off, x.k[j]);
+      if constexpr (FMT != F_INT4) x.ksc[j] = ld_bytes<KSB>(ksp + (int64_t)(8 * j + g) * p.ks_st + ks_off);
+    }
+    const bool edge = start < lo || start + 16 > hi;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 2 * t + (i & 1) + 8 * (i >> 1);
+      ld_words<VW>(vp + (int64_t)r * p.vd_st + v_off, x.v[i]);
+      x.vsc[i] = ld_bytes<VSB>(vsp + (int64_t)r * p.vs_st + vs_off);
+      if constexpr (FMT == F_INT4) x.ksc[i] = ld_bytes<4>(ksp + (int64_t)r * p.ks_st);
+      if (edge && (start + r < lo || start + r >= hi)) {  // masked token: finite zeros (p = 0 there)
+#pragma unroll
+        for (int w = 0; w < VW; ++w) x.v[i][w] = 0u;
+        x.vsc[i] = 0u;
+      }
+    }
+  };
+
+  float o[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f}, pm[2] = {0.f, 0.f};
+
+  auto compute_tile = [&](const TileT& x, int start) {
+    // ---- S = Q K^T for tokens start + 8j + (0..7): C(row g|g+8, col 2t, 2t+1)
+    float s[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      uint32_t sc2[KSB > 0 ? KSB : 1];
+      if constexpr (FMT != F_INT4) {
+#pragma unroll
+        for (int e = 0; e < KSB; ++e) {
+          const uint32_t byte = (x.ksc[j] >> (8 * e)) & 0xFFu;
+          sc2[e] = scale2<FMT, T>(byte | (byte << 8));
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        const int wi = kk / 2, r0 = 2 * (kk & 1);
+        const uint32_t w = x.k[j][wi];
+        uint32_t b0 = code_pair_r<FMT, T>(w, r0), b1 = code_pair_r<FMT, T>(w, r0 + 1);
+        if constexpr (FMT != F_INT4) {
+          const int gi = (D / 4) >= GROUP ? (8 * wi) / GROUP : 0;
+          b0 = apply_scale<FMT, T>(b0, sc2[gi]);
+          b1 = apply_scale<FMT, T>(b1, sc2[gi]);
+        }
+        Op<T>::mma(s[j], qf[kk], b0, b1);
+      }
+    }
+    // ---- scores: INT4 affine, scale, soft-cap, log2 domain, mask
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[j][e];
+        if constexpr (FMT == F_INT4) {
+          const uint32_t sm = x.ksc[2 * j + (e & 1)];
+          v = v * Op<__half>::to_f32(sm & 0xFFFFu) + qsum[e >> 1] * Op<__half>::to_f32(sm >> 16);
+        }
+        v *= k_fac;
+        if (softcap) v = p.softcap * (1.f - 2.f / (exp2f(2.f * LOG2E * v) + 1.f));
+        v *= LOG2E;
+        const int tok = start + 8 * j + 2 * t + (e & 1);
+        s[j][e] = (tok >= lo && tok < hi) ? v : -INFINITY;
+      }
+    }
+    // ---- online softmax (rows g, g+8; a row lives in the 4 lanes of a quad)
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_r[r], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = exp2f(m_r[r] - m_use);
+      m_r[r] = m_new;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
+        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
+      }
+      l_r[r] = l_r[r] * alpha[r] + s[0][2 * r] + s[0][2 * r + 1] + s[1][2 * r] + s[1][2 * r + 1];
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+      }
+      pm[0] *= alpha[0];
+      pm[1] *= alpha[1];
+    }
+    // ---- P as the A operand (INT4: p * sc folded in, p * mn summed)
+    uint32_t pa[4];
+    if constexpr (FMT == F_INT4) {
+      float sc[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sc[i] = Op<__half>::to_f32(x.vsc[i] & 0xFFFFu);
+        const float mn = Op<__half>::to_f32(x.vsc[i] >> 16);
+        const int j = i >> 1, c = i & 1;
+        pm[0] += s[j][c] * mn;
+        pm[1] += s[j][2 + c] * mn;
+      }
+      pa[0] = Op<T>::pack(s[0][0] * sc[0], s[0][1] * sc[1]);
+      pa[1] = Op<T>::pack(s[0][2] * sc[0], s[0][3] * sc[1]);
+      pa[2] = Op<T>::pack(s[1][0] * sc[2], s[1][1] * sc[3]);
+      pa[3] = Op<T>::pack(s[1][2] * sc[2], s[1][3] * sc[3]);
+    } else {
+      pa[0] = Op<T>::pack(s[0][0], s[0][1]);
+      pa[1] = Op<T>::pack(s[0][2], s[0][3]);
+      pa[2] = Op<T>::pack(s[1][0], s[1][1]);
+      pa[3] = Op<T>::pack(s[1][2], s[1][3]);
+    }
+    // ---- O += P V: n-tile i holds output dims n * (D/8) + i, n = 2t, 2t+1
+    uint32_t vs01[VSB], vs23[VSB];
+    if constexpr (FMT != F_INT4) {
+#pragma unroll
+      for (int e = 0; e < VSB; ++e) {
+        const uint32_t sh = 8 * e;
+        vs01[e] = scale2<FMT, T>(((x.vsc[0] >> sh) & 0xFFu) | (((x.vsc[1] >> sh) & 0xFFu) << 8));
+        vs23[e] = scale2<FMT, T>(((x.vsc[2] >> sh) & 0xFFu) | (((x.vsc[3] >> sh) & 0xFFu) << 8));
+      }
+    }
+#pragma unroll
+    for (int wi = 0; wi < VW; ++wi) {
+      const uint32_t u01l = __byte_perm(x.v[0][wi], x.v[1][wi], 0x5410);
+      const uint32_t u01h = __byte_perm(x.v[0][wi], x.v[1][wi], 0x7632);
+      const uint32_t u23l = __byte_perm(x.v[2][wi], x.v[3][wi], 0x5410);
+      const uint32_t u23h = __byte_perm(x.v[2][wi], x.v[3][wi], 0x7632);
+#pragma unroll
+      for (int nib = 0; nib < 8; ++nib) {
+        const uint32_t u01 = nib < 4 ? u01l : u01h, u23 = nib < 4 ? u23l : u23h;
+        uint32_t b0 = code_pair_r<FMT, T>(u01, nib & 3), b1 = code_pair_r<FMT, T>(u23, nib & 3);
+        if constexpr (FMT != F_INT4) {
+          const int gi = (D / 8) >= GROUP ? (8 * wi) / GROUP : 0;
+          b0 = apply_scale<FMT, T>(b0, vs01[gi]);
+          b1 = apply_scale<FMT, T>(b1, vs23[gi]);
+        }
+        Op<T>::mma(o[8 * wi + nib], pa, b0, b1);
+      }
+    }
+  };
+
+  // ---- main loop: warp w takes tiles w, w + NW, ...; the next tile's words load during this one
+  int start = (lo & ~15) + 16 * warp;
+  TileT cur, nxt;
+  if (start < hi) load_tile(cur, start);
+  for (; start < hi; start += 16 * NW) {
+    const int nstart = start + 16 * NW;
+    if (nstart < hi) load_tile(nxt, nstart);
+    compute_tile(cur, start);
+    cur = nxt;
+  }
+
+  // ---- merge the warps: quad-reduce l (and INT4's p*mn), stage m, l, o in shared memory
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+    pm[r] += __shfl_xor_sync(0xffffffffu, pm[r], 1);
+    pm[r] += __shfl_xor_sync(0xffffffffu, pm[r], 2);
+  }
+  float* sm_m = smem;
+  float* sm_l = smem + NW * 16;
+  float* sm_o = smem + NW * 32;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    if (row < qh) {
+      if (t == 0) {
+        sm_m[warp * 16 + row] = m_r[r];
+        sm_l[warp * 16 + row] = l_r[r];
+      }
+      float* orow = sm_o + ((int64_t)warp * qh + row) * D;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        orow[(2 * t) * (D / 8) + i] = o[i][2 * r] * v_fac + pm[r];
+        orow[(2 * t + 1) * (D / 8) + i] = o[i][2 * r + 1] * v_fac + pm[r];
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < qh * D; e += NW * 32) {
+    const int row = e / D, d = e % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm_m[w * 16 + row]);
+    float L = 0.f, acc = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float f = exp2f(sm_m[w * 16 + row] - mx);
+        L += sm_l[w * 16 + row] * f;
+        acc += sm_o[((int64_t)w * qh + row) * D + d] * f;
+      }
+    }
+    const int64_t hq = (int64_t)h * qh + row;
+    const bool any = L > 0.f;
+    p.mo[(int64_t)b * p.mo_sb + hq * p.mo_sh + (int64_t)sp * p.mo_ss + d] = any ? acc / L : 0.f;
+    if (d == 0) p.ml[(int64_t)b * p.ml_sb + hq * p.ml_sh + sp] = any ? mx + log2f(L) : -INFINITY;
+  }
+}
+
+template <int FMT, typename T, int D, int GROUP, int NW>
+cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
+  const size_t smem = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
+  auto kern = decode_kernel<FMT, T, D, GROUP, NW>;
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  kern<<<dim3(p.num_splits, hkv, batch), NW * 32, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int FMT, typename T, int GROUP>
+cudaError_t by_dim(const DecodeParams& p, int d, int nw, int batch, int hkv, cudaStream_t s) {
+#define KVX_NW(D)                                                    \
+  if (nw == 4) return launch<FMT, T, D, GROUP, 4>(p, batch, hkv, s); \
+  if (nw == 8) return launch<FMT, T, D, GROUP, 8>(p, batch, hkv, s); \
+  return cudaErrorInvalidValue;
+  switch (d) {
+    case 64: { KVX_NW(64) }
+    case 128: { KVX_NW(128) }
+    case 256: { KVX_NW(256) }
+    default: return cudaErrorInvalidValue;
+  }
+#undef KVX_NW
+}
+
+}  // namespace kvx
+
+extern "C" {
+
+// Size of DecodeParams, for the ctypes mirror to check itself against.
+int kvx_decode_params_size(void) { return (int)sizeof(kvx::DecodeParams); }
+
+// fmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4; bf16: query/operand type.
+// Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
+int kvx_decode_fp4(const kvx::DecodeParams* p, int fmt, int bf16, int head_dim, int group, int num_warps,
+                   int batch, int num_kv_heads, void* stream) {
+  using namespace kvx;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0) return (int)cudaErrorInvalidValue;
+  if (fmt == F_NVFP4 && group == 16)
+    return bf16 ? (int)by_dim<F_NVFP4, __nv_bfloat16, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s)
+                : (int)by_dim<F_NVFP4, __half, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s);
+  if (fmt == F_MXFP4 && bf16 && group == 16)
+    return (int)by_dim<F_MXFP4, __nv_bfloat16, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s);
+  if (fmt == F_MXFP4 && bf16 && group == 32)
+    return (int)by_dim<F_MXFP4, __nv_bfloat16, 32>(*p, head_dim, num_warps, batch, num_kv_heads, s);
+  if (fmt == F_INT4)
+    return bf16 ? (int)by_dim<F_INT4, __nv_bfloat16, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s)
+                : (int)by_dim<F_INT4, __half, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s);
+  return (int)cudaErrorInvalidValue;
+}
+
+}  // extern "C"

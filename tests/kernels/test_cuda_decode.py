@@ -1,0 +1,202 @@
+"""The CUDA 4-bit paged decode (kvx_core/ops/cuda) vs the float64 torch oracle over the same pools.
+
+GPU tests run the kernel with `backend="cuda"` (so a silent fallback to Triton cannot pass them). The
+CPU tests compile the CUDA source with nvcc for sm_90a and check the ctypes mirror against it.
+"""
+import ctypes
+import math
+import os
+
+import pytest
+import torch
+
+from kvx_core.errors import KvxError, Status
+from kvx_core.formats import get_format
+from kvx_core.ops.cuda import build, nvcc_path
+from kvx_core.ops.cuda.decode import DecodeParams, supports
+from kvx_core.ops.triton import paged_decode
+from oracle import make_pools, make_table, ref_decode
+
+CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot"]
+
+
+def _gs(fmt, hkv, seed, k):
+    uses = fmt.k.uses_global_scale if k else fmt.v.uses_global_scale
+    return (torch.rand(hkv, generator=torch.Generator().manual_seed(seed + (0 if k else 7))) + 0.5) if uses else None
+
+
+def _run(name, lens, hkv=2, qh=4, d=128, bs=16, q_dtype=torch.bfloat16, splits=None, softcap=None, window=None,
+         seed=0, num_warps=None, pools=None):
+    fmt = get_format(name)
+    nb = sum(math.ceil(L / bs) for L in lens) + 3
+    kg, vg = _gs(fmt, hkv, seed, True), _gs(fmt, hkv, seed, False)
+    kd, ks, vd, vs = pools(fmt, nb, hkv, bs, d, seed) if pools else \
+        make_pools(fmt, nb, hkv, bs, d, device="cuda", seed=seed, k_gs=kg, v_gs=vg)
+    bt = make_table(lens, bs, nb, device="cuda", seed=seed)
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), hkv * qh, d, generator=torch.Generator().manual_seed(seed + 3)).to(q_dtype).cuda()
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    o, lse = paged_decode(q, kd, ks, vd, vs, None if kg is None else kg.cuda(), None if vg is None else vg.cuda(),
+                          bt, sl, fmt, softcap=softcap, window=window, num_splits=splits, out=out,
+                          num_warps=num_warps, backend="cuda")
+    ro, rl = ref_decode(q, fmt, kd, ks, vd, vs, kg, vg, bt, sl, softcap=softcap, window=window)
+    return o.cpu().double(), lse.cpu().double(), ro, rl
+
+
+def _check(o, lse, ro, rl, tol=1e-2):
+    assert not torch.isnan(o).any()
+    assert (o - ro).norm() / ro.norm().clamp_min(1e-30) < tol
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse))
+    if fin.any():
+        assert (lse[fin] - rl[fin]).abs().max() < 2e-2
+
+
+# ------------------------------------------------------------------ CPU: build + ABI mirror
+def test_cuda_source_compiles_and_mirror_matches(tmp_path):
+    """nvcc compiles decode_fp4.cu for sm_90a; the ctypes DecodeParams has the C struct's size."""
+    if nvcc_path() is None:
+        if os.environ.get("CI"):
+            pytest.fail("nvcc is required in CI (it compiles the CUDA decode kernel)")
+        pytest.skip("nvcc not installed")
+    lib = ctypes.CDLL(str(build("90a", out_dir=tmp_path)))
+    assert lib.kvx_decode_params_size() == ctypes.sizeof(DecodeParams)
+    assert build("90a", out_dir=tmp_path) == next(tmp_path.glob("kvx_decode_fp4-90a-*.so"))  # cached
+
+
+def test_supports_names_the_reason():
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    kd = torch.zeros(2, 1, 16, 64, dtype=torch.uint8)
+    ks = torch.zeros(2, 1, 16, 8, dtype=torch.uint8)
+    assert "CUDA" in supports(q, get_format("nvfp4"), kd, ks, kd, ks)  # a CPU tensor
+    assert "format fp8_e4m3" in supports(q, get_format("fp8_e4m3"), kd, ks, kd, ks)
+    assert "format" in supports(q, get_format("k8v4"), kd, ks, kd, ks)
+
+
+# ------------------------------------------------------------------ GPU: every served case vs the oracle
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CUDA_FORMATS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_cuda_decode_formats_head_dims(name, d):
+    """Ragged lengths incl. 0 and 1, GQA 4, multi-page tiles, several splits."""
+    o, lse, ro, rl = _run(name, [37, 1, 0, 300, 1000], d=d, splits=3, seed=d)
+    _check(o, lse, ro, rl)
+    assert torch.all(o[2] == 0) and torch.all(torch.isneginf(lse[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4_rot"])
+def test_cuda_decode_fp16_queries(name):
+    o, lse, ro, rl = _run(name, [77, 513, 16], q_dtype=torch.float16, splits=2)
+    _check(o, lse, ro, rl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qh,hkv", [(1, 4), (2, 2), (5, 1), (8, 2), (16, 1)])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_32", "int4"])
+def test_cuda_decode_gqa(qh, hkv, name):
+    o, lse, ro, rl = _run(name, [20, 333], hkv=hkv, qh=qh, splits=2)
+    _check(o, lse, ro, rl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 32, 48, 128, 256])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4"])
+def test_cuda_decode_block_sizes(bs, name):
+    o, lse, ro, rl = _run(name, [bs * 3 + 5, 2 * bs - 1, 7], bs=bs, splits=2, seed=bs)
+    _check(o, lse, ro, rl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4"])
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_cuda_decode_softcap_window_warps(name, num_warps):
+    o, lse, ro, rl = _run(name, [50, 3, 400, 129], softcap=5.0, window=37, splits=2, num_warps=num_warps)
+    _check(o, lse, ro, rl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4, 64])
+def test_cuda_decode_splits_and_long_context(splits):
+    o, lse, ro, rl = _run("nvfp4", [8192, 5000, 17], hkv=8, qh=4, splits=splits)
+    _check(o, lse, ro, rl)
+
+
+def _raw_pools(scale_lo, scale_hi):
+    """Every payload bit pattern (random bytes) with scale bytes drawn from [scale_lo, scale_hi]."""
+    def make(fmt, nb, hkv, bs, d, seed):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for tf in (fmt.k, fmt.v):
+            data = torch.randint(0, 256, (nb, hkv, bs, d // 2), generator=g, dtype=torch.uint8)
+            sk = tf.scale_dim(d)
+            if type(tf).__name__ == "IntFormat":
+                sc = torch.empty(nb, hkv, bs, 2, dtype=torch.float16)
+                sc[..., 0] = torch.rand(nb, hkv, bs, generator=g).half() * 0.1
+                sc[..., 1] = -torch.rand(nb, hkv, bs, generator=g).half()
+                scales = sc.view(torch.uint8)
+            else:
+                scales = torch.randint(scale_lo, scale_hi + 1, (nb, hkv, bs, sk), generator=g, dtype=torch.uint8)
+            out += [data.cuda(), scales.cuda()]
+        return out
+    return make
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,lo,hi", [
+    ("nvfp4", 0x00, 0x07),   # E4M3 zero and subnormal scales (2^-9 .. 7 * 2^-9)
+    ("nvfp4", 0x70, 0x7E),   # the largest finite scales (up to 448)
+    ("nvfp4", 0x00, 0x7E),   # everything finite
+    ("mxfp4", 0, 4),         # E8M0 2^-127 (bf16 subnormal) .. 2^-123
+    ("mxfp4_32", 100, 140),
+    ("int4", 0, 0),
+])
+def test_cuda_decode_all_bit_patterns(name, lo, hi):
+    """Random payload bytes (every e2m1 / u4 code, -0 included) with extreme scales: exact operands."""
+    o, lse, ro, rl = _run(name, [200, 33], pools=_raw_pools(lo, hi), splits=2)
+    if ro.abs().max() == 0:
+        assert torch.all(o == 0)
+    else:
+        _check(o, lse, ro, rl)
+
+
+@pytest.mark.gpu
+def test_cuda_backend_refuses_what_it_cannot_serve():
+    q = torch.zeros(1, 4, 128, dtype=torch.float16, device="cuda")
+    fmt = get_format("mxfp4")
+    kd = torch.zeros(2, 1, 16, 64, dtype=torch.uint8, device="cuda")
+    ks = torch.zeros(2, 1, 16, 8, dtype=torch.uint8, device="cuda")
+    bt = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    sl = torch.ones(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(KvxError) as e:
+        paged_decode(q, kd, ks, kd, ks, None, None, bt, sl, fmt, backend="cuda")
+    assert e.value.status == Status.UNSUPPORTED and "bf16" in str(e.value)
+    o, _ = paged_decode(q, kd, ks, kd, ks, None, None, bt, sl, fmt)  # auto: Triton serves fp16 MXFP4
+    assert o.shape == q.shape
+
+
+@pytest.mark.gpu
+def test_cuda_decode_is_graph_capturable():
+    fmt = get_format("nvfp4")
+    kd, ks, vd, vs = make_pools(fmt, 8, 2, 16, 128, device="cuda")
+    bt = make_table([100], 16, 8, device="cuda")
+    sl = torch.tensor([100], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 8, device="cuda")
+    run = lambda: paged_decode(q, kd, ks, vd, vs, None, None, bt, sl, fmt, out=out, lse=lse, num_splits=2,  # noqa: E731
+                               max_seq_len=100, backend="cuda")
+    run()
+    ref = out.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
