@@ -68,7 +68,7 @@ def main():
     ap.add_argument("--cuda-warps", default="4", help="num_warps values for the CUDA backend, e.g. 4,8")
     ap.add_argument("--cuda-splits", default="", help="extra num_splits values for the CUDA backend")
     ap.add_argument("--no-flashinfer", action="store_true")
-    ap.add_argument("--fi-tc", default="0", help="FlashInfer use_tensor_cores values to try, e.g. 0,1")
+    ap.add_argument("--fi-tc", default="1", help="FlashInfer use_tensor_cores values to try, e.g. 0,1")
     ap.add_argument("--out", default="benchmarks/results/decode.jsonl")
     args = ap.parse_args()
     dev = "cuda"
