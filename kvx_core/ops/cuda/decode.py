@@ -83,6 +83,11 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
     vsb = 4 if code[0] == F_INT4 else max(1, (d // 8) // code[1])
     if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
         return "scale rows not aligned"
+    srow = 4 if code[0] == F_INT4 else d // code[1]
+    for name, t, row in (("K", k_data, d // 2), ("V", v_data, d // 2), ("K scale", k_scales, srow),
+                         ("V scale", v_scales, srow)):
+        if t.stride(2) != row:
+            return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {row} bytes)"
     if q.stride(2) != 1:
         return "query last dim not contiguous"
     return None

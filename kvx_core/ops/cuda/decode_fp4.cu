@@ -16,7 +16,7 @@
 //   INT4:  codes c via the magic-number trick ((c | M) - M, exact); the fp16 per-token scale and min
 //          are applied in fp32: s = sc * (q . c) + mn * sum(q); o = sum_t (p_t sc_t) c_t + sum_t p_t mn_t.
 // One CTA = (split, KV head, sequence). Its warps take 16-token tiles round-robin, each with its own
-// online softmax (tile i+NW's raw words are loaded while tile i is computed), and are merged through
+// online softmax (a warp's next tile's words are loaded while its current tile is computed), and are merged through
 // shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
 // Triton reduce kernel (kvx_core/ops/triton/decode.py), which merges the splits.
 #include <cuda_bf16.h>
@@ -57,6 +57,12 @@ struct DecodeParams {
 };
 
 constexpr float LOG2E = 1.4426950408889634f;
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x, -inf -> 0 (MUFU.EX2 without the denormal fix-ups)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 constexpr uint32_t NEG_ZERO2 = 0x80008000u;  // fma(a, b, -0) == a * b exactly (signed zeros kept)
 
 // ------------------------------------------------------------------ operand types (f16 / bf16)
@@ -225,8 +231,10 @@ struct Tile {
   uint32_t vsc[4];     // V scale bytes of tokens 2t, 2t+1, 2t+8, 2t+9 (INT4: sc|mn)
 };
 
-template <int FMT, typename T, int D, int GROUP, int NW>
+// ROWS: mma rows that hold query heads (8 when qh <= 8: rows g+8 are padding and skipped).
+template <int FMT, typename T, int D, int GROUP, int NW, int ROWS>
 __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode_kernel(const DecodeParams p) {
+  constexpr int NR = ROWS / 8;  // fragment rows per thread in use: g (and g+8)
   using TileT = Tile<FMT, D, GROUP>;
   constexpr int KW = TileT::KW, VW = TileT::VW, KSTEPS = D / 16, NT = D / 8;
   constexpr int KSB = TileT::KSB, VSB = TileT::VSB;
@@ -255,7 +263,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
     for (int r = 0; r < 2; ++r) {
       const int row = g + 8 * r;
       uint32_t e0 = 0, e1 = 0, e2 = 0, e3 = 0;
-      if (row < qh) {
+      if (r < NR && row < qh) {
         const uint16_t* qr = qp + (int64_t)row * p.q_sh;
         e0 = qr[base]; e1 = qr[base + 4]; e2 = qr[base + 1]; e3 = qr[base + 5];
       }
@@ -265,9 +273,18 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
         qsum[r] += Op<T>::to_f32(e0) + Op<T>::to_f32(e1) + Op<T>::to_f32(e2) + Op<T>::to_f32(e3);
     }
   }
+  if constexpr (NR == 1) {
+    // Padding rows g+8 get opaque copies of row g: their scores are never read, and distinct
+    // registers let the A-operand tuples stay in place instead of being rebuilt around zeros.
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      asm("mov.b32 %0, %1;" : "=r"(qf[kk][1]) : "r"(qf[kk][0]));
+      asm("mov.b32 %0, %1;" : "=r"(qf[kk][3]) : "r"(qf[kk][2]));
+    }
+  }
   if constexpr (FMT == F_INT4) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < NR; ++r) {
       qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 1);
       qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 2);
     }
@@ -279,38 +296,43 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
     v_fac = 128.f * (p.vg ? p.vg[h] : 1.f);
   }
   const bool softcap = p.softcap > 0.f;
-  if (softcap) k_fac /= p.softcap;
+  if (softcap) k_fac /= p.softcap; else k_fac *= LOG2E;  // scores go to the log2 domain
+  const float cap_log2 = p.softcap * LOG2E;
 
-  const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh;
-  const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh;
-  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh;
-  const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh;
+  // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so a thread's
+  // loads are its per-CTA base + page offset + compile-time row offsets.
+  constexpr int KROW = D / 2, VROW = D / 2;
+  constexpr int KSROW = FMT == F_INT4 ? 4 : D / GROUP, VSROW = KSROW;
   const int32_t* bt = p.bt + (int64_t)b * p.bt_sb;
-  // byte offsets of this thread's parts of a row
-  const int k_off = t * (D / 8), v_off = g * (D / 16);
-  const int ks_off = FMT == F_INT4 ? 0 : (t * (D / 4)) / GROUP;
-  const int vs_off = FMT == F_INT4 ? 0 : (g * (D / 8)) / GROUP;
+  const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (D / 8);
+  const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (D / 16);
+  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + (FMT == F_INT4 ? 2 * t * KSROW : g * KSROW + (t * (D / 4)) / GROUP);
+  const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh + 2 * t * VSROW + (FMT == F_INT4 ? 0 : (g * (D / 8)) / GROUP);
+  const int bs_log2 = (p.bs & (p.bs - 1)) == 0 ? __ffs(p.bs) - 1 : -1;
 
   auto load_tile = [&](TileT& x, int start) {
-    const int64_t page = bt[start / p.bs];
-    const int off = start % p.bs;
-    const uint8_t* kp = kbase + page * p.kd_sb + (int64_t)off * p.kd_st;
-    const uint8_t* vp = vbase + page * p.vd_sb + (int64_t)off * p.vd_st;
-    const uint8_t* ksp = ksbase + page * p.ks_sb + (int64_t)off * p.ks_st;
-    const uint8_t* vsp = vsbase + page * p.vs_sb + (int64_t)off * p.vs_st;
+    int pidx, off;
+    if (bs_log2 >= 0) { pidx = start >> bs_log2; off = start & (p.bs - 1); }
+    else { pidx = start / p.bs; off = start - pidx * p.bs; }
+    const int64_t page = bt[pidx];
+    const uint8_t* kp = kbase + page * p.kd_sb + off * KROW;
+    const uint8_t* vp = vbase + page * p.vd_sb + off * VROW;
+    const uint8_t* ksp = ksbase + page * p.ks_sb + off * KSROW;
+    const uint8_t* vsp = vsbase + page * p.vs_sb + off * VSROW;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      ld_words<KW>(kp + (int64_t)(8 * j + g) * p.kd_st + k_off, x.k[j]);
-      if constexpr (FMT != F_INT4) x.ksc[j] = ld_bytes<KSB>(ksp + (int64_t)(8 * j + g) * p.ks_st + ks_off);
+    for (int j = 0; j < 2; ++j) {  // K rows 8j + g
+      ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
+      if constexpr (FMT != F_INT4) x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
     }
     const bool edge = start < lo || start + 16 > hi;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = 2 * t + (i & 1) + 8 * (i >> 1);
-      ld_words<VW>(vp + (int64_t)r * p.vd_st + v_off, x.v[i]);
-      x.vsc[i] = ld_bytes<VSB>(vsp + (int64_t)r * p.vs_st + vs_off);
-      if constexpr (FMT == F_INT4) x.ksc[i] = ld_bytes<4>(ksp + (int64_t)r * p.ks_st);
-      if (edge && (start + r < lo || start + r >= hi)) {  // masked token: finite zeros (p = 0 there)
+    for (int i = 0; i < 4; ++i) {  // V rows 2t + (i & 1) + 8 (i >> 1)
+      const int r = (i & 1) + 8 * (i >> 1);
+      ld_words<VW>(vp + r * VROW, x.v[i]);
+      x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
+      if constexpr (FMT == F_INT4) x.ksc[i] = ld_bytes<4>(ksp + r * KSROW);
+      const int tok = start + 2 * t + r;
+      if (edge && (tok < lo || tok >= hi)) {  // masked token: finite zeros (p = 0 there)
 #pragma unroll
         for (int w = 0; w < VW; ++w) x.v[i][w] = 0u;
         x.vsc[i] = 0u;
@@ -350,38 +372,41 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
         Op<T>::mma(s[j], qf[kk], b0, b1);
       }
     }
-    // ---- scores: INT4 affine, scale, soft-cap, log2 domain, mask
+    // ---- scores (log2 domain): INT4 affine, scale, soft-cap; tokens outside [lo, hi) -> -inf
+    const bool interior = start >= lo && start + 16 <= hi;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 2 * NR; ++e) {
         float v = s[j][e];
         if constexpr (FMT == F_INT4) {
           const uint32_t sm = x.ksc[2 * j + (e & 1)];
           v = v * Op<__half>::to_f32(sm & 0xFFFFu) + qsum[e >> 1] * Op<__half>::to_f32(sm >> 16);
         }
         v *= k_fac;
-        if (softcap) v = p.softcap * (1.f - 2.f / (exp2f(2.f * LOG2E * v) + 1.f));
-        v *= LOG2E;
-        const int tok = start + 8 * j + 2 * t + (e & 1);
-        s[j][e] = (tok >= lo && tok < hi) ? v : -INFINITY;
+        if (softcap) v = cap_log2 * (1.f - 2.f * __frcp_rn(ex2(2.f * LOG2E * v) + 1.f));
+        if (!interior) {
+          const int tok = start + 8 * j + 2 * t + (e & 1);
+          v = (tok >= lo && tok < hi) ? v : -INFINITY;
+        }
+        s[j][e] = v;
       }
     }
     // ---- online softmax (rows g, g+8; a row lives in the 4 lanes of a quad)
-    float alpha[2];
+    float alpha[2] = {1.f, 1.f};
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < NR; ++r) {
       float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m_r[r], mx);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = exp2f(m_r[r] - m_use);
+      alpha[r] = ex2(m_r[r] - m_use);
       m_r[r] = m_new;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
-        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
+        s[j][2 * r] = ex2(s[j][2 * r] - m_use);
+        s[j][2 * r + 1] = ex2(s[j][2 * r + 1] - m_use);
       }
       l_r[r] = l_r[r] * alpha[r] + s[0][2 * r] + s[0][2 * r + 1] + s[1][2 * r] + s[1][2 * r + 1];
     }
@@ -389,7 +414,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
         o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
-        o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+        if constexpr (NR == 2) { o[i][2] *= alpha[1]; o[i][3] *= alpha[1]; }
       }
       pm[0] *= alpha[0];
       pm[1] *= alpha[1];
@@ -404,18 +429,23 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
         const float mn = Op<__half>::to_f32(x.vsc[i] >> 16);
         const int j = i >> 1, c = i & 1;
         pm[0] += s[j][c] * mn;
-        pm[1] += s[j][2 + c] * mn;
+        if constexpr (NR == 2) pm[1] += s[j][2 + c] * mn;
       }
       pa[0] = Op<T>::pack(s[0][0] * sc[0], s[0][1] * sc[1]);
-      pa[1] = Op<T>::pack(s[0][2] * sc[0], s[0][3] * sc[1]);
       pa[2] = Op<T>::pack(s[1][0] * sc[2], s[1][1] * sc[3]);
-      pa[3] = Op<T>::pack(s[1][2] * sc[2], s[1][3] * sc[3]);
+      if constexpr (NR == 2) {
+        pa[1] = Op<T>::pack(s[0][2] * sc[0], s[0][3] * sc[1]);
+        pa[3] = Op<T>::pack(s[1][2] * sc[2], s[1][3] * sc[3]);
+      }
     } else {
       pa[0] = Op<T>::pack(s[0][0], s[0][1]);
-      pa[1] = Op<T>::pack(s[0][2], s[0][3]);
       pa[2] = Op<T>::pack(s[1][0], s[1][1]);
-      pa[3] = Op<T>::pack(s[1][2], s[1][3]);
+      if constexpr (NR == 2) {
+        pa[1] = Op<T>::pack(s[0][2], s[0][3]);
+        pa[3] = Op<T>::pack(s[1][2], s[1][3]);
+      }
     }
+    if constexpr (NR == 1) { pa[1] = pa[0]; pa[3] = pa[2]; }  // padding rows g+8: any values, never read
     // ---- O += P V: n-tile i holds output dims n * (D/8) + i, n = 2t, 2t+1
     uint32_t vs01[VSB], vs23[VSB];
     if constexpr (FMT != F_INT4) {
@@ -447,19 +477,23 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
   };
 
   // ---- main loop: warp w takes tiles w, w + NW, ...; the next tile's words load during this one
+  constexpr int STEP = 16 * NW;
   int start = (lo & ~15) + 16 * warp;
-  TileT cur, nxt;
-  if (start < hi) load_tile(cur, start);
-  for (; start < hi; start += 16 * NW) {
-    const int nstart = start + 16 * NW;
-    if (nstart < hi) load_tile(nxt, nstart);
-    compute_tile(cur, start);
-    cur = nxt;
+  TileT ta, tb;  // ping-pong: one tile computes while the next one's words are in flight
+  if (start < hi) load_tile(ta, start);
+  while (start < hi) {
+    if (start + STEP < hi) load_tile(tb, start + STEP);
+    compute_tile(ta, start);
+    start += STEP;
+    if (start >= hi) break;
+    if (start + STEP < hi) load_tile(ta, start + STEP);
+    compute_tile(tb, start);
+    start += STEP;
   }
 
   // ---- merge the warps: quad-reduce l (and INT4's p*mn), stage m, l, o in shared memory
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < NR; ++r) {
     l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
     l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
     pm[r] += __shfl_xor_sync(0xffffffffu, pm[r], 1);
@@ -469,7 +503,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
   float* sm_l = smem + NW * 16;
   float* sm_o = smem + NW * 32;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < NR; ++r) {
     const int row = g + 8 * r;
     if (row < qh) {
       if (t == 0) {
@@ -509,7 +543,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
 template <int FMT, typename T, int D, int GROUP, int NW>
 cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
   const size_t smem = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
-  auto kern = decode_kernel<FMT, T, D, GROUP, NW>;
+  auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, NW, 16> : decode_kernel<FMT, T, D, GROUP, NW, 8>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
