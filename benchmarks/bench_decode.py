@@ -146,7 +146,7 @@ def main():
                     variants.append(dict(backend=be))
                     continue
                 if supports(q, fmt, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd):
-                    continue  # the CUDA kernel does not serve this format
+                    continue  # the CUDA kernel does not serve this format (reason: supports(...))
                 for nw in (int(x) for x in args.cuda_warps.split(",")):
                     variants.append(dict(backend="cuda", num_warps=nw))
                     variants += [dict(backend="cuda", num_warps=nw, num_splits=int(x))
@@ -164,7 +164,8 @@ def main():
             for var in variants:
                 try:
                     kw = dict(var)
-                    if kw.get("backend") == "cuda":
+                    served = supports(q, fmt, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd) is None
+                    if kw.get("backend") == "cuda" or (kw.get("backend") == "auto" and served):
                         kw.setdefault("num_splits", cuda_splits(bsz, hkv, ctx, info["sms"], kw["num_warps"]))
                     else:
                         kw.setdefault("num_splits", decode_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64,

@@ -100,16 +100,16 @@ def _hadamard(d: int, device: torch.device) -> torch.Tensor:
 
 
 def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int, num_warps: int) -> int:
-    """Splits per (sequence, KV head): 3 waves of CTAs (3 resident per SM; 2 waves when fewer
-    (sequence, KV head) pairs than SMs), at least 2 tiles per warp.
+    """Splits per (sequence, KV head): 3 waves of CTAs (3 resident per SM) for large batches, about
+    2 CTAs per SM when there are fewer (sequence, KV head) pairs than SMs; >= 2 tiles per warp.
 
-    Run 6 (H200, GQA 32/8, D=128): B=64 at 8k and 32k, 3 splits beat 2 by 2-5% and 1 by 20%;
-    B=1 at 32k, 99 splits (2 waves) beat 128 by 9% and 256 by 47%.
+    Runs 6-7 (H200, GQA 32/8, D=128): B=64 at 8k and 32k, 3 splits beat 2 by 2-5% and 1 by 20%;
+    B=1 at 32k, 32 splits (43 us) beat 99 (50 us), 128 (54 us) and 256 (73 us).
     """
     base = max(1, batch * num_kv_heads)
-    waves = 2 if base < sm_count else 3
+    ctas = 2 * sm_count if base < sm_count else 9 * sm_count
     by_len = max(1, math.ceil(max_seq_len / (32 * num_warps)))
-    return int(max(1, min(math.ceil(waves * 3 * sm_count / base), by_len, 256)))
+    return int(max(1, min(math.ceil(ctas / base), by_len, 256)))
 
 
 def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
