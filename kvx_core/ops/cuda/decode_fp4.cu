@@ -224,19 +224,29 @@ struct Tile {
   static constexpr int KW = D / 32;  // K words per thread per token (a quarter row)
   static constexpr int VW = D / 64;  // V words per thread per token (an eighth row)
   static constexpr int KSB = FMT == F_INT4 ? 4 : ((D / 4) >= GROUP ? (D / 4) / GROUP : 1);
-  static constexpr int VSB = FMT == F_INT4 ? 4 : ((D / 8) >= GROUP ? (D / 8) / GROUP : 1);
-  uint32_t k[2][KW];   // K rows of tokens 8j + g, quarter t
-  uint32_t v[4][VW];   // V rows of tokens 2t, 2t+1, 2t+8, 2t+9, eighth g
-  uint32_t ksc[4];     // K scale bytes: NV/MX of tokens 8j+g (j = 0, 1); INT4 (sc|mn) of tokens 2t.. (4)
-  uint32_t vsc[4];     // V scale bytes of tokens 2t, 2t+1, 2t+8, 2t+9 (INT4: sc|mn)
+  static constexpr int VSB = FMT == F_INT4 ? 1 : ((D / 8) >= GROUP ? (D / 8) / GROUP : 1);
+  uint32_t k[2][KW];  // K rows of tokens g, g+8 (quarter t)
+  uint32_t v[4][VW];  // V rows of tokens 2t, 2t+1, 2t+8, 2t+9 (eighth g)
+  uint32_t ksc[2];    // K scale bytes of tokens g, g+8 (INT4: fp16 sc | mn)
+  uint32_t vsc[4];    // NVFP4/MXFP4: V scale bytes of tokens 2t, 2t+1, 2t+8, 2t+9
+  uint32_t vint[2];   // INT4: V fp16 sc | mn of tokens g, g+8
 };
 
-// ROWS: mma rows that hold query heads (8 when qh <= 8: rows g+8 are padding and skipped).
-template <int FMT, typename T, int D, int GROUP, int NW, int ROWS>
-__global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode_kernel(const DecodeParams p) {
-  constexpr int NR = ROWS / 8;  // fragment rows per thread in use: g (and g+8)
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {  // 8x8 b16 fragment -> its transpose
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Both products run "swapped" so the 16 mma rows are tokens / head dims and the 8 columns are query
+// heads (GQA groups of up to 8 need no padding rows): S^T = K Q^T (A = K tile, B = Q^T), then
+// O^T += V^T P^T (A = V^T tile, B = P^T, moved from the S^T accumulator layout by MOVMATRIX).
+// NH = blocks of 8 query heads (1 when qh <= 8, else 2).
+template <int FMT, typename T, int D, int GROUP, int NW, int NH>
+__global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 : 1)
+    decode_kernel(const DecodeParams p) {
   using TileT = Tile<FMT, D, GROUP>;
-  constexpr int KW = TileT::KW, VW = TileT::VW, KSTEPS = D / 16, NT = D / 8;
+  constexpr int KW = TileT::KW, VW = TileT::VW, KSTEPS = D / 16, MT = D / 16;
   constexpr int KSB = TileT::KSB, VSB = TileT::VSB;
   const int sp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -252,41 +262,32 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
   const int lo = tok_lo + sp * chunk;
   const int hi = min(lo + chunk, seq_len);
 
-  // ---- query fragments (A operand, rows = heads g and g+8), in the permuted contraction order
+  // ---- Q^T fragments (B operand: k = permuted head dim, n = head 8 nh + g)
+  // logical k = 2t -> dim base, 2t+1 -> base+4, 2t+8 -> base+1, 2t+9 -> base+5 (see the K decode)
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(p.q) + (int64_t)b * p.q_sb + (int64_t)h * qh * p.q_sh;
-  uint32_t qf[KSTEPS][4];
-  float qsum[2] = {0.f, 0.f};
+  uint32_t qb[NH][KSTEPS][2];
+  float qsum[NH][2];  // INT4: sum(q) of heads 8 nh + 2t + c
 #pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) {
-    const int base = t * (D / 4) + 8 * (kk / 2) + 2 * (kk & 1);  // k=2t -> base, 2t+1 -> base+4,
-#pragma unroll                                                  // 2t+8 -> base+1, 2t+9 -> base+5
-    for (int r = 0; r < 2; ++r) {
-      const int row = g + 8 * r;
+  for (int nh = 0; nh < NH; ++nh) {
+    const int row = 8 * nh + g;
+    float own = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      const int base = t * (D / 4) + 8 * (kk / 2) + 2 * (kk & 1);
       uint32_t e0 = 0, e1 = 0, e2 = 0, e3 = 0;
-      if (r < NR && row < qh) {
+      if (row < qh) {
         const uint16_t* qr = qp + (int64_t)row * p.q_sh;
         e0 = qr[base]; e1 = qr[base + 4]; e2 = qr[base + 1]; e3 = qr[base + 5];
       }
-      qf[kk][r] = e0 | (e1 << 16);
-      qf[kk][2 + r] = e2 | (e3 << 16);
-      if constexpr (FMT == F_INT4)
-        qsum[r] += Op<T>::to_f32(e0) + Op<T>::to_f32(e1) + Op<T>::to_f32(e2) + Op<T>::to_f32(e3);
+      qb[nh][kk][0] = e0 | (e1 << 16);
+      qb[nh][kk][1] = e2 | (e3 << 16);
+      if constexpr (FMT == F_INT4) own += Op<T>::to_f32(e0) + Op<T>::to_f32(e1) + Op<T>::to_f32(e2) + Op<T>::to_f32(e3);
     }
-  }
-  if constexpr (NR == 1) {
-    // Padding rows g+8 get opaque copies of row g: their scores are never read, and distinct
-    // registers let the A-operand tuples stay in place instead of being rebuilt around zeros.
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      asm("mov.b32 %0, %1;" : "=r"(qf[kk][1]) : "r"(qf[kk][0]));
-      asm("mov.b32 %0, %1;" : "=r"(qf[kk][3]) : "r"(qf[kk][2]));
-    }
-  }
-  if constexpr (FMT == F_INT4) {
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 1);
-      qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 2);
+    if constexpr (FMT == F_INT4) {
+      own += __shfl_xor_sync(0xffffffffu, own, 1);
+      own += __shfl_xor_sync(0xffffffffu, own, 2);  // sum(q) of head 8 nh + g, in every lane of quad g
+      qsum[nh][0] = __shfl_sync(0xffffffffu, own, (2 * t) * 4);
+      qsum[nh][1] = __shfl_sync(0xffffffffu, own, (2 * t + 1) * 4);
     }
   }
 
@@ -306,8 +307,9 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
   const int32_t* bt = p.bt + (int64_t)b * p.bt_sb;
   const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (D / 8);
   const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (D / 16);
-  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + (FMT == F_INT4 ? 2 * t * KSROW : g * KSROW + (t * (D / 4)) / GROUP);
-  const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh + 2 * t * VSROW + (FMT == F_INT4 ? 0 : (g * (D / 8)) / GROUP);
+  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (FMT == F_INT4 ? 0 : (t * (D / 4)) / GROUP);
+  const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh +
+                          (FMT == F_INT4 ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
   const int bs_log2 = (p.bs & (p.bs - 1)) == 0 ? __ffs(p.bs) - 1 : -1;
 
   auto load_tile = [&](TileT& x, int start) {
@@ -319,20 +321,24 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
     const uint8_t* vp = vbase + page * p.vd_sb + off * VROW;
     const uint8_t* ksp = ksbase + page * p.ks_sb + off * KSROW;
     const uint8_t* vsp = vsbase + page * p.vs_sb + off * VSROW;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {  // K rows 8j + g
-      ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
-      if constexpr (FMT != F_INT4) x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
-    }
     const bool edge = start < lo || start + 16 > hi;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // V rows 2t + (i & 1) + 8 (i >> 1)
+    for (int j = 0; j < 2; ++j) {  // K rows (and INT4 V scale rows) of tokens g + 8j
+      ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
+      x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
+      if constexpr (FMT == F_INT4) {
+        x.vint[j] = ld_bytes<4>(vsp + 8 * j * VSROW);
+        const int tok = start + g + 8 * j;
+        if (edge && (tok < lo || tok >= hi)) x.vint[j] = 0u;  // masked token: finite zeros (p = 0)
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // V rows of tokens 2t + (i & 1) + 8 (i >> 1)
       const int r = (i & 1) + 8 * (i >> 1);
       ld_words<VW>(vp + r * VROW, x.v[i]);
-      x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
-      if constexpr (FMT == F_INT4) x.ksc[i] = ld_bytes<4>(ksp + r * KSROW);
+      if constexpr (FMT != F_INT4) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
       const int tok = start + 2 * t + r;
-      if (edge && (tok < lo || tok >= hi)) {  // masked token: finite zeros (p = 0 there)
+      if (edge && (tok < lo || tok >= hi)) {
 #pragma unroll
         for (int w = 0; w < VW; ++w) x.v[i][w] = 0u;
         x.vsc[i] = 0u;
@@ -340,113 +346,116 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
     }
   };
 
-  float o[NT][4];
+  float o[NH][MT][4];  // O^T: (dim row g | g+8 of m-tile i, head 8 nh + 2t | 2t+1)
 #pragma unroll
-  for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f}, pm[2] = {0.f, 0.f};
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) o[nh][i][0] = o[nh][i][1] = o[nh][i][2] = o[nh][i][3] = 0.f;
+  float m_r[NH][2], l_r[NH][2], pm[NH][2];  // per head 8 nh + 2t + c
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) { m_r[nh][c] = -INFINITY; l_r[nh][c] = 0.f; pm[nh][c] = 0.f; }
 
   auto compute_tile = [&](const TileT& x, int start) {
-    // ---- S = Q K^T for tokens start + 8j + (0..7): C(row g|g+8, col 2t, 2t+1)
-    float s[2][4];
+    // ---- S^T = K Q^T: C(token g | g+8, head 2t | 2t+1)
+    uint32_t ks2[2][FMT == F_INT4 ? 1 : KSB];
+    if constexpr (FMT != F_INT4) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      uint32_t sc2[KSB > 0 ? KSB : 1];
-      if constexpr (FMT != F_INT4) {
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < KSB; ++e) {
           const uint32_t byte = (x.ksc[j] >> (8 * e)) & 0xFFu;
-          sc2[e] = scale2<FMT, T>(byte | (byte << 8));
+          ks2[j][e] = scale2<FMT, T>(byte | (byte << 8));
         }
+    }
+    float s[NH][4];
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) s[nh][0] = s[nh][1] = s[nh][2] = s[nh][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      const int wi = kk / 2, r0 = 2 * (kk & 1);
+      uint32_t a[4] = {code_pair_r<FMT, T>(x.k[0][wi], r0), code_pair_r<FMT, T>(x.k[1][wi], r0),
+                       code_pair_r<FMT, T>(x.k[0][wi], r0 + 1), code_pair_r<FMT, T>(x.k[1][wi], r0 + 1)};
+      if constexpr (FMT != F_INT4) {
+        const int gi = (D / 4) >= GROUP ? (8 * wi) / GROUP : 0;
+        a[0] = apply_scale<FMT, T>(a[0], ks2[0][gi]);
+        a[1] = apply_scale<FMT, T>(a[1], ks2[1][gi]);
+        a[2] = apply_scale<FMT, T>(a[2], ks2[0][gi]);
+        a[3] = apply_scale<FMT, T>(a[3], ks2[1][gi]);
       }
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS; ++kk) {
-        const int wi = kk / 2, r0 = 2 * (kk & 1);
-        const uint32_t w = x.k[j][wi];
-        uint32_t b0 = code_pair_r<FMT, T>(w, r0), b1 = code_pair_r<FMT, T>(w, r0 + 1);
-        if constexpr (FMT != F_INT4) {
-          const int gi = (D / 4) >= GROUP ? (8 * wi) / GROUP : 0;
-          b0 = apply_scale<FMT, T>(b0, sc2[gi]);
-          b1 = apply_scale<FMT, T>(b1, sc2[gi]);
-        }
-        Op<T>::mma(s[j], qf[kk], b0, b1);
-      }
+      for (int nh = 0; nh < NH; ++nh) Op<T>::mma(s[nh], a, qb[nh][kk][0], qb[nh][kk][1]);
     }
     // ---- scores (log2 domain): INT4 affine, scale, soft-cap; tokens outside [lo, hi) -> -inf
     const bool interior = start >= lo && start + 16 <= hi;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
-      for (int e = 0; e < 2 * NR; ++e) {
-        float v = s[j][e];
+      for (int e = 0; e < 4; ++e) {
+        float v = s[nh][e];
         if constexpr (FMT == F_INT4) {
-          const uint32_t sm = x.ksc[2 * j + (e & 1)];
-          v = v * Op<__half>::to_f32(sm & 0xFFFFu) + qsum[e >> 1] * Op<__half>::to_f32(sm >> 16);
+          const uint32_t sm = x.ksc[e >> 1];
+          v = v * Op<__half>::to_f32(sm & 0xFFFFu) + qsum[nh][e & 1] * Op<__half>::to_f32(sm >> 16);
         }
         v *= k_fac;
         if (softcap) v = cap_log2 * (1.f - 2.f * __frcp_rn(ex2(2.f * LOG2E * v) + 1.f));
         if (!interior) {
-          const int tok = start + 8 * j + 2 * t + (e & 1);
+          const int tok = start + g + 8 * (e >> 1);
           v = (tok >= lo && tok < hi) ? v : -INFINITY;
         }
-        s[j][e] = v;
+        s[nh][e] = v;
+      }
+    // ---- online softmax per head (a head's 16 tokens live in lanes t, t+4, ..., t+28)
+    float alpha[NH][2];
+    bool rescale = false;
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float mx = fmaxf(s[nh][c], s[nh][2 + c]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m_r[nh][c], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[nh][c] = ex2(m_r[nh][c] - m_use);
+        rescale |= alpha[nh][c] != 1.f;
+        m_r[nh][c] = m_new;
+        s[nh][c] = ex2(s[nh][c] - m_use);
+        s[nh][2 + c] = ex2(s[nh][2 + c] - m_use);
+        l_r[nh][c] = l_r[nh][c] * alpha[nh][c] + s[nh][c] + s[nh][2 + c];
+      }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int nh = 0; nh < NH; ++nh) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          o[nh][i][0] *= alpha[nh][0]; o[nh][i][1] *= alpha[nh][1];
+          o[nh][i][2] *= alpha[nh][0]; o[nh][i][3] *= alpha[nh][1];
+        }
+        pm[nh][0] *= alpha[nh][0];
+        pm[nh][1] *= alpha[nh][1];
       }
     }
-    // ---- online softmax (rows g, g+8; a row lives in the 4 lanes of a quad)
-    float alpha[2] = {1.f, 1.f};
+    // ---- P^T as the B operand (INT4: p * sc folded in, p * mn summed per head)
+    uint32_t pb[NH][2];
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_r[r], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = ex2(m_r[r] - m_use);
-      m_r[r] = m_new;
+    for (int nh = 0; nh < NH; ++nh) {
+      if constexpr (FMT == F_INT4) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        s[j][2 * r] = ex2(s[j][2 * r] - m_use);
-        s[j][2 * r + 1] = ex2(s[j][2 * r + 1] - m_use);
+        for (int j = 0; j < 2; ++j) {
+          const float sc = Op<__half>::to_f32(x.vint[j] & 0xFFFFu), mn = Op<__half>::to_f32(x.vint[j] >> 16);
+          pm[nh][0] += s[nh][2 * j] * mn;
+          pm[nh][1] += s[nh][2 * j + 1] * mn;
+          s[nh][2 * j] *= sc;
+          s[nh][2 * j + 1] *= sc;
+        }
       }
-      l_r[r] = l_r[r] * alpha[r] + s[0][2 * r] + s[0][2 * r + 1] + s[1][2 * r] + s[1][2 * r + 1];
+      pb[nh][0] = transpose8x8(Op<T>::pack(s[nh][0], s[nh][1]));  // (head g, tokens 2t, 2t+1)
+      pb[nh][1] = transpose8x8(Op<T>::pack(s[nh][2], s[nh][3]));  // (head g, tokens 2t+8, 2t+9)
     }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
-        if constexpr (NR == 2) { o[i][2] *= alpha[1]; o[i][3] *= alpha[1]; }
-      }
-      pm[0] *= alpha[0];
-      pm[1] *= alpha[1];
-    }
-    // ---- P as the A operand (INT4: p * sc folded in, p * mn summed)
-    uint32_t pa[4];
-    if constexpr (FMT == F_INT4) {
-      float sc[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sc[i] = Op<__half>::to_f32(x.vsc[i] & 0xFFFFu);
-        const float mn = Op<__half>::to_f32(x.vsc[i] >> 16);
-        const int j = i >> 1, c = i & 1;
-        pm[0] += s[j][c] * mn;
-        if constexpr (NR == 2) pm[1] += s[j][2 + c] * mn;
-      }
-      pa[0] = Op<T>::pack(s[0][0] * sc[0], s[0][1] * sc[1]);
-      pa[2] = Op<T>::pack(s[1][0] * sc[2], s[1][1] * sc[3]);
-      if constexpr (NR == 2) {
-        pa[1] = Op<T>::pack(s[0][2] * sc[0], s[0][3] * sc[1]);
-        pa[3] = Op<T>::pack(s[1][2] * sc[2], s[1][3] * sc[3]);
-      }
-    } else {
-      pa[0] = Op<T>::pack(s[0][0], s[0][1]);
-      pa[2] = Op<T>::pack(s[1][0], s[1][1]);
-      if constexpr (NR == 2) {
-        pa[1] = Op<T>::pack(s[0][2], s[0][3]);
-        pa[3] = Op<T>::pack(s[1][2], s[1][3]);
-      }
-    }
-    if constexpr (NR == 1) { pa[1] = pa[0]; pa[3] = pa[2]; }  // padding rows g+8: any values, never read
-    // ---- O += P V: n-tile i holds output dims n * (D/8) + i, n = 2t, 2t+1
+    // ---- O^T += V^T P^T: m-tile i rows g / g+8 = this thread's dims 2i / 2i+1 of its eighth
     uint32_t vs01[VSB], vs23[VSB];
     if constexpr (FMT != F_INT4) {
 #pragma unroll
@@ -457,22 +466,22 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
       }
     }
 #pragma unroll
-    for (int wi = 0; wi < VW; ++wi) {
-      const uint32_t u01l = __byte_perm(x.v[0][wi], x.v[1][wi], 0x5410);
-      const uint32_t u01h = __byte_perm(x.v[0][wi], x.v[1][wi], 0x7632);
-      const uint32_t u23l = __byte_perm(x.v[2][wi], x.v[3][wi], 0x5410);
-      const uint32_t u23h = __byte_perm(x.v[2][wi], x.v[3][wi], 0x7632);
-#pragma unroll
-      for (int nib = 0; nib < 8; ++nib) {
-        const uint32_t u01 = nib < 4 ? u01l : u01h, u23 = nib < 4 ? u23l : u23h;
-        uint32_t b0 = code_pair_r<FMT, T>(u01, nib & 3), b1 = code_pair_r<FMT, T>(u23, nib & 3);
-        if constexpr (FMT != F_INT4) {
-          const int gi = (D / 8) >= GROUP ? (8 * wi) / GROUP : 0;
-          b0 = apply_scale<FMT, T>(b0, vs01[gi]);
-          b1 = apply_scale<FMT, T>(b1, vs23[gi]);
-        }
-        Op<T>::mma(o[8 * wi + nib], pa, b0, b1);
+    for (int i = 0; i < MT; ++i) {
+      const int wi = i / 4, nib = (2 * i) % 8;  // dims 2i, 2i+1 = nibbles nib, nib+1 of word wi
+      const uint32_t sel = nib < 4 ? 0x5410u : 0x7632u;
+      const uint32_t u01 = __byte_perm(x.v[0][wi], x.v[1][wi], sel);  // tokens 2t | 2t+1 per half
+      const uint32_t u23 = __byte_perm(x.v[2][wi], x.v[3][wi], sel);  // tokens 2t+8 | 2t+9
+      uint32_t a[4] = {code_pair_r<FMT, T>(u01, nib & 3), code_pair_r<FMT, T>(u01, (nib & 3) + 1),
+                       code_pair_r<FMT, T>(u23, nib & 3), code_pair_r<FMT, T>(u23, (nib & 3) + 1)};
+      if constexpr (FMT != F_INT4) {
+        const int gi = (D / 8) >= GROUP ? (8 * wi) / GROUP : 0;
+        a[0] = apply_scale<FMT, T>(a[0], vs01[gi]);
+        a[1] = apply_scale<FMT, T>(a[1], vs01[gi]);
+        a[2] = apply_scale<FMT, T>(a[2], vs23[gi]);
+        a[3] = apply_scale<FMT, T>(a[3], vs23[gi]);
       }
+#pragma unroll
+      for (int nh = 0; nh < NH; ++nh) Op<T>::mma(o[nh][i], a, pb[nh][0], pb[nh][1]);
     }
   };
 
@@ -491,33 +500,33 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
     start += STEP;
   }
 
-  // ---- merge the warps: quad-reduce l (and INT4's p*mn), stage m, l, o in shared memory
-#pragma unroll
-  for (int r = 0; r < NR; ++r) {
-    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
-    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
-    pm[r] += __shfl_xor_sync(0xffffffffu, pm[r], 1);
-    pm[r] += __shfl_xor_sync(0xffffffffu, pm[r], 2);
-  }
+  // ---- merge the warps: reduce l (and INT4's p * mn) over the 8 token lanes, stage in shared memory
   float* sm_m = smem;
   float* sm_l = smem + NW * 16;
   float* sm_o = smem + NW * 32;
 #pragma unroll
-  for (int r = 0; r < NR; ++r) {
-    const int row = g + 8 * r;
-    if (row < qh) {
-      if (t == 0) {
-        sm_m[warp * 16 + row] = m_r[r];
-        sm_l[warp * 16 + row] = l_r[r];
-      }
-      float* orow = sm_o + ((int64_t)warp * qh + row) * D;
+  for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        orow[(2 * t) * (D / 8) + i] = o[i][2 * r] * v_fac + pm[r];
-        orow[(2 * t + 1) * (D / 8) + i] = o[i][2 * r + 1] * v_fac + pm[r];
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int x = 4; x < 32; x <<= 1) {
+        l_r[nh][c] += __shfl_xor_sync(0xffffffffu, l_r[nh][c], x);
+        pm[nh][c] += __shfl_xor_sync(0xffffffffu, pm[nh][c], x);
+      }
+      const int head = 8 * nh + 2 * t + c;
+      if (head < qh) {
+        if (g == 0) {
+          sm_m[warp * 16 + head] = m_r[nh][c];
+          sm_l[warp * 16 + head] = l_r[nh][c];
+        }
+        float* orow = sm_o + ((int64_t)warp * qh + head) * D + g * (D / 8);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          orow[2 * i] = o[nh][i][c] * v_fac + pm[nh][c];
+          orow[2 * i + 1] = o[nh][i][2 + c] * v_fac + pm[nh][c];
+        }
       }
     }
-  }
   __syncthreads();
   for (int e = threadIdx.x; e < qh * D; e += NW * 32) {
     const int row = e / D, d = e % D;
@@ -543,7 +552,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128) ? 3 : 1) decode
 template <int FMT, typename T, int D, int GROUP, int NW>
 cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
   const size_t smem = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
-  auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, NW, 16> : decode_kernel<FMT, T, D, GROUP, NW, 8>;
+  auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, NW, 2> : decode_kernel<FMT, T, D, GROUP, NW, 1>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
