@@ -312,11 +312,11 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
                           (FMT == F_INT4 ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
   const int bs_log2 = (p.bs & (p.bs - 1)) == 0 ? __ffs(p.bs) - 1 : -1;
 
-  auto load_tile = [&](TileT& x, int start) {
-    int pidx, off;
-    if (bs_log2 >= 0) { pidx = start >> bs_log2; off = start & (p.bs - 1); }
-    else { pidx = start / p.bs; off = start - pidx * p.bs; }
-    const int64_t page = bt[pidx];
+  auto page_of = [&](int start) -> int64_t {  // block id of the page holding token `start`
+    return bt[bs_log2 >= 0 ? start >> bs_log2 : start / p.bs];
+  };
+  auto load_tile = [&](TileT& x, int start, int64_t page) {
+    const int off = bs_log2 >= 0 ? start & (p.bs - 1) : start % p.bs;
     const uint8_t* kp = kbase + page * p.kd_sb + off * KROW;
     const uint8_t* vp = vbase + page * p.vd_sb + off * VROW;
     const uint8_t* ksp = ksbase + page * p.ks_sb + off * KSROW;
@@ -487,17 +487,23 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
 
   // ---- main loop: warp w takes tiles w, w + NW, ...; the next tile's words load during this one
   constexpr int STEP = 16 * NW;
+  // Page ids are read two tiles ahead, so the payload loads never wait on the block-table load.
   int start = (lo & ~15) + 16 * warp;
   TileT ta, tb;  // ping-pong: one tile computes while the next one's words are in flight
-  if (start < hi) load_tile(ta, start);
+  int64_t pg_next = start + STEP < hi ? page_of(start + STEP) : 0;
+  if (start < hi) load_tile(ta, start, page_of(start));
   while (start < hi) {
-    if (start + STEP < hi) load_tile(tb, start + STEP);
+    int64_t pg_after = start + 2 * STEP < hi ? page_of(start + 2 * STEP) : 0;
+    if (start + STEP < hi) load_tile(tb, start + STEP, pg_next);
     compute_tile(ta, start);
     start += STEP;
+    pg_next = pg_after;
     if (start >= hi) break;
-    if (start + STEP < hi) load_tile(ta, start + STEP);
+    pg_after = start + 2 * STEP < hi ? page_of(start + 2 * STEP) : 0;
+    if (start + STEP < hi) load_tile(ta, start + STEP, pg_next);
     compute_tile(tb, start);
     start += STEP;
+    pg_next = pg_after;
   }
 
   // ---- merge the warps: reduce l (and INT4's p * mn) over the 8 token lanes, stage in shared memory
