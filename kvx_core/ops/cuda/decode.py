@@ -51,8 +51,9 @@ def _code(fmt: CacheFormat) -> tuple[int, int] | None:
     return None
 
 
-def _aligned(t: torch.Tensor, width: int) -> bool:
-    return t.data_ptr() % width == 0 and all(t.stride(i) % width == 0 for i in range(3))
+def _pages_aligned(t: torch.Tensor) -> bool:
+    """Page and head blocks start 16-byte aligned (the kernel copies tiles with 16-byte cp.async)."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
 
 
 def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
@@ -76,13 +77,8 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
         return f"block size {bs} (a multiple of 16)"
     if bsz > 65535 or hkv > 65535:
         return "grid too large"
-    kw, vw = d // 8, d // 16  # bytes a thread loads from one K / V row
-    if not (_aligned(k_data, min(16, kw)) and _aligned(v_data, min(16, vw))):
-        return "payload rows not aligned for word loads"
-    ksb = 4 if code[0] == F_INT4 else max(1, (d // 4) // code[1])
-    vsb = 4 if code[0] == F_INT4 else max(1, (d // 8) // code[1])
-    if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
-        return "scale rows not aligned"
+    if not all(_pages_aligned(t) for t in (k_data, v_data, k_scales, v_scales)):
+        return "pool pages not 16-byte aligned"
     srow = 4 if code[0] == F_INT4 else d // code[1]
     for name, t, row in (("K", k_data, d // 2), ("V", v_data, d // 2), ("K scale", k_scales, srow),
                          ("V scale", v_scales, srow)):
