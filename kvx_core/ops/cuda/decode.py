@@ -51,9 +51,8 @@ def _code(fmt: CacheFormat) -> tuple[int, int] | None:
     return None
 
 
-def _pages_aligned(t: torch.Tensor) -> bool:
-    """Page and head blocks start 16-byte aligned (the kernel copies tiles with 16-byte cp.async)."""
-    return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
+def _aligned(t: torch.Tensor, width: int) -> bool:
+    return t.data_ptr() % width == 0 and all(t.stride(i) % width == 0 for i in range(3))
 
 
 def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
@@ -77,8 +76,13 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
         return f"block size {bs} (a multiple of 16)"
     if bsz > 65535 or hkv > 65535:
         return "grid too large"
-    if not all(_pages_aligned(t) for t in (k_data, v_data, k_scales, v_scales)):
-        return "pool pages not 16-byte aligned"
+    kw, vw = d // 8, d // 16  # bytes a thread loads from one K / V row
+    if not (_aligned(k_data, min(16, kw)) and _aligned(v_data, min(16, vw))):
+        return "payload rows not aligned for word loads"
+    ksb = 4 if code[0] == F_INT4 else max(1, (d // 4) // code[1])
+    vsb = 4 if code[0] == F_INT4 else max(1, (d // 8) // code[1])
+    if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
+        return "scale rows not aligned"
     srow = 4 if code[0] == F_INT4 else d // code[1]
     for name, t, row in (("K", k_data, d // 2), ("V", v_data, d // 2), ("K scale", k_scales, srow),
                          ("V scale", v_scales, srow)):
@@ -96,14 +100,14 @@ def _hadamard(d: int, device: torch.device) -> torch.Tensor:
 
 
 def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int, num_warps: int) -> int:
-    """Splits per (sequence, KV head): >= 6 CTAs per SM for large batches (two waves of 4 resident),
-    ~4 per SM when there are fewer (sequence, KV head) pairs than SMs; at least 2 tiles per warp.
+    """Splits per (sequence, KV head): >= 9 CTAs per SM for large batches (4 resident per SM), ~4 per SM
+    when there are fewer (sequence, KV head) pairs than SMs; at least 2 tiles per warp.
 
-    Run 8 (H200, GQA 32/8, D=128, 4 CTAs of 4 warps per SM): B=64 at 32k, 2-6 splits within 2%
-    (16: +1%, 64: +18%); B=1 at 32k, 64 splits (34 us) beat 32 (39 us) and 16 (57 us).
+    Runs 8-10 (H200, GQA 32/8, D=128): B=64 at 32k, 3 splits best (2: +1.5%, 1: +4%, 64: +15%);
+    B=1 at 32k, 64 splits (34 us) beat 32 (39 us) and 16 (57 us).
     """
     base = max(1, batch * num_kv_heads)
-    ctas = 4 * sm_count if base < sm_count else 6 * sm_count
+    ctas = 4 * sm_count if base < sm_count else 9 * sm_count
     by_len = max(1, math.ceil(max_seq_len / (32 * num_warps)))
     return int(max(1, min(math.ceil(ctas / base), by_len, 256)))
 

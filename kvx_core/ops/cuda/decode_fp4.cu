@@ -195,45 +195,27 @@ __device__ __forceinline__ uint32_t scale2(uint32_t two_bytes) {
   else return 0u;
 }
 
-constexpr int STAGES = 4;  // tile slots per warp in the shared-memory ring
-
-template <int FMT, int D, int GROUP>
-struct SlotLayout {  // one 16-token tile in shared memory: K | V | K scales | V scales
-  static constexpr int SROW = FMT == F_INT4 ? 4 : D / GROUP;  // scale bytes per token
-  static constexpr int KB = 16 * (D / 2);
-  static constexpr int SB = 16 * SROW;
-  static constexpr int BYTES = 2 * KB + 2 * SB;
-};
-
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem_src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-template <int N>
-__device__ __forceinline__ void sh_words(const uint8_t* p, uint32_t* w) {  // N words from shared, 4N-aligned
+__device__ __forceinline__ void ld_words(const uint8_t* p, uint32_t* w) {  // N 32-bit words, 4N-aligned
   if constexpr (N == 1) {
-    w[0] = *reinterpret_cast<const uint32_t*>(p);
+    w[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
   } else if constexpr (N == 2) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
     w[0] = v.x; w[1] = v.y;
   } else {
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
-      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
       w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
     }
   }
 }
 
 template <int N>
-__device__ __forceinline__ uint32_t sh_bytes(const uint8_t* p) {  // N in {1, 2, 4}, N-aligned
-  if constexpr (N == 1) return *p;
-  else if constexpr (N == 2) return *reinterpret_cast<const unsigned short*>(p);
-  else return *reinterpret_cast<const uint32_t*>(p);
+__device__ __forceinline__ uint32_t ld_bytes(const uint8_t* p) {  // N in {1, 2, 4}, N-aligned
+  if constexpr (N == 1) return __ldg(p);
+  else if constexpr (N == 2) return __ldg(reinterpret_cast<const unsigned short*>(p));
+  else return __ldg(reinterpret_cast<const uint32_t*>(p));
 }
 
 // ------------------------------------------------------------------ per-thread tile of raw words
@@ -270,7 +252,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int qh = p.qh;
-  extern __shared__ __align__(16) float smem[];  // the warps' tile rings, then m [NW][16], l [NW][16], o [NW][qh][D]
+  extern __shared__ float smem[];  // m [NW][16], l [NW][16], o [NW][qh][D]
 
   // ---- this split's token range
   const int seq_len = p.seq[b];
@@ -318,58 +300,44 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
   if (softcap) k_fac /= p.softcap; else k_fac *= LOG2E;  // scores go to the log2 domain
   const float cap_log2 = p.softcap * LOG2E;
 
-  // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so one 16-token
-  // tile is four contiguous blocks (K, V, K scales, V scales), copied global -> shared with 16-byte
-  // cp.async into a warp-private ring of STAGES tile slots; compute reads its fragments from there.
-  using Slot = SlotLayout<FMT, D, GROUP>;
-  constexpr int KROW = D / 2, VROW = D / 2, SROW = Slot::SROW;
-  uint8_t* ring = reinterpret_cast<uint8_t*>(smem) + warp * (STAGES * Slot::BYTES);
+  // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so a thread's
+  // loads are its per-CTA base + page offset + compile-time row offsets.
+  constexpr int KROW = D / 2, VROW = D / 2;
+  constexpr int KSROW = FMT == F_INT4 ? 4 : D / GROUP, VSROW = KSROW;
   const int32_t* bt = p.bt + (int64_t)b * p.bt_sb;
-  const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh;
-  const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh;
-  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh;
-  const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh;
+  const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (D / 8);
+  const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (D / 16);
+  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (FMT == F_INT4 ? 0 : (t * (D / 4)) / GROUP);
+  const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh +
+                          (FMT == F_INT4 ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
   const int bs_log2 = (p.bs & (p.bs - 1)) == 0 ? __ffs(p.bs) - 1 : -1;
 
-  auto page_of = [&](int start) -> int64_t {  // block id of the page holding token `start`
-    return bt[bs_log2 >= 0 ? start >> bs_log2 : start / p.bs];
-  };
-  auto issue_tile = [&](uint8_t* slot, int start, int64_t page) {  // global -> shared, async
-    const int off = bs_log2 >= 0 ? start & (p.bs - 1) : start % p.bs;
+  auto load_tile = [&](TileT& x, int start) {
+    int pidx, off;
+    if (bs_log2 >= 0) { pidx = start >> bs_log2; off = start & (p.bs - 1); }
+    else { pidx = start / p.bs; off = start - pidx * p.bs; }
+    const int64_t page = bt[pidx];
     const uint8_t* kp = kbase + page * p.kd_sb + off * KROW;
     const uint8_t* vp = vbase + page * p.vd_sb + off * VROW;
-#pragma unroll
-    for (int c = lane; c < Slot::KB / 16; c += 32) {
-      cp_async16(slot + 16 * c, kp + 16 * c);
-      cp_async16(slot + Slot::KB + 16 * c, vp + 16 * c);
-    }
-    if (lane < Slot::SB / 16) {
-      cp_async16(slot + 2 * Slot::KB + 16 * lane, ksbase + page * p.ks_sb + off * SROW + 16 * lane);
-    } else if (lane >= 16 && lane < 16 + Slot::SB / 16) {
-      const int c = lane - 16;
-      cp_async16(slot + 2 * Slot::KB + Slot::SB + 16 * c, vsbase + page * p.vs_sb + off * SROW + 16 * c);
-    }
-  };
-  auto read_tile = [&](TileT& x, const uint8_t* slot, int start) {  // shared -> registers
-    const uint8_t* ks = slot + 2 * Slot::KB;
-    const uint8_t* vs = ks + Slot::SB;
+    const uint8_t* ksp = ksbase + page * p.ks_sb + off * KSROW;
+    const uint8_t* vsp = vsbase + page * p.vs_sb + off * VSROW;
     const bool edge = start < lo || start + 16 > hi;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // K rows (and INT4 V scale rows) of tokens g + 8j
-      sh_words<KW>(slot + (g + 8 * j) * KROW + t * (D / 8), x.k[j]);
-      x.ksc[j] = sh_bytes<KSB>(ks + (g + 8 * j) * SROW + (FMT == F_INT4 ? 0 : (t * (D / 4)) / GROUP));
+      ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
+      x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
       if constexpr (FMT == F_INT4) {
-        x.vint[j] = sh_bytes<4>(vs + (g + 8 * j) * SROW);
+        x.vint[j] = ld_bytes<4>(vsp + 8 * j * VSROW);
         const int tok = start + g + 8 * j;
         if (edge && (tok < lo || tok >= hi)) x.vint[j] = 0u;  // masked token: finite zeros (p = 0)
       }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // V rows of tokens 2t + (i & 1) + 8 (i >> 1)
-      const int r = 2 * t + (i & 1) + 8 * (i >> 1);
-      sh_words<VW>(slot + Slot::KB + r * VROW + g * (D / 16), x.v[i]);
-      if constexpr (FMT != F_INT4) x.vsc[i] = sh_bytes<VSB>(vs + r * SROW + (g * (D / 8)) / GROUP);
-      const int tok = start + r;
+      const int r = (i & 1) + 8 * (i >> 1);
+      ld_words<VW>(vp + r * VROW, x.v[i]);
+      if constexpr (FMT != F_INT4) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
+      const int tok = start + 2 * t + r;
       if (edge && (tok < lo || tok >= hi)) {
 #pragma unroll
         for (int w = 0; w < VW; ++w) x.v[i][w] = 0u;
@@ -517,34 +485,20 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
     }
   };
 
-  // ---- main loop: warp w takes tiles w, w + NW, ...; STAGES - 1 tiles are in flight while one computes.
-  // Page ids are read one step before their tile is issued, so issuing never waits on the table.
+  // ---- main loop: warp w takes tiles w, w + NW, ...; the next tile's words load during this one
   constexpr int STEP = 16 * NW;
-  const int first = (lo & ~15) + 16 * warp;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    const int st = first + s * STEP;
-    if (st < hi) issue_tile(ring + s * Slot::BYTES, st, page_of(st));
-    cp_async_commit();
+  int start = (lo & ~15) + 16 * warp;
+  TileT ta, tb;  // ping-pong: one tile computes while the next one's words are in flight
+  if (start < hi) load_tile(ta, start);
+  while (start < hi) {
+    if (start + STEP < hi) load_tile(tb, start + STEP);
+    compute_tile(ta, start);
+    start += STEP;
+    if (start >= hi) break;
+    if (start + STEP < hi) load_tile(ta, start + STEP);
+    compute_tile(tb, start);
+    start += STEP;
   }
-  int64_t pg = first + (STAGES - 1) * STEP < hi ? page_of(first + (STAGES - 1) * STEP) : 0;
-  int slot = 0;
-  for (int start = first; start < hi; start += STEP) {
-    cp_async_wait<STAGES - 2>();
-    __syncwarp();
-    const int ahead = start + (STAGES - 1) * STEP;
-    const int64_t pg_next = ahead + STEP < hi ? page_of(ahead + STEP) : 0;
-    TileT x;
-    read_tile(x, ring + slot * Slot::BYTES, start);
-    // the slot of the previous tile is free (every lane passed the barrier above after reading it)
-    if (ahead < hi) issue_tile(ring + ((slot + STAGES - 1) % STAGES) * Slot::BYTES, ahead, pg);
-    cp_async_commit();
-    pg = pg_next;
-    slot = (slot + 1) % STAGES;
-    compute_tile(x, start);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the ring is reused below as the merge area
 
   // ---- merge the warps: reduce l (and INT4's p * mn) over the 8 token lanes, stage in shared memory
   float* sm_m = smem;
@@ -597,9 +551,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
 
 template <int FMT, typename T, int D, int GROUP, int NW>
 cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
-  const size_t merge = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
-  const size_t ring = (size_t)NW * STAGES * SlotLayout<FMT, D, GROUP>::BYTES;
-  const size_t smem = merge > ring ? merge : ring;
+  const size_t smem = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
   auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, NW, 2> : decode_kernel<FMT, T, D, GROUP, NW, 1>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
