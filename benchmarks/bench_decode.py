@@ -65,7 +65,6 @@ def main():
     ap.add_argument("--tune-configs", default="64x32768,1x32768")
     ap.add_argument("--split-sweep", default="", help="num_splits values to try on B=1 configs, e.g. 16,32,64")
     ap.add_argument("--backends", default="auto", help="paged_decode backends to time, e.g. triton,cuda")
-    ap.add_argument("--cuda-warps", default="4", help="num_warps values for the CUDA backend, e.g. 4,8")
     ap.add_argument("--cuda-splits", default="", help="extra num_splits values for the CUDA backend")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--fi-tc", default="1", help="FlashInfer use_tensor_cores values to try, e.g. 0,1")
@@ -147,10 +146,8 @@ def main():
                     continue
                 if supports(q, fmt, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd):
                     continue  # the CUDA kernel does not serve this format (reason: supports(...))
-                for nw in (int(x) for x in args.cuda_warps.split(",")):
-                    variants.append(dict(backend="cuda", num_warps=nw))
-                    variants += [dict(backend="cuda", num_warps=nw, num_splits=int(x))
-                                 for x in args.cuda_splits.split(",") if x]
+                variants.append(dict(backend="cuda"))
+                variants += [dict(backend="cuda", num_splits=int(x)) for x in args.cuda_splits.split(",") if x]
             if name in args.tune.split(",") and cfg in args.tune_configs.split(","):
                 auto = decode_num_splits(bsz, hkv, ctx, 128, torch.device(dev))
                 variants = []
@@ -166,7 +163,7 @@ def main():
                     kw = dict(var)
                     served = supports(q, fmt, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd) is None
                     if kw.get("backend") == "cuda" or (kw.get("backend") == "auto" and served):
-                        kw.setdefault("num_splits", cuda_splits(bsz, hkv, ctx, info["sms"], kw["num_warps"]))
+                        kw.setdefault("num_splits", cuda_splits(bsz, hkv, ctx, info["sms"], 4))
                     else:
                         kw.setdefault("num_splits", decode_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64,
                                                                       torch.device(dev)))

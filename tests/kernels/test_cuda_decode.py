@@ -17,7 +17,7 @@ from kvx_core.ops.cuda.decode import DecodeParams, supports
 from kvx_core.ops.triton import paged_decode
 from oracle import make_pools, make_table, ref_decode
 
-CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot"]
+CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "fp8_e4m3", "fp8_e5m2"]
 
 
 def _gs(fmt, hkv, seed, k):
@@ -26,19 +26,18 @@ def _gs(fmt, hkv, seed, k):
 
 
 def _run(name, lens, hkv=2, qh=4, d=128, bs=16, q_dtype=torch.bfloat16, splits=None, softcap=None, window=None,
-         seed=0, num_warps=None, pools=None):
+         seed=0, pools=None, q_scale=1.0, kv_scale=1.0):
     fmt = get_format(name)
     nb = sum(math.ceil(L / bs) for L in lens) + 3
     kg, vg = _gs(fmt, hkv, seed, True), _gs(fmt, hkv, seed, False)
     kd, ks, vd, vs = pools(fmt, nb, hkv, bs, d, seed) if pools else \
-        make_pools(fmt, nb, hkv, bs, d, device="cuda", seed=seed, k_gs=kg, v_gs=vg)
+        make_pools(fmt, nb, hkv, bs, d, device="cuda", seed=seed, k_gs=kg, v_gs=vg, scale=kv_scale)
     bt = make_table(lens, bs, nb, device="cuda", seed=seed)
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(len(lens), hkv * qh, d, generator=torch.Generator().manual_seed(seed + 3)).to(q_dtype).cuda()
+    q = (torch.randn(len(lens), hkv * qh, d, generator=torch.Generator().manual_seed(seed + 3)) * q_scale).to(q_dtype).cuda()
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     o, lse = paged_decode(q, kd, ks, vd, vs, None if kg is None else kg.cuda(), None if vg is None else vg.cuda(),
-                          bt, sl, fmt, softcap=softcap, window=window, num_splits=splits, out=out,
-                          num_warps=num_warps, backend="cuda")
+                          bt, sl, fmt, softcap=softcap, window=window, num_splits=splits, out=out, backend="cuda")
     ro, rl = ref_decode(q, fmt, kd, ks, vd, vs, kg, vg, bt, sl, softcap=softcap, window=window)
     return o.cpu().double(), lse.cpu().double(), ro, rl
 
@@ -69,7 +68,7 @@ def test_supports_names_the_reason():
     kd = torch.zeros(2, 1, 16, 64, dtype=torch.uint8)
     ks = torch.zeros(2, 1, 16, 8, dtype=torch.uint8)
     assert "CUDA" in supports(q, get_format("nvfp4"), kd, ks, kd, ks)  # a CPU tensor
-    assert "format fp8_e4m3" in supports(q, get_format("fp8_e4m3"), kd, ks, kd, ks)
+    assert "format int8" in supports(q, get_format("int8"), kd, ks, kd, ks)
     assert "format" in supports(q, get_format("k8v4"), kd, ks, kd, ks)
 
 
@@ -85,7 +84,7 @@ def test_cuda_decode_formats_head_dims(name, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4_rot"])
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4_rot", "fp8_e4m3", "fp8_e5m2"])
 def test_cuda_decode_fp16_queries(name):
     o, lse, ro, rl = _run(name, [77, 513, 16], q_dtype=torch.float16, splits=2)
     _check(o, lse, ro, rl)
@@ -93,7 +92,7 @@ def test_cuda_decode_fp16_queries(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qh,hkv", [(1, 4), (2, 2), (5, 1), (8, 2), (16, 1)])
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_32", "int4"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_32", "int4", "fp8_e4m3"])
 def test_cuda_decode_gqa(qh, hkv, name):
     o, lse, ro, rl = _run(name, [20, 333], hkv=hkv, qh=qh, splits=2)
     _check(o, lse, ro, rl)
@@ -101,17 +100,29 @@ def test_cuda_decode_gqa(qh, hkv, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [16, 32, 48, 128, 256])
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "fp8_e5m2"])
 def test_cuda_decode_block_sizes(bs, name):
     o, lse, ro, rl = _run(name, [bs * 3 + 5, 2 * bs - 1, 7], bs=bs, splits=2, seed=bs)
     _check(o, lse, ro, rl)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4"])
-@pytest.mark.parametrize("num_warps", [4, 8])
-def test_cuda_decode_softcap_window_warps(name, num_warps):
-    o, lse, ro, rl = _run(name, [50, 3, 400, 129], softcap=5.0, window=37, splits=2, num_warps=num_warps)
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "fp8_e4m3"])
+def test_cuda_decode_softcap_window(name):
+    o, lse, ro, rl = _run(name, [50, 3, 400, 129], softcap=5.0, window=37, splits=2)
+    _check(o, lse, ro, rl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,q_scale,kv_scale", [
+    ("fp8_e4m3", 1e6, 1.0),     # bf16 queries far outside the f16 range: scaled by a power of two
+    ("fp8_e4m3", 1e-6, 1.0),    # tiny queries
+    ("fp8_e4m3", 1.0, 1e-3),    # E4M3 subnormal payloads
+    ("fp8_e5m2", 1.0, 1e-5),    # E5M2 subnormal payloads
+    ("fp8_e4m3", 1.0, 300.0),   # saturated payloads
+])
+def test_cuda_decode_fp8_ranges(name, q_scale, kv_scale):
+    o, lse, ro, rl = _run(name, [300, 17], q_scale=q_scale, kv_scale=kv_scale, splits=2)
     _check(o, lse, ro, rl)
 
 
@@ -162,6 +173,8 @@ def test_cuda_decode_all_bit_patterns(name, lo, hi):
 
 @pytest.mark.gpu
 def test_cuda_backend_refuses_what_it_cannot_serve():
+    with pytest.raises(KvxError, match="4 warps"):
+        paged_decode(*_tiny_nvfp4(), backend="cuda", num_warps=8)
     q = torch.zeros(1, 4, 128, dtype=torch.float16, device="cuda")
     fmt = get_format("mxfp4")
     kd = torch.zeros(2, 1, 16, 64, dtype=torch.uint8, device="cuda")
@@ -173,6 +186,14 @@ def test_cuda_backend_refuses_what_it_cannot_serve():
     assert e.value.status == Status.UNSUPPORTED and "bf16" in str(e.value)
     o, _ = paged_decode(q, kd, ks, kd, ks, None, None, bt, sl, fmt)  # auto: Triton serves fp16 MXFP4
     assert o.shape == q.shape
+
+
+def _tiny_nvfp4():
+    fmt = get_format("nvfp4")
+    kd, ks, vd, vs = make_pools(fmt, 4, 1, 16, 128, device="cuda")
+    q = torch.randn(1, 4, 128, device="cuda", dtype=torch.bfloat16)
+    bt = make_table([20], 16, 4, device="cuda")
+    return q, kd, ks, vd, vs, None, None, bt, torch.tensor([20], dtype=torch.int32, device="cuda"), fmt
 
 
 @pytest.mark.gpu

@@ -1,8 +1,8 @@
 """Launcher of the CUDA 4-bit paged decode (`decode_fp4.cu`): which calls it serves, and the launch.
 
-It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries) and INT4 (f16/bf16) caches whose K and V
-use the same format (rotated variants too), head_dim 64/128/256, 1..16 query heads per KV head, block
-sizes that are multiples of 16, with payload rows aligned for word loads. Anything else goes to the
+It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries), INT4 and FP8 E4M3/E5M2 (f16/bf16)
+caches whose K and V use the same format (rotated variants too), head_dim 64/128/256, 1..16 query heads
+per KV head, block sizes that are multiples of 16, dense token rows aligned for word loads; 4 warps/CTA. Anything else goes to the
 Triton kernel (`supports` says why). The kernel writes per-split partial outputs that the Triton reduce
 kernel merges, exactly as the Triton decode kernel does.
 """
@@ -15,9 +15,9 @@ from functools import cache
 import torch
 
 from ...errors import KvxError, Status
-from ...formats import CacheFormat, IntFormat, MXFP4Format, NVFP4Format
+from ...formats import CacheFormat, FP8Format, IntFormat, MXFP4Format, NVFP4Format
 
-F_NVFP4, F_MXFP4, F_INT4 = 0, 1, 2
+F_NVFP4, F_MXFP4, F_INT4, F_E4M3, F_E5M2 = 0, 1, 2, 3, 4
 
 
 class DecodeParams(ctypes.Structure):
@@ -42,6 +42,8 @@ def _code(fmt: CacheFormat) -> tuple[int, int] | None:
     """(format code, group size) when K and V share a format the kernel decodes, else None."""
     if type(fmt.k) is not type(fmt.v) or fmt.k.group_size != fmt.v.group_size:
         return None
+    if isinstance(fmt.k, FP8Format) and fmt.k.torch_data_dtype == fmt.v.torch_data_dtype:
+        return (F_E4M3 if fmt.k.torch_data_dtype == torch.float8_e4m3fn else F_E5M2), 0
     if isinstance(fmt.k, NVFP4Format):
         return F_NVFP4, 16
     if isinstance(fmt.k, MXFP4Format):
@@ -59,13 +61,13 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
     """None when the CUDA kernel serves this call, else the reason it does not."""
     code = _code(fmt)
     if code is None:
-        return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 (same format for K and V)"
+        return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 / fp8 (same format for K and V)"
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(q.device) < (8, 9):
         return "needs compute capability >= 8.9"
     if q.dtype not in (torch.float16, torch.bfloat16) or (code[0] == F_MXFP4 and q.dtype != torch.bfloat16):
-        return f"{q.dtype} queries (MXFP4 needs bf16, NVFP4/INT4 f16 or bf16)"
+        return f"{q.dtype} queries (MXFP4 needs bf16, the others f16 or bf16)"
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
     if d not in (64, 128, 256):
@@ -76,18 +78,22 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
         return f"block size {bs} (a multiple of 16)"
     if bsz > 65535 or hkv > 65535:
         return "grid too large"
-    kw, vw = d // 8, d // 16  # bytes a thread loads from one K / V row
-    if not (_aligned(k_data, min(16, kw)) and _aligned(v_data, min(16, vw))):
+    fp8 = code[0] in (F_E4M3, F_E5M2)
+    row = d if fp8 else d // 2
+    if not (_aligned(k_data, min(16, row // 4)) and _aligned(v_data, min(16, row // 8))):
         return "payload rows not aligned for word loads"
-    ksb = 4 if code[0] == F_INT4 else max(1, (d // 4) // code[1])
-    vsb = 4 if code[0] == F_INT4 else max(1, (d // 8) // code[1])
-    if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
-        return "scale rows not aligned"
-    srow = 4 if code[0] == F_INT4 else d // code[1]
-    for name, t, row in (("K", k_data, d // 2), ("V", v_data, d // 2), ("K scale", k_scales, srow),
-                         ("V scale", v_scales, srow)):
+    for name, t in (("K", k_data), ("V", v_data)):
         if t.stride(2) != row:
             return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {row} bytes)"
+    if not fp8:
+        ksb = 4 if code[0] == F_INT4 else max(1, (d // 4) // code[1])
+        vsb = 4 if code[0] == F_INT4 else max(1, (d // 8) // code[1])
+        if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
+            return "scale rows not aligned"
+        srow = 4 if code[0] == F_INT4 else d // code[1]
+        for name, t in (("K scale", k_scales), ("V scale", v_scales)):
+            if t.stride(2) != srow:
+                return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {srow} bytes)"
     if q.stride(2) != 1:
         return "query last dim not contiguous"
     return None
@@ -114,7 +120,7 @@ def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int, n
 
 def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
            mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
-           window: int | None, num_warps: int = 4) -> None:
+           window: int | None) -> None:
     """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`."""
     from . import cuda_error_name, library
     code, group = _code(fmt)
@@ -130,8 +136,9 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
         for suf, i in (("b", 0), ("h", 1), ("t", 2)):
             setattr(p, f"{pre}d_s{suf}", data.stride(i))
             setattr(p, f"{pre}s_s{suf}", sc.stride(i))
-    p.kg = kg.data_ptr() if kg is not None and code == F_NVFP4 else None
-    p.vg = vg.data_ptr() if vg is not None and code == F_NVFP4 else None
+    scaled = code in (F_NVFP4, F_E4M3, F_E5M2)  # formats with an FP32 global scale per KV head
+    p.kg = kg.data_ptr() if kg is not None and scaled else None
+    p.vg = vg.data_ptr() if vg is not None and scaled else None
     p.bt, p.bt_sb, p.seq = block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr()
     p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
     p.ml, p.ml_sb, p.ml_sh = mid_l.data_ptr(), mid_l.stride(0), mid_l.stride(1)
@@ -140,6 +147,6 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     p.qh, p.bs, p.num_splits = hq // hkv, bs, mid_o.shape[2]
     stream = torch.cuda.current_stream(q.device).cuda_stream
     err = library(q.device).kvx_decode_fp4(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group,
-                                           num_warps, bsz, hkv, stream)
+                                           4, bsz, hkv, stream)
     if err != 0:
         raise KvxError(Status.INTERNAL, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")

@@ -1,4 +1,4 @@
-// KVX paged decode attention over 4-bit KV caches (NVFP4, MXFP4, INT4): CUDA, SM89+ (Hopper first).
+// KVX paged decode attention over 4-bit and FP8 KV caches (NVFP4, MXFP4, INT4, FP8 E4M3/E5M2): CUDA, SM89+.
 //
 // Why CUDA and not Triton (benchmarks/results/ncu_decode_b64_32k_h200.txt): Triton's mma-v2 path
 // routes the 4-bit payload through shared memory and layout conversions; its NVFP4 decode used 20%
@@ -26,7 +26,10 @@
 
 namespace kvx {
 
-enum : int { F_NVFP4 = 0, F_MXFP4 = 1, F_INT4 = 2 };
+enum : int { F_NVFP4 = 0, F_MXFP4 = 1, F_INT4 = 2, F_E4M3 = 3, F_E5M2 = 4 };
+
+template <int FMT>
+constexpr bool kByte = FMT == F_E4M3 || FMT == F_E5M2;  // one byte per element, no scale pool
 
 struct DecodeParams {
   const void* q;
@@ -170,6 +173,16 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t u) {
   if constexpr (FMT == F_INT4) return u4_pair<T, R>(u); else return e2m1_pair<T, R>(u);
 }
 
+// The two FP8 codes of one 16-bit half of `u` (hi = 0 | 1) -> exact f16x2 (FP8 runs f16 operands).
+template <int FMT>
+__device__ __forceinline__ uint32_t fp8_pair(uint32_t u, int hi) {
+  const unsigned short v = (unsigned short)(hi ? u >> 16 : u & 0xFFFFu);
+  uint32_t d;
+  if constexpr (FMT == F_E4M3) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(v));
+  else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(d) : "h"(v));
+  return d;
+}
+
 template <int FMT, typename T>
 __device__ __forceinline__ uint32_t code_pair_r(uint32_t u, int r) {  // r folds to a constant when unrolled
   switch (r) {
@@ -221,8 +234,8 @@ __device__ __forceinline__ uint32_t ld_bytes(const uint8_t* p) {  // N in {1, 2,
 // ------------------------------------------------------------------ per-thread tile of raw words
 template <int FMT, int D, int GROUP>
 struct Tile {
-  static constexpr int KW = D / 32;  // K words per thread per token (a quarter row)
-  static constexpr int VW = D / 64;  // V words per thread per token (an eighth row)
+  static constexpr int KW = kByte<FMT> ? D / 16 : D / 32;  // K words per thread per token (a quarter row)
+  static constexpr int VW = kByte<FMT> ? D / 32 : D / 64;  // V words per thread per token (an eighth row)
   static constexpr int KSB = FMT == F_INT4 ? 4 : ((D / 4) >= GROUP ? (D / 4) / GROUP : 1);
   static constexpr int VSB = FMT == F_INT4 ? 1 : ((D / 8) >= GROUP ? (D / 8) / GROUP : 1);
   uint32_t k[2][KW];  // K rows of tokens g, g+8 (quarter t)
@@ -242,9 +255,12 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {  // 8x8 b16 fragm
 // heads (GQA groups of up to 8 need no padding rows): S^T = K Q^T (A = K tile, B = Q^T), then
 // O^T += V^T P^T (A = V^T tile, B = P^T, moved from the S^T accumulator layout by MOVMATRIX).
 // NH = blocks of 8 query heads (1 when qh <= 8, else 2).
-template <int FMT, typename T, int D, int GROUP, int NW, int NH>
-__global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 : 1)
+// QB: the query is bf16 while the operands are f16 (FP8 caches): q is scaled by a power of two that
+// keeps it inside the f16 range (exact for every element >= 2^-14 of the largest) and the scores undo it.
+template <int FMT, typename T, int D, int GROUP, int NW, int NH, bool QB>
+__global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (kByte<FMT> ? 3 : 4) : 1)
     decode_kernel(const DecodeParams p) {
+  constexpr bool BYTE = kByte<FMT>, SCALES = !kByte<FMT>;
   using TileT = Tile<FMT, D, GROUP>;
   constexpr int KW = TileT::KW, VW = TileT::VW, KSTEPS = D / 16, MT = D / 16;
   constexpr int KSB = TileT::KSB, VSB = TileT::VSB;
@@ -265,6 +281,33 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
   // ---- Q^T fragments (B operand: k = permuted head dim, n = head 8 nh + g)
   // logical k = 2t -> dim base, 2t+1 -> base+4, 2t+8 -> base+1, 2t+9 -> base+5 (see the K decode)
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(p.q) + (int64_t)b * p.q_sb + (int64_t)h * qh * p.q_sh;
+  // 4-bit: k = 2t, 2t+1, 2t+8, 2t+9 -> dims base, base+4, base+1, base+5; 8-bit: base .. base+3
+  constexpr int O1 = BYTE ? 1 : 4, O2 = BYTE ? 2 : 1, O3 = BYTE ? 3 : 5;
+  auto q_base = [&](int kk) { return BYTE ? t * (D / 4) + 4 * kk : t * (D / 4) + 8 * (kk / 2) + 2 * (kk & 1); };
+  float q_mul = 1.f;  // QB: 2^-e with amax(q) * 2^-e < 2^15
+  if constexpr (QB) {
+    float amax = 0.f;
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk)
+        if (8 * nh + g < qh) {
+          const uint16_t* qr = qp + (int64_t)(8 * nh + g) * p.q_sh + q_base(kk);
+          amax = fmaxf(amax, fmaxf(fmaxf(fabsf(__uint_as_float((uint32_t)qr[0] << 16)),
+                                         fabsf(__uint_as_float((uint32_t)qr[O1] << 16))),
+                                   fmaxf(fabsf(__uint_as_float((uint32_t)qr[O2] << 16)),
+                                         fabsf(__uint_as_float((uint32_t)qr[O3] << 16)))));
+        }
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
+    int ex = 0;
+    frexpf(amax, &ex);  // amax < 2^ex
+    q_mul = ldexpf(1.f, -max(ex - 15, 0));
+  }
+  auto q_bits = [&](uint32_t raw) -> uint32_t {  // one stored query element -> operand bits
+    if constexpr (QB) return (uint32_t)__half_as_ushort(__float2half_rn(__uint_as_float(raw << 16) * q_mul));
+    else return raw;
+  };
   uint32_t qb[NH][KSTEPS][2];
   float qsum[NH][2];  // INT4: sum(q) of heads 8 nh + 2t + c
 #pragma unroll
@@ -273,11 +316,11 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
     float own = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
-      const int base = t * (D / 4) + 8 * (kk / 2) + 2 * (kk & 1);
+      const int base = q_base(kk);
       uint32_t e0 = 0, e1 = 0, e2 = 0, e3 = 0;
       if (row < qh) {
         const uint16_t* qr = qp + (int64_t)row * p.q_sh;
-        e0 = qr[base]; e1 = qr[base + 4]; e2 = qr[base + 1]; e3 = qr[base + 5];
+        e0 = q_bits(qr[base]); e1 = q_bits(qr[base + O1]); e2 = q_bits(qr[base + O2]); e3 = q_bits(qr[base + O3]);
       }
       qb[nh][kk][0] = e0 | (e1 << 16);
       qb[nh][kk][1] = e2 | (e3 << 16);
@@ -296,17 +339,21 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
     k_fac *= 128.f * (p.kg ? p.kg[h] : 1.f);
     v_fac = 128.f * (p.vg ? p.vg[h] : 1.f);
   }
+  if constexpr (BYTE) {
+    k_fac *= (p.kg ? p.kg[h] : 1.f) / q_mul;
+    v_fac = p.vg ? p.vg[h] : 1.f;
+  }
   const bool softcap = p.softcap > 0.f;
   if (softcap) k_fac /= p.softcap; else k_fac *= LOG2E;  // scores go to the log2 domain
   const float cap_log2 = p.softcap * LOG2E;
 
   // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so a thread's
   // loads are its per-CTA base + page offset + compile-time row offsets.
-  constexpr int KROW = D / 2, VROW = D / 2;
+  constexpr int KROW = BYTE ? D : D / 2, VROW = KROW;
   constexpr int KSROW = FMT == F_INT4 ? 4 : D / GROUP, VSROW = KSROW;
   const int32_t* bt = p.bt + (int64_t)b * p.bt_sb;
-  const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (D / 8);
-  const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (D / 16);
+  const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (KROW / 4);
+  const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (VROW / 8);
   const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (FMT == F_INT4 ? 0 : (t * (D / 4)) / GROUP);
   const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh +
                           (FMT == F_INT4 ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
@@ -325,7 +372,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // K rows (and INT4 V scale rows) of tokens g + 8j
       ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
-      x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
+      if constexpr (SCALES) x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
       if constexpr (FMT == F_INT4) {
         x.vint[j] = ld_bytes<4>(vsp + 8 * j * VSROW);
         const int tok = start + g + 8 * j;
@@ -336,7 +383,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
     for (int i = 0; i < 4; ++i) {  // V rows of tokens 2t + (i & 1) + 8 (i >> 1)
       const int r = (i & 1) + 8 * (i >> 1);
       ld_words<VW>(vp + r * VROW, x.v[i]);
-      if constexpr (FMT != F_INT4) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
+      if constexpr (SCALES && FMT != F_INT4) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
       const int tok = start + 2 * t + r;
       if (edge && (tok < lo || tok >= hi)) {
 #pragma unroll
@@ -360,7 +407,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
   auto compute_tile = [&](const TileT& x, int start) {
     // ---- S^T = K Q^T: C(token g | g+8, head 2t | 2t+1)
     uint32_t ks2[2][FMT == F_INT4 ? 1 : KSB];
-    if constexpr (FMT != F_INT4) {
+    if constexpr (SCALES && FMT != F_INT4) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -375,9 +422,15 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
       const int wi = kk / 2, r0 = 2 * (kk & 1);
-      uint32_t a[4] = {code_pair_r<FMT, T>(x.k[0][wi], r0), code_pair_r<FMT, T>(x.k[1][wi], r0),
-                       code_pair_r<FMT, T>(x.k[0][wi], r0 + 1), code_pair_r<FMT, T>(x.k[1][wi], r0 + 1)};
-      if constexpr (FMT != F_INT4) {
+      uint32_t a[4];
+      if constexpr (BYTE) {  // word kk: its low half is k = 2t, 2t+1, its high half 2t+8, 2t+9
+        a[0] = fp8_pair<FMT>(x.k[0][kk], 0); a[1] = fp8_pair<FMT>(x.k[1][kk], 0);
+        a[2] = fp8_pair<FMT>(x.k[0][kk], 1); a[3] = fp8_pair<FMT>(x.k[1][kk], 1);
+      } else {
+        a[0] = code_pair_r<FMT, T>(x.k[0][wi], r0); a[1] = code_pair_r<FMT, T>(x.k[1][wi], r0);
+        a[2] = code_pair_r<FMT, T>(x.k[0][wi], r0 + 1); a[3] = code_pair_r<FMT, T>(x.k[1][wi], r0 + 1);
+      }
+      if constexpr (SCALES && FMT != F_INT4) {
         const int gi = (D / 4) >= GROUP ? (8 * wi) / GROUP : 0;
         a[0] = apply_scale<FMT, T>(a[0], ks2[0][gi]);
         a[1] = apply_scale<FMT, T>(a[1], ks2[1][gi]);
@@ -457,7 +510,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
     }
     // ---- O^T += V^T P^T: m-tile i rows g / g+8 = this thread's dims 2i / 2i+1 of its eighth
     uint32_t vs01[VSB], vs23[VSB];
-    if constexpr (FMT != F_INT4) {
+    if constexpr (SCALES && FMT != F_INT4) {
 #pragma unroll
       for (int e = 0; e < VSB; ++e) {
         const uint32_t sh = 8 * e;
@@ -467,13 +520,23 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
     }
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-      const int wi = i / 4, nib = (2 * i) % 8;  // dims 2i, 2i+1 = nibbles nib, nib+1 of word wi
-      const uint32_t sel = nib < 4 ? 0x5410u : 0x7632u;
-      const uint32_t u01 = __byte_perm(x.v[0][wi], x.v[1][wi], sel);  // tokens 2t | 2t+1 per half
-      const uint32_t u23 = __byte_perm(x.v[2][wi], x.v[3][wi], sel);  // tokens 2t+8 | 2t+9
-      uint32_t a[4] = {code_pair_r<FMT, T>(u01, nib & 3), code_pair_r<FMT, T>(u01, (nib & 3) + 1),
-                       code_pair_r<FMT, T>(u23, nib & 3), code_pair_r<FMT, T>(u23, (nib & 3) + 1)};
-      if constexpr (FMT != F_INT4) {
+      uint32_t a[4];
+      const int wi = BYTE ? i / 2 : i / 4;
+      if constexpr (BYTE) {  // dims 2i, 2i+1 = bytes b, b+1 of word wi; halves pair tokens (2t, 2t+1)
+        const uint32_t sel = (2 * i) % 4 == 0 ? 0x5140u : 0x7362u;
+        const uint32_t u01 = __byte_perm(x.v[0][wi], x.v[1][wi], sel);
+        const uint32_t u23 = __byte_perm(x.v[2][wi], x.v[3][wi], sel);
+        a[0] = fp8_pair<FMT>(u01, 0); a[1] = fp8_pair<FMT>(u01, 1);
+        a[2] = fp8_pair<FMT>(u23, 0); a[3] = fp8_pair<FMT>(u23, 1);
+      } else {  // dims 2i, 2i+1 = nibbles nib, nib+1 of word wi; halves pair tokens (2t, 2t+1)
+        const int nib = (2 * i) % 8;
+        const uint32_t sel = nib < 4 ? 0x5410u : 0x7632u;
+        const uint32_t u01 = __byte_perm(x.v[0][wi], x.v[1][wi], sel);
+        const uint32_t u23 = __byte_perm(x.v[2][wi], x.v[3][wi], sel);
+        a[0] = code_pair_r<FMT, T>(u01, nib & 3); a[1] = code_pair_r<FMT, T>(u01, (nib & 3) + 1);
+        a[2] = code_pair_r<FMT, T>(u23, nib & 3); a[3] = code_pair_r<FMT, T>(u23, (nib & 3) + 1);
+      }
+      if constexpr (SCALES && FMT != F_INT4) {
         const int gi = (D / 8) >= GROUP ? (8 * wi) / GROUP : 0;
         a[0] = apply_scale<FMT, T>(a[0], vs01[gi]);
         a[1] = apply_scale<FMT, T>(a[1], vs01[gi]);
@@ -549,10 +612,11 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? 4 
   }
 }
 
-template <int FMT, typename T, int D, int GROUP, int NW>
+template <int FMT, typename T, int D, int GROUP, bool QB>
 cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
+  constexpr int NW = 4;
   const size_t smem = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
-  auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, NW, 2> : decode_kernel<FMT, T, D, GROUP, NW, 1>;
+  auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, NW, 2, QB> : decode_kernel<FMT, T, D, GROUP, NW, 1, QB>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
@@ -561,19 +625,14 @@ cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t strea
   return cudaGetLastError();
 }
 
-template <int FMT, typename T, int GROUP>
-cudaError_t by_dim(const DecodeParams& p, int d, int nw, int batch, int hkv, cudaStream_t s) {
-#define KVX_NW(D)                                                    \
-  if (nw == 4) return launch<FMT, T, D, GROUP, 4>(p, batch, hkv, s); \
-  if (nw == 8) return launch<FMT, T, D, GROUP, 8>(p, batch, hkv, s); \
-  return cudaErrorInvalidValue;
+template <int FMT, typename T, int GROUP, bool QB = false>
+cudaError_t by_dim(const DecodeParams& p, int d, int batch, int hkv, cudaStream_t s) {
   switch (d) {
-    case 64: { KVX_NW(64) }
-    case 128: { KVX_NW(128) }
-    case 256: { KVX_NW(256) }
+    case 64: return launch<FMT, T, 64, GROUP, QB>(p, batch, hkv, s);
+    case 128: return launch<FMT, T, 128, GROUP, QB>(p, batch, hkv, s);
+    case 256: return launch<FMT, T, 256, GROUP, QB>(p, batch, hkv, s);
     default: return cudaErrorInvalidValue;
   }
-#undef KVX_NW
 }
 
 }  // namespace kvx
@@ -583,23 +642,25 @@ extern "C" {
 // Size of DecodeParams, for the ctypes mirror to check itself against.
 int kvx_decode_params_size(void) { return (int)sizeof(kvx::DecodeParams); }
 
-// fmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4; bf16: query/operand type.
-// Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
+// fmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4, 3 FP8 E4M3, 4 FP8 E5M2;
+// bf16: the query dtype is bf16 (else f16). 4 warps per CTA. Returns a cudaError_t (0 = launched);
+// cudaErrorInvalidValue for an unsupported combination.
 int kvx_decode_fp4(const kvx::DecodeParams* p, int fmt, int bf16, int head_dim, int group, int num_warps,
                    int batch, int num_kv_heads, void* stream) {
   using namespace kvx;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0) return (int)cudaErrorInvalidValue;
+  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || num_warps != 4) return (int)cudaErrorInvalidValue;
+  const int d = head_dim, b = batch, hkv = num_kv_heads;
   if (fmt == F_NVFP4 && group == 16)
-    return bf16 ? (int)by_dim<F_NVFP4, __nv_bfloat16, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s)
-                : (int)by_dim<F_NVFP4, __half, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s);
-  if (fmt == F_MXFP4 && bf16 && group == 16)
-    return (int)by_dim<F_MXFP4, __nv_bfloat16, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s);
-  if (fmt == F_MXFP4 && bf16 && group == 32)
-    return (int)by_dim<F_MXFP4, __nv_bfloat16, 32>(*p, head_dim, num_warps, batch, num_kv_heads, s);
+    return bf16 ? (int)by_dim<F_NVFP4, __nv_bfloat16, 16>(*p, d, b, hkv, s) : (int)by_dim<F_NVFP4, __half, 16>(*p, d, b, hkv, s);
+  if (fmt == F_MXFP4 && bf16 && group == 16) return (int)by_dim<F_MXFP4, __nv_bfloat16, 16>(*p, d, b, hkv, s);
+  if (fmt == F_MXFP4 && bf16 && group == 32) return (int)by_dim<F_MXFP4, __nv_bfloat16, 32>(*p, d, b, hkv, s);
   if (fmt == F_INT4)
-    return bf16 ? (int)by_dim<F_INT4, __nv_bfloat16, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s)
-                : (int)by_dim<F_INT4, __half, 16>(*p, head_dim, num_warps, batch, num_kv_heads, s);
+    return bf16 ? (int)by_dim<F_INT4, __nv_bfloat16, 16>(*p, d, b, hkv, s) : (int)by_dim<F_INT4, __half, 16>(*p, d, b, hkv, s);
+  if (fmt == F_E4M3)
+    return bf16 ? (int)by_dim<F_E4M3, __half, 16, true>(*p, d, b, hkv, s) : (int)by_dim<F_E4M3, __half, 16>(*p, d, b, hkv, s);
+  if (fmt == F_E5M2)
+    return bf16 ? (int)by_dim<F_E5M2, __half, 16, true>(*p, d, b, hkv, s) : (int)by_dim<F_E5M2, __half, 16>(*p, d, b, hkv, s);
   return (int)cudaErrorInvalidValue;
 }
 

@@ -122,7 +122,7 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
     `lse` is the natural-log sum-exp of the (scaled, soft-capped) scores; `-inf` and a zero output
     for an empty sequence. `window` = FlashInfer's `window_left`: keys at positions
     `>= seq_len - 1 - window` are attended. Rotated formats take unrotated q and return unrotated out.
-    `backend`: "auto" (default, or `$KVX_DECODE_BACKEND`) runs the CUDA 4-bit kernel (`ops/cuda`) where it
+    `backend`: "auto" (default, or `$KVX_DECODE_BACKEND`) runs the CUDA kernel (`ops/cuda`: 4-bit, FP8) where it
     serves the call and Triton elsewhere; "cuda" requires the CUDA kernel; "triton" forces Triton.
     """
     fmt = _fmt(fmt)
@@ -154,11 +154,11 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
         max_seq_len = int(seq_lens.max().item()) if bsz else 0
     if window is not None and window >= 0:
         max_seq_len = min(max_seq_len, window + 1)
-    use_cuda = _use_cuda_decode(backend, q, fmt, k_data, ks[0], v_data, vs[0])
+    use_cuda = _use_cuda_decode(backend, q, fmt, k_data, ks[0], v_data, vs[0], num_warps)
     if num_splits is None:
         if use_cuda:
             from ..cuda.decode import num_splits as cuda_splits
-            num_splits = cuda_splits(bsz, hkv, max_seq_len, _sm_count(q.device), num_warps or 4)
+            num_splits = cuda_splits(bsz, hkv, max_seq_len, _sm_count(q.device), 4)
         else:
             num_splits = decode_num_splits(bsz, hkv, max_seq_len, block_n, q.device)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
@@ -174,7 +174,7 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
     if use_cuda:
         from ..cuda.decode import launch as cuda_launch
         cuda_launch(q, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
-                    softcap, window, num_warps=num_warps or 4)
+                    softcap, window)
     else:
         _triton_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
                        softcap, window, block_n, num_warps, num_stages)
@@ -190,8 +190,8 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
     return out, lse
 
 
-def _use_cuda_decode(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> bool:
-    """Whether paged_decode runs the CUDA 4-bit kernel (see its `backend` argument)."""
+def _use_cuda_decode(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_scales, num_warps) -> bool:
+    """Whether paged_decode runs the CUDA kernel (see its `backend` argument)."""
     backend = backend or os.environ.get("KVX_DECODE_BACKEND", "auto")
     if backend not in ("auto", "cuda", "triton"):
         raise KvxError(Status.INVALID_ARGUMENT, f"decode backend must be auto, cuda or triton, got {backend!r}")
@@ -199,6 +199,8 @@ def _use_cuda_decode(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_s
         return False
     from ..cuda.decode import supports
     why = supports(q, fmt, k_data, k_scales, v_data, v_scales)
+    if why is None and num_warps not in (None, 4):
+        why = f"num_warps={num_warps}: the CUDA decode runs 4 warps per CTA"
     if why is None and backend == "auto":
         try:
             from ..cuda import library
