@@ -153,9 +153,9 @@ def main():
                 variants = []
                 for bn in (64, 128):
                     for nw in (4, 8):
-                        variants.append(dict(block_n=bn, num_warps=nw, num_stages=2))
+                        variants.append(dict(backend="triton", block_n=bn, num_warps=nw, num_stages=2))
                 for sp in (max(1, auto // 2), auto * 2):
-                    variants.append(dict(block_n=128, num_warps=4, num_stages=2, num_splits=sp))
+                    variants.append(dict(backend="triton", block_n=128, num_warps=4, num_stages=2, num_splits=sp))
             if bsz == 1 and args.split_sweep:
                 variants += [dict(num_splits=int(x)) for x in args.split_sweep.split(",")]
             for var in variants:

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat, FP8Format, MXFP4Format, rotate
-from .dequant import F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, F_PLAIN, e8m0_f32
+from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .quant import cast_exact, ceil_log2, e4m3_f32, e2m1_code, f32_to_f8_bits, floor_log2, is_finite, rint, to_f32
 from .spec import kernel_format
 
