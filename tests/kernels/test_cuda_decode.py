@@ -47,8 +47,8 @@ def _check(o, lse, ro, rl, tol=1e-2):
     assert (o - ro).norm() / ro.norm().clamp_min(1e-30) < tol
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse))
-    if fin.any():
-        assert (lse[fin] - rl[fin]).abs().max() < 2e-2
+    if fin.any():  # absolute near 0, relative for huge scores (fp32 accumulation)
+        assert ((lse[fin] - rl[fin]).abs() / rl[fin].abs().clamp_min(1.0)).max() < 2e-2
 
 
 # ------------------------------------------------------------------ CPU: build + ABI mirror
