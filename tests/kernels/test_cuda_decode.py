@@ -17,7 +17,7 @@ from kvx_core.ops.cuda.decode import DecodeParams, supports
 from kvx_core.ops.triton import paged_decode
 from oracle import make_pools, make_table, ref_decode
 
-CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "fp8_e4m3", "fp8_e5m2"]
+CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2"]
 
 
 def _gs(fmt, hkv, seed, k):
@@ -68,7 +68,7 @@ def test_supports_names_the_reason():
     kd = torch.zeros(2, 1, 16, 64, dtype=torch.uint8)
     ks = torch.zeros(2, 1, 16, 8, dtype=torch.uint8)
     assert "CUDA" in supports(q, get_format("nvfp4"), kd, ks, kd, ks)  # a CPU tensor
-    assert "format int8" in supports(q, get_format("int8"), kd, ks, kd, ks)
+    assert "format k8v4" in supports(q, get_format("k8v4"), kd, ks, kd, ks)
     assert "format" in supports(q, get_format("k8v4"), kd, ks, kd, ks)
 
 
@@ -84,7 +84,7 @@ def test_cuda_decode_formats_head_dims(name, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4_rot", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2"])
 def test_cuda_decode_fp16_queries(name):
     o, lse, ro, rl = _run(name, [77, 513, 16], q_dtype=torch.float16, splits=2)
     _check(o, lse, ro, rl)
@@ -92,7 +92,7 @@ def test_cuda_decode_fp16_queries(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qh,hkv", [(1, 4), (2, 2), (5, 1), (8, 2), (16, 1)])
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_32", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_32", "int4", "int8", "fp8_e4m3"])
 def test_cuda_decode_gqa(qh, hkv, name):
     o, lse, ro, rl = _run(name, [20, 333], hkv=hkv, qh=qh, splits=2)
     _check(o, lse, ro, rl)
@@ -100,14 +100,14 @@ def test_cuda_decode_gqa(qh, hkv, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [16, 32, 48, 128, 256])
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "int8", "fp8_e5m2"])
 def test_cuda_decode_block_sizes(bs, name):
     o, lse, ro, rl = _run(name, [bs * 3 + 5, 2 * bs - 1, 7], bs=bs, splits=2, seed=bs)
     _check(o, lse, ro, rl)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "int8", "fp8_e4m3"])
 def test_cuda_decode_softcap_window(name):
     o, lse, ro, rl = _run(name, [50, 3, 400, 129], softcap=5.0, window=37, splits=2)
     _check(o, lse, ro, rl)
@@ -120,6 +120,7 @@ def test_cuda_decode_softcap_window(name):
     ("fp8_e4m3", 1.0, 1e-3),    # E4M3 subnormal payloads
     ("fp8_e5m2", 1.0, 1e-5),    # E5M2 subnormal payloads
     ("fp8_e4m3", 1.0, 300.0),   # saturated payloads
+    ("int8", 1e6, 1.0),         # bf16 queries far outside the f16 range (int8 also runs f16 operands)
 ])
 def test_cuda_decode_fp8_ranges(name, q_scale, kv_scale):
     o, lse, ro, rl = _run(name, [300, 17], q_scale=q_scale, kv_scale=kv_scale, splits=2)
@@ -139,7 +140,7 @@ def _raw_pools(scale_lo, scale_hi):
         g = torch.Generator().manual_seed(seed)
         out = []
         for tf in (fmt.k, fmt.v):
-            data = torch.randint(0, 256, (nb, hkv, bs, d // 2), generator=g, dtype=torch.uint8)
+            data = torch.randint(0, 256, (nb, hkv, bs, tf.payload_dim(d)), generator=g, dtype=torch.uint8)
             sk = tf.scale_dim(d)
             if type(tf).__name__ == "IntFormat":
                 sc = torch.empty(nb, hkv, bs, 2, dtype=torch.float16)
@@ -161,6 +162,7 @@ def _raw_pools(scale_lo, scale_hi):
     ("mxfp4", 0, 4),         # E8M0 2^-127 (bf16 subnormal) .. 2^-123
     ("mxfp4_32", 100, 140),
     ("int4", 0, 0),
+    ("int8", 0, 0),
 ])
 def test_cuda_decode_all_bit_patterns(name, lo, hi):
     """Random payload bytes (every e2m1 / u4 code, -0 included) with extreme scales: exact operands."""

@@ -1,6 +1,6 @@
 """Launcher of the CUDA 4-bit paged decode (`decode_fp4.cu`): which calls it serves, and the launch.
 
-It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries), INT4 and FP8 E4M3/E5M2 (f16/bf16)
+It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries), INT4, INT8 and FP8 E4M3/E5M2 (f16/bf16)
 caches whose K and V use the same format (rotated variants too), head_dim 64/128/256, 1..16 query heads
 per KV head, block sizes that are multiples of 16, dense token rows aligned for word loads; 4 warps/CTA. Anything else goes to the
 Triton kernel (`supports` says why). The kernel writes per-split partial outputs that the Triton reduce
@@ -17,7 +17,8 @@ import torch
 from ...errors import KvxError, Status
 from ...formats import CacheFormat, FP8Format, IntFormat, MXFP4Format, NVFP4Format
 
-F_NVFP4, F_MXFP4, F_INT4, F_E4M3, F_E5M2 = 0, 1, 2, 3, 4
+F_NVFP4, F_MXFP4, F_INT4, F_E4M3, F_E5M2, F_INT8 = 0, 1, 2, 3, 4, 5
+BYTE_FORMATS = (F_E4M3, F_E5M2, F_INT8)  # one byte per element
 
 
 class DecodeParams(ctypes.Structure):
@@ -48,8 +49,8 @@ def _code(fmt: CacheFormat) -> tuple[int, int] | None:
         return F_NVFP4, 16
     if isinstance(fmt.k, MXFP4Format):
         return F_MXFP4, fmt.k.group_size
-    if isinstance(fmt.k, IntFormat) and fmt.k.bits == 4:
-        return F_INT4, 16
+    if isinstance(fmt.k, IntFormat) and fmt.k.bits == fmt.v.bits:
+        return (F_INT4 if fmt.k.bits == 4 else F_INT8), 16
     return None
 
 
@@ -61,7 +62,7 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
     """None when the CUDA kernel serves this call, else the reason it does not."""
     code = _code(fmt)
     if code is None:
-        return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 / fp8 (same format for K and V)"
+        return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 / int8 / fp8 (same format for K and V)"
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(q.device) < (8, 9):
@@ -78,19 +79,20 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
         return f"block size {bs} (a multiple of 16)"
     if bsz > 65535 or hkv > 65535:
         return "grid too large"
-    fp8 = code[0] in (F_E4M3, F_E5M2)
-    row = d if fp8 else d // 2
+    byte = code[0] in BYTE_FORMATS
+    row = d if byte else d // 2
     if not (_aligned(k_data, min(16, row // 4)) and _aligned(v_data, min(16, row // 8))):
         return "payload rows not aligned for word loads"
     for name, t in (("K", k_data), ("V", v_data)):
         if t.stride(2) != row:
             return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {row} bytes)"
-    if not fp8:
-        ksb = 4 if code[0] == F_INT4 else max(1, (d // 4) // code[1])
-        vsb = 4 if code[0] == F_INT4 else max(1, (d // 8) // code[1])
+    if code[0] not in (F_E4M3, F_E5M2):  # formats with a scale pool
+        affine = code[0] in (F_INT4, F_INT8)
+        ksb = 4 if affine else max(1, (d // 4) // code[1])
+        vsb = 4 if affine else max(1, (d // 8) // code[1])
         if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
             return "scale rows not aligned"
-        srow = 4 if code[0] == F_INT4 else d // code[1]
+        srow = 4 if affine else d // code[1]
         for name, t in (("K scale", k_scales), ("V scale", v_scales)):
             if t.stride(2) != srow:
                 return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {srow} bytes)"

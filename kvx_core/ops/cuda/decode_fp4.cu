@@ -1,4 +1,5 @@
-// KVX paged decode attention over 4-bit and FP8 KV caches (NVFP4, MXFP4, INT4, FP8 E4M3/E5M2): CUDA, SM89+.
+// KVX paged decode attention over 4-bit and 8-bit KV caches (NVFP4, MXFP4, INT4, INT8, FP8 E4M3/E5M2):
+// CUDA, SM89+.
 //
 // Why CUDA and not Triton (benchmarks/results/ncu_decode_b64_32k_h200.txt): Triton's mma-v2 path
 // routes the 4-bit payload through shared memory and layout conversions; its NVFP4 decode used 20%
@@ -13,8 +14,10 @@
 //          E4M3 group scale pre-multiplied by 2^7 / 2^119 it is e2m1 * s * 2^-7 exactly (<= 6
 //          significant bits, normal). 2^7 and the FP32 global scale are applied to scores / output.
 //   MXFP4: (raw * 2^126) * 2^(E-127) in bf16, the exponent range of the fp32 reference (bf16 queries).
-//   INT4:  codes c via the magic-number trick ((c | M) - M, exact); the fp16 per-token scale and min
-//          are applied in fp32: s = sc * (q . c) + mn * sum(q); o = sum_t (p_t sc_t) c_t + sum_t p_t mn_t.
+//   INT4 / INT8: codes c via the magic-number trick ((c | M) - M, exact); the fp16 per-token scale and
+//          min are applied in fp32: s = sc * (q . c) + mn * sum(q); o = sum_t (p_t sc_t) c_t + sum_t p_t mn_t.
+//   FP8:   cvt.rn.f16x2.e4m3x2 / e5m2x2 (exact). Byte formats run f16 operands; bf16 queries are scaled
+//          by a power of two into the f16 range (QB) and the scores undo it.
 // One CTA = (split, KV head, sequence). Its warps take 16-token tiles round-robin, each with its own
 // online softmax (a warp's next tile's words are loaded while its current tile is computed), and are merged through
 // shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
@@ -26,10 +29,14 @@
 
 namespace kvx {
 
-enum : int { F_NVFP4 = 0, F_MXFP4 = 1, F_INT4 = 2, F_E4M3 = 3, F_E5M2 = 4 };
+enum : int { F_NVFP4 = 0, F_MXFP4 = 1, F_INT4 = 2, F_E4M3 = 3, F_E5M2 = 4, F_INT8 = 5 };
 
 template <int FMT>
-constexpr bool kByte = FMT == F_E4M3 || FMT == F_E5M2;  // one byte per element, no scale pool
+constexpr bool kByte = FMT == F_E4M3 || FMT == F_E5M2 || FMT == F_INT8;  // one byte per element
+template <int FMT>
+constexpr bool kAffine = FMT == F_INT4 || FMT == F_INT8;  // fp16 scale + min per token-head (4 bytes)
+template <int FMT>
+constexpr bool kGroup = FMT == F_NVFP4 || FMT == F_MXFP4;  // one scale byte per group of 16 / 32
 
 struct DecodeParams {
   const void* q;
@@ -173,14 +180,20 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t u) {
   if constexpr (FMT == F_INT4) return u4_pair<T, R>(u); else return e2m1_pair<T, R>(u);
 }
 
-// The two FP8 codes of one 16-bit half of `u` (hi = 0 | 1) -> exact f16x2 (FP8 runs f16 operands).
+// The two byte codes of one 16-bit half of `u` (hi = 0 | 1) -> exact f16x2 (byte formats run f16
+// operands): FP8 by cvt; u8 c by the magic-number trick ((0x64 << 8 | c) reads as 1024 + c).
 template <int FMT>
-__device__ __forceinline__ uint32_t fp8_pair(uint32_t u, int hi) {
-  const unsigned short v = (unsigned short)(hi ? u >> 16 : u & 0xFFFFu);
-  uint32_t d;
-  if constexpr (FMT == F_E4M3) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(v));
-  else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(d) : "h"(v));
-  return d;
+__device__ __forceinline__ uint32_t byte_pair(uint32_t u, int hi) {
+  if constexpr (FMT == F_INT8) {
+    const uint32_t x = __byte_perm(u, 0x64646464u, hi ? 0x4342u : 0x4140u);
+    return Op<__half>::fma2(x, Op<__half>::ONE, Op<__half>::NEG_MAGIC);
+  } else {
+    const unsigned short v = (unsigned short)(hi ? u >> 16 : u & 0xFFFFu);
+    uint32_t d;
+    if constexpr (FMT == F_E4M3) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(v));
+    else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(d) : "h"(v));
+    return d;
+  }
 }
 
 template <int FMT, typename T>
@@ -236,8 +249,8 @@ template <int FMT, int D, int GROUP>
 struct Tile {
   static constexpr int KW = kByte<FMT> ? D / 16 : D / 32;  // K words per thread per token (a quarter row)
   static constexpr int VW = kByte<FMT> ? D / 32 : D / 64;  // V words per thread per token (an eighth row)
-  static constexpr int KSB = FMT == F_INT4 ? 4 : ((D / 4) >= GROUP ? (D / 4) / GROUP : 1);
-  static constexpr int VSB = FMT == F_INT4 ? 1 : ((D / 8) >= GROUP ? (D / 8) / GROUP : 1);
+  static constexpr int KSB = kAffine<FMT> ? 4 : ((D / 4) >= GROUP ? (D / 4) / GROUP : 1);
+  static constexpr int VSB = kAffine<FMT> ? 1 : ((D / 8) >= GROUP ? (D / 8) / GROUP : 1);
   uint32_t k[2][KW];  // K rows of tokens g, g+8 (quarter t)
   uint32_t v[4][VW];  // V rows of tokens 2t, 2t+1, 2t+8, 2t+9 (eighth g)
   uint32_t ksc[2];    // K scale bytes of tokens g, g+8 (INT4: fp16 sc | mn)
@@ -260,7 +273,7 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {  // 8x8 b16 fragm
 template <int FMT, typename T, int D, int GROUP, int NW, int NH, bool QB>
 __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (kByte<FMT> ? 3 : 4) : 1)
     decode_kernel(const DecodeParams p) {
-  constexpr bool BYTE = kByte<FMT>, SCALES = !kByte<FMT>;
+  constexpr bool BYTE = kByte<FMT>, AFF = kAffine<FMT>, GRP = kGroup<FMT>;
   using TileT = Tile<FMT, D, GROUP>;
   constexpr int KW = TileT::KW, VW = TileT::VW, KSTEPS = D / 16, MT = D / 16;
   constexpr int KSB = TileT::KSB, VSB = TileT::VSB;
@@ -324,9 +337,9 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
       }
       qb[nh][kk][0] = e0 | (e1 << 16);
       qb[nh][kk][1] = e2 | (e3 << 16);
-      if constexpr (FMT == F_INT4) own += Op<T>::to_f32(e0) + Op<T>::to_f32(e1) + Op<T>::to_f32(e2) + Op<T>::to_f32(e3);
+      if constexpr (AFF) own += Op<T>::to_f32(e0) + Op<T>::to_f32(e1) + Op<T>::to_f32(e2) + Op<T>::to_f32(e3);
     }
-    if constexpr (FMT == F_INT4) {
+    if constexpr (AFF) {
       own += __shfl_xor_sync(0xffffffffu, own, 1);
       own += __shfl_xor_sync(0xffffffffu, own, 2);  // sum(q) of head 8 nh + g, in every lane of quad g
       qsum[nh][0] = __shfl_sync(0xffffffffu, own, (2 * t) * 4);
@@ -350,13 +363,13 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
   // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so a thread's
   // loads are its per-CTA base + page offset + compile-time row offsets.
   constexpr int KROW = BYTE ? D : D / 2, VROW = KROW;
-  constexpr int KSROW = FMT == F_INT4 ? 4 : D / GROUP, VSROW = KSROW;
+  constexpr int KSROW = AFF ? 4 : D / GROUP, VSROW = KSROW;
   const int32_t* bt = p.bt + (int64_t)b * p.bt_sb;
   const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (KROW / 4);
   const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (VROW / 8);
-  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (FMT == F_INT4 ? 0 : (t * (D / 4)) / GROUP);
+  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (AFF ? 0 : (t * (D / 4)) / GROUP);
   const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh +
-                          (FMT == F_INT4 ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
+                          (AFF ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
   const int bs_log2 = (p.bs & (p.bs - 1)) == 0 ? __ffs(p.bs) - 1 : -1;
 
   auto load_tile = [&](TileT& x, int start) {
@@ -372,8 +385,8 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // K rows (and INT4 V scale rows) of tokens g + 8j
       ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
-      if constexpr (SCALES) x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
-      if constexpr (FMT == F_INT4) {
+      if constexpr (GRP || AFF) x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
+      if constexpr (AFF) {
         x.vint[j] = ld_bytes<4>(vsp + 8 * j * VSROW);
         const int tok = start + g + 8 * j;
         if (edge && (tok < lo || tok >= hi)) x.vint[j] = 0u;  // masked token: finite zeros (p = 0)
@@ -383,7 +396,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
     for (int i = 0; i < 4; ++i) {  // V rows of tokens 2t + (i & 1) + 8 (i >> 1)
       const int r = (i & 1) + 8 * (i >> 1);
       ld_words<VW>(vp + r * VROW, x.v[i]);
-      if constexpr (SCALES && FMT != F_INT4) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
+      if constexpr (GRP) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
       const int tok = start + 2 * t + r;
       if (edge && (tok < lo || tok >= hi)) {
 #pragma unroll
@@ -406,8 +419,8 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
 
   auto compute_tile = [&](const TileT& x, int start) {
     // ---- S^T = K Q^T: C(token g | g+8, head 2t | 2t+1)
-    uint32_t ks2[2][FMT == F_INT4 ? 1 : KSB];
-    if constexpr (SCALES && FMT != F_INT4) {
+    uint32_t ks2[2][GRP ? KSB : 1];
+    if constexpr (GRP) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -424,13 +437,13 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
       const int wi = kk / 2, r0 = 2 * (kk & 1);
       uint32_t a[4];
       if constexpr (BYTE) {  // word kk: its low half is k = 2t, 2t+1, its high half 2t+8, 2t+9
-        a[0] = fp8_pair<FMT>(x.k[0][kk], 0); a[1] = fp8_pair<FMT>(x.k[1][kk], 0);
-        a[2] = fp8_pair<FMT>(x.k[0][kk], 1); a[3] = fp8_pair<FMT>(x.k[1][kk], 1);
+        a[0] = byte_pair<FMT>(x.k[0][kk], 0); a[1] = byte_pair<FMT>(x.k[1][kk], 0);
+        a[2] = byte_pair<FMT>(x.k[0][kk], 1); a[3] = byte_pair<FMT>(x.k[1][kk], 1);
       } else {
         a[0] = code_pair_r<FMT, T>(x.k[0][wi], r0); a[1] = code_pair_r<FMT, T>(x.k[1][wi], r0);
         a[2] = code_pair_r<FMT, T>(x.k[0][wi], r0 + 1); a[3] = code_pair_r<FMT, T>(x.k[1][wi], r0 + 1);
       }
-      if constexpr (SCALES && FMT != F_INT4) {
+      if constexpr (GRP) {
         const int gi = (D / 4) >= GROUP ? (8 * wi) / GROUP : 0;
         a[0] = apply_scale<FMT, T>(a[0], ks2[0][gi]);
         a[1] = apply_scale<FMT, T>(a[1], ks2[1][gi]);
@@ -447,7 +460,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float v = s[nh][e];
-        if constexpr (FMT == F_INT4) {
+        if constexpr (AFF) {
           const uint32_t sm = x.ksc[e >> 1];
           v = v * Op<__half>::to_f32(sm & 0xFFFFu) + qsum[nh][e & 1] * Op<__half>::to_f32(sm >> 16);
         }
@@ -495,7 +508,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
     uint32_t pb[NH][2];
 #pragma unroll
     for (int nh = 0; nh < NH; ++nh) {
-      if constexpr (FMT == F_INT4) {
+      if constexpr (AFF) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const float sc = Op<__half>::to_f32(x.vint[j] & 0xFFFFu), mn = Op<__half>::to_f32(x.vint[j] >> 16);
@@ -510,7 +523,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
     }
     // ---- O^T += V^T P^T: m-tile i rows g / g+8 = this thread's dims 2i / 2i+1 of its eighth
     uint32_t vs01[VSB], vs23[VSB];
-    if constexpr (SCALES && FMT != F_INT4) {
+    if constexpr (GRP) {
 #pragma unroll
       for (int e = 0; e < VSB; ++e) {
         const uint32_t sh = 8 * e;
@@ -526,8 +539,8 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
         const uint32_t sel = (2 * i) % 4 == 0 ? 0x5140u : 0x7362u;
         const uint32_t u01 = __byte_perm(x.v[0][wi], x.v[1][wi], sel);
         const uint32_t u23 = __byte_perm(x.v[2][wi], x.v[3][wi], sel);
-        a[0] = fp8_pair<FMT>(u01, 0); a[1] = fp8_pair<FMT>(u01, 1);
-        a[2] = fp8_pair<FMT>(u23, 0); a[3] = fp8_pair<FMT>(u23, 1);
+        a[0] = byte_pair<FMT>(u01, 0); a[1] = byte_pair<FMT>(u01, 1);
+        a[2] = byte_pair<FMT>(u23, 0); a[3] = byte_pair<FMT>(u23, 1);
       } else {  // dims 2i, 2i+1 = nibbles nib, nib+1 of word wi; halves pair tokens (2t, 2t+1)
         const int nib = (2 * i) % 8;
         const uint32_t sel = nib < 4 ? 0x5410u : 0x7632u;
@@ -536,7 +549,7 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
         a[0] = code_pair_r<FMT, T>(u01, nib & 3); a[1] = code_pair_r<FMT, T>(u01, (nib & 3) + 1);
         a[2] = code_pair_r<FMT, T>(u23, nib & 3); a[3] = code_pair_r<FMT, T>(u23, (nib & 3) + 1);
       }
-      if constexpr (SCALES && FMT != F_INT4) {
+      if constexpr (GRP) {
         const int gi = (D / 8) >= GROUP ? (8 * wi) / GROUP : 0;
         a[0] = apply_scale<FMT, T>(a[0], vs01[gi]);
         a[1] = apply_scale<FMT, T>(a[1], vs01[gi]);
@@ -642,7 +655,7 @@ extern "C" {
 // Size of DecodeParams, for the ctypes mirror to check itself against.
 int kvx_decode_params_size(void) { return (int)sizeof(kvx::DecodeParams); }
 
-// fmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4, 3 FP8 E4M3, 4 FP8 E5M2;
+// fmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4, 3 FP8 E4M3, 4 FP8 E5M2, 5 INT8;
 // bf16: the query dtype is bf16 (else f16). 4 warps per CTA. Returns a cudaError_t (0 = launched);
 // cudaErrorInvalidValue for an unsupported combination.
 int kvx_decode_fp4(const kvx::DecodeParams* p, int fmt, int bf16, int head_dim, int group, int num_warps,
@@ -657,6 +670,8 @@ int kvx_decode_fp4(const kvx::DecodeParams* p, int fmt, int bf16, int head_dim, 
   if (fmt == F_MXFP4 && bf16 && group == 32) return (int)by_dim<F_MXFP4, __nv_bfloat16, 32>(*p, d, b, hkv, s);
   if (fmt == F_INT4)
     return bf16 ? (int)by_dim<F_INT4, __nv_bfloat16, 16>(*p, d, b, hkv, s) : (int)by_dim<F_INT4, __half, 16>(*p, d, b, hkv, s);
+  if (fmt == F_INT8)
+    return bf16 ? (int)by_dim<F_INT8, __half, 16, true>(*p, d, b, hkv, s) : (int)by_dim<F_INT8, __half, 16>(*p, d, b, hkv, s);
   if (fmt == F_E4M3)
     return bf16 ? (int)by_dim<F_E4M3, __half, 16, true>(*p, d, b, hkv, s) : (int)by_dim<F_E4M3, __half, 16>(*p, d, b, hkv, s);
   if (fmt == F_E5M2)
