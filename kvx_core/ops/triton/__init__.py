@@ -200,10 +200,10 @@ def _use_cuda_decode(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_s
     from ..cuda.decode import supports
     why = supports(q, fmt, k_data, k_scales, v_data, v_scales)
     if why is None and backend == "auto" and isinstance(fmt.k, FP8Format) \
-            and q.shape[0] * k_data.shape[1] < _sm_count(q.device):
-        # FP8 with fewer (sequence, KV head) pairs than SMs: Triton measured faster (run 11, H200,
-        # B=1 32k: 44 us vs 50 us); from B=64 the CUDA kernel is 1.6x faster.
-        why = "small-batch FP8 decode runs faster in Triton"
+            and q.shape[0] * k_data.shape[1] < _sm_count(q.device) // 8:
+        # FP8 with very few (sequence, KV head) pairs: Triton measured faster (runs 11-12, H200, B=1 32k:
+        # 44 us vs 50 us); from B=16 (8k) the CUDA kernel is faster (0.106 vs 0.141 ms; B=64: 1.6x).
+        why = "tiny-batch FP8 decode runs faster in Triton"
     if why is None and num_warps not in (None, 4):
         why = f"num_warps={num_warps}: the CUDA decode runs 4 warps per CTA"
     if why is None and backend == "auto":
