@@ -147,8 +147,10 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     p.sm_scale, p.softcap = sm_scale, float(softcap) if softcap else 0.0
     p.window = int(window) if window is not None and window >= 0 else -1
     p.qh, p.bs, p.num_splits = hq // hkv, bs, mid_o.shape[2]
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    err = library(q.device).kvx_decode_fp4(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group,
-                                           4, bsz, hkv, stream)
+    lib = library(q.device)
+    with torch.cuda.device(q.device):  # the kernel launches into the calling thread's current context
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        err = lib.kvx_decode_fp4(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group, 4, bsz, hkv,
+                                 stream)
     if err != 0:
         raise KvxError(Status.INTERNAL, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")
