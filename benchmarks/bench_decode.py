@@ -139,13 +139,14 @@ def main():
             nbytes = tokens * hkv * fmt.bytes_per_token_head(d)
             out = torch.empty_like(q)
             lse = torch.empty(bsz, hq, device=dev, dtype=torch.float32)
+            cuda_why = supports(q, fmt, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd)
             variants = []
             for be in args.backends.split(","):
                 if be != "cuda":
                     variants.append(dict(backend=be))
                     continue
-                if supports(q, fmt, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd):
-                    continue  # the CUDA kernel does not serve this format (reason: supports(...))
+                if cuda_why:
+                    continue  # the CUDA kernel does not serve this format
                 variants.append(dict(backend="cuda"))
                 variants += [dict(backend="cuda", num_splits=int(x)) for x in args.cuda_splits.split(",") if x]
             if name in args.tune.split(",") and cfg in args.tune_configs.split(","):
@@ -161,12 +162,12 @@ def main():
             for var in variants:
                 try:
                     kw = dict(var)
-                    served = supports(q, fmt, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd) is None
-                    if kw.get("backend") == "cuda" or (kw.get("backend") == "auto" and served):
-                        kw.setdefault("num_splits", cuda_splits(bsz, hkv, ctx, info["sms"], 4))
-                    else:
+                    if kw.get("backend") == "cuda":
+                        kw.setdefault("num_splits", cuda_splits(bsz, hkv, ctx, info["sms"]))
+                    elif kw.get("backend") == "triton":
                         kw.setdefault("num_splits", decode_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64,
                                                                       torch.device(dev)))
+                    # backend "auto" picks its kernel and splits itself, as a user's call does
                     fn = lambda: paged_decode(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=ctx,  # noqa: E731
                                               out=out, lse=lse, **kw)
                     r = bench(fn, n=args.runs)

@@ -33,12 +33,19 @@ def hadamard(d: int, dtype: torch.dtype = torch.float32, device: torch.device | 
     return _sylvester(d).to(device=device, dtype=dtype, copy=True)
 
 
+@functools.lru_cache(maxsize=64)
+def _rotation_matrix(d: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """`hadamard(d)` kept per (dtype, device) for `rotate`, which only reads it: no host-to-device copy
+    per call (so rotations on a GPU stream are also CUDA-graph capturable after the first call)."""
+    return hadamard(d, dtype=dtype, device=device)
+
+
 def rotate(x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
     """`x @ H` along the last dim (its own inverse: `rotate(rotate(x)) == x` up to rounding)."""
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise KvxError(Status.INVALID_ARGUMENT, "rotate expects a floating-point torch.Tensor")
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = hadamard(int(x.shape[-1]), dtype=work, device=x.device)
+    h = _rotation_matrix(int(x.shape[-1]), work, x.device)
     return (x.to(work) @ h).to(out_dtype or x.dtype)
 
 

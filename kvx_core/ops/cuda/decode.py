@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-from functools import cache
 
 import torch
 
@@ -19,6 +18,7 @@ from ...formats import CacheFormat, FP8Format, IntFormat, MXFP4Format, NVFP4Form
 
 F_NVFP4, F_MXFP4, F_INT4, F_E4M3, F_E5M2, F_INT8 = 0, 1, 2, 3, 4, 5
 BYTE_FORMATS = (F_E4M3, F_E5M2, F_INT8)  # one byte per element
+WARPS = 4  # warps per CTA of the CUDA kernel (its tiles are 16 tokens per warp)
 
 
 class DecodeParams(ctypes.Structure):
@@ -101,13 +101,7 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
     return None
 
 
-@cache
-def _hadamard(d: int, device: torch.device) -> torch.Tensor:
-    from ...formats import hadamard
-    return hadamard(d, dtype=torch.float32, device=device)
-
-
-def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int, num_warps: int) -> int:
+def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
     """Splits per (sequence, KV head): >= 9 CTAs per SM for large batches (4 resident per SM), ~4 per SM
     when there are fewer (sequence, KV head) pairs than SMs; at least 2 tiles per warp.
 
@@ -116,7 +110,7 @@ def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int, n
     """
     base = max(1, batch * num_kv_heads)
     ctas = 4 * sm_count if base < sm_count else 9 * sm_count
-    by_len = max(1, math.ceil(max_seq_len / (32 * num_warps)))
+    by_len = max(1, math.ceil(max_seq_len / (32 * WARPS)))
     return int(max(1, min(math.ceil(ctas / base), by_len, 256)))
 
 
@@ -128,8 +122,7 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     code, group = _code(fmt)
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
-    if fmt.rotate:
-        q = (q.to(torch.float32) @ _hadamard(d, q.device)).to(q.dtype)
+    q = fmt.rotate_q(q)  # the output is rotated back by the reduce kernel
     p = DecodeParams()
     p.q, p.q_sb, p.q_sh = q.data_ptr(), q.stride(0), q.stride(1)
     for pre, data, sc in (("k", k_data, k_scales), ("v", v_data, v_scales)):
@@ -150,7 +143,7 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     lib = library(q.device)
     with torch.cuda.device(q.device):  # the kernel launches into the calling thread's current context
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        err = lib.kvx_decode_fp4(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group, 4, bsz, hkv,
-                                 stream)
+        err = lib.kvx_decode_fp4(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group, WARPS, bsz,
+                                 hkv, stream)
     if err != 0:
         raise KvxError(Status.INTERNAL, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")

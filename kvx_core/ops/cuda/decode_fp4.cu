@@ -67,6 +67,7 @@ struct DecodeParams {
 };
 
 constexpr float LOG2E = 1.4426950408889634f;
+constexpr int NW = 4;  // warps per CTA (decode.py WARPS); launch bounds and splits were tuned for it
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x, -inf -> 0 (MUFU.EX2 without the denormal fix-ups)
   float y;
@@ -270,8 +271,8 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {  // 8x8 b16 fragm
 // NH = blocks of 8 query heads (1 when qh <= 8, else 2).
 // QB: the query is bf16 while the operands are f16 (FP8 caches): q is scaled by a power of two that
 // keeps it inside the f16 range (exact for every element >= 2^-14 of the largest) and the scores undo it.
-template <int FMT, typename T, int D, int GROUP, int NW, int NH, bool QB>
-__global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (kByte<FMT> ? 3 : 4) : 1)
+template <int FMT, typename T, int D, int GROUP, int NH, bool QB>
+__global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ? 3 : 4) : 1)
     decode_kernel(const DecodeParams p) {
   constexpr bool BYTE = kByte<FMT>, AFF = kAffine<FMT>, GRP = kGroup<FMT>;
   using TileT = Tile<FMT, D, GROUP>;
@@ -627,9 +628,8 @@ __global__ void __launch_bounds__(NW * 32, (NW == 4 && D <= 128 && NH == 1) ? (k
 
 template <int FMT, typename T, int D, int GROUP, bool QB>
 cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
-  constexpr int NW = 4;
   const size_t smem = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
-  auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, NW, 2, QB> : decode_kernel<FMT, T, D, GROUP, NW, 1, QB>;
+  auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, 2, QB> : decode_kernel<FMT, T, D, GROUP, 1, QB>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
@@ -662,7 +662,7 @@ int kvx_decode_fp4(const kvx::DecodeParams* p, int fmt, int bf16, int head_dim, 
                    int batch, int num_kv_heads, void* stream) {
   using namespace kvx;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || num_warps != 4) return (int)cudaErrorInvalidValue;
+  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || num_warps != kvx::NW) return (int)cudaErrorInvalidValue;
   const int d = head_dim, b = batch, hkv = num_kv_heads;
   if (fmt == F_NVFP4 && group == 16)
     return bf16 ? (int)by_dim<F_NVFP4, __nv_bfloat16, 16>(*p, d, b, hkv, s) : (int)by_dim<F_NVFP4, __half, 16>(*p, d, b, hkv, s);

@@ -158,7 +158,7 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
     if num_splits is None:
         if use_cuda:
             from ..cuda.decode import num_splits as cuda_splits
-            num_splits = cuda_splits(bsz, hkv, max_seq_len, _sm_count(q.device), 4)
+            num_splits = cuda_splits(bsz, hkv, max_seq_len, _sm_count(q.device))
         else:
             num_splits = decode_num_splits(bsz, hkv, max_seq_len, block_n, q.device)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
@@ -197,15 +197,15 @@ def _use_cuda_decode(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_s
         raise KvxError(Status.INVALID_ARGUMENT, f"decode backend must be auto, cuda or triton, got {backend!r}")
     if backend == "triton" or (backend == "auto" and (interpreting() or q.device.type != "cuda")):
         return False
-    from ..cuda.decode import supports
+    from ..cuda.decode import WARPS, supports
     why = supports(q, fmt, k_data, k_scales, v_data, v_scales)
     if why is None and backend == "auto" and isinstance(fmt.k, FP8Format) \
             and q.shape[0] * k_data.shape[1] < _sm_count(q.device) // 8:
         # FP8 with very few (sequence, KV head) pairs: Triton measured faster (runs 11-12, H200, B=1 32k:
         # 44 us vs 50 us); from B=16 (8k) the CUDA kernel is faster (0.106 vs 0.141 ms; B=64: 1.6x).
         why = "tiny-batch FP8 decode runs faster in Triton"
-    if why is None and num_warps not in (None, 4):
-        why = f"num_warps={num_warps}: the CUDA decode runs 4 warps per CTA"
+    if why is None and num_warps not in (None, WARPS):
+        why = f"num_warps={num_warps}: the CUDA decode runs {WARPS} warps per CTA"
     if why is None and backend == "auto":
         try:
             from ..cuda import library
