@@ -12,6 +12,7 @@ import torch
 from common import bench, emit, env_info
 from kvx_core.cache import PagedKVCache
 from kvx_core.ops.triton import paged_prefill, prefill_plan
+from kvx_core.ops.triton.prefill import BLOCK_M
 
 FORMATS = ["bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "k8v4"]
 
@@ -28,6 +29,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--formats", nargs="+", default=FORMATS)
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[0, 8192])
+    ap.add_argument("--configs", nargs="+", default=["default"],
+                    help="kernel configs BMxBNxWARPSxSTAGES to time (e.g. 128x64x8x2), 'default' = the launcher's")
     args = ap.parse_args()
     hq, hkv, d, bs, b = 32, 8, 128, 16, args.batch
     base = {"bench": "prefill", **env_info(), "Hq": hq, "H_kv": hkv, "D": d, "block_size": bs, "B": b}
@@ -37,8 +42,10 @@ def main() -> None:
             import flashinfer as fi
         except Exception as e:  # noqa: BLE001
             print("flashinfer unavailable:", repr(e)[:200])
-    for chunk in (512, 4096):
-        for prefix in (0, 8192):
+    configs = [None if c == "default" else dict(zip(("block_m", "block_n", "num_warps", "num_stages"),
+                                                      map(int, c.split("x")))) for c in args.configs]
+    for chunk in args.chunks:
+        for prefix in args.prefixes:
             n = prefix + chunk
             per = (n + bs - 1) // bs
             nb = b * per
@@ -71,14 +78,17 @@ def main() -> None:
                 for t in (p.k_scales, p.v_scales):
                     if t is not None:
                         t.random_(100, 120)
-                plan = prefill_plan(qo, hq // hkv, 64)
-                fn = lambda: paged_prefill(q, qo, p.k_data, p.k_scales, p.v_data, p.v_scales, p.k_global,  # noqa: E731
-                                           p.v_global, bt, sl, c.format, plan=plan)
-                r = bench(fn, n=50)
-                rec = {**base, **shape, "impl": "kvx_triton", "format": name, **r, "tflops": fl / r["ms"] / 1e9}
-                if peer_ms:
-                    rec["x_flashinfer_bf16"] = peer_ms / r["ms"]
-                emit(args.out, rec)
+                for cfg in configs:
+                    kw = cfg or {}
+                    plan = prefill_plan(qo, hq // hkv, kw.get("block_m", BLOCK_M))
+                    fn = lambda: paged_prefill(q, qo, p.k_data, p.k_scales, p.v_data, p.v_scales,  # noqa: E731
+                                               p.k_global, p.v_global, bt, sl, c.format, plan=plan, **kw)
+                    r = bench(fn, n=50)
+                    rec = {**base, **shape, "impl": "kvx_triton", "format": name, "config": kw or "default", **r,
+                           "tflops": fl / r["ms"] / 1e9}
+                    if peer_ms:
+                        rec["x_flashinfer_bf16"] = peer_ms / r["ms"]
+                    emit(args.out, rec)
                 del c, p
 
 

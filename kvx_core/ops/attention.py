@@ -35,7 +35,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
         allowed &= kpos[None, :] >= q_pos[:, None] - window
     s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no allowed key: output 0, lse -inf
+    empty = torch.isneginf(lse)[..., None]  # rows with no allowed key: output 0, lse -inf
+    p = torch.where(empty, 0.0, torch.exp(s - torch.where(empty, 0.0, lse[..., None])))  # NaN K/V stays NaN
     out = torch.einsum("thgl,lhd->thgd", p, v.float())
     return out.reshape(tq, hq, d), lse.reshape(tq, hq)
 

@@ -1,6 +1,7 @@
-"""`write_kv` / `gather_kv` on a cache descriptor: the Triton kernels when the pools are CUDA tensors the
-kernels can address, the torch reference otherwise. Same signatures and results as `ops.reference`
-(the kernels are bit-identical to it), so callers switch by importing this module instead.
+"""`write_kv` / `gather_kv` / `paged_decode` / `paged_prefill` on a cache descriptor: the GPU kernels when
+the pools are CUDA tensors the kernels can address, the torch reference otherwise. Same signatures and
+results as `ops.reference` / `ops.attention` (write and gather bit-identical; attention equal up to float
+accumulation order), so callers switch by importing this module instead.
 
 The reference remains the path for: CPU pools, v1.0 FP8 caches (per-write scale descriptors),
 HND_PACKED layouts with pack > 1, RAGGED / KV_OFFSETS block tables and secondary (host) pools.
@@ -11,10 +12,10 @@ import torch
 
 from ..enums import BlockTableFormat
 from ..codec import format_of
-from ..descriptors import CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, WriteDesc
+from ..descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, SeqLens, WriteDesc
 from ..errors import KvxError, Status
 from ..layouts import block_view
-from . import reference
+from . import attention, reference
 
 
 def _triton_available() -> bool:
@@ -62,16 +63,18 @@ def _kernel_pools(cache: CacheDesc):
     return kd, ks, vd, vs, kg, vg, fmt
 
 
-def write_kv(cache: CacheDesc, write: WriteDesc) -> None:
-    """`reference.write_kv`, on the fused Triton write kernel when possible."""
+def write_kv(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> None:
+    """`reference.write_kv`, on the fused Triton write kernel when possible. `check` validates the slots
+    (range, uniqueness: host syncs); engines that own their slot mappings pass False to stay sync-free."""
     pools = _kernel_pools(cache) if _use_triton(cache) else None
     if pools is None:
         return reference.write_kv(cache, write)
-    cache.validate()
-    write.validate(cache)
     slots = write.slots.slots.to(cache.k.tensor.device, torch.int64)
     keep = reference.valid_slots(slots, write.slots.invalid_slot)
-    reference.check_unique_slots(slots[keep])
+    if check:
+        cache.validate()
+        write.validate(cache)
+        reference.check_unique_slots(slots[keep])
     from .triton import write_kv as triton_write
     kd, ks, vd, vs, kg, vg, fmt = pools
     triton_write(write.io.key, write.io.value, torch.where(keep, slots, -1), kd, ks, vd, vs, fmt, kg, vg,
@@ -108,3 +111,61 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
         return out
     k, v = triton_gather(kd, ks, vd, vs, bt, lens, fmt, kg, vg, max_seq_len=gather.max_seq_len, out_dtype=out_dtype)
     return KvIoDesc(k, v)
+
+
+def _kernel_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, check: bool):
+    """(pools, int32 block table [B, max_blocks], int32 seq_lens [B]) for the attention kernels, or None."""
+    pools = _kernel_pools(cache) if _use_triton(cache) else None
+    if pools is None or table.format != BlockTableFormat.PACKED \
+            or (cache.pool is not None and cache.pool.secondary is not None):
+        return None
+    dev = cache.k.tensor.device
+    bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(dev, torch.int32)
+    lens = seq_lens.lengths.to(dev, torch.int32)
+    if check:
+        cache.validate()
+        if lens.numel() and int(lens.max()) > bt.shape[1] * cache.block_size:
+            raise KvxError(Status.OUT_OF_RANGE, f"a sequence is longer than its {bt.shape[1]} blocks hold")
+        need = torch.arange(bt.shape[1], device=dev)[None, :] * cache.block_size < lens[:, None]
+        if bool((need & ((bt < 0) | (bt >= cache.num_blocks))).any()):
+            raise KvxError(Status.OUT_OF_RANGE, f"block table references a block outside [0, {cache.num_blocks})")
+    return pools, bt.contiguous(), lens
+
+
+def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
+                 sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                 max_seq_len: int | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention.paged_decode`, on the decode kernels (CUDA or Triton, `ops.triton.paged_decode`'s choice)
+    for PACKED tables over kernel-addressable pools. `check` validates the table against the cache (one host
+    sync); engines that own their tables pass False and `max_seq_len` to stay sync-free (CUDA graphs)."""
+    args = _kernel_table(cache, table, seq_lens, check)
+    if args is None:
+        return attention.paged_decode(query, cache, table, seq_lens, sm_scale=sm_scale, softcap=softcap, window=window)
+    (kd, ks, vd, vs, kg, vg, fmt), bt, lens = args
+    from .triton import paged_decode as kernel
+    return kernel(query, kd, ks, vd, vs, kg, vg, bt, lens, fmt, sm_scale=sm_scale, softcap=softcap, window=window,
+                  max_seq_len=max_seq_len)
+
+
+def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc, table: BlockTable,
+                  seq_lens: SeqLens, *, causal: bool = True, sm_scale: float | None = None,
+                  softcap: float | None = None, window: int | None = None,
+                  check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention.paged_prefill`, on the Triton prefill kernel for PACKED tables over kernel-addressable
+    pools (the work plan reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync)."""
+    args = _kernel_table(cache, table, seq_lens, check)
+    if args is None:
+        return attention.paged_prefill(query, qo_indptr, cache, table, seq_lens, causal=causal, sm_scale=sm_scale,
+                                       softcap=softcap, window=window)
+    (kd, ks, vd, vs, kg, vg, fmt), bt, lens = args
+    from .triton import paged_prefill as kernel, prefill_plan
+    ip = qo_indptr.to(torch.int32)
+    if check:
+        ipl = ip.tolist()
+        if len(ipl) != seq_lens.seq_count + 1 or ipl[0] != 0 or ipl[-1] != query.shape[0] \
+                or any(a > b for a, b in zip(ipl, ipl[1:])):
+            raise KvxError(Status.INVALID_ARGUMENT, "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing "
+                           "entries from 0 to the number of query tokens")
+    plan = prefill_plan(ip.cpu(), query.shape[1] // cache.num_kv_heads)
+    return kernel(query, ip.to(query.device), kd, ks, vd, vs, kg, vg, bt, lens, fmt, causal=causal, sm_scale=sm_scale,
+                  softcap=softcap, window_left=window, plan=tuple(x.to(query.device) for x in plan))

@@ -35,12 +35,12 @@ def _setup(name, device, lens, q_lens, hkv=2, qh=4, d=64, bs=16, seed=0):
     return c, q.to(device), qo.to(device), bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
 
 
-def _compare(name, device, lens, q_lens, causal=True, softcap=None, window_left=None, tol=1e-2, **kw):
+def _compare(name, device, lens, q_lens, causal=True, softcap=None, window_left=None, tol=1e-2, kernel=None, **kw):
     c, q, qo, bt, sl = _setup(name, device, lens, q_lens, **kw)
     p = c.layers[0]
     out = torch.full_like(q, float("nan"))
     o, lse = paged_prefill(q, qo, p.k_data, p.k_scales, p.v_data, p.v_scales, p.k_global, p.v_global, bt, sl,
-                           c.format, causal=causal, softcap=softcap, window_left=window_left, out=out)
+                           c.format, causal=causal, softcap=softcap, window_left=window_left, out=out, **(kernel or {}))
     ro, rl = attention.paged_prefill(q.float(), qo, c.descriptor(0), BlockTable.packed(bt), SeqLens(sl),
                                      causal=causal, softcap=softcap, window=window_left)
     o, lse, ro, rl = o.float().cpu(), lse.cpu(), ro.cpu(), rl.cpu()
@@ -61,6 +61,16 @@ def test_prefill_formats(name, device):
 def test_prefill_softcap_window_noncausal(name, device):
     _compare(name, device, lens=[40, 33], q_lens=[17, 33], softcap=5.0, window_left=9)
     _compare(name, device, lens=[30, 7], q_lens=[12, 0], causal=False)
+
+
+@pytest.mark.parametrize("name", ["bf16", "nvfp4", "int8", "mxfp4_32"])
+def test_prefill_unmasked_tiles(name, device):
+    """Small tiles so most key tiles lie below every row's causal limit and skip the score mask; rows of one
+    program span several tokens (the mask starts at the program's first token), ragged tails, non-causal."""
+    small = {"block_m": 16, "block_n": 16, "num_warps": 4}
+    _compare(name, device, lens=[90, 51, 64], q_lens=[37, 51, 5], kernel=small)
+    _compare(name, device, lens=[90, 40], q_lens=[37, 3], causal=False, kernel=small)
+    _compare(name, device, lens=[90], q_lens=[37], window_left=20, kernel=small)
 
 
 @pytest.mark.parametrize("qh,hkv", [(1, 2), (8, 1), (5, 1)])

@@ -620,9 +620,10 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
       }
     }
     const int64_t hq = (int64_t)h * qh + row;
-    const bool any = L > 0.f;
-    p.mo[(int64_t)b * p.mo_sb + hq * p.mo_sh + (int64_t)sp * p.mo_ss + d] = any ? acc / L : 0.f;
-    if (d == 0) p.ml[(int64_t)b * p.ml_sb + hq * p.ml_sh + sp] = any ? mx + log2f(L) : -INFINITY;
+    // empty split: 0 and -inf; NaN scores (L is NaN) stay NaN in both, as in the reference attention
+    const bool empty = L == 0.f;
+    p.mo[(int64_t)b * p.mo_sb + hq * p.mo_sh + (int64_t)sp * p.mo_ss + d] = empty ? 0.f : acc / L;
+    if (d == 0) p.ml[(int64_t)b * p.ml_sb + hq * p.ml_sh + sp] = empty ? -INFINITY : mx + log2f(L);
   }
 }
 

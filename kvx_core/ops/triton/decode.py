@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .dequant import (
     F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, TWO_POW_24, dot_f32, e2m1_hi_f16_x4, e2m1_lo_f16_x4,
-    e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, u4_hi_f16_sub, u4_lo_f16_sub, u8_f16_sub,
+    e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, lse_or_empty, u4_hi_f16_sub, u4_lo_f16_sub, u8_f16_sub,
 )
 from .quant import f16_bytes_f32
 
@@ -257,7 +257,7 @@ def _decode_kernel(
     # ---- store this split's normalised partial output and its log2-sum-exp ----
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     inv_l = 1.0 / l_safe
-    lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    lse2 = lse_or_empty(l_i, m_i + tl.log2(l_safe))
     mo_row = b.to(tl.int64) * s_mob + hq.to(tl.int64) * s_moh + sp * s_mos
     tl.store(ML + b.to(tl.int64) * s_mlb + hq.to(tl.int64) * s_mlh + sp, lse2, mask=rmask)
     if VINT:
@@ -311,6 +311,6 @@ def _reduce_kernel(
     out = acc / l_safe
     if ROTATE:
         out = tl.sum(out[:, None] * hadamard_tile(D, D, 1, 0, 1, 0), axis=0) * RSD
-    lse = tl.where(l > 0, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = lse_or_empty(l, (m + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(O + b * s_ob + hq * s_oh + offs_d, out.to(O.dtype.element_ty))
     tl.store(LSE + b * s_lb + hq * s_lh, lse)

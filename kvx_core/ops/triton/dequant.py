@@ -215,3 +215,10 @@ def u8_f16_sub(b, ASM: tl.constexpr):
         return _f16x4(b, U8_PTX)
     else:
         return b.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def lse_or_empty(l, lse):
+    """`lse` where the softmax denominator `l` is positive; -inf for an empty row (l == 0); NaN when the
+    scores were NaN (l is NaN), as the reference attention gives."""
+    return tl.where(l > 0, lse, tl.where(l == 0, float("-inf"), float("nan")))

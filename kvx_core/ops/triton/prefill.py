@@ -22,12 +22,14 @@ from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from .dequant import (
     F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, e2m1_hi_f16, e2m1_lo_f16, e4m3_byte_f16, e8m0_f32_x2p14,
-    u4_hi_f16, u4_lo_f16, u8_code_f16,
+    lse_or_empty, u4_hi_f16, u4_lo_f16, u8_code_f16,
 )
 from .quant import f16_bytes_f32
 from .spec import kernel_format
 
 LOG2E = tl.constexpr(1.4426950408889634)
+BLOCK_M = 128
+"""Default rows of (token, query head) pairs per program; `prefill_plan` and the launch must agree."""
 
 
 @triton.jit
@@ -125,11 +127,15 @@ def _prefill_kernel(
 
     tok_last = tl.minimum(q_len - 1, (row0 + BM - 1) // QH)
     hi = seq_len
+    full_end = seq_len  # keys below full_end are visible to every row of the program: no score mask
     if CAUSAL:
         hi = prefix + tok_last + 1
+        full_end = prefix + row0 // QH + 1
     lo = 0
     if WINDOW:
         lo = tl.maximum(prefix + row0 // QH - window_left, 0)
+        full_end = lo
+    full_end = lo + (tl.maximum(full_end - lo, 0) // BLOCK_N) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = BT + b.to(tl.int64) * s_btb
     h64 = h.to(tl.int64)
@@ -167,12 +173,13 @@ def _prefill_kernel(
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
         s = s * LOG2E
-        allowed = tmask[None, :] & rvalid[:, None]
-        if CAUSAL:
-            allowed = allowed & (t[None, :] <= qpos[:, None])
-        if WINDOW:
-            allowed = allowed & (t[None, :] >= qpos[:, None] - window_left)
-        s = tl.where(allowed, s, float("-inf"))
+        if start >= full_end:  # tiles on the causal diagonal, past the end or in the window edge
+            allowed = tmask[None, :] & rvalid[:, None]
+            if CAUSAL:
+                allowed = allowed & (t[None, :] <= qpos[:, None])
+            if WINDOW:
+                allowed = allowed & (t[None, :] >= qpos[:, None] - window_left)
+            s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -232,11 +239,20 @@ def _prefill_kernel(
     else:
         oa = (acc_a * v_fac + add[:, None]) * inv_l[:, None]
         tl.store(O + o_row[:, None] + offs_d[None, :], oa.to(O.dtype.element_ty), mask=rvalid[:, None])
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = lse_or_empty(l_i, (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(LSE + (q0 + tok).to(tl.int64) * s_lt + hq.to(tl.int64) * s_lh, lse, mask=rvalid)
 
 
-def prefill_plan(qo_indptr: torch.Tensor, qh: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _default_block_n(kk, kv) -> int:
+    """Key tile (H200 sweep, benchmarks/results/prefill_sweep_s3.jsonl, at BLOCK_M=128 / 8 warps): 128 for
+    bf16 / fp16 / FP8 / FP4 caches; 64 for INT8 / INT4 (their per-key affine epilogue on a [BM, 128] score
+    tile spills: 128 keys is 15-25% slower); 16 for fp32 caches (IEEE fp32 dots)."""
+    if kk.storage == torch.float32 or kv.storage == torch.float32:
+        return 16
+    return 64 if kk.code in (F_INT8, F_INT4) or kv.code in (F_INT8, F_INT4) else 128
+
+
+def prefill_plan(qo_indptr: torch.Tensor, qh: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """Work list (one host sync, like FlashInfer's plan): per program its sequence and first packed row."""
     ip = qo_indptr.to("cpu", torch.int64)
     rows = (ip[1:] - ip[:-1]) * qh
@@ -252,7 +268,8 @@ def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_
                   block_table: torch.Tensor, seq_lens: torch.Tensor, fmt: CacheFormat | str, *, causal: bool = True,
                   sm_scale: float | None = None, softcap: float | None = None, window_left: int | None = None,
                   plan: tuple[torch.Tensor, torch.Tensor] | None = None, out=None, lse=None,
-                  block_m: int = 64, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+                  block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None):
     """Prefill/extend attention -> (`out [T, Hq, D]` q.dtype, `lse [T, Hq]` fp32 natural log).
 
     `qo_indptr` int32 `[B+1]`; `seq_lens` int32 `[B]` = cached lengths INCLUDING the new tokens.
@@ -283,7 +300,11 @@ def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_
     ks = _scale_args("K", k_scales, k_data, kk, fmt.k, d)
     vs = _scale_args("V", v_scales, v_data, kv, fmt.v, d)
     if block_n is None:
-        block_n = 16 if kk.storage == torch.float32 or kv.storage == torch.float32 else 64
+        block_n = _default_block_n(kk, kv)
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    if num_stages is None:
+        num_stages = 2
     qq = fmt.rotate_q(q)
     o = torch.empty_like(q) if out is None or fmt.rotate else out
     if lse is None:

@@ -1,9 +1,10 @@
 """The KVX attention backend for vLLM 0.32: page geometry, metadata builder, cache write, attention.
 
-Writes go through `kvx_core.ops.reference.write_kv` (quantize into the page's data and scale
-regions at the slot mapping) and attention through `kvx_core.ops.attention.paged_decode` /
-`paged_prefill`, which read the quantized pages directly. These are the torch reference ops, the
-CPU path; the GPU kernels plug in behind the same calls.
+Writes go through `kvx_core.ops.dispatch.write_kv` (quantize into the page's data and scale regions at
+the slot mapping) and attention through `dispatch.paged_decode` / `paged_prefill`, which read the
+quantized pages directly: on CUDA pages the fused write, CUDA/Triton decode and Triton prefill kernels
+(sync-free: vLLM owns its slot mappings and block tables, `max_seq_len` and the host copy of
+`query_start_loc` come from its metadata), on CPU the torch reference ops.
 """
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ from typing import ClassVar
 import torch
 
 from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
-from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
+from kvx_core.descriptors import BlockTable, CacheDesc, KvIoDesc, SeqLens, WriteDesc
 from kvx_core.formats import CacheFormat, get_format
-from kvx_core.ops.attention import paged_decode, paged_prefill
-from kvx_core.ops.reference import write_kv
+from kvx_core.ops.dispatch import paged_decode, paged_prefill, write_kv
 from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.logger import init_logger
@@ -92,8 +92,10 @@ class KvxMetadata:
     num_reqs: int
     max_query_len: int
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
-    seq_lens: torch.Tensor  # int32 [num_reqs], cached + new tokens
-    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    query_start_loc_cpu: torch.Tensor  # the same on the host (the prefill work plan reads it)
+    max_seq_len: int
+    seq_lens: SeqLens  # int32 [num_reqs], cached + new tokens
+    block_table: BlockTable  # PACKED int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_actual_tokens]
 
 
@@ -111,8 +113,9 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
               fast_build: bool = False) -> KvxMetadata:
         m = common_attn_metadata
         n = m.num_reqs
-        return KvxMetadata(m.num_actual_tokens, n, m.max_query_len, m.query_start_loc[:n + 1], m.seq_lens[:n],
-                           m.block_table_tensor[:n], m.slot_mapping[:m.num_actual_tokens])
+        return KvxMetadata(m.num_actual_tokens, n, m.max_query_len, m.query_start_loc[:n + 1],
+                           m.query_start_loc_cpu[:n + 1], int(m.max_seq_len), seq_lens_from_vllm(m.seq_lens, n),
+                           block_table_from_vllm(m.block_table_tensor, n), m.slot_mapping[:m.num_actual_tokens])
 
 
 class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
@@ -173,7 +176,7 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         """Quantize new K/V `[T, Hkv, D]` into the pages at `slot_mapping` (-1 = padding, skipped)."""
         n = min(key.shape[0], slot_mapping.numel())
         write = WriteDesc(KvIoDesc(key[:n], value[:n]), slot_mapping_from_vllm(slot_mapping, n))
-        write_kv(self._cache(layer, kv_cache), write)
+        write_kv(self._cache(layer, kv_cache), write, check=False)
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KvxMetadata | None, output: torch.Tensor,
@@ -186,13 +189,13 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
             return output
         m = attn_metadata
         cache = self._cache(layer, kv_cache)
-        table = block_table_from_vllm(m.block_table)
-        lens = seq_lens_from_vllm(m.seq_lens)
+        table, lens = m.block_table, m.seq_lens
         q = query[:m.num_actual_tokens]
         if m.max_query_len == 1 and m.num_actual_tokens == m.num_reqs:
-            out, _ = paged_decode(q, cache, table, lens, sm_scale=self.scale, softcap=self.softcap)
+            out, _ = paged_decode(q, cache, table, lens, sm_scale=self.scale, softcap=self.softcap,
+                                  max_seq_len=m.max_seq_len, check=False)
         else:
-            out, _ = paged_prefill(q, m.query_start_loc, cache, table, lens, sm_scale=self.scale,
-                                   softcap=self.softcap)
+            out, _ = paged_prefill(q, m.query_start_loc_cpu, cache, table, lens, sm_scale=self.scale,
+                                   softcap=self.softcap, check=False)
         output[:m.num_actual_tokens] = out.to(output.dtype)
         return output

@@ -1,0 +1,89 @@
+"""`ops.dispatch.paged_decode` / `paged_prefill` on a cache descriptor: the kernel path (forced on CPU under
+the interpreter, natural on CUDA) agrees with `ops.attention`, falls back to it where the kernels do not
+serve the call, and refuses bad tables with OUT_OF_RANGE."""
+import pytest
+import torch
+
+from kvx_core.descriptors import BlockTable, SeqLens
+from kvx_core.errors import KvxError, Status
+from kvx_core.ops import attention, dispatch
+from test_gather_kernel import _cache
+
+
+def _tables(device):
+    lens = torch.tensor([13, 0, 1, 9], dtype=torch.int32)
+    bt = torch.tensor([[0, 2, 4, 6], [0, 0, 0, 0], [11, 0, 0, 0], [10, 9, 8, 0]], dtype=torch.int32)
+    return BlockTable.packed(bt.to(device)), SeqLens(lens.to(device))
+
+
+def _close(got, ref, tol=2e-2):
+    """Same NaN rows (the caches hold NaN/inf tokens: both paths propagate them), finite rows close."""
+    (o, lse), (ro, rl) = got, ref
+    o, ro, lse, rl = o.float().cpu(), ro.float().cpu(), lse.cpu(), rl.cpu()
+    nan = ro.isnan().any(-1)
+    assert torch.equal(o.isnan().any(-1), nan) and torch.equal(lse.isnan(), rl.isnan())
+    o, ro = o[~nan], ro[~nan]
+    assert (o - ro).norm() / max(float(ro.norm()), 1e-6) < tol
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(rl))
+
+
+def _forbid_reference(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the reference ran: the kernel path was expected")
+    monkeypatch.setattr(attention, "paged_decode", boom)
+    monkeypatch.setattr(attention, "paged_prefill", boom)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", "nvfp4", "k8v4_rot"])
+def test_dispatch_attention_kernel_path(name, device, monkeypatch):
+    monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
+    c = _cache(name, device, page_buffer=True, seed=3)  # one buffer per layer, pools are strided page views
+    desc = c.descriptor(0)
+    table, lens = _tables(device)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16).to(device)
+    qo = torch.tensor([0, 5, 5, 6, 9], dtype=torch.int32)
+    qp = torch.randn(9, 4, 64, generator=g).to(torch.bfloat16).to(device)
+    ref_d = attention.paged_decode(q, desc, table, lens, softcap=20.0)
+    ref_p = attention.paged_prefill(qp, qo, desc, table, lens, window=6)
+    _forbid_reference(monkeypatch)
+    _close(dispatch.paged_decode(q, desc, table, lens, softcap=20.0), ref_d)
+    _close(dispatch.paged_prefill(qp, qo, desc, table, lens, window=6), ref_p)
+
+
+def test_dispatch_attention_checks(device, monkeypatch):
+    monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
+    c = _cache("int4", device, seed=2)
+    desc = c.descriptor(0)
+    table, lens = _tables(device)
+    q = torch.randn(4, 4, 64).to(torch.bfloat16).to(device)
+    bad = BlockTable.packed(table.indices.clone())
+    bad.indices[3, 1] = 12  # the cache has 12 blocks; block 1 of sequence 3 (9 tokens, 4 per block) is in use
+    with pytest.raises(KvxError) as e:
+        dispatch.paged_decode(q, desc, bad, lens)
+    assert e.value.status == Status.OUT_OF_RANGE
+    with pytest.raises(KvxError) as e:
+        dispatch.paged_prefill(q, torch.tensor([0, 1, 2, 3, 5]), desc, table, lens)
+    assert e.value.status == Status.INVALID_ARGUMENT
+    short = SeqLens(torch.tensor([13, 0, 1, 17], dtype=torch.int32, device=device))  # 17 > 4 blocks x 4 tokens
+    with pytest.raises(KvxError) as e:
+        dispatch.paged_decode(q, desc, table, short)
+    assert e.value.status == Status.OUT_OF_RANGE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "k8v4", "nvfp4_rot"])
+def test_dispatch_attention_gpu(name, monkeypatch):
+    """Realistic shapes on the GPU: the natural dispatch takes the kernels (no forcing)."""
+    c = _cache(name, "cuda", nb=300, bs=16, h=8, d=128, page_buffer=True, seed=5)
+    desc = c.descriptor(0)
+    lens = SeqLens(torch.tensor([1, 777, 0, 800, 500], dtype=torch.int32, device="cuda"))
+    table = BlockTable.packed(torch.randint(0, 300, (5, 50), device="cuda", dtype=torch.int32))
+    q = torch.randn(5, 32, 128, device="cuda", dtype=torch.bfloat16)
+    qo = torch.tensor([0, 1, 33, 33, 97, 98], dtype=torch.int32)
+    qp = torch.randn(98, 32, 128, device="cuda", dtype=torch.bfloat16)
+    ref_d = attention.paged_decode(q, desc, table, lens)
+    ref_p = attention.paged_prefill(qp, qo, desc, table, lens)
+    _forbid_reference(monkeypatch)
+    _close(dispatch.paged_decode(q, desc, table, lens, max_seq_len=800, check=False), ref_d)
+    _close(dispatch.paged_prefill(qp, qo, desc, table, lens), ref_p)
