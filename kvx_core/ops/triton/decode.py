@@ -281,19 +281,22 @@ def _reduce_kernel(
     O, s_ob, s_oh,
     LSE, s_lb, s_lh,
     num_splits,
-    D: tl.constexpr, SB: tl.constexpr, ROTATE: tl.constexpr, RSD: tl.constexpr,
+    D: tl.constexpr, DB: tl.constexpr, SB: tl.constexpr, ROTATE: tl.constexpr, RSD: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s.
 
-    Splits are read SB at a time as one [SB, D] tile (one memory latency per SB splits, not per split).
+    Program (b, hq, j) owns output columns [j*DB, (j+1)*DB) (DB = D when the output is rotated back: the
+    Hadamard needs the whole row); splits are read SB at a time as one [SB, DB] tile (one memory latency
+    per SB splits, not per split), so small batches still spread the reduction over many SMs.
     """
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
+    d0 = tl.program_id(2) * DB
     offs_s = tl.arange(0, SB)
-    offs_d = tl.arange(0, D)
+    offs_d = d0 + tl.arange(0, DB)
     m = float("-inf")
     l = 0.0
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([DB], tl.float32)
     for s0 in range(0, num_splits, SB):
         sp = s0 + offs_s
         smask = sp < num_splits
@@ -313,4 +316,5 @@ def _reduce_kernel(
         out = tl.sum(out[:, None] * hadamard_tile(D, D, 1, 0, 1, 0), axis=0) * RSD
     lse = lse_or_empty(l, (m + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(O + b * s_ob + hq * s_oh + offs_d, out.to(O.dtype.element_ty))
-    tl.store(LSE + b * s_lb + hq * s_lh, lse)
+    if d0 == 0:
+        tl.store(LSE + b * s_lb + hq * s_lh, lse)
