@@ -1,7 +1,8 @@
 """Reference paged attention over a KVX cache (any format): the oracle for the GPU kernels, and the CPU path.
 
 K/V are read through `gather_kv` (which dequantizes and undoes any Hadamard rotation), so the
-result is exactly softmax attention over the cache's stored values, computed in FP32.
+result is exactly softmax attention over the cache's stored values, computed in FP64 and returned in FP32
+(so it does not depend on how queries are chunked or batched).
 LSE is the natural-log log-sum-exp of the (scaled, soft-capped) scores per query head.
 Options follow FlashInfer, as the Triton kernels do: `window` is `window_left` (a query at position p
 sees keys p - window .. p; None or negative: no window), `softcap` None or 0 means no soft cap.
@@ -23,8 +24,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    qg = q.float().view(tq, hkv, g, d)
-    s = torch.einsum("thgd,lhd->thgl", qg, k.float()) * sm_scale
+    # FP64 products: the rounded FP32 result then no longer depends on how an engine chunks or batches the
+    # queries (BLAS picks its summation order by shape; FP32 sums would differ in the last bits)
+    qg = q.double().view(tq, hkv, g, d)
+    s = torch.einsum("thgd,lhd->thgl", qg, k.double()) * sm_scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     kpos = torch.arange(k.shape[0], device=q.device)
@@ -37,8 +40,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)[..., None]  # rows with no allowed key: output 0, lse -inf
     p = torch.where(empty, 0.0, torch.exp(s - torch.where(empty, 0.0, lse[..., None])))  # NaN K/V stays NaN
-    out = torch.einsum("thgl,lhd->thgd", p, v.float())
-    return out.reshape(tq, hq, d), lse.reshape(tq, hq)
+    out = torch.einsum("thgl,lhd->thgd", p, v.double())
+    return out.float().reshape(tq, hq, d), lse.float().reshape(tq, hq)
 
 
 def _check_query(query: torch.Tensor, cache: CacheDesc, what: str) -> None:

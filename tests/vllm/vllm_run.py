@@ -1,7 +1,7 @@
 """One offline vLLM run of SmolLM2-135M on CPU for one cache dtype; prints one JSON line of results.
 
 Run as a script (vLLM spawns an engine-core process, so it needs its own `__main__`):
-    python tests/vllm/vllm_run.py CKPT_DIR CACHE_DTYPE [--rotate] [--multiproc]
+    python tests/vllm/vllm_run.py CKPT_DIR CACHE_DTYPE [--rotate] [--multiproc] [--preempt]
 Without --multiproc the engine core and worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
 and the 'uni' executor, set by the caller's environment / here).
 Measures: KV capacity vLLM reports, generation for prompts of different lengths, greedy
@@ -19,6 +19,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the 
            "A" * 3 + " short one:"]
 PPL_TOKENS = 512  # demo-text tokens scored with prompt_logprobs (two chunks of prefill)
 GEN_TOKENS = 24
+PREEMPT_GEN = 160
 PREFIX_REPEAT = 30  # shared prefix of ~300 tokens: two full 128-token blocks
 
 
@@ -69,6 +70,33 @@ def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool) -> dict:
     return out
 
 
+def preempt(ckpt: str, cache_dtype: str) -> dict:
+    """Preemption and recompute: a KV cache of 10 blocks (1280 tokens) cannot hold 4 concurrent requests of
+    ~320 tokens, so vLLM preempts and later recomputes some; their greedy tokens are compared with the same
+    requests run one at a time (no preemption) on the same engine."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=1024, enforce_eager=True,
+              max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=False, seed=0,
+              num_gpu_blocks_override=10, disable_log_stats=False, distributed_executor_backend="uni")
+    base = "Write a long story about a lighthouse keeper and the ships that pass in the night. "
+    prompts = [base * (8 + i) + f"Chapter {i + 1}:" for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=PREEMPT_GEN, ignore_eos=True)
+    alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
+    before = _preemptions(llm)
+    together = llm.generate(prompts, greedy, use_tqdm=False)
+    return {"dtype": cache_dtype, "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+            "prompt_tokens": [len(r.prompt_token_ids) for r in together],
+            "preemptions": _preemptions(llm) - before,
+            "alone": [list(r.outputs[0].token_ids) for r in alone],
+            "together": [list(r.outputs[0].token_ids) for r in together]}
+
+
+def _preemptions(llm) -> float:
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
 def _logprobs(req) -> list[list]:
     """Per generated position: the sampled token and the top-5 (token, logprob) pairs."""
     o = req.outputs[0]
@@ -77,5 +105,8 @@ def _logprobs(req) -> list[list]:
 
 if __name__ == "__main__":
     flags = sys.argv[3:]
-    res = main(sys.argv[1], sys.argv[2], "--rotate" in flags, "--multiproc" in flags)
+    if "--preempt" in flags:
+        res = preempt(sys.argv[1], sys.argv[2])
+    else:
+        res = main(sys.argv[1], sys.argv[2], "--rotate" in flags, "--multiproc" in flags)
     print("KVX_RESULT " + json.dumps(res), flush=True)
