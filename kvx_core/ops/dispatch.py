@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from ..enums import BlockTableFormat
 from ..codec import format_of
-from ..descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, SeqLens, WriteDesc
+from ..descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    ScaleDesc,
+    SeqLens,
+    WriteDesc,
+)
+from ..enums import BlockTableFormat
 from ..errors import KvxError, Status
 from ..layouts import block_view
 from . import attention, reference
@@ -158,7 +166,8 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
         return attention.paged_prefill(query, qo_indptr, cache, table, seq_lens, causal=causal, sm_scale=sm_scale,
                                        softcap=softcap, window=window)
     (kd, ks, vd, vs, kg, vg, fmt), bt, lens = args
-    from .triton import paged_prefill as kernel, prefill_plan
+    from .triton import paged_prefill as kernel
+    from .triton import prefill_plan
     ip = qo_indptr.to(torch.int32)
     if check:
         ipl = ip.tolist()
