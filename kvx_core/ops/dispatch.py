@@ -175,6 +175,10 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
                 or any(a > b for a, b in zip(ipl, ipl[1:])):
             raise KvxError(Status.INVALID_ARGUMENT, "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing "
                            "entries from 0 to the number of query tokens")
+        for b, (q_len, n) in enumerate(zip((y - x for x, y in zip(ipl, ipl[1:])), lens.tolist())):
+            if q_len > n:
+                raise KvxError(Status.INVALID_ARGUMENT, f"paged_prefill: sequence {b} has {q_len} new tokens but "
+                               f"only {n} cached tokens (seq_lens include the new tokens)")
     plan = prefill_plan(ip.cpu(), query.shape[1] // cache.num_kv_heads)
     return kernel(query, ip.to(query.device), kd, ks, vd, vs, kg, vg, bt, lens, fmt, causal=causal, sm_scale=sm_scale,
                   softcap=softcap, window_left=window, plan=tuple(x.to(query.device) for x in plan))

@@ -65,6 +65,9 @@ def test_dispatch_attention_checks(device, monkeypatch):
     with pytest.raises(KvxError) as e:
         dispatch.paged_prefill(q, torch.tensor([0, 1, 2, 3, 5]), desc, table, lens)
     assert e.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(KvxError) as e:  # sequence 1 caches 0 tokens but gets 1 new query token
+        dispatch.paged_prefill(q, torch.tensor([0, 1, 2, 3, 4]), desc, table, lens)
+    assert e.value.status == Status.INVALID_ARGUMENT and "new tokens" in str(e.value)
     short = SeqLens(torch.tensor([13, 0, 1, 17], dtype=torch.int32, device=device))  # 17 > 4 blocks x 4 tokens
     with pytest.raises(KvxError) as e:
         dispatch.paged_decode(q, desc, table, short)
