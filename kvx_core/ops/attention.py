@@ -51,6 +51,19 @@ def _check_query(query: torch.Tensor, cache: CacheDesc, what: str) -> None:
             f"{what}: num_q_heads {query.shape[1]} must be a multiple of num_kv_heads {cache.num_kv_heads} (GQA)")
 
 
+def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int) -> list[int]:
+    """`qo_indptr` as a host list, after checking it has `len(lens) + 1` non-decreasing entries from 0 to
+    `num_tokens` and gives no sequence more new tokens than its cached length (INVALID_ARGUMENT)."""
+    ip = qo_indptr.to(torch.int64).tolist()
+    require(len(ip) == len(lens) + 1 and ip[0] == 0 and ip[-1] == num_tokens
+            and all(a <= b for a, b in zip(ip, ip[1:])), Status.INVALID_ARGUMENT,
+            "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing entries from 0 to num query tokens")
+    for b, n in enumerate(lens):
+        require(ip[b + 1] - ip[b] <= n, Status.INVALID_ARGUMENT,
+                f"paged_prefill: sequence {b} has {ip[b + 1] - ip[b]} new tokens but only {n} cached tokens")
+    return ip
+
+
 def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
     max_len = int(seq_lens.lengths.max()) if seq_lens.seq_count else 0
     io = gather_kv(cache, GatherDesc(table, seq_lens, max_len))
@@ -92,18 +105,13 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
     cached prefix plus itself, causally. `seq_lens` are total cached lengths including the new tokens.
     """
     _check_query(query, cache, "paged_prefill")
-    ip = qo_indptr.to(torch.int64).tolist()
-    require(len(ip) == seq_lens.seq_count + 1 and ip[0] == 0 and ip[-1] == query.shape[0]
-            and all(a <= b for a, b in zip(ip, ip[1:])), Status.INVALID_ARGUMENT,
-            "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing entries from 0 to num query tokens")
+    ip = check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), query.shape[0])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
     io, lens, starts = _gather_all(cache, table, seq_lens)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
     for b, n in enumerate(lens):
         q0, q1 = ip[b], ip[b + 1]
-        require(q1 - q0 <= n, Status.INVALID_ARGUMENT,
-                f"paged_prefill: sequence {b} has {q1 - q0} new tokens but only {n} cached tokens")
         if q1 == q0:
             continue
         k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]

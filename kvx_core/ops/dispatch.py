@@ -103,11 +103,7 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
     kd, ks, vd, vs, kg, vg, fmt = pools
     bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq)
     lens = gather.seq_lens.lengths.to(device=bt.device)
-    bad = (bt < 0) | (bt >= cache.num_blocks)
-    need = torch.arange(bt.shape[1], device=bt.device)[None, :] * cache.block_size < \
-        lens.to(torch.int64).clamp(max=gather.max_seq_len)[:, None]
-    if bool((bad & need).any()):
-        raise KvxError(Status.OUT_OF_RANGE, f"block table references a block outside [0, {cache.num_blocks})")
+    _check_blocks_in_range(cache, bt, lens.to(torch.int64).clamp(max=gather.max_seq_len))
     from .triton import gather_kv as triton_gather
     if out is not None:
         out.validate(cache, "gather.io")
@@ -121,6 +117,14 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
     return KvIoDesc(k, v)
 
 
+def _check_blocks_in_range(cache: CacheDesc, bt: torch.Tensor, lens: torch.Tensor) -> None:
+    """OUT_OF_RANGE unless every block a sequence uses (its first ceil(len / block_size) entries; the rest
+    of the row may hold stale ids) is a block of the cache. One host sync."""
+    need = torch.arange(bt.shape[1], device=bt.device)[None, :] * cache.block_size < lens[:, None]
+    if bool((need & ((bt < 0) | (bt >= cache.num_blocks))).any()):
+        raise KvxError(Status.OUT_OF_RANGE, f"block table references a block outside [0, {cache.num_blocks})")
+
+
 def _kernel_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, check: bool):
     """(pools, int32 block table [B, max_blocks], int32 seq_lens [B]) for the attention kernels, or None."""
     pools = _kernel_pools(cache) if _use_triton(cache) else None
@@ -130,13 +134,11 @@ def _kernel_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, check:
     dev = cache.k.tensor.device
     bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(dev, torch.int32)
     lens = seq_lens.lengths.to(dev, torch.int32)
-    if check:
+    if check:  # what the reference's gather validates, on the kernels' side
         cache.validate()
-        if lens.numel() and int(lens.max()) > bt.shape[1] * cache.block_size:
-            raise KvxError(Status.OUT_OF_RANGE, f"a sequence is longer than its {bt.shape[1]} blocks hold")
-        need = torch.arange(bt.shape[1], device=dev)[None, :] * cache.block_size < lens[:, None]
-        if bool((need & ((bt < 0) | (bt >= cache.num_blocks))).any()):
-            raise KvxError(Status.OUT_OF_RANGE, f"block table references a block outside [0, {cache.num_blocks})")
+        table.validate(cache)
+        seq_lens.validate(table, cache.block_size)
+        _check_blocks_in_range(cache, bt, lens)
     return pools, bt.contiguous(), lens
 
 
@@ -170,15 +172,7 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
     from .triton import prefill_plan
     ip = qo_indptr.to(torch.int32)
     if check:
-        ipl = ip.tolist()
-        if len(ipl) != seq_lens.seq_count + 1 or ipl[0] != 0 or ipl[-1] != query.shape[0] \
-                or any(a > b for a, b in zip(ipl, ipl[1:])):
-            raise KvxError(Status.INVALID_ARGUMENT, "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing "
-                           "entries from 0 to the number of query tokens")
-        for b, (q_len, n) in enumerate(zip((y - x for x, y in zip(ipl, ipl[1:])), lens.tolist())):
-            if q_len > n:
-                raise KvxError(Status.INVALID_ARGUMENT, f"paged_prefill: sequence {b} has {q_len} new tokens but "
-                               f"only {n} cached tokens (seq_lens include the new tokens)")
+        attention.check_qo_indptr(ip, lens.tolist(), query.shape[0])
     plan = prefill_plan(ip.cpu(), query.shape[1] // cache.num_kv_heads)
     return kernel(query, ip.to(query.device), kd, ks, vd, vs, kg, vg, bt, lens, fmt, causal=causal, sm_scale=sm_scale,
                   softcap=softcap, window_left=window, plan=tuple(x.to(query.device) for x in plan))

@@ -9,13 +9,14 @@ import os
 
 import pytest
 import torch
+from graphs import capture
+from oracle import make_pools, make_table, ref_decode
 
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
 from kvx_core.ops.cuda import build, nvcc_path
 from kvx_core.ops.cuda.decode import DecodeParams, supports
 from kvx_core.ops.triton import paged_decode
-from oracle import make_pools, make_table, ref_decode
 
 CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -211,14 +212,7 @@ def test_cuda_decode_is_graph_capturable():
                                max_seq_len=100, backend="cuda")
     run()
     ref = out.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    g, _ = capture(run)
     out.zero_()
     g.replay()
     torch.cuda.synchronize()

@@ -3,6 +3,7 @@ the interpreter, natural on CUDA) agrees with `ops.attention`, falls back to it 
 serve the call, and refuses bad tables with OUT_OF_RANGE."""
 import pytest
 import torch
+from graphs import capture
 from test_gather_kernel import _cache
 
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
@@ -125,14 +126,7 @@ def test_dispatch_decode_step_cuda_graph(name):
         dispatch.write_kv(desc, WriteDesc(KvIoDesc(kn, vn), SlotMapping(slots)), check=False)
         return dispatch.paged_decode(q, desc, table, seq, max_seq_len=500, check=False)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o_g, lse_g = step()
+    graph, (o_g, lse_g) = capture(step)
     pools = [t for t in vars(c.layers[0]).values() if isinstance(t, torch.Tensor)]
     snapshot = [t.clone() for t in pools]
     for t in (q, kn, vn):
