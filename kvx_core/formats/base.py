@@ -1,10 +1,13 @@
 """`TensorFormat`: how ONE cache tensor (K or V) is stored, with its exact torch encode/decode.
 
-Every format maps `x[..., H, D]` (any float dtype, computed in FP32) to a payload tensor
+Every format maps `x[..., H, D]` (FP16/BF16/FP32/FP64) to a payload tensor
 `[..., H, payload_dim(D)]` of the format's storage dtype and a scale-pool tensor
 `uint8[..., H, scale_dim(D)]` (last dim 0 for formats without a scale pool), and back.
 The FP32 `global_scale` (shape `[]` per tensor or `[H]` per KV head, broadcast over axis -2) is a
 descriptor-level parameter, never stored in the scale pool.
+Quantized formats compute in FP32: finite FP64 inputs beyond the FP32 range first saturate to
++-FP32 max (`to_f32_saturated`), so a finite input never encodes as NaN; the identity formats store
+torch's IEEE cast instead (see identity.py).
 """
 from __future__ import annotations
 
@@ -18,6 +21,17 @@ from ..errors import KvxError, Status
 
 #: `group_size` value of formats whose scale covers a whole (token, KV head) row of head_dim values.
 GROUP_HEAD_DIM = -1
+#: Largest finite FP32 value: finite inputs beyond it (FP64 only) saturate to it before encoding.
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def to_f32_saturated(x: Tensor) -> Tensor:
+    """`x` in FP32, finite values beyond the FP32 range (possible in FP64 input) saturated to +-F32_MAX
+    rather than cast to +-inf, so a finite input never reaches a format as a non-finite value.
+    NaN and +-inf are kept; tiny values round to FP32 subnormals or zero as the cast does."""
+    if x.dtype == torch.float64:
+        x = torch.where(torch.isfinite(x), x.clamp(-F32_MAX, F32_MAX), x)
+    return x.to(torch.float32)
 
 
 class TensorFormat(ABC):
@@ -96,7 +110,7 @@ class TensorFormat(ABC):
 
     # ------------------------------------------------------------------ shared validation
     def _check_input(self, x: Tensor) -> Tensor:
-        """Validate `x[..., H, D]` and return it as FP32."""
+        """Validate `x[..., H, D]` and return it as FP32 (`to_f32_saturated`: finite stays finite)."""
         if not isinstance(x, Tensor):
             raise KvxError(Status.INVALID_ARGUMENT, f"{self.name}: encode expects a torch.Tensor, got {type(x)}")
         if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -106,7 +120,7 @@ class TensorFormat(ABC):
             raise KvxError(Status.INVALID_ARGUMENT,
                            f"{self.name}: encode expects [..., H, D], got shape {tuple(x.shape)}")
         self.check_head_dim(int(x.shape[-1]))
-        return x.to(torch.float32)
+        return to_f32_saturated(x)
 
     def _check_stored(self, payload: Tensor, scales: Tensor) -> int:
         """Validate a stored (payload, scales) pair and return head_dim."""
@@ -142,11 +156,13 @@ class TensorFormat(ABC):
             return torch.ones((1, 1), dtype=torch.float32, device=device)
         if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
             g = torch.tensor(float(global_scale), dtype=torch.float32, device=device)
-        elif isinstance(global_scale, Tensor) and global_scale.is_floating_point():
+        elif isinstance(global_scale, Tensor) and global_scale.is_floating_point() \
+                and not global_scale.is_meta:
             g = global_scale.to(device=device, dtype=torch.float32)
         else:
             raise KvxError(Status.INVALID_ARGUMENT,
-                           f"{self.name}: global_scale must be a float tensor of shape [] or [H], got {global_scale!r}")
+                           f"{self.name}: global_scale must be a float or a float tensor of shape [] or [H] that holds "
+                           f"values (not a meta tensor), got {global_scale!r}")
         if g.dim() == 0 or tuple(g.shape) == (1,):
             g = g.reshape(1, 1)
         elif tuple(g.shape) == (num_heads,):
@@ -155,7 +171,7 @@ class TensorFormat(ABC):
             raise KvxError(Status.INVALID_ARGUMENT,
                            f"{self.name}: global_scale shape must be [] or [H={num_heads}], got {tuple(g.shape)}")
         if not bool(torch.all(torch.isfinite(g) & (g > 0))):
-            raise KvxError(Status.INVALID_ARGUMENT, f"{self.name}: global_scale must be finite and > 0")
+            raise KvxError(Status.INVALID_ARGUMENT, f"{self.name}: global_scale must be finite and > 0 in FP32")
         return g
 
 

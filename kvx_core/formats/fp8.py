@@ -1,8 +1,9 @@
 """FP8 cache formats (E4M3 `float8_e4m3fn`, E5M2) with a per-tensor or per-KV-head FP32 scale (vLLM semantics).
 
 Encode: `q = fp8(clamp(x / g, -MAX, MAX))` with round-to-nearest-even, so finite values (including
-ones that overflow after the division) saturate to +-448 (E4M3) / +-57344 (E5M2) instead of becoming
-NaN/inf. Decode: `fp32(q) * g`. There is no scale pool (the scale lives in the cache descriptor).
+ones that overflow after the division, and finite FP64 inputs beyond the FP32 range, which enter as
++-FP32 max) saturate to +-448 (E4M3) / +-57344 (E5M2) instead of becoming NaN/inf.
+Decode: `fp32(q) * g`. There is no scale pool (the scale lives in the cache descriptor).
 NaN/inf: a non-finite input element encodes to the NaN byte 0x7F (a NaN in both E4M3 and E5M2) and
 decodes to NaN; FP8 has no groups, so the "group" poisoned by a non-finite value is the element.
 """

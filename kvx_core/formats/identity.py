@@ -1,7 +1,9 @@
 """Unquantized cache formats (bf16 / fp16 / fp32): the payload is `x.to(dtype)`, no scale pool.
 
-The cast is torch's IEEE cast (round-to-nearest-even; fp16 overflow gives +-inf; NaN/inf are kept,
-the NaN bit pattern being the device's own).
+The cast is torch's IEEE cast (round-to-nearest-even; NaN/inf are kept, the NaN bit pattern being the
+device's own). Unlike the quantized formats it does not saturate: a value beyond the storage dtype's
+range (above 65504 for fp16, FP64 input beyond the FP32/BF16 range) is stored as +-inf, exactly what
+the model's own cast to that dtype gives.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """INT8 / INT4 cache formats: asymmetric quantization per (token, KV head) over the whole head_dim.
 
-With N = 2**bits - 1 and FP32 arithmetic (x computed in FP32):
+With N = 2**bits - 1 and FP32 arithmetic (x computed in FP32; finite FP64 inputs beyond the FP32 range
+enter as +-FP32 max, so they saturate like any row whose range overflows FP16):
   mn, mx = min(x), max(x) over head_dim
   scale  = f16(clamp((mx - mn) / N, max=65504))        (RNE; saturates instead of overflowing to inf)
   min    = f16(clamp(mn, -65504, 65504))

@@ -1,6 +1,7 @@
 """MXFP4 cache format: E2M1 payload + one UE8M0 scale byte (bias 127) per group of 16 or 32 values.
 
-Per group (FP32 arithmetic, amax = max|x|):
+Per group (FP32 arithmetic, amax = max|x|; finite FP64 inputs beyond the FP32 range enter as +-FP32 max,
+so they encode as the largest scale, never as the NaN byte):
   RCEIL (default; FlashInfer / triton_kernels / cuDNN):  E = ceil(log2(f32(amax / 6)))
   FLOOR (OCP MX v1.0):                                   E = floor(log2(amax)) - 2
   E is exact (computed from the FP32 bits, subnormals included) and clamped to [-127, 127];

@@ -1,6 +1,7 @@
 """NVFP4 cache format: E2M1 payload + one E4M3 scale byte per 16 values + an FP32 global scale g.
 
-Per group of 16 (FP32 arithmetic, ModelOpt's NVFP4 semantics; g per tensor or per KV head):
+Per group of 16 (FP32 arithmetic, ModelOpt's NVFP4 semantics; g per tensor or per KV head; finite FP64
+inputs beyond the FP32 range enter as +-FP32 max and saturate as described under Overflow):
   amax = max|x|
   s    = f32(amax / f32(6 * g))
   s    = 1.0                         if s == 0         (all-zero group, or amax/(6g) underflowing
