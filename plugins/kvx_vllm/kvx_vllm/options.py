@@ -3,10 +3,15 @@
 Options under the "kvx" key of vLLM's `additional_config`:
 - `rotate` (bool, default false): Hadamard rotation of K/V (and Q) for kvx_nvfp4, kvx_mxfp4,
   kvx_int4 and kvx_k8v4 (not kvx_int8, whose error is already ~0.02% perplexity).
-Anything else under "kvx" is refused, so a typo never silently does nothing.
+Anything else under "kvx" is refused, so a typo never silently does nothing. Also refused: an
+`additional_config` that is not a JSON object, and a key that spells "kvx" another way ("KVX",
+" kvx"), which would otherwise be ignored. Errors are ValueError (as vLLM's own config checks
+raise) naming the option to fix.
+This module and `dtypes` import nothing from vLLM at module level (tests load them without vLLM).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,15 +27,31 @@ class KvxOptions:
     rotate: bool = False
 
 
+def _kvx_section(vllm_config: Any) -> Any:
+    """`additional_config["kvx"]` ({} when absent); ValueError when `additional_config` is not a mapping
+    or spells "kvx" another way (such a key would be ignored)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise ValueError('KVX: --additional-config must be a JSON object such as {"kvx": {"rotate": true}}, '
+                         f"got {type(extra).__name__} {extra!r}")
+    near = sorted(repr(k) for k in extra if isinstance(k, str) and k != "kvx" and k.strip().casefold() == "kvx")
+    if near:
+        raise ValueError(f'KVX: --additional-config key {near[0]} is not read (keys are case-sensitive); '
+                         'did you mean "kvx"?')
+    return extra.get("kvx", {})
+
+
 def options_of(vllm_config: Any) -> KvxOptions:
     """Parse `vllm_config.additional_config["kvx"]` (ValueError on unknown keys or wrong types)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    raw = extra.get("kvx", {})
-    if not isinstance(raw, dict):
+    raw = _kvx_section(vllm_config)
+    if not isinstance(raw, Mapping):
         raise ValueError(f'KVX: --additional-config "kvx" must be an object such as {{"rotate": true}}, got {raw!r}')
     unknown = set(raw) - _KNOWN
     if unknown:
-        raise ValueError(f"KVX: unknown --additional-config kvx option(s) {sorted(unknown)}; known: {sorted(_KNOWN)}")
+        raise ValueError(f"KVX: unknown --additional-config kvx option(s) {', '.join(sorted(map(repr, unknown)))}; "
+                         f"known: {', '.join(map(repr, sorted(_KNOWN)))}")
     rotate = raw.get("rotate", False)
     if not isinstance(rotate, bool):
         raise ValueError(f'KVX: --additional-config kvx "rotate" must be true or false, got {rotate!r}')

@@ -1,0 +1,77 @@
+"""vLLM plugin run options (issue 10, F12), tested without vLLM: `kvx_vllm.options` parses
+`additional_config` and refuses, with a ValueError naming the fix, a non-object `additional_config`
+(formerly AttributeError), a "kvx" key spelt another way (formerly silently ignored), and bad "kvx" options.
+"""
+import importlib
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "kvx_vllm"
+if importlib.util.find_spec("kvx_vllm") is None:  # the main venv does not install the plugin
+    sys.path.insert(0, str(PLUGIN))
+options = importlib.import_module("kvx_vllm.options")
+
+
+def _config(extra):
+    return SimpleNamespace(additional_config=extra)
+
+
+def test_options_and_dtypes_import_without_vllm():
+    """Even where vLLM is installed, loading these modules must not import it (import vllm fails here)."""
+    code = ("import sys; sys.modules['vllm'] = None; sys.path.insert(0, sys.argv[1]); "
+            "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
+    out = subprocess.run([sys.executable, "-c", code, str(PLUGIN)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "KvxOptions(rotate=False)" in out.stdout
+
+
+@pytest.mark.parametrize("extra, rotate", [
+    (None, False), ({}, False), ({"other_platform_key": 1}, False), ({"kvx": {}}, False),
+    ({"kvx": {"rotate": True}}, True), ({"kvx": {"rotate": False}}, False),
+])
+def test_valid_configs(extra, rotate):
+    assert options.options_of(_config(extra)) == options.KvxOptions(rotate=rotate)
+
+
+def test_config_without_additional_config_attribute():
+    assert options.options_of(SimpleNamespace()) == options.KvxOptions()
+
+
+@pytest.mark.parametrize("extra", ["kvx", 5, ["kvx"], ("kvx",), 0, "", [], 1.5, True])
+def test_non_object_additional_config_is_refused(extra):
+    with pytest.raises(ValueError, match="--additional-config must be a JSON object"):
+        options.options_of(_config(extra))
+
+
+@pytest.mark.parametrize("key", ["KVX", "Kvx", "kVx", " kvx", "kvx ", "KVX\n"])
+def test_misspelt_kvx_key_is_refused(key):
+    with pytest.raises(ValueError, match='did you mean "kvx"') as e:
+        options.options_of(_config({key: {"rotate": True}}))
+    assert repr(key) in str(e.value)
+
+
+def test_misspelt_key_is_refused_even_beside_the_right_one():
+    with pytest.raises(ValueError, match='did you mean "kvx"'):
+        options.options_of(_config({"kvx": {}, "KVX": {"rotate": True}}))
+
+
+@pytest.mark.parametrize("section", [None, "rotate", ["rotate"], 1, True])
+def test_non_object_kvx_section_is_refused(section):
+    with pytest.raises(ValueError, match='"kvx" must be an object'):
+        options.options_of(_config({"kvx": section}))
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"rotation": True}, "unknown .*'rotation'"), ({"Rotate": True}, "unknown .*'Rotate'"),
+    ({1: True, "x": 2}, "unknown .*'x', 1;"),  # mixed key types are reported, not a TypeError from sorting
+    ({"rotate": 1}, '"rotate" must be true or false'), ({"rotate": "true"}, '"rotate" must be true or false'),
+    ({"rotate": None}, '"rotate" must be true or false'),
+])
+def test_bad_kvx_options_are_refused(section, match):
+    with pytest.raises(ValueError, match=match):
+        options.options_of(_config({"kvx": section}))
