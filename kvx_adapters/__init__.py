@@ -3,8 +3,8 @@
 One module per engine (`vllm`, `tgi`, `trtllm`, `flashinfer`). Each function takes tensors shaped and
 typed exactly as the engine allocates them and returns KVX descriptors that *view* the same memory
 (no copies), and the reverse. No engine is imported: these are tensor functions, testable anywhere.
-The engine source each shape comes from is cited in the docstrings; `.notes/adapters_sources.md`
-lists the versions read.
+The engine source each shape comes from is cited in the docstrings; docs/engine_layouts.md §17
+describes the layouts and §17.6 (and compat_matrix.yaml) lists the engine files and commits read.
 
 This module holds the private helpers the engine modules share.
 """

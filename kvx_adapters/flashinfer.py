@@ -1,6 +1,6 @@
 """FlashInfer <-> KVX: paged KV caches (NHD / HND) and the `indptr / indices / last_page_len` page table.
 
-Shapes (flashinfer-ai/flashinfer, commit in .notes/adapters_sources.md):
+Shapes (flashinfer-ai/flashinfer; layouts in docs/engine_layouts.md §17.4, commit in §17.6):
 - `flashinfer/page.py` `append_paged_kv_cache` docstring: `paged_kv_cache` is a tuple `(k_cache,
   v_cache)` of `[max_num_pages, page_size, num_kv_heads, head_dim]` (NHD) or `[max_num_pages,
   num_kv_heads, page_size, head_dim]` (HND), or one tensor `[max_num_pages, 2, page_size, num_kv_heads,

@@ -1,6 +1,6 @@
 """TGI (text-generation-inference) <-> KVX: `KVCache.kv_cache`, block tables, slots and `Seqlen`.
 
-Shapes (huggingface/text-generation-inference, commit in .notes/adapters_sources.md):
+Shapes (huggingface/text-generation-inference; docs/engine_layouts.md §17.2, commit in §17.6):
 - `server/text_generation_server/layers/attention/kv_cache.py` `KVCache.__init__` allocates a
   `(key, value)` tuple per layer by `ATTENTION` (`models/globals.py`):
   * `flashinfer`, `flashdecoding`, and `flashdecoding-ipex` on XPU: both `(num_blocks, BLOCK_SIZE,

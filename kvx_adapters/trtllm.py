@@ -1,6 +1,6 @@
 """TensorRT-LLM <-> KVX: KVBlockArray pools addressed by KVCacheIndex block offsets.
 
-Facts used (NVIDIA/TensorRT-LLM, commits in .notes/adapters_sources.md):
+Facts used (NVIDIA/TensorRT-LLM; docs/engine_layouts.md §17.3, commits in §17.6):
 - `cpp/tensorrt_llm/kernels/kvCacheUtils.h` `KVBlockArray`: block offsets table `[B, W, 2, M]`
   (`getRowPtr`: `data + seqIdx * M * 2 + kvIdx * M`, seqIdx running over batch * beam); block address
   `getPoolPtr(offset) + offset.get() * mBytesPerBlock` with `mBytesPerBlock = tokensPerBlock *

@@ -1,6 +1,6 @@
 """vLLM <-> KVX: the per-layer KV cache tensors, block table and slot mapping of vLLM v1.
 
-Shapes (vllm-project/vllm, commits in .notes/adapters_sources.md):
+Shapes (vllm-project/vllm; layouts in docs/engine_layouts.md §17.1, commits in §17.6):
 - `vllm/v1/attention/backends/flash_attn.py` `FlashAttentionBackend.get_kv_cache_shape` ->
   `(2, num_blocks, block_size, num_kv_heads, head_size)`; `get_kv_cache_stride_order` is the identity
   for NHD and `(0, 1, 3, 2, 4)` for HND (`VLLM_KV_CACHE_LAYOUT`).

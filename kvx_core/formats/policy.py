@@ -1,4 +1,4 @@
-"""LMDeploy/TurboMind `quant_policy` bitmask -> KV cache mode -> KVX cache format (FP4 KV design seed, §3.3).
+"""LMDeploy/TurboMind `quant_policy` bitmask -> KV cache mode -> KVX cache format (docs/quantization.md §14.2).
 
 quant_policy is a bitmask: 0x04 int4 KV, 0x08 int8 KV, 0x10 FP4 KV family; 0x01 and 0x02 are
 reserved and every other bit is undefined (both -> KvxError INVALID_ARGUMENT). Priority, as in the
