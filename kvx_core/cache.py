@@ -5,19 +5,24 @@ scales `X = format.scale_dim(D)` bytes. They are either separate allocations or,
 `page_buffer=True`, regions of one byte buffer per layer (each block one page holding
 K data | V data | K scales | V scales, as vLLM lays out a page): both are strided views and are
 described identically by `descriptor(layer)`. One `BlockAllocator` hands out ids for both pools.
+
+Every argument is checked before anything is allocated or changed: sizes and layer ids are ints
+(layer ids in `[0, num_layers)`, no negative indexing), a cache that cannot fit its device's memory
+is refused before allocation, and a rejected call leaves the cache as it was (KvxError).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .allocator import BlockAllocator
+from .allocator import BlockAllocator, as_int
 from .codec import quant_desc
 from .descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from .enums import Layout
-from .errors import Status, require
+from .errors import KvxError, Status, require
 from .formats import CacheFormat, TensorFormat, get_format
 from .ops import dispatch as reference
 
@@ -40,22 +45,39 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def bytes_per_token(fmt: CacheFormat, num_kv_heads: int, head_dim: int, num_layers: int = 1) -> float:
+def _cache_format(fmt: str | CacheFormat) -> CacheFormat:
+    """A `CacheFormat`, given one or its registry name (KvxError for anything else, None included)."""
+    return fmt if isinstance(fmt, CacheFormat) else get_format(fmt)
+
+
+def _geometry(fmt: str | CacheFormat, block_size: int, num_kv_heads: int,
+              head_dim: int) -> tuple[CacheFormat, int, int, int]:
+    """Checked (format, block_size, num_kv_heads, head_dim): positive ints the format can store."""
+    f = _cache_format(fmt)
+    bs, h, d = (as_int(v, name, 1) for v, name in ((block_size, "block_size"), (num_kv_heads, "num_kv_heads"),
+                                                    (head_dim, "head_dim")))
+    f.check_head_dim(d)
+    return f, bs, h, d
+
+
+def bytes_per_token(fmt: str | CacheFormat, num_kv_heads: int, head_dim: int, num_layers: int = 1) -> float:
     """K+V bytes (payload and scales) one token occupies across `num_layers` layers."""
-    return fmt.bytes_per_token_head(head_dim) * num_kv_heads * num_layers
+    f, _, h, d = _geometry(fmt, 1, num_kv_heads, head_dim)
+    return f.bytes_per_token_head(d) * h * as_int(num_layers, "num_layers", 1)
 
 
-def capacity_ratio_vs_bf16(fmt: CacheFormat, head_dim: int) -> float:
+def capacity_ratio_vs_bf16(fmt: str | CacheFormat, head_dim: int) -> float:
     """How many more tokens than a BF16 cache the same bytes hold (e.g. 3.56 for NVFP4)."""
-    return get_format("bf16").bytes_per_token_head(head_dim) / fmt.bytes_per_token_head(head_dim)
+    return bytes_per_token("bf16", 1, head_dim) / bytes_per_token(fmt, 1, head_dim)
 
 
-def page_regions(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
+def page_regions(fmt: str | CacheFormat, block_size: int, num_kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
     """(offset, bytes) of K data, V data, K scales, V scales inside one page."""
+    f, block_size, num_kv_heads, head_dim = _geometry(fmt, block_size, num_kv_heads, head_dim)
     sizes = []
-    for tf in (fmt.k, fmt.v):
+    for tf in (f.k, f.v):
         sizes.append(num_kv_heads * block_size * tf.payload_dim(head_dim) * tf.torch_data_dtype.itemsize)
-    for tf in (fmt.k, fmt.v):
+    for tf in (f.k, f.v):
         sizes.append(num_kv_heads * block_size * tf.scale_dim(head_dim))
     out, off = [], 0
     for n in sizes:
@@ -64,18 +86,45 @@ def page_regions(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim:
     return out
 
 
-def page_bytes(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+def page_bytes(fmt: str | CacheFormat, block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """Bytes of one block (page) of one layer, K and V with their scales, regions 16-byte aligned."""
     off, n = page_regions(fmt, block_size, num_kv_heads, head_dim)[-1]
     return _round_up(off + n, _PAGE_ALIGN)
 
 
-def blocks_for_budget(fmt: CacheFormat, budget_bytes: int, *, num_layers: int, block_size: int,
+def blocks_for_budget(fmt: str | CacheFormat, budget_bytes: int, *, num_layers: int, block_size: int,
                       num_kv_heads: int, head_dim: int) -> int:
     """Blocks (per layer) that fit a byte budget covering all layers."""
-    require(num_layers > 0 and budget_bytes >= 0, Status.INVALID_ARGUMENT,
-            f"need num_layers > 0 and a non-negative budget, got {num_layers} and {budget_bytes}")
-    return budget_bytes // (page_bytes(fmt, block_size, num_kv_heads, head_dim) * num_layers)
+    budget = as_int(budget_bytes, "budget_bytes", 0)
+    return budget // (page_bytes(fmt, block_size, num_kv_heads, head_dim) * as_int(num_layers, "num_layers", 1))
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """`device` as the concrete device (e.g. cuda:0) this process allocates on; KvxError if it cannot."""
+    require(isinstance(device, (str, torch.device)), Status.INVALID_ARGUMENT,
+            f"device must be a str or torch.device, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"device {device!r} is not a torch device: {e}") from None
+    require(dev.type != "meta", Status.UNSUPPORTED, "a cache needs a device that holds data, not 'meta'")
+    try:
+        return torch.empty(0, device=dev).device
+    except (RuntimeError, AssertionError) as e:  # AssertionError: torch built without that backend
+        raise KvxError(Status.UNSUPPORTED, f"device {device!r} is not available here: {e}") from None
+
+
+def _device_capacity(device: torch.device) -> int:
+    """Most bytes a cache on `device` could occupy: the GPU's or the host's physical memory (elsewhere,
+    torch's int64 byte-size limit). Checked before allocating, so an impossible size never reaches torch."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            pass
+    return 2 ** 63 - 1
 
 
 class PagedKVCache:
@@ -85,23 +134,37 @@ class PagedKVCache:
                  num_kv_heads: int, head_dim: int, device: str | torch.device = "cpu",
                  page_buffer: bool = False, global_scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  per_head_global_scale: bool = False) -> None:
-        self.format = get_format(fmt) if isinstance(fmt, str) else fmt
-        self.format.check_head_dim(head_dim)
-        require(num_layers > 0 and block_size > 0 and num_kv_heads > 0, Status.INVALID_ARGUMENT,
-                "num_layers, block_size and num_kv_heads must be > 0")
-        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.device = torch.device(device)
-        self.allocator = BlockAllocator(num_blocks)
-        g_shape = (num_kv_heads,) if per_head_global_scale else (1,)
-        self.layers = [self._allocate_layer(page_buffer, g_shape) for _ in range(num_layers)]
-        if global_scales is not None:
-            require(len(global_scales) == num_layers, Status.INVALID_ARGUMENT,
-                    f"global_scales must have one (k, v) pair per layer ({num_layers}), got {len(global_scales)}")
-            for layer, (k, v) in enumerate(global_scales):
-                self.set_global_scales(layer, k, v)
+        self.format, self.block_size, self.num_kv_heads, self.head_dim = _geometry(fmt, block_size, num_kv_heads,
+                                                                                   head_dim)
+        self.num_layers = as_int(num_layers, "num_layers", 1)
+        self.num_blocks = as_int(num_blocks, "num_blocks", 1)
+        for name, flag in (("page_buffer", page_buffer), ("per_head_global_scale", per_head_global_scale)):
+            require(isinstance(flag, bool), Status.INVALID_ARGUMENT, f"{name} must be a bool, got {flag!r}")
+        self.device = _usable_device(device)
+        self._g_shape = (self.num_kv_heads,) if per_head_global_scale else (1,)
+        scales = None if global_scales is None else self._checked_global_scales(global_scales)
+        need = self._pool_bytes(page_buffer)
+        have = _device_capacity(self.device)
+        require(need <= have, Status.OUT_OF_RANGE,
+                f"{self.num_layers} layers x {self.num_blocks} blocks of {self.format.name} need {need} bytes, "
+                f"more than the {have} bytes of {self.device}; size the cache with blocks_for_budget()")
+        self.allocator = BlockAllocator(self.num_blocks)
+        try:
+            self.layers = [self._allocate_layer(page_buffer) for _ in range(self.num_layers)]
+        except (RuntimeError, MemoryError) as e:  # the device had less free memory than it has in total
+            raise KvxError(Status.OUT_OF_RANGE, f"could not allocate the {need}-byte cache on {self.device}: "
+                                                f"{e}; size the cache with blocks_for_budget()") from None
+        for pools, (k, v) in zip(self.layers, scales or []):
+            pools.k_global.copy_(k)
+            pools.v_global.copy_(v)
 
     # ------------------------------------------------------------ allocation
+    def _pool_bytes(self, page_buffer: bool) -> int:
+        """Bytes the pools of all layers occupy (page padding included for a page buffer)."""
+        args = (self.format, self.block_size, self.num_kv_heads, self.head_dim)
+        per_block = page_bytes(*args) if page_buffer else sum(n for _, n in page_regions(*args))
+        return per_block * self.num_blocks * self.num_layers
+
     def _pool(self, tf: TensorFormat, scales: bool) -> torch.Tensor | None:
         x = tf.scale_dim(self.head_dim) if scales else tf.payload_dim(self.head_dim)
         if scales and x == 0:
@@ -124,31 +187,66 @@ class PagedKVCache:
             views.append(buf[:, off:off + n].view(dtype).view(self.num_blocks, self.num_kv_heads, self.block_size, x))
         return views
 
-    def _allocate_layer(self, page_buffer: bool, g_shape: tuple[int, ...]) -> LayerPools:
+    def _allocate_layer(self, page_buffer: bool) -> LayerPools:
         f = self.format
         if page_buffer:
             kd, vd, ks, vs = self._page_views()
         else:
             kd, vd, ks, vs = self._pool(f.k, False), self._pool(f.v, False), self._pool(f.k, True), self._pool(f.v, True)
         uses_g = f.k.uses_global_scale or f.v.uses_global_scale
-        g = (lambda: torch.ones(g_shape, dtype=torch.float32, device=self.device)) if uses_g else (lambda: None)
+        g = (lambda: torch.ones(self._g_shape, dtype=torch.float32, device=self.device)) if uses_g else (lambda: None)
         return LayerPools(kd, vd, ks, vs, g(), g())
 
+    # ------------------------------------------------------------ global scales
+    def _checked_scale(self, tf: TensorFormat, src: torch.Tensor | float, which: str) -> torch.Tensor:
+        """One FP32 global scale checked (finite, > 0, shape [] / [1] / [H] as this cache holds), on the
+        cache's device (a tensor elsewhere is copied) and shaped like the cache's scale tensor."""
+        try:
+            g = tf._global_scale(src, self.num_kv_heads, self.device).reshape(-1)
+        except KvxError as e:
+            raise KvxError(e.status, f"{which} global scale: {e.message}") from None
+        require(g.numel() in (1, self._g_shape[0]), Status.INVALID_ARGUMENT,
+                f"{which} global scale has {g.numel()} entries; this cache holds one per tensor "
+                "(create it with per_head_global_scale=True for one per KV head)")
+        return g.expand(self._g_shape)
+
+    def _checked_scale_pair(self, k: torch.Tensor | float,
+                            v: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both of a layer's global scales checked, so a bad V scale cannot leave a new K scale behind."""
+        f = self.format
+        require(f.k.uses_global_scale or f.v.uses_global_scale, Status.INVALID_ARGUMENT,
+                f"format {f.name} takes no global scales")
+        return self._checked_scale(f.k, k, "K"), self._checked_scale(f.v, v, "V")
+
+    def _checked_global_scales(self, global_scales: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The constructor's per-layer (k, v) global scales, every layer checked before any is stored."""
+        pairs = list(global_scales) if isinstance(global_scales, Sequence) else None
+        require(pairs is not None and len(pairs) == self.num_layers, Status.INVALID_ARGUMENT,
+                f"global_scales must be a sequence of one (k, v) pair per layer ({self.num_layers}), "
+                f"got {global_scales!r}")
+        for pair in pairs:
+            require(isinstance(pair, Sequence) and len(pair) == 2, Status.INVALID_ARGUMENT,
+                    f"each global_scales entry must be a (k, v) pair, got {pair!r}")
+        return [self._checked_scale_pair(k, v) for k, v in pairs]
+
     def set_global_scales(self, layer: int, k: torch.Tensor | float, v: torch.Tensor | float) -> None:
-        """Set a layer's FP32 global K/V scales (per tensor, or per KV head for a per-head cache)."""
-        pools = self.layers[layer]
-        require(pools.k_global is not None, Status.INVALID_ARGUMENT,
-                f"format {self.format.name} takes no global scales")
-        for dst, src in ((pools.k_global, k), (pools.v_global, v)):
-            t = torch.as_tensor(src, dtype=torch.float32, device=self.device).reshape(-1)
-            require(t.numel() in (1, dst.numel()) and bool(torch.isfinite(t).all() and (t > 0).all()),
-                    Status.INVALID_ARGUMENT, f"global scales must be finite, > 0, with 1 or {dst.numel()} entries")
-            dst.copy_(t.expand_as(dst))
+        """Set a layer's FP32 global K/V scales (per tensor, or per KV head for a per-head cache);
+        both are checked before either is stored."""
+        pools = self._layer(layer)
+        gk, gv = self._checked_scale_pair(k, v)
+        pools.k_global.copy_(gk)
+        pools.v_global.copy_(gv)
 
     # ------------------------------------------------------------ KVX view
+    def _layer(self, layer: int) -> LayerPools:
+        """The pools of `layer`, an int in `[0, num_layers)` (no negative indexing: -1 is a caller bug)."""
+        i = as_int(layer, "layer")
+        require(0 <= i < self.num_layers, Status.OUT_OF_RANGE, f"layer {i} out of range [0, {self.num_layers})")
+        return self.layers[i]
+
     def descriptor(self, layer: int) -> CacheDesc:
         """The layer's KVX cache descriptor (data pools + v1.1 quantization descriptor)."""
-        p = self.layers[layer]
+        p = self._layer(layer)
         q = quant_desc(self.format, self.head_dim, p.k_scales, p.v_scales, p.k_global, p.v_global)
         return CacheDesc.from_torch(p.k_data, p.v_data, block_size=self.block_size, num_kv_heads=self.num_kv_heads,
                                     head_dim=self.head_dim, k_layout=Layout.HND, v_layout=Layout.HND, quant=q)
@@ -156,14 +254,24 @@ class PagedKVCache:
     # ------------------------------------------------------------ data path
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Quantize `[T, H, D]` K/V into the layer's pools at `slot_mapping` (negative slots skipped)."""
-        reference.write_kv(self.descriptor(layer), WriteDesc(KvIoDesc(key, value), SlotMapping(slot_mapping)))
+        cache = self.descriptor(layer)
+        _require_tensors(key=key, value=value, slot_mapping=slot_mapping)
+        reference.write_kv(cache, WriteDesc(KvIoDesc(key, value), SlotMapping(slot_mapping)))
 
     def gather(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None,
                out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ragged `[T, H, D]` K/V of each sequence (PACKED `block_table [S, M]`)."""
-        max_len = int(seq_lens.max()) if max_seq_len is None and seq_lens.numel() else (max_seq_len or 0)
-        io = reference.gather_kv(self.descriptor(layer),
-                                 GatherDesc(BlockTable.packed(block_table), SeqLens(seq_lens), max_len),
+        cache = self.descriptor(layer)
+        _require_tensors(block_table=block_table, seq_lens=seq_lens)
+        require(seq_lens.dtype in (torch.int32, torch.int64), Status.INVALID_ARGUMENT,
+                f"seq_lens must be int32 or int64, got {seq_lens.dtype}")  # before seq_lens.max() below
+        require(isinstance(out_dtype, torch.dtype), Status.INVALID_ARGUMENT,
+                f"out_dtype must be a torch.dtype, got {out_dtype!r}")
+        if max_seq_len is None:
+            max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        else:
+            max_len = as_int(max_seq_len, "max_seq_len", 0)
+        io = reference.gather_kv(cache, GatherDesc(BlockTable.packed(block_table), SeqLens(seq_lens), max_len),
                                  out_dtype=out_dtype)
         return io.key, io.value
 
@@ -184,3 +292,10 @@ class PagedKVCache:
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()
         return total
+
+
+def _require_tensors(**tensors: object) -> None:
+    """KvxError naming the first argument that is not a torch.Tensor."""
+    for name, t in tensors.items():
+        require(isinstance(t, torch.Tensor), Status.INVALID_ARGUMENT,
+                f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -12,8 +12,10 @@ from collections.abc import Mapping
 
 import torch
 
+from .allocator import as_int
 from .errors import Status, require
 from .formats import CacheFormat, TensorFormat
+from .formats.base import to_f32_saturated
 
 _FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 _NVFP4_RANGE = 6.0 * 448.0
@@ -27,6 +29,8 @@ def global_scale_for_amax(tf: TensorFormat, amax: torch.Tensor) -> torch.Tensor 
     """
     if not tf.uses_global_scale:
         return None
+    require(isinstance(amax, torch.Tensor) and amax.is_floating_point(), Status.INVALID_ARGUMENT,
+            f"calibration amax must be a float tensor, got {type(amax).__name__}")
     a = amax.to(torch.float32)
     require(bool(torch.isfinite(a).all()), Status.INVALID_ARGUMENT, "calibration amax must be finite")
     rng = _FP8_MAX.get(tf.name, _NVFP4_RANGE)
@@ -37,24 +41,37 @@ class AmaxObserver:
     """Running per-layer amax of K and V (per tensor, or per KV head) over calibration tokens."""
 
     def __init__(self, num_layers: int, num_kv_heads: int = 1, per_head: bool = False) -> None:
-        shape = (num_layers, 2, num_kv_heads if per_head else 1)
-        self.amax = torch.zeros(shape, dtype=torch.float32)
+        require(isinstance(per_head, bool), Status.INVALID_ARGUMENT, f"per_head must be a bool, got {per_head!r}")
+        layers, heads = as_int(num_layers, "num_layers", 1), as_int(num_kv_heads, "num_kv_heads", 1)
+        self.amax = torch.zeros((layers, 2, heads if per_head else 1), dtype=torch.float32)
         self.per_head = per_head
 
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Fold `[..., H, D]` K/V into the layer's amax (non-finite values are rejected; empty batches add nothing)."""
+        """Fold `[..., H, D]` K/V into the layer's amax (non-finite values are rejected; empty batches add
+        nothing). K and V are both checked before either is folded in."""
         num_layers, _, width = self.amax.shape
+        layer = as_int(layer, "layer")
         require(0 <= layer < num_layers, Status.OUT_OF_RANGE, f"layer {layer} out of range [0, {num_layers})")
-        for i, x in enumerate((key, value)):
-            x = x.detach().float()
-            require(not self.per_head or (x.dim() >= 2 and x.shape[-2] == width), Status.INVALID_ARGUMENT,
-                    f"layer {layer}: per-head observer of {width} KV heads got K/V of shape {tuple(x.shape)}")
-            require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
-                    f"layer {layer}: non-finite {'K' if i == 0 else 'V'} values in calibration data")
-            if x.numel() == 0:
-                continue
-            a = x.abs().amax(dim=-1).reshape(-1, x.shape[-2]).amax(dim=0) if self.per_head else x.abs().amax().reshape(1)
-            self.amax[layer, i] = torch.maximum(self.amax[layer, i], a.cpu())
+        amax = [self._batch_amax(layer, name, x) for name, x in (("K", key), ("V", value))]
+        for i, a in enumerate(amax):
+            if a is not None:
+                self.amax[layer, i] = torch.maximum(self.amax[layer, i], a)
+
+    def _batch_amax(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """Checked amax of one K or V batch, `[1]` or `[H]` on the CPU (None for an empty batch)."""
+        width = self.amax.shape[-1]
+        require(isinstance(x, torch.Tensor) and x.is_floating_point(), Status.INVALID_ARGUMENT,
+                f"layer {layer}: {name} must be a floating-point torch.Tensor, got {type(x).__name__}")
+        x = x.detach()
+        require(not self.per_head or (x.dim() >= 2 and x.shape[-2] == width), Status.INVALID_ARGUMENT,
+                f"layer {layer}: per-head observer of {width} KV heads got K/V of shape {tuple(x.shape)}")
+        require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
+                f"layer {layer}: non-finite {name} values in calibration data")
+        if x.numel() == 0:
+            return None
+        x = to_f32_saturated(x)  # finite FP64 beyond FP32 counts as FP32 max, as the formats encode it
+        a = x.abs().amax(dim=-1).reshape(-1, x.shape[-2]).amax(dim=0) if self.per_head else x.abs().amax().reshape(1)
+        return a.cpu()
 
     def global_scales(self, fmt: CacheFormat) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Per layer `(k_global, v_global)` for `fmt` (None where its K or V format has no global scale)."""
@@ -67,12 +84,17 @@ _KV_SCALE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\..*\b([kv])_scale$")
 def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int) -> torch.Tensor | None:
     """Per-layer `[num_layers, 2, 1|H]` amax from a checkpoint's `...layers.{i}...k_scale` / `v_scale`
     tensors (FP8 convention `amax / 448`), or None if the checkpoint has none. Partial sets are an error."""
+    num_layers = as_int(num_layers, "num_layers", 1)
+    require(isinstance(state_dict, Mapping), Status.INVALID_ARGUMENT,
+            f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
     found: dict[tuple[int, int], torch.Tensor] = {}
     for key, t in state_dict.items():
-        m = _KV_SCALE_KEY.search(key)
+        m = _KV_SCALE_KEY.search(key) if isinstance(key, str) else None
         if m:
             require(int(m.group(1)) < num_layers, Status.INVALID_ARGUMENT,
                     f"checkpoint key {key!r} names a layer beyond the model's {num_layers}")
+            require(isinstance(t, torch.Tensor) and t.is_floating_point(), Status.INVALID_ARGUMENT,
+                    f"checkpoint {key!r} must be a float tensor, got {type(t).__name__}")
             found[(int(m.group(1)), 0 if m.group(2) == "k" else 1)] = t.detach().float().reshape(-1) * _CKPT_FP8_MAX
     if not found:
         return None
