@@ -52,7 +52,7 @@ class TensorFormat(ABC):
     # ------------------------------------------------------------------ geometry
     def check_head_dim(self, head_dim: int) -> None:
         """Raise KvxError(INVALID_ARGUMENT) unless `head_dim` can be stored in this format."""
-        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        if not is_int(head_dim) or head_dim <= 0:
             raise KvxError(Status.INVALID_ARGUMENT, f"{self.name}: head_dim must be a positive int, got {head_dim!r}")
         per_byte = 8 // self.payload_bits if self.payload_bits < 8 else 1
         if head_dim % per_byte:
@@ -122,10 +122,11 @@ class TensorFormat(ABC):
         self.check_head_dim(int(x.shape[-1]))
         return to_f32_saturated(x)
 
-    def _check_stored(self, payload: Tensor, scales: Tensor) -> int:
-        """Validate a stored (payload, scales) pair and return head_dim."""
+    def _check_stored(self, payload: Tensor, scales: Tensor, out_dtype: torch.dtype) -> int:
+        """Validate a stored (payload, scales) pair and the decode's `out_dtype`; return head_dim."""
         if not isinstance(payload, Tensor) or not isinstance(scales, Tensor):
             raise KvxError(Status.INVALID_ARGUMENT, f"{self.name}: decode expects torch tensors")
+        check_out_dtype(out_dtype)
         if payload.dtype != self.torch_data_dtype:
             raise KvxError(Status.INVALID_ARGUMENT,
                            f"{self.name}: payload dtype must be {self.torch_data_dtype}, got {payload.dtype}")
@@ -175,6 +176,17 @@ class TensorFormat(ABC):
         return g
 
 
+def check_out_dtype(out_dtype: object) -> None:
+    """Decoded values are floats (NaN marks a poisoned group): `out_dtype` must be a float torch.dtype."""
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise KvxError(Status.INVALID_ARGUMENT, f"out_dtype must be a floating-point torch.dtype, got {out_dtype!r}")
+
+
+def is_int(n: object) -> bool:
+    """True for a Python int that is not a bool (a bool is a flag, never a size or a count)."""
+    return isinstance(n, int) and not isinstance(n, bool)
+
+
 def is_power_of_two(n: int) -> bool:
     """True for 1, 2, 4, 8, ..."""
-    return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
+    return is_int(n) and n > 0 and (n & (n - 1)) == 0

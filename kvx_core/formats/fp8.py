@@ -34,7 +34,7 @@ class FP8Format(TensorFormat):
     uses_global_scale = True
 
     def __init__(self, name: str = "fp8_e4m3") -> None:
-        if name not in _SPECS:
+        if not isinstance(name, str) or name not in _SPECS:
             raise KvxError(Status.UNSUPPORTED, f"FP8 format {name!r}: expected one of {sorted(_SPECS)}")
         self.name = name
         self.data_dtype, self.quant, self._torch, self.max_finite = _SPECS[name]
@@ -50,6 +50,6 @@ class FP8Format(TensorFormat):
 
     def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                out_dtype: torch.dtype = torch.float32) -> Tensor:
-        self._check_stored(payload, scales)
+        self._check_stored(payload, scales, out_dtype)
         g = self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
         return (payload.to(torch.float32) * g).to(out_dtype)

@@ -27,7 +27,7 @@ class IdentityFormat(TensorFormat):
     uses_global_scale = False
 
     def __init__(self, name: str = "bf16") -> None:
-        if name not in _DTYPES:
+        if not isinstance(name, str) or name not in _DTYPES:
             raise KvxError(Status.UNSUPPORTED, f"identity format {name!r}: expected one of {sorted(_DTYPES)}")
         self.name = name
         self.data_dtype = _DTYPES[name]
@@ -36,12 +36,12 @@ class IdentityFormat(TensorFormat):
     def encode(self, x: Tensor, global_scale: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
         self._check_input(x)
         self._global_scale(global_scale, int(x.shape[-2]), x.device)
-        payload = x.to(self.torch_data_dtype)
+        payload = x.detach().to(self.torch_data_dtype, copy=True)  # never the caller's tensor itself
         scales = torch.empty(tuple(x.shape[:-1]) + (0,), dtype=torch.uint8, device=x.device)
         return payload, scales
 
     def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                out_dtype: torch.dtype = torch.float32) -> Tensor:
-        self._check_stored(payload, scales)
+        self._check_stored(payload, scales, out_dtype)
         self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
-        return payload.to(out_dtype)
+        return payload.to(out_dtype, copy=True)  # never a view of the stored payload

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..enums import DType, QuantFormat, ScaleGranularity
 from ..errors import KvxError, Status
-from .base import GROUP_HEAD_DIM, TensorFormat
+from .base import GROUP_HEAD_DIM, TensorFormat, is_int
 from .codes import pack_nibbles, unpack_nibbles
 
 F16_MAX = 65504.0
@@ -52,7 +52,7 @@ class IntFormat(TensorFormat):
     scale_granularity = ScaleGranularity.PER_TOKEN_HEAD
 
     def __init__(self, bits: int = 8) -> None:
-        if bits not in (4, 8):
+        if not is_int(bits) or bits not in (4, 8):
             raise KvxError(Status.UNSUPPORTED, f"integer KV format with {bits} bits: only 4 and 8 are defined")
         self.bits = bits
         self.payload_bits = bits
@@ -84,7 +84,7 @@ class IntFormat(TensorFormat):
 
     def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                out_dtype: torch.dtype = torch.float32) -> Tensor:
-        self._check_stored(payload, scales)
+        self._check_stored(payload, scales, out_dtype)
         self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
         q = payload if self.bits == 8 else unpack_nibbles(payload)
         s = _f16_from_bytes(scales[..., 0:2]).unsqueeze(-1)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..enums import DType, QuantFormat, ScaleGranularity
 from ..errors import KvxError, Status
-from .base import TensorFormat
+from .base import TensorFormat, is_int
 from .codes import (
     E8M0_NAN_BYTE, ceil_log2, e8m0_from_byte, e8m0_to_byte, floor_log2, fp4_decode_groups, fp4_encode_groups,
 )
@@ -44,9 +44,9 @@ class MXFP4Format(TensorFormat):
     scale_granularity = ScaleGranularity.PER_GROUP
 
     def __init__(self, group_size: int = 16, scale_rule: str = "rceil") -> None:
-        if group_size not in (16, 32):
+        if not is_int(group_size) or group_size not in (16, 32):
             raise KvxError(Status.UNSUPPORTED, f"MXFP4 group size {group_size}: only 16 and 32 are defined")
-        if scale_rule not in SCALE_RULES:
+        if not isinstance(scale_rule, str) or scale_rule not in SCALE_RULES:
             raise KvxError(Status.UNSUPPORTED, f"MXFP4 scale rule {scale_rule!r}: expected one of {SCALE_RULES}")
         self.group_size = group_size
         self.scale_rule = scale_rule
@@ -54,6 +54,8 @@ class MXFP4Format(TensorFormat):
 
     def scale_exponent(self, amax: Tensor) -> Tensor:
         """Unbiased scale exponent E in [-127, 127] (int32) of each group's FP32 amax (finite, >= 0)."""
+        if not isinstance(amax, Tensor) or not amax.is_floating_point():
+            raise KvxError(Status.INVALID_ARGUMENT, f"amax must be a float tensor, got {type(amax).__name__}")
         pos = amax > 0
         safe = torch.where(pos, amax, torch.ones_like(amax))
         if self.scale_rule == "rceil":
@@ -79,6 +81,6 @@ class MXFP4Format(TensorFormat):
 
     def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                out_dtype: torch.dtype = torch.float32) -> Tensor:
-        self._check_stored(payload, scales)
+        self._check_stored(payload, scales, out_dtype)
         self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
         return fp4_decode_groups(payload, self.group_size, e8m0_from_byte(scales)).to(out_dtype)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..enums import DType, QuantFormat, ScaleGranularity
+from ..errors import KvxError, Status
 from .base import TensorFormat
 from .codes import (
     E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, E4M3_NAN_BYTE, e4m3_from_byte, e4m3_to_byte, fp4_decode_groups,
@@ -35,6 +36,8 @@ from .codes import (
 
 def global_scale_from_amax(amax: Tensor) -> Tensor:
     """Calibrated NVFP4 global scale `amax / (6 * 448)` (1.0 where amax is 0), FP32, any shape ([] or [H])."""
+    if not isinstance(amax, Tensor) or not amax.is_floating_point():
+        raise KvxError(Status.INVALID_ARGUMENT, f"amax must be a float tensor, got {type(amax).__name__}")
     amax = amax.to(torch.float32)
     g = amax / (E2M1_MAX * E4M3_MAX)
     return torch.where(g > 0, g, torch.ones_like(g))
@@ -82,6 +85,6 @@ class NVFP4Format(TensorFormat):
 
     def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                out_dtype: torch.dtype = torch.float32) -> Tensor:
-        self._check_stored(payload, scales)
+        self._check_stored(payload, scales, out_dtype)
         g = self._global_scale(global_scale, int(payload.shape[-2]), payload.device)
         return fp4_decode_groups(payload, self.group_size, e4m3_from_byte(scales) * g).to(out_dtype)

@@ -14,6 +14,7 @@ import enum
 import torch
 
 from ..errors import KvxError, Status
+from .base import is_int
 
 
 class QuantPolicy(enum.IntFlag):
@@ -49,9 +50,9 @@ class KvCacheMode(enum.IntEnum):
 
 def select_kv_cache_mode(quant_policy: int, sm: int) -> KvCacheMode:
     """KvCacheMode of a `quant_policy` bitmask on a GPU of compute capability `sm`."""
-    if not isinstance(quant_policy, int) or isinstance(quant_policy, bool) or quant_policy < 0:
+    if not is_int(quant_policy) or quant_policy < 0:
         raise KvxError(Status.INVALID_ARGUMENT, f"quant_policy must be a non-negative int, got {quant_policy!r}")
-    if not isinstance(sm, int) or isinstance(sm, bool) or sm <= 0:
+    if not is_int(sm) or sm <= 0:
         raise KvxError(Status.INVALID_ARGUMENT, f"sm must be a positive int (major*10+minor), got {sm!r}")
     bad = quant_policy & ~int(VALID_POLICY_BITS)
     if bad:
@@ -79,6 +80,6 @@ def kv_cache_format_name(quant_policy: int, sm: int, model_dtype: torch.dtype = 
     if mode.format_name is not None:
         return mode.format_name
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    if model_dtype not in names:
+    if not isinstance(model_dtype, torch.dtype) or model_dtype not in names:
         raise KvxError(Status.UNSUPPORTED, f"model dtype {model_dtype} has no unquantized KVX cache format")
     return names[model_dtype]

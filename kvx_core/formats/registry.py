@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, QuantFormat
 from ..errors import KvxError, Status
-from .base import TensorFormat
+from .base import TensorFormat, check_out_dtype
 from .fp8 import FP8Format
 from .identity import IdentityFormat
 from .integer import IntFormat
@@ -79,6 +79,9 @@ class CacheFormat:
     def decode_v(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                  out_dtype: torch.dtype = torch.float32, unrotate: bool = False) -> Tensor:
         """Stored values; `unrotate=True` maps them back to the model's domain (else use `unrotate_output`)."""
+        check_out_dtype(out_dtype)
+        if not isinstance(unrotate, bool):
+            raise KvxError(Status.INVALID_ARGUMENT, f"unrotate must be a bool, got {unrotate!r}")
         v = self.v.decode(payload, scales, global_scale, torch.float32)
         return (rotate(v) if (self.rotate and unrotate) else v).to(out_dtype)
 

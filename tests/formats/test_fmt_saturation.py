@@ -4,15 +4,19 @@ and poisoning their group with the NaN marker.
 
 Oracle: the numpy/ml_dtypes re-implementations in kvx_fmt_oracles, fed the input clipped to +-FP32 max by
 numpy (nothing from kvx_core computes the expected bytes); plus the saturation values the docstrings pin.
-Non-finite inputs must still poison their group (the clip must not make inf finite).
+Non-finite inputs must still poison their group (the clip must not make inf finite). The last section covers
+the format API's other arguments (out_dtype, constructor arguments, helpers): KvxError, never a TypeError.
 """
 import numpy as np
 import pytest
 import torch
 
 import kvx_fmt_oracles as O
-from kvx_core.formats import FP8Format, IdentityFormat, IntFormat, MXFP4Format, NVFP4Format, get_format, list_formats
-from kvx_core.formats import rotate
+from kvx_core.errors import KvxError, Status
+from kvx_core.formats import (
+    FP8Format, IdentityFormat, IntFormat, MXFP4Format, NVFP4Format, get_format, global_scale_from_amax,
+    kv_cache_format_name, list_formats, rotate,
+)
 
 F32 = np.float32
 F32_MAX = float(np.finfo(F32).max)
@@ -171,3 +175,56 @@ def test_identity_formats_store_the_ieee_cast(name):
     payload, _ = fmt.encode(x64)
     assert torch.equal(payload, x64.to(fmt.torch_data_dtype))
     assert torch.isinf(payload[3, 1]).all()
+
+
+# ------------------------------------------------------------ neighbours: the format API's other arguments
+X = torch.randn(2, 2, 32)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "fp8_e4m3", "mxfp4_32_floor", "bf16", "k8v4_rot"])
+@pytest.mark.parametrize("out_dtype", [torch.int32, torch.uint8, torch.bool, "float32", None])
+def test_decode_refuses_non_float_out_dtype(name, out_dtype):
+    """Decoded values are floats (NaN marks a poisoned group); an int out_dtype would hide it."""
+    f = get_format(name)
+    k, v = f.encode_k(X), f.encode_v(X)
+    for decode, stored in ((f.k.decode, k), (f.decode_k, k), (f.v.decode, v), (f.decode_v, v)):
+        with pytest.raises(KvxError) as e:
+            decode(*stored, out_dtype=out_dtype)
+        assert e.value.status == Status.INVALID_ARGUMENT
+
+
+BAD_FORMAT_CALLS = {
+    "fp8_name_list": lambda: FP8Format(["fp8_e4m3"]), "identity_name_list": lambda: IdentityFormat(["bf16"]),
+    "int_bits_float": lambda: IntFormat(8.0), "int_bits_bool": lambda: IntFormat(True),
+    "int_bits_str": lambda: IntFormat("8"), "mx_group_float": lambda: MXFP4Format(16.0),
+    "mx_group_bool": lambda: MXFP4Format(True), "mx_rule_list": lambda: MXFP4Format(16, ["rceil"]),
+    "amax_float": lambda: global_scale_from_amax(3.0),
+    "amax_int_tensor": lambda: global_scale_from_amax(torch.tensor(3)),
+    "scale_exponent_list": lambda: MXFP4Format().scale_exponent([1.0]),
+    "unrotate_str": lambda: get_format("nvfp4").decode_v(*get_format("nvfp4").encode_v(X), unrotate="yes"),
+    "meta_global_scale": lambda: get_format("nvfp4").k.encode(X, torch.ones(1, device="meta")),
+    "model_dtype_list": lambda: kv_cache_format_name(0, 90, [torch.bfloat16]),
+    "policy_bool": lambda: kv_cache_format_name(True, 90),
+    "head_dim_bool": lambda: get_format("int4").check_head_dim(True),
+}
+
+
+@pytest.mark.parametrize("call", BAD_FORMAT_CALLS.values(), ids=BAD_FORMAT_CALLS.keys())
+def test_format_constructors_and_helpers_raise_kvx_errors(call):
+    with pytest.raises(KvxError):
+        call()
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp32"])
+def test_identity_encode_and_decode_never_alias(name):
+    """The payload is a copy of the input (not the caller's tensor, no autograd history) and decode returns a
+    copy of the payload: writing into one never changes the other."""
+    fmt = IdentityFormat(name)
+    x = torch.randn(2, 2, 32, dtype=fmt.torch_data_dtype, requires_grad=True)
+    payload, scales = fmt.encode(x)
+    assert not payload.requires_grad and payload.data_ptr() != x.data_ptr()
+    out = fmt.decode(payload, scales, out_dtype=fmt.torch_data_dtype)
+    assert out.data_ptr() != payload.data_ptr()
+    before = payload.clone()
+    out.zero_()
+    assert torch.equal(payload, before)
