@@ -75,3 +75,15 @@ def test_non_object_kvx_section_is_refused(section):
 def test_bad_kvx_options_are_refused(section, match):
     with pytest.raises(ValueError, match=match):
         options.options_of(_config({"kvx": section}))
+
+
+def test_format_names():
+    from kvx_vllm.dtypes import KVX_CACHE_DTYPES, format_name
+
+    assert [format_name(d, False) for d in KVX_CACHE_DTYPES] == ["nvfp4", "mxfp4", "int4", "int8", "k8v4"]
+    assert format_name("kvx_nvfp4", True) == "nvfp4_rot"
+    with pytest.raises(ValueError, match="no rotated variant"):
+        format_name("kvx_int8", True)
+    for bad in ("fp8", "KVX_NVFP4", None, ["kvx_nvfp4"]):
+        with pytest.raises(ValueError, match="is not a KVX cache dtype"):
+            format_name(bad, False)

@@ -28,10 +28,14 @@ def is_kvx_dtype(cache_dtype: object) -> bool:
 def format_name(cache_dtype: str, rotate: bool) -> str:
     """The KVX format of a `kvx_*` cache dtype: e.g. ('kvx_nvfp4', True) -> 'nvfp4_rot'.
 
-    Raises ValueError for rotation of a format that has no rotated variant (kvx_int8).
+    Raises ValueError for a dtype that is not a `kvx_*` one, and for rotation of a format that has no
+    rotated variant (kvx_int8).
     """
     from kvx_core.formats.registry import list_formats
 
+    if not is_kvx_dtype(cache_dtype):
+        raise ValueError(f"KVX: {cache_dtype!r} is not a KVX cache dtype; "
+                         f"expected one of {', '.join(KVX_CACHE_DTYPES)}")
     name = KVX_CACHE_DTYPES[cache_dtype] + ("_rot" if rotate else "")
     if name not in list_formats():
         raise ValueError(f"KVX: {cache_dtype} has no rotated variant; Hadamard rotation is defined for "
