@@ -1,19 +1,24 @@
 """KVX descriptors (spec §6) as dataclasses over torch tensors, with spec §7.1 validation.
 
 Each descriptor keeps the tensors it describes (so views stay alive and the reference ops can use
-them) and converts to its C struct with `to_ctypes()` for the ABI.
+them) and converts to its C struct with `to_ctypes()` for the ABI. `validate()` checks every field:
+its type, that it fits its C field (kvx_abi.h), and that it agrees with the tensor it describes.
+Enum fields given as plain ints, as a C caller passes them, become enums on assignment.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory,
-                    QuantFormat, ScaleGranularity, kvx_dtype, torch_dtype)
-from .errors import KvxError, Status, require
-from .layouts import Geometry, check_shape, detect_layout
+from .abi import structs
+from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory, QuantFormat,
+                    ScaleGranularity, as_enum, kvx_dtype, require_enum, torch_dtype)
+from .errors import KvxError, Status, int_value, require
+from .layouts import Geometry, check_shape, detect_layout, footprint
 
 CACHE_DTYPES = (DType.F16, DType.BF16, DType.F32, DType.F8_E4M3, DType.F8_E5M2)
 """Element dtypes a v1.0 cache (no quantization descriptor) may hold."""
@@ -30,21 +35,72 @@ def memory_of(t: torch.Tensor) -> Memory:
     return Memory.DEVICE
 
 
+def _memories_of(t: torch.Tensor) -> tuple[Memory, ...]:
+    """Memory types that may describe `t`: pinned host memory is host memory too; device memory may be unified."""
+    if t.device.type == "cpu":
+        return (Memory.HOST, Memory.HOST_PINNED) if t.is_pinned() else (Memory.HOST,)
+    return (Memory.DEVICE, Memory.UNIFIED)
+
+
+class _Enums:
+    """Base of the descriptors: fields named in `_ENUMS` given as plain ints naming a member become that
+    member on assignment (as the C ABI reads them); other values stay for `validate()` to refuse."""
+
+    _ENUMS: ClassVar[dict[str, type]] = {}
+
+    def __setattr__(self, name: str, value: object) -> None:
+        cls = self._ENUMS.get(name)
+        super().__setattr__(name, as_enum(cls, value) if cls is not None else value)
+
+    def _check_enums(self, what: str) -> None:
+        for name, cls in self._ENUMS.items():
+            require_enum(cls, getattr(self, name), f"{what}.{name}")
+
+
+def _require_type(value: object, types: type | tuple[type, ...], what: str, optional: bool = False) -> None:
+    """INVALID_ARGUMENT unless `value` is one of `types` (or None when `optional`)."""
+    if isinstance(value, types) or (optional and value is None):
+        return
+    names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+    raise KvxError(Status.INVALID_ARGUMENT,
+                   f"{what} must be a {names}{' or None' if optional else ''}, got {type(value).__name__}")
+
+
+def _check_c(c_struct: type[ctypes.Structure], what: str, **values: object) -> None:
+    """Each value must be stored unchanged by the same-named field of `c_struct` (an int in its C range)."""
+    for name, value in values.items():
+        structs.check_field(c_struct, name, value, f"{what}.{name}")
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.data_ptr(), b.dtype, b.shape, b.stride())
+
+
 def _check_no_overlap(shape: tuple[int, ...], stride: tuple[int, ...], what: str) -> None:
     """Strides must be non-negative and map distinct indices to distinct elements (no aliasing)."""
-    require(all(s >= 0 for s in stride), Status.INVALID_ARGUMENT,
-            f"{what}: negative strides {stride} are not allowed")
-    dims = sorted((s, n) for s, n in zip(stride, shape) if n > 1)
+    if any(s < 0 for s in stride):
+        raise KvxError(Status.INVALID_ARGUMENT, f"{what}: negative strides {stride} are not allowed")
     span = 1
-    for s, n in dims:
-        require(s >= span, Status.INVALID_ARGUMENT,
-                f"{what}: strides {stride} overlap for shape {shape} (elements would alias)")
+    for s, n in sorted((s, n) for s, n in zip(stride, shape) if n > 1):
+        if s < span:
+            raise KvxError(Status.INVALID_ARGUMENT,
+                           f"{what}: strides {stride} overlap for shape {shape} (elements would alias)")
         span = s * n
 
 
+def _int_tuple(value: object, what: str) -> tuple[int, ...]:
+    """`value` (a tuple or list of ints, as the C arrays hold) as a tuple of ints."""
+    ints = tuple(int_value(x) for x in value) if isinstance(value, (tuple, list)) else (None,)
+    if None in ints:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{what} must be a tuple of ints, got {value!r}")
+    return ints
+
+
 @dataclass
-class TensorDesc:
+class TensorDesc(_Enums):
     """`kvx_tensor_desc_t`: dtype, layout, memory, shape and strides (in elements) of one buffer."""
+
+    _ENUMS: ClassVar[dict[str, type]] = {"dtype": DType, "layout": Layout, "memory": Memory}
 
     dtype: DType
     layout: Layout
@@ -57,52 +113,84 @@ class TensorDesc:
     @classmethod
     def from_torch(cls, t: torch.Tensor, layout: Layout = Layout.CUSTOM, dtype: DType | None = None) -> TensorDesc:
         """Describe `t` (zero-copy). `dtype` overrides the storage dtype for packed types (uint8 bytes)."""
-        kdt = dtype if dtype is not None else kvx_dtype(t.dtype)
+        _require_type(t, torch.Tensor, "tensor")
+        kdt = require_enum(DType, dtype, "dtype") if dtype is not None else kvx_dtype(t.dtype)
         require(torch_dtype(kdt) == t.dtype, Status.INVALID_ARGUMENT,
                 f"dtype {kdt.name} is stored as {torch_dtype(kdt)}, tensor is {t.dtype}")
-        return cls(kdt, Layout(layout), memory_of(t), tuple(t.shape), tuple(t.stride()), t, t.data_ptr())
+        return cls(kdt, require_enum(Layout, layout, "layout"), memory_of(t), tuple(t.shape), tuple(t.stride()), t,
+                   t.data_ptr())
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     def validate(self, what: str) -> None:
-        """Field-level checks shared by every tensor descriptor."""
+        """Field-level checks shared by every tensor descriptor: each field has its type, fits its C
+        field, and agrees with the tensor it describes (dtype, shape, strides, memory, pointer)."""
+        _require_type(self.tensor, torch.Tensor, f"{what}.tensor")
+        self._check_enums(what)
         require(self.dtype != DType.UNSPECIFIED, Status.INVALID_ARGUMENT, f"{what}: dtype is UNSPECIFIED")
-        require(1 <= self.ndim <= 5 and len(self.stride) == self.ndim, Status.INVALID_ARGUMENT,
-                f"{what}: ndim must be 1..5 with one stride per dim, got shape {self.shape} stride {self.stride}")
-        require(self.data_ptr != 0 or math.prod(self.shape) == 0, Status.INVALID_ARGUMENT,
-                f"{what}: data pointer is NULL")
-        _check_no_overlap(self.shape, self.stride, what)
+        shape, stride = _int_tuple(self.shape, f"{what}.shape"), _int_tuple(self.stride, f"{what}.stride")
+        if not 1 <= len(shape) <= structs.MAX_DIMS or len(stride) != len(shape):
+            raise KvxError(Status.INVALID_ARGUMENT, f"{what}: ndim must be 1..{structs.MAX_DIMS} with one stride "
+                           f"per dim, got shape {shape} stride {stride}")
+        _check_c(structs.TensorDescC, what, data=self.data_ptr)
+        require(self.data_ptr != 0 or math.prod(shape) == 0, Status.INVALID_ARGUMENT, f"{what}: data pointer is NULL")
+        t = self.tensor  # shape and stride equal the tensor's, hence fit int64
+        for name, declared, actual in (("shape", shape, tuple(t.shape)), ("stride", stride, t.stride()),
+                                       ("data_ptr", self.data_ptr, t.data_ptr())):
+            if declared != actual:
+                raise KvxError(Status.INVALID_ARGUMENT,
+                               f"{what}: {name} {declared} disagrees with the tensor's {actual}")
+        if torch_dtype(self.dtype) != t.dtype:
+            raise KvxError(Status.INVALID_ARGUMENT, f"{what}: dtype {self.dtype.name} is stored as "
+                           f"{torch_dtype(self.dtype)}, the tensor is {t.dtype}")
+        memories = _memories_of(t)
+        if self.memory not in memories:
+            raise KvxError(Status.INVALID_ARGUMENT, f"{what}: memory {self.memory.name} disagrees with the tensor on "
+                           f"{t.device} (expected {' or '.join(m.name for m in memories)})")
+        _check_no_overlap(shape, stride, what)
 
     def to_ctypes(self):
-        from .abi import structs
-
-        return structs.new(structs.TensorDescC, dtype=int(self.dtype), layout=int(self.layout),
-                           memory=int(self.memory), ndim=self.ndim, shape=list(self.shape),
-                           stride=list(self.stride), data=self.data_ptr or None)
+        self.validate("tensor")
+        return structs.new(structs.TensorDescC, dtype=self.dtype, layout=self.layout, memory=self.memory,
+                           ndim=self.ndim, shape=self.shape, stride=self.stride, data=self.data_ptr or None)
 
 
 @dataclass
-class PoolDesc:
+class PoolDesc(_Enums):
     """`kvx_pool_desc_t`: block pools addressed by KVCacheIndex (TRT-LLM): block = base + idx*bytes_per_block."""
+
+    _ENUMS: ClassVar[dict[str, type]] = {"memory": Memory}
 
     memory: Memory
     bytes_per_block: int
     primary: torch.Tensor | None = field(default=None, repr=False)
     secondary: torch.Tensor | None = field(default=None, repr=False)
 
-    def to_ctypes(self):
-        from .abi import structs
+    def validate(self, what: str = "pool") -> None:
+        """Fields have their types and fit their C fields; `memory` describes the primary pool."""
+        self._check_enums(what)
+        _check_c(structs.PoolDescC, what, bytes_per_block=self.bytes_per_block)
+        require(self.bytes_per_block > 0, Status.INVALID_ARGUMENT, f"{what}.bytes_per_block must be > 0")
+        require(self.primary is not None, Status.INVALID_ARGUMENT, f"{what}.primary is NULL")
+        _require_type(self.primary, torch.Tensor, f"{what}.primary")
+        _require_type(self.secondary, torch.Tensor, f"{what}.secondary", optional=True)
+        require(self.memory in _memories_of(self.primary), Status.INVALID_ARGUMENT,
+                f"{what}: memory {self.memory.name} disagrees with the primary pool on {self.primary.device}")
 
-        return structs.new(structs.PoolDescC, memory=int(self.memory), bytes_per_block=self.bytes_per_block,
+    def to_ctypes(self):
+        self.validate()
+        return structs.new(structs.PoolDescC, memory=self.memory, bytes_per_block=self.bytes_per_block,
                            primary=self.primary.data_ptr() if self.primary is not None else None,
                            secondary=self.secondary.data_ptr() if self.secondary is not None else None)
 
 
 @dataclass
-class ScaleDesc:
+class ScaleDesc(_Enums):
     """`kvx_scale_desc_t`: FP8 / quantization scales and their granularity."""
+
+    _ENUMS: ClassVar[dict[str, type]] = {"dtype": DType, "granularity": ScaleGranularity}
 
     dtype: DType
     granularity: ScaleGranularity
@@ -110,23 +198,36 @@ class ScaleDesc:
 
     @classmethod
     def from_torch(cls, t: torch.Tensor | None, granularity: ScaleGranularity) -> ScaleDesc:
+        _require_type(t, torch.Tensor, "scale tensor", optional=True)
         if t is None:
             return cls(DType.F32, ScaleGranularity.NONE)
-        return cls(kvx_dtype(t.dtype), granularity, t)
+        return cls(kvx_dtype(t.dtype), require_enum(ScaleGranularity, granularity, "granularity"), t)
+
+    def validate(self, what: str) -> None:
+        """Fields have their types; a present tensor is stored in `dtype` and fits the C struct's rank."""
+        self._check_enums(what)
+        _require_type(self.tensor, torch.Tensor, f"{what}.tensor", optional=True)
+        t = self.tensor
+        if t is not None:
+            require(self.dtype != DType.UNSPECIFIED and torch_dtype(self.dtype) == t.dtype, Status.INVALID_ARGUMENT,
+                    f"{what}: dtype {self.dtype.name} disagrees with the tensor's {t.dtype}")
+            require(t.dim() <= structs.MAX_DIMS, Status.INVALID_ARGUMENT,
+                    f"{what}: a scale tensor has at most {structs.MAX_DIMS} dims, got {t.dim()}")
 
     def to_ctypes(self):
-        from .abi import structs
-
+        self.validate("scale")
         t = self.tensor
         if t is None:
-            return structs.new(structs.ScaleDescC, dtype=int(self.dtype), granularity=int(self.granularity))
-        return structs.new(structs.ScaleDescC, dtype=int(self.dtype), granularity=int(self.granularity),
+            return structs.new(structs.ScaleDescC, dtype=self.dtype, granularity=self.granularity)
+        return structs.new(structs.ScaleDescC, dtype=self.dtype, granularity=self.granularity,
                            ndim=t.dim(), shape=list(t.shape), stride=list(t.stride()), data=t.data_ptr())
 
 
 @dataclass
-class QuantDesc:
+class QuantDesc(_Enums):
     """v1.1 `kvx_quant_desc_t`: the cache format, group size, scale pools and global scales."""
+
+    _ENUMS: ClassVar[dict[str, type]] = {"format": QuantFormat, "k_data_dtype": DType, "v_data_dtype": DType}
 
     format: QuantFormat
     group_size: int
@@ -144,12 +245,12 @@ class QuantDesc:
         return 0 if g is None else g.numel()
 
     def to_ctypes(self):
-        from .abi import structs
-
+        for name in ("k_scales", "v_scales"):
+            _require_type(getattr(self, name), TensorDesc, f"quant.{name}", optional=True)
         empty = structs.new(structs.TensorDescC)
         return structs.new(
-            structs.QuantDescC, format=int(self.format), flags=self.flags, group_size=self.group_size,
-            k_data_dtype=int(self.k_data_dtype), v_data_dtype=int(self.v_data_dtype),
+            structs.QuantDescC, format=self.format, flags=self.flags, group_size=self.group_size,
+            k_data_dtype=self.k_data_dtype, v_data_dtype=self.v_data_dtype,
             k_scales=self.k_scales.to_ctypes() if self.k_scales else empty,
             v_scales=self.v_scales.to_ctypes() if self.v_scales else empty,
             k_global_scale=_f32_ptr(self.k_global_scale), v_global_scale=_f32_ptr(self.v_global_scale),
@@ -158,8 +259,7 @@ class QuantDesc:
 
 def _f32_ptr(t: torch.Tensor | None):
     """A `float*` (ctypes POINTER(c_float)) to `t`'s data, or NULL."""
-    import ctypes
-
+    _require_type(t, torch.Tensor, "global scale", optional=True)
     return None if t is None else ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
 
 
@@ -185,10 +285,14 @@ class CacheDesc:
                    k_layout: Layout | None = None, v_layout: Layout | None = None, pool: PoolDesc | None = None,
                    quant: QuantDesc | None = None, validate: bool = True) -> CacheDesc:
         """Describe paged K/V tensors (layouts detected from shape/strides unless given) and validate."""
+        _require_type(k, torch.Tensor, "cache k")
+        _require_type(v, torch.Tensor, "cache v")
+        _require_type(quant, QuantDesc, "quant", optional=True)
+        require(k.dim() > 0, Status.INVALID_ARGUMENT, "cache k must have a blocks dim, got a 0-D tensor")
         geom = Geometry(int(k.shape[0]), block_size, num_kv_heads, head_dim)
         geom.check()
-        kd = quant.k_data_dtype if quant else None
-        vd = quant.v_data_dtype if quant else None
+        kd = require_enum(DType, quant.k_data_dtype, "quant.k_data_dtype") if quant else None
+        vd = require_enum(DType, quant.v_data_dtype, "quant.v_data_dtype") if quant else None
         kl = k_layout if k_layout is not None else detect_layout(k, _storage_geometry(geom, kd))
         vl = v_layout if v_layout is not None else detect_layout(v, _storage_geometry(geom, vd))
         desc = cls(geom.num_blocks, block_size, num_kv_heads, head_dim,
@@ -204,44 +308,79 @@ class CacheDesc:
 
     def validate(self) -> None:
         """Spec §7.1 / §4.2 validation; raises KvxError with the spec status."""
-        geom = self.geometry
-        geom.check()
+        _check_c(structs.CacheDescC, "cache", num_blocks=self.num_blocks, block_size=self.block_size,
+                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        self.geometry.check()
+        _require_type(self.k, TensorDesc, "cache.k")
+        _require_type(self.v, TensorDesc, "cache.v")
+        _require_type(self.pool, PoolDesc, "cache.pool", optional=True)
+        _require_type(self.quant, QuantDesc, "cache.quant", optional=True)
         for which, t in (("k", self.k), ("v", self.v)):
             what = f"cache.{which}"
             t.validate(what)
             require(t.layout != Layout.UNSPECIFIED, Status.INVALID_ARGUMENT, f"{what}: layout is UNSPECIFIED")
             allowed = CACHE_DTYPES + (PACKED_DTYPES if self.quant else ())
-            require(t.dtype in allowed, Status.INVALID_ARGUMENT,
-                    f"{what}: dtype {t.dtype.name} is not a cache dtype (allowed: "
-                    f"{', '.join(d.name for d in allowed)}; packed dtypes need a quantization descriptor)")
+            if t.dtype not in allowed:
+                raise KvxError(Status.INVALID_ARGUMENT, f"{what}: dtype {t.dtype.name} is not a cache dtype (allowed: "
+                               f"{', '.join(d.name for d in allowed)}; packed dtypes need a quantization descriptor)")
             check_shape(t.layout, t.shape, self.storage_geometry(which), what)
-        require(self.k.memory == self.v.memory, Status.INVALID_ARGUMENT,
-                f"cache K and V live in different memories ({self.k.memory.name} vs {self.v.memory.name})")
-        if self.k.tensor is not None and self.v.tensor is not None:
-            require(self.k.tensor.device == self.v.tensor.device, Status.INVALID_ARGUMENT,
-                    f"cache K and V live on different devices ({self.k.tensor.device} vs {self.v.tensor.device})")
+        if self.k.memory != self.v.memory:
+            raise KvxError(Status.INVALID_ARGUMENT, f"cache K and V live in different memories "
+                           f"({self.k.memory.name} vs {self.v.memory.name})")
+        if self.k.tensor.device != self.v.tensor.device:
+            raise KvxError(Status.INVALID_ARGUMENT, f"cache K and V live on different devices "
+                           f"({self.k.tensor.device} vs {self.v.tensor.device})")
         if self.quant is None:
-            require(self.k.dtype == self.v.dtype, Status.INVALID_ARGUMENT,
-                    f"cache K dtype {self.k.dtype.name} != V dtype {self.v.dtype.name} "
-                    "(mixed K/V dtypes need a quantization descriptor)")
+            if self.k.dtype != self.v.dtype:
+                raise KvxError(Status.INVALID_ARGUMENT, f"cache K dtype {self.k.dtype.name} != V dtype "
+                               f"{self.v.dtype.name} (mixed K/V dtypes need a quantization descriptor)")
         else:
             _validate_quant(self.quant, self)
         if self.pool is not None:
-            require(self.pool.bytes_per_block > 0, Status.INVALID_ARGUMENT, "pool.bytes_per_block must be > 0")
-            require(self.pool.primary is not None, Status.INVALID_ARGUMENT, "pool.primary is NULL")
+            self.pool.validate("cache.pool")
+        self._check_disjoint()
+
+    def written_regions(self) -> dict[str, torch.Tensor]:
+        """The tensors a write stores into: K and V data, and the K and V scale pools when present."""
+        out = {"cache.k": self.k.tensor, "cache.v": self.v.tensor}
+        q = self.quant
+        for name in ("k_scales", "v_scales"):
+            s = getattr(q, name) if q is not None else None
+            if s is not None:
+                out[f"quant.{name}"] = s.tensor
+        return out
+
+    def _check_disjoint(self) -> None:
+        """No byte is shared by two of K data, V data, K scales, V scales (a write to one would corrupt
+        another), nor by one of them and a global scale. Exact for interleaved strided views (regions of
+        one page buffer are fine). K and V may be one view only for a pool cache, addressed by KV_OFFSETS."""
+        regions = [(name, t, footprint(t)) for name, t in self.written_regions().items()]
+        for i, (name_a, a, fa) in enumerate(regions):
+            for name_b, b, fb in regions[i + 1:]:
+                if (name_a, name_b) == ("cache.k", "cache.v") and self.pool is not None and _same_view(a, b):
+                    continue  # TRT-LLM KVBlockArray: one pool, K and V blocks told apart by KV_OFFSETS
+                if fa.overlaps(fb):
+                    raise KvxError(Status.INVALID_ARGUMENT, f"{name_a} and {name_b} overlap in memory, so writing "
+                                   "one would corrupt the other; give each its own bytes")
+        for g_name in ("k_global_scale", "v_global_scale"):
+            g = getattr(self.quant, g_name) if self.quant is not None else None
+            if g is None:
+                continue
+            fg = footprint(g)
+            for name, _, ft in regions:
+                if fg.overlaps(ft):
+                    raise KvxError(Status.INVALID_ARGUMENT,
+                                   f"quant.{g_name} overlaps {name} in memory, so a write would change the scale")
 
     def to_ctypes(self):
-        """The C struct; returns `(struct, keepalive)` where keepalive holds nested structs."""
-        from .abi import structs
-
+        """The C struct of a valid descriptor; returns `(struct, keepalive)` where keepalive holds nested structs."""
+        self.validate()
         quant = self.quant.to_ctypes() if self.quant else None
         pool = self.pool.to_ctypes() if self.pool else structs.new(structs.PoolDescC)
         c = structs.new(structs.CacheDescC, num_blocks=self.num_blocks, block_size=self.block_size,
                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k=self.k.to_ctypes(),
                         v=self.v.to_ctypes(), pool=pool)
         if quant is not None:
-            import ctypes
-
             c.quant = ctypes.pointer(quant)
         return c, quant
 
@@ -261,32 +400,46 @@ def _storage_geometry(geom: Geometry, dtype: DType | None) -> Geometry:
 
 
 def _validate_quant(q: QuantDesc, cache: CacheDesc) -> None:
+    q._check_enums("quant")
+    _check_c(structs.QuantDescC, "quant", group_size=q.group_size, flags=q.flags)
     require(q.format != QuantFormat.NONE, Status.INVALID_ARGUMENT, "quant.format is NONE; omit the descriptor")
     require(q.group_size > 0 and cache.head_dim % q.group_size == 0, Status.INVALID_ARGUMENT,
             f"quant.group_size {q.group_size} must divide head_dim {cache.head_dim}")
-    require(cache.k.dtype == q.k_data_dtype and cache.v.dtype == q.v_data_dtype, Status.INVALID_ARGUMENT,
-            f"quant data dtypes ({q.k_data_dtype.name}, {q.v_data_dtype.name}) differ from the cache "
-            f"tensors' ({cache.k.dtype.name}, {cache.v.dtype.name})")
+    if (cache.k.dtype, cache.v.dtype) != (q.k_data_dtype, q.v_data_dtype):
+        raise KvxError(Status.INVALID_ARGUMENT, f"quant data dtypes ({q.k_data_dtype.name}, {q.v_data_dtype.name}) "
+                       f"differ from the cache tensors' ({cache.k.dtype.name}, {cache.v.dtype.name})")
+    device = cache.k.tensor.device
     for which, s in (("k_scales", q.k_scales), ("v_scales", q.v_scales)):
+        _require_type(s, TensorDesc, f"quant.{which}", optional=True)
         if s is None:
             continue
         s.validate(f"quant.{which}")
         require(s.shape[0] == cache.num_blocks, Status.INVALID_ARGUMENT,
                 f"quant.{which}: scale pool has {s.shape[0]} blocks, data pool {cache.num_blocks} "
                 "(dual pools share block ids)")
+        if s.tensor.device != device or s.memory != cache.k.memory:
+            raise KvxError(Status.INVALID_ARGUMENT, f"quant.{which} lives in {s.memory.name} on {s.tensor.device}, "
+                           f"the data pools in {cache.k.memory.name} on {device}")
+    for name in ("k_global_scale", "v_global_scale"):
+        _require_type(getattr(q, name), torch.Tensor, f"quant.{name}", optional=True)
     n = q.global_scale_count
+    _check_c(structs.QuantDescC, "quant", global_scale_count=n)
     require(n in (0, 1, cache.num_kv_heads), Status.INVALID_ARGUMENT,
             f"global scales must be per tensor (1) or per KV head ({cache.num_kv_heads}), got {n}")
     for name in ("k_global_scale", "v_global_scale"):
         g = getattr(q, name)
         require((g is None) == (n == 0) and (g is None or (g.dtype == torch.float32 and g.numel() == n)),
                 Status.INVALID_ARGUMENT, f"quant.{name} must be FP32 with {n} element(s) like k_global_scale")
+        if g is not None and g.device != device:
+            raise KvxError(Status.INVALID_ARGUMENT, f"quant.{name} is on {g.device}, the data pools on {device}")
 
 
 @dataclass
-class BlockTable:
+class BlockTable(_Enums):
     """`kvx_block_table_t`: PACKED `[seqs, max_blocks]`, RAGGED `indices`+`indptr` (per token), or
     KV_OFFSETS `[seqs, beam, 2, max_blocks]` of TRT-LLM KVCacheIndex values."""
+
+    _ENUMS: ClassVar[dict[str, type]] = {"format": BlockTableFormat}
 
     format: BlockTableFormat
     indices: torch.Tensor
@@ -298,17 +451,21 @@ class BlockTable:
 
     @classmethod
     def packed(cls, table: torch.Tensor) -> BlockTable:
+        _require_type(table, torch.Tensor, "PACKED block table")
         require(table.dim() == 2, Status.INVALID_ARGUMENT, f"PACKED block table must be 2-D, got {tuple(table.shape)}")
         return cls(BlockTableFormat.PACKED, table, int(table.shape[0]), int(table.shape[1]))
 
     @classmethod
     def ragged(cls, indices: torch.Tensor, indptr: torch.Tensor, max_blocks_per_seq: int) -> BlockTable:
+        _require_type(indices, torch.Tensor, "RAGGED indices")
+        _require_type(indptr, torch.Tensor, "RAGGED indptr")
         require(indptr.dim() == 1 and indptr.numel() >= 1, Status.INVALID_ARGUMENT,
                 "RAGGED indptr must be 1-D with seq_count + 1 entries")
         return cls(BlockTableFormat.RAGGED, indices, indptr.numel() - 1, max_blocks_per_seq, indptr)
 
     @classmethod
     def kv_offsets(cls, offsets: torch.Tensor) -> BlockTable:
+        _require_type(offsets, torch.Tensor, "KV_OFFSETS table")
         require(offsets.dim() == 4 and offsets.shape[2] == 2, Status.INVALID_ARGUMENT,
                 f"KV_OFFSETS table must be [seqs, beam, 2, max_blocks], got {tuple(offsets.shape)}")
         b, w, _, m = offsets.shape
@@ -328,13 +485,21 @@ class BlockTable:
         return 0 if self.indptr is None else self.indptr.numel()
 
     def validate(self, cache: CacheDesc | None = None) -> None:
-        """Spec §5.1 / §7.1 block-table rules (counts, dtypes, indptr, beam width, power of two)."""
+        """Spec §5.1 / §7.1 block-table rules (field types and C ranges, counts, dtypes, indptr, beam width,
+        power of two); `indices` is flat (a C buffer) or has the format's shape."""
+        self._check_enums("block_table")
+        _require_type(self.indices, torch.Tensor, "block_table.indices")
+        _require_type(self.indptr, torch.Tensor, "block_table.indptr", optional=True)
+        _require_type(cache, CacheDesc, "cache", optional=True)
+        _check_c(structs.BlockTableC, "block_table", seq_count=self.seq_count, beam_width=self.beam_width,
+                 max_blocks_per_seq=self.max_blocks_per_seq, flags=self.flags, indices_count=self.indices_count,
+                 indptr_count=self.indptr_count)
         fmt, dt = self.format, self.index_dtype
         if fmt == BlockTableFormat.KV_OFFSETS:
             require(dt == DType.S32, Status.INVALID_ARGUMENT, f"KV_OFFSETS indices must be S32, got {dt.name}")
             require(self.flags & BLOCK_TABLE_FLAG_KVCACHEINDEX, Status.INVALID_ARGUMENT,
                     "KV_OFFSETS tables must set KVX_BLOCK_TABLE_FLAG_KVCACHEINDEX")
-            want = self.seq_count * self.beam_width * 2 * self.max_blocks_per_seq
+            shape = (self.seq_count, self.beam_width, 2, self.max_blocks_per_seq)
             if cache is not None:
                 bs = cache.block_size
                 require(bs & (bs - 1) == 0, Status.INVALID_ARGUMENT,
@@ -342,9 +507,10 @@ class BlockTable:
                 require(cache.pool is not None, Status.INVALID_ARGUMENT,
                         "KV_OFFSETS needs cache.pool (bytes_per_block and pool base pointers)")
         else:
-            require(dt in INDEX_DTYPES, Status.INVALID_ARGUMENT, f"{fmt.name} indices must be S32 or S64, got {dt.name}")
+            require(dt in INDEX_DTYPES, Status.INVALID_ARGUMENT,
+                    f"{fmt.name} indices must be S32 or S64, got {dt.name}")
             require(self.beam_width == 1, Status.INVALID_ARGUMENT, f"{fmt.name} tables need beam_width 1")
-            want = self.seq_count * self.max_blocks_per_seq if fmt == BlockTableFormat.PACKED else None
+            shape = (self.seq_count, self.max_blocks_per_seq) if fmt == BlockTableFormat.PACKED else None
         require(self.beam_width >= 1, Status.INVALID_ARGUMENT, "beam_width must be >= 1")
         if fmt == BlockTableFormat.RAGGED:
             require(self.indptr is not None and self.indptr_count == self.seq_count + 1, Status.INVALID_ARGUMENT,
@@ -359,15 +525,18 @@ class BlockTable:
         else:
             require(self.indptr_count == 0, Status.INVALID_ARGUMENT,
                     f"{fmt.name} tables carry no indptr (indptr_count must be 0, got {self.indptr_count})")
+            want = math.prod(shape)
         require(self.indices_count == want, Status.INVALID_ARGUMENT,
                 f"{fmt.name} indices_count {self.indices_count} != expected {want}")
+        require(self.indices.dim() == 1 or tuple(self.indices.shape) == shape, Status.INVALID_ARGUMENT,
+                f"{fmt.name} block_table.indices must be 1-D" + (f" or {list(shape)}" if shape else "")
+                + f", got shape {list(self.indices.shape)}")
 
     def to_ctypes(self):
-        from .abi import structs
-
+        self.validate()
         ip = self.indptr
-        return structs.new(structs.BlockTableC, format=int(self.format), index_dtype=int(self.index_dtype),
-                           indptr_dtype=int(_index_dtype(ip, "indptr")) if ip is not None else 0,
+        return structs.new(structs.BlockTableC, format=self.format, index_dtype=self.index_dtype,
+                           indptr_dtype=_index_dtype(ip, "indptr") if ip is not None else 0,
                            seq_count=self.seq_count, beam_width=self.beam_width,
                            max_blocks_per_seq=self.max_blocks_per_seq, indices=self.indices.data_ptr() or None,
                            indptr=ip.data_ptr() if ip is not None else None, indices_count=self.indices_count,
@@ -375,6 +544,7 @@ class BlockTable:
 
 
 def _index_dtype(t: torch.Tensor, what: str) -> DType:
+    _require_type(t, torch.Tensor, what)
     try:
         return kvx_dtype(t.dtype)
     except KvxError:
@@ -393,9 +563,11 @@ class SlotMapping:
         return self.slots.numel()
 
     def validate(self, cache: CacheDesc) -> None:
+        _require_type(cache, CacheDesc, "cache")
         dt = _index_dtype(self.slots, "slot_mapping.slots")
         require(dt in INDEX_DTYPES and self.slots.dim() == 1, Status.INVALID_ARGUMENT,
                 f"slot mapping must be a 1-D S32/S64 tensor, got {dt.name} {tuple(self.slots.shape)}")
+        _check_c(structs.SlotMappingC, "slot_mapping", invalid_slot=self.invalid_slot, token_count=self.token_count)
         total = cache.num_blocks * cache.block_size
         valid = self.slots[(self.slots != self.invalid_slot) & (self.slots >= 0)]
         if valid.numel():
@@ -405,10 +577,9 @@ class SlotMapping:
                     f"{cache.block_size} tokens = {total} slots")
 
     def to_ctypes(self):
-        from .abi import structs
-
-        return structs.new(structs.SlotMappingC, dtype=int(kvx_dtype(self.slots.dtype)), token_count=self.token_count,
-                           invalid_slot=self.invalid_slot, slots=self.slots.data_ptr() or None)
+        return structs.new(structs.SlotMappingC, dtype=_index_dtype(self.slots, "slot_mapping.slots"),
+                           token_count=self.token_count, invalid_slot=self.invalid_slot,
+                           slots=self.slots.data_ptr() or None)
 
 
 @dataclass
@@ -422,9 +593,11 @@ class SeqLens:
         return self.lengths.numel()
 
     def validate(self, table: BlockTable, block_size: int) -> None:
+        _require_type(table, BlockTable, "block table")
         dt = _index_dtype(self.lengths, "seq_lens.lengths")
         require(dt in INDEX_DTYPES and self.lengths.dim() == 1, Status.INVALID_ARGUMENT,
                 "seq_lens must be a 1-D S32/S64 tensor")
+        _check_c(structs.SeqLensC, "seq_lens", seq_count=self.seq_count)
         require(self.seq_count == table.seq_count, Status.INVALID_ARGUMENT,
                 f"seq_lens has {self.seq_count} sequences, block table {table.seq_count}")
         if self.seq_count:
@@ -434,10 +607,8 @@ class SeqLens:
                     f"a sequence length {int(self.lengths.max())} exceeds max_blocks_per_seq * block_size = {cap}")
 
     def to_ctypes(self):
-        from .abi import structs
-
-        return structs.new(structs.SeqLensC, dtype=int(kvx_dtype(self.lengths.dtype)), seq_count=self.seq_count,
-                           lengths=self.lengths.data_ptr() or None)
+        return structs.new(structs.SeqLensC, dtype=_index_dtype(self.lengths, "seq_lens.lengths"),
+                           seq_count=self.seq_count, lengths=self.lengths.data_ptr() or None)
 
 
 @dataclass
@@ -454,7 +625,9 @@ class KvIoDesc:
 
     def validate(self, cache: CacheDesc, what: str) -> None:
         """Spec §7: num_tokens, num_kv_heads and head_dim must agree with the cache."""
+        _require_type(cache, CacheDesc, "cache")
         for name, t in (("key", self.key), ("value", self.value)):
+            _require_type(t, torch.Tensor, f"{what}.{name}")
             require(t.dim() == 3, Status.INVALID_ARGUMENT,
                     f"{what}.{name} must be [num_tokens, num_kv_heads, head_dim], got {tuple(t.shape)}")
             require(kvx_dtype(t.dtype) in IO_DTYPES, Status.UNSUPPORTED,
@@ -466,10 +639,10 @@ class KvIoDesc:
                     f"{what}.{name}: [{h} heads, {d} head_dim] != cache [{cache.num_kv_heads}, {cache.head_dim}]")
             require(t.device == cache.k.tensor.device, Status.INVALID_ARGUMENT,
                     f"{what}.{name} is on {t.device}, the cache on {cache.k.tensor.device}")
+        _check_c(structs.KvIoDescC, what, num_tokens=self.num_tokens)
 
     def to_ctypes(self, cache: CacheDesc):
-        from .abi import structs
-
+        self.validate(cache, "io")
         return structs.new(structs.KvIoDescC, key=TensorDesc.from_torch(self.key).to_ctypes(),
                            value=TensorDesc.from_torch(self.value).to_ctypes(), num_tokens=self.num_tokens,
                            num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim)
@@ -485,6 +658,13 @@ class WriteDesc:
     v_scale: ScaleDesc | None = None
 
     def validate(self, cache: CacheDesc) -> None:
+        _require_type(self.io, KvIoDesc, "write.io")
+        _require_type(self.slots, SlotMapping, "write.slots")
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(self, name)
+            _require_type(scale, ScaleDesc, f"write.{name}", optional=True)
+            if scale is not None:
+                scale.validate(f"write.{name}")
         self.io.validate(cache, "write.io")
         self.slots.validate(cache)
         require(self.slots.token_count == self.io.num_tokens, Status.INVALID_ARGUMENT,
@@ -505,6 +685,8 @@ class GatherDesc:
         return n.repeat_interleave(self.block_table.beam_width)
 
     def validate(self, cache: CacheDesc) -> None:
-        require(self.max_seq_len >= 0, Status.INVALID_ARGUMENT, "max_seq_len must be >= 0")
+        _require_type(self.block_table, BlockTable, "gather.block_table")
+        _require_type(self.seq_lens, SeqLens, "gather.seq_lens")
+        _check_c(structs.GatherDescC, "gather", max_seq_len=self.max_seq_len)
         self.block_table.validate(cache)
         self.seq_lens.validate(self.block_table, cache.block_size)

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 import torch
 
-from .errors import KvxError, Status
+from .errors import KvxError, Status, int_value
 
 
 class DType(enum.IntEnum):
@@ -121,14 +122,38 @@ DTYPE_BITS: dict[DType, int] = {
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
-    """The torch storage dtype of a KVX dtype."""
-    if dtype not in _TORCH_OF:
+    """The torch storage dtype of a KVX dtype (or of the int naming one, as the C ABI passes it)."""
+    member = as_enum(DType, dtype)
+    if not isinstance(member, DType) or member not in _TORCH_OF:
         raise KvxError(Status.INVALID_ARGUMENT, f"dtype {dtype!r} has no torch storage type")
-    return _TORCH_OF[dtype]
+    return _TORCH_OF[member]
 
 
 def kvx_dtype(dtype: torch.dtype) -> DType:
     """The KVX dtype of a torch dtype (uint8 maps to U8; packed types are declared explicitly)."""
+    if not isinstance(dtype, torch.dtype):
+        raise KvxError(Status.INVALID_ARGUMENT, f"expected a torch.dtype, got {dtype!r}")
     if dtype not in _KVX_OF:
         raise KvxError(Status.UNSUPPORTED, f"torch dtype {dtype} has no KVX v1 dtype")
     return _KVX_OF[dtype]
+
+
+E = TypeVar("E", bound=enum.IntEnum)
+
+
+def as_enum(cls: type[E], value: object) -> E | object:
+    """`value` as a member of `cls` when it is one or a plain int naming one (a C caller passes enums
+    as ints); anything else unchanged, for validation to refuse with a message."""
+    if isinstance(value, cls):
+        return value
+    n = int_value(value)
+    return cls(n) if n is not None and n in cls._value2member_map_ else value
+
+
+def require_enum(cls: type[E], value: object, what: str) -> E:
+    """`value` as a member of `cls`, or KvxError(INVALID_ARGUMENT) naming the valid values."""
+    member = value if isinstance(value, cls) else as_enum(cls, value)
+    if not isinstance(member, cls):
+        valid = ", ".join(f"{m.name}={m.value}" for m in cls)
+        raise KvxError(Status.INVALID_ARGUMENT, f"{what} = {value!r} is not a {cls.__name__} ({valid})")
+    return member

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 
 
 class Status(enum.IntEnum):
@@ -22,6 +23,19 @@ class KvxError(Exception):
         self.status = Status(status)
         self.message = message
         super().__init__(f"[KVX_STATUS_{self.status.name}] {message}")
+
+
+def int_value(value: object) -> int | None:
+    """The int `value` stands for: a Python int or an integer scalar of NumPy / torch (anything with
+    `__index__`); None for anything else, bools included (True is no count, size or enum)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def require(cond: bool, status: Status, message: str) -> None:

@@ -4,9 +4,10 @@ offset and size against the compiled header). Enum-typed fields are `c_int32`: v
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any, TypeVar
 
-from ..errors import KvxError, Status
+from ..errors import KvxError, Status, int_value
 
 MAX_DIMS = 5
 """`KVX_MAX_DIMS`: rank bound of `shape` / `stride`."""
@@ -202,6 +203,64 @@ V1_0_SIZES: dict[type[ctypes.Structure], int] = {
 
 S = TypeVar("S", bound=ctypes.Structure)
 
+#: Inclusive value range of every scalar C type a field uses (enums are int32: kvx_abi.h asserts 4 bytes).
+_INT_RANGES: dict[type, tuple[int, int]] = {
+    _u32: (0, 2**32 - 1),
+    _enum: (-(2**31), 2**31 - 1),
+    _i64: (-(2**63), 2**63 - 1),
+    _ptr: (0, 2**64 - 1),
+}
+_C_NAMES_OF_SCALARS = {_u32: "uint32_t", _enum: "a 4-byte enum", _i64: "int64_t", _ptr: "a pointer"}
+
+
+def fits(value: Any, ctype: type) -> bool:
+    """Whether `value` is an int (not a bool) that `ctype` stores unchanged (ctypes would wrap it)."""
+    lo, hi = _INT_RANGES[ctype]
+    n = int_value(value)
+    return n is not None and lo <= n <= hi
+
+
+def check_value(value: Any, ctype: type, what: str) -> int | None:
+    """`value` as the int a C field of type `ctype` stores (None: a NULL pointer); refused when the field
+    would silently truncate, wrap or convert it."""
+    if ctype is _ptr and value is None:
+        return None
+    if not fits(value, ctype):
+        lo, hi = _INT_RANGES[ctype]
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{what} = {value!r} does not fit its C field ({_C_NAMES_OF_SCALARS[ctype]}, an int in "
+                       f"[{lo}, {hi}])")
+    return int_value(value)
+
+
+@functools.cache
+def _field_types(struct_cls: type[ctypes.Structure]) -> dict[str, type]:
+    return dict(struct_cls._fields_)
+
+
+def field_type(struct_cls: type[ctypes.Structure], name: str) -> type:
+    """The ctypes type of field `name` of `struct_cls`."""
+    ctypes_of = _field_types(struct_cls)
+    if name not in ctypes_of:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{struct_cls.__name__} has no field {name!r}")
+    return ctypes_of[name]
+
+
+def check_field(struct_cls: type[ctypes.Structure], name: str, value: Any, what: str) -> Any:
+    """`value` as field `name` of `struct_cls` stores it (ints normalised, arrays as ctypes arrays); refused
+    unless stored unchanged. Fields of other types (structs, pointers) are returned as given."""
+    ctype = field_type(struct_cls, name)
+    if issubclass(ctype, ctypes.Array):
+        if isinstance(value, ctypes.Array):
+            return value
+        if not isinstance(value, (list, tuple)) or len(value) > ctype._length_:
+            raise KvxError(Status.INVALID_ARGUMENT,
+                           f"{what} must be a sequence of at most {ctype._length_} ints, got {value!r}")
+        return ctype(*(check_value(x, ctype._type_, f"{what}[{i}]") for i, x in enumerate(value)))
+    if ctype in _INT_RANGES:
+        return check_value(value, ctype, what)
+    return value
+
 
 def _init_sizes(obj: ctypes.Structure) -> None:
     """Set `size` of `obj` and of every struct nested in it (by value) to its sizeof."""
@@ -213,20 +272,15 @@ def _init_sizes(obj: ctypes.Structure) -> None:
 
 def new(struct_cls: type[S], **fields: Any) -> S:
     """A zeroed `struct_cls` whose `size` (and nested structs' `size`) is its sizeof, then `fields`
-    set. `shape` / `stride` accept any sequence of at most MAX_DIMS ints (the rest stay 0)."""
+    set. `shape` / `stride` accept any sequence of at most MAX_DIMS ints (the rest stay 0). A value
+    its C field cannot hold unchanged (out of range, a bool, a float, the wrong struct) is refused."""
     obj = struct_cls()
     _init_sizes(obj)
-    ctypes_of = dict(struct_cls._fields_)
     for name, value in fields.items():
-        if name not in ctypes_of:
-            raise KvxError(Status.INVALID_ARGUMENT, f"{struct_cls.__name__} has no field {name!r}")
-        ctype = ctypes_of[name]
-        if issubclass(ctype, ctypes.Array) and not isinstance(value, ctypes.Array):
-            if len(value) > ctype._length_:
-                raise KvxError(
-                    Status.INVALID_ARGUMENT,
-                    f"{struct_cls.__name__}.{name} holds at most {ctype._length_} entries, got {len(value)}",
-                )
-            value = ctype(*value)
-        setattr(obj, name, value)
+        what = f"{struct_cls.__name__}.{name}"
+        value = check_field(struct_cls, name, value, what)
+        try:
+            setattr(obj, name, value)
+        except (TypeError, ValueError) as e:
+            raise KvxError(Status.INVALID_ARGUMENT, f"{what} cannot hold {value!r}: {e}") from None
     return obj

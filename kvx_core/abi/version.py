@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ctypes
 
-from ..errors import KvxError, Status
-from .structs import CACHE_DESC_V1_0_SIZE, V1_0_SIZES, CacheDescC, QuantDescC, VersionC
+from ..errors import KvxError, Status, int_value
+from .structs import CACHE_DESC_V1_0_SIZE, V1_0_SIZES, CacheDescC, QuantDescC, VersionC, field_type, fits
 
 __all__ = [
     "ABI_VERSION",
@@ -28,14 +28,17 @@ def get_version() -> VersionC:
 
 def negotiate(provider: VersionC | tuple[int, int, int]) -> None:
     """Accept a provider of the same major version, older or newer minor (structs are
-    size-guarded); raise KvxError(INCOMPATIBLE) on a different major version."""
+    size-guarded); raise KvxError(INCOMPATIBLE) on a different major version, and
+    KvxError(INVALID_ARGUMENT) on anything that is not a `VersionC` or three uint32 ints."""
     if isinstance(provider, VersionC):
         check_struct_size(provider, VersionC)
         major, minor, patch = provider.major, provider.minor, provider.patch
     else:
-        if len(provider) != 3 or not all(isinstance(x, int) and x >= 0 for x in provider):
-            raise KvxError(Status.INVALID_ARGUMENT, f"version must be (major, minor, patch), got {provider!r}")
-        major, minor, patch = provider
+        u32 = field_type(VersionC, "major")
+        if not (isinstance(provider, (tuple, list)) and len(provider) == 3 and all(fits(x, u32) for x in provider)):
+            raise KvxError(Status.INVALID_ARGUMENT,
+                           f"version must be a VersionC or (major, minor, patch) uint32 ints, got {provider!r}")
+        major, minor, patch = (int_value(x) for x in provider)
     if major != ABI_VERSION[0]:
         raise KvxError(
             Status.INCOMPATIBLE,
@@ -59,8 +62,13 @@ def check_struct_size(
                 f"expected a {struct_cls.__name__}, got {type(struct_obj_or_size).__name__}",
             )
         size = struct_obj_or_size.size
+    elif fits(struct_obj_or_size, field_type(struct_cls, "size")):
+        size = int_value(struct_obj_or_size)
     else:
-        size = int(struct_obj_or_size)
+        raise KvxError(
+            Status.INVALID_ARGUMENT,
+            f"expected a {struct_cls.__name__} or its uint32 size, got {struct_obj_or_size!r}",
+        )
     if min_size is None:
         min_size = V1_0_SIZES.get(struct_cls, ctypes.sizeof(struct_cls))
     if size < min_size:

@@ -137,7 +137,8 @@ def test_non_canonical_strides_are_honored_not_rejected(layout):
     big = torch.zeros(tuple(x + 1 for x in shape))
     t = big[tuple(slice(0, x) for x in shape)]
     assert tuple(t.stride()) != stride
-    c = CacheDesc.from_torch(t, t, block_size=b, num_kv_heads=h, head_dim=d, k_layout=layout, v_layout=layout)
+    v = torch.zeros_like(big)[tuple(slice(0, x) for x in shape)]  # its own allocation: K and V may not overlap
+    c = CacheDesc.from_torch(t, v, block_size=b, num_kv_heads=h, head_dim=d, k_layout=layout, v_layout=layout)
     assert c.k.stride == tuple(big.stride())
 
 

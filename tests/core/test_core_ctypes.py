@@ -54,7 +54,8 @@ def test_quantized_cache_desc_to_ctypes():
     k = torch.zeros(3, 4, 2, 8, dtype=torch.float8_e4m3fn)
     scales = TensorDesc.from_torch(torch.ones(3, 4, 2, 1), Layout.CUSTOM)
     gk, gv = torch.full((2,), 0.5), torch.full((2,), 0.25)
-    q = QuantDesc(QuantFormat.FP8_E4M3, 8, DType.F8_E4M3, DType.F8_E4M3, scales, scales, gk, gv)
+    v_scales = TensorDesc.from_torch(torch.ones(3, 4, 2, 1), Layout.CUSTOM)  # K and V scales may not overlap
+    q = QuantDesc(QuantFormat.FP8_E4M3, 8, DType.F8_E4M3, DType.F8_E4M3, scales, v_scales, gk, gv)
     cache = CacheDesc.from_torch(k, k.clone(), block_size=4, num_kv_heads=2, head_dim=8, quant=q)
     c, keep = cache.to_ctypes()
     assert isinstance(keep, structs.QuantDescC) and c.quant
