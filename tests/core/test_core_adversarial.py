@@ -285,6 +285,19 @@ def test_tensor_descriptor_field_disagreeing_with_tensor_is_refused(field, value
         refused(lambda: rep(c.v, **{field: value}).to_ctypes(), INV)
 
 
+@pytest.mark.parametrize("which", ["k_scales", "k_global_scale"])
+def test_quant_tensors_on_another_device_are_refused(which):
+    """Scale pools and global scales live with the data pools (a meta tensor stands in for another device)."""
+    q = quant_cache("nvfp4")
+    good = getattr(q.quant, which)
+    if which == "k_scales":
+        meta = torch.empty(good.tensor.shape, dtype=good.tensor.dtype, device="meta")
+        bad = TensorDesc(good.dtype, good.layout, Memory.HOST, good.shape, good.stride, meta, good.data_ptr)
+    else:
+        bad = torch.ones_like(good, device="meta")
+    refused(lambda: rep(q, quant=rep(q.quant, **{which: bad})).validate(), INV, f"quant.{which}")
+
+
 def _roundtrip(cache: CacheDesc, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     key, value = torch.randn(3, H, D, generator=gen), torch.randn(3, H, D, generator=gen)
