@@ -40,7 +40,7 @@ def main() -> None:
                 sd = tf.scale_dim(d)
                 pools.append(torch.empty(nb, h, bs, sd, dtype=torch.uint8, device="cuda") if sd else None)
             kd, ks, vd, vs = pools
-            fn = lambda: write_kv(k, v, slots, kd, ks, vd, vs, fmt, check_slots=False)  # noqa: E731
+            fn = lambda: write_kv(k, v, slots, kd, ks, vd, vs, fmt, check=False)  # noqa: E731
             r = bench(fn, n=50)
             nbytes = 2 * k.numel() * 2 + slots.numel() * 8 + t * h * fmt.bytes_per_token_head(d)
             gbps = nbytes / (r["ms"] * 1e-3) / 1e9

@@ -4,7 +4,10 @@ H = Sylvester Hadamard matrix of order D (a power of two) scaled by 1/sqrt(D): s
 orthonormal, so H^-1 = H^T = H. Keys and queries are both multiplied by H (Q K^T is unchanged); values
 are rotated at write time and the attention output is rotated back with the same H (P (V H) H = P V).
 Rotation spreads outliers across the head so FP4/INT4 group scales fit the data better.
-Numerics: FP32 (FP64 for FP64 input) matmul; not bit-exact across implementations (summation order).
+Numerics: `rotate` is the fast Walsh-Hadamard butterfly in FP32 (FP64 for FP64 input): log2(D) stages of
+elementwise adds/subtracts in a fixed order, then one multiply by 1/sqrt(D). Every row is computed on its
+own, so a token's rotation is bit-identical whatever the batch it comes in (a matmul's summation order
+changes with the number of rows) and on any device (IEEE adds, no reductions).
 """
 from __future__ import annotations
 
@@ -18,6 +21,11 @@ from ..errors import KvxError, Status
 from .base import is_power_of_two
 
 
+def _check_order(d: int) -> None:
+    if not is_power_of_two(d):
+        raise KvxError(Status.UNSUPPORTED, f"Hadamard rotation needs head_dim to be a power of two, got {d!r}")
+
+
 @functools.lru_cache(maxsize=32)
 def _sylvester(d: int) -> Tensor:
     h = torch.ones((1, 1), dtype=torch.float64)
@@ -28,25 +36,30 @@ def _sylvester(d: int) -> Tensor:
 
 def hadamard(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
     """The orthonormal Sylvester Hadamard matrix `[d, d]` (d a power of two; else KvxError UNSUPPORTED)."""
-    if not is_power_of_two(d):
-        raise KvxError(Status.UNSUPPORTED, f"Hadamard rotation needs head_dim to be a power of two, got {d!r}")
+    _check_order(d)
     return _sylvester(d).to(device=device, dtype=dtype, copy=True)
 
 
-@functools.lru_cache(maxsize=64)
-def _rotation_matrix(d: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """`hadamard(d)` kept per (dtype, device) for `rotate`, which only reads it: no host-to-device copy
-    per call (so rotations on a GPU stream are also CUDA-graph capturable after the first call)."""
-    return hadamard(d, dtype=dtype, device=device)
-
-
 def rotate(x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-    """`x @ H` along the last dim (its own inverse: `rotate(rotate(x)) == x` up to rounding)."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise KvxError(Status.INVALID_ARGUMENT, "rotate expects a floating-point torch.Tensor")
+    """`x @ H` along the last dim (its own inverse: `rotate(rotate(x)) == x` up to rounding), row by row.
+
+    Butterfly stage h (h = 1, 2, 4, ...) maps each pair (a, b) = (y[i], y[i + h]) of a 2h-block to
+    (a + b, a - b): the Sylvester recursion H_2h = [[H_h, H_h], [H_h, -H_h]] unrolled. No host sync and
+    no host-to-device copy, so rotations on a GPU stream are CUDA-graph capturable.
+    """
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() == 0:
+        raise KvxError(Status.INVALID_ARGUMENT, "rotate expects a floating-point torch.Tensor [..., D]")
+    d = int(x.shape[-1])
+    _check_order(d)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = _rotation_matrix(int(x.shape[-1]), work, x.device)
-    return (x.to(work) @ h).to(out_dtype or x.dtype)
+    y = x.to(work).reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.reshape(-1, d // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * (1.0 / math.sqrt(d))).to(out_dtype or x.dtype)
 
 
 #: H is symmetric and orthonormal, so undoing a rotation is the same operation.

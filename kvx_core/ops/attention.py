@@ -10,11 +10,13 @@ sees keys p - window .. p; None or negative: no window), `softcap` None or 0 mea
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from ..descriptors import BlockTable, CacheDesc, GatherDesc, SeqLens
 from ..errors import Status, require
+from .checks import UINT32_MAX, check_table_types, require_type
 from .reference import gather_kv
 
 
@@ -44,7 +46,20 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     return out.float().reshape(tq, hq, d), lse.float().reshape(tq, hq)
 
 
-def _check_query(query: torch.Tensor, cache: CacheDesc, what: str) -> None:
+def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, what: str, *,
+               sm_scale=None, softcap=None, window=None) -> None:
+    """Argument types, the query's shape and the options (the gather checks the rest); sync-free, so the
+    kernel path of `ops.dispatch` runs it too."""
+    for name, x in (("sm_scale", sm_scale), ("softcap", softcap)):
+        require(x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)),
+                Status.INVALID_ARGUMENT, f"{what}: {name} must be None or a finite number, got {x!r}")
+    require(softcap is None or softcap >= 0, Status.INVALID_ARGUMENT, f"{what}: softcap must be >= 0, got {softcap}")
+    # an int: the reference would compare a float window, the kernels truncate it
+    require(window is None or (isinstance(window, numbers.Integral) and not isinstance(window, bool)), Status.INVALID_ARGUMENT,
+            f"{what}: window must be None or an int, got {window!r}")
+    require_type(cache, CacheDesc, f"{what}: cache")
+    check_table_types(table, seq_lens)
+    require_type(query, torch.Tensor, f"{what}: query")
     require(query.dim() == 3 and query.shape[-1] == cache.head_dim, Status.INVALID_ARGUMENT,
             f"{what}: query must be [tokens, num_q_heads, head_dim={cache.head_dim}], got {tuple(query.shape)}")
     require(query.shape[1] % cache.num_kv_heads == 0, Status.INVALID_ARGUMENT,
@@ -52,9 +67,13 @@ def _check_query(query: torch.Tensor, cache: CacheDesc, what: str) -> None:
 
 
 def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int) -> list[int]:
-    """`qo_indptr` as a host list, after checking it has `len(lens) + 1` non-decreasing entries from 0 to
-    `num_tokens` and gives no sequence more new tokens than its cached length (INVALID_ARGUMENT)."""
-    ip = qo_indptr.to(torch.int64).tolist()
+    """`qo_indptr` as a host list, after checking it is an int32/int64 tensor of `len(lens) + 1` non-decreasing
+    entries from 0 to `num_tokens` that gives no sequence more new tokens than its cached length
+    (INVALID_ARGUMENT). Read on its own dtype: callers narrow it only after this."""
+    require(isinstance(qo_indptr, torch.Tensor) and qo_indptr.dtype in (torch.int32, torch.int64)
+            and qo_indptr.dim() == 1, Status.INVALID_ARGUMENT, "paged_prefill: qo_indptr must be a 1-D int32/int64 "
+            f"tensor, got {(qo_indptr.dtype, tuple(qo_indptr.shape)) if isinstance(qo_indptr, torch.Tensor) else qo_indptr!r}")
+    ip = qo_indptr.tolist()
     require(len(ip) == len(lens) + 1 and ip[0] == 0 and ip[-1] == num_tokens
             and all(a <= b for a, b in zip(ip, ip[1:])), Status.INVALID_ARGUMENT,
             "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing entries from 0 to num query tokens")
@@ -65,7 +84,8 @@ def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int) -
 
 
 def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
-    max_len = int(seq_lens.lengths.max()) if seq_lens.seq_count else 0
+    # capped to the C field's range: a longer sequence is then refused by the gather as OUT_OF_RANGE
+    max_len = min(int(seq_lens.lengths.max()), UINT32_MAX) if seq_lens.seq_count else 0
     io = gather_kv(cache, GatherDesc(table, seq_lens, max_len))
     lens = seq_lens.lengths.to(torch.int64).tolist()
     starts = [0]
@@ -81,7 +101,7 @@ def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_l
 
     Returns `(out [B, Hq, D] in query.dtype, lse [B, Hq] FP32)`; empty sequences give 0 and -inf.
     """
-    _check_query(query, cache, "paged_decode")
+    check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap, window=window)
     require(query.shape[0] == seq_lens.seq_count, Status.INVALID_ARGUMENT,
             f"paged_decode: {query.shape[0]} queries for {seq_lens.seq_count} sequences")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
@@ -104,7 +124,7 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
     `query [T, Hq, D]`) are its last `q_len` cached tokens (already written); each attends to the
     cached prefix plus itself, causally. `seq_lens` are total cached lengths including the new tokens.
     """
-    _check_query(query, cache, "paged_prefill")
+    check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap, window=window)
     ip = check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), query.shape[0])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
     io, lens, starts = _gather_all(cache, table, seq_lens)

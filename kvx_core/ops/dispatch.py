@@ -21,9 +21,10 @@ from ..descriptors import (
     WriteDesc,
 )
 from ..enums import BlockTableFormat
-from ..errors import KvxError, Status
+from ..errors import KvxError
 from ..layouts import block_view
 from . import attention, reference
+from .checks import INT32_MAX, cache_global_scales, check_gather, check_write, kernel_table, narrow_int32
 
 
 def _triton_available() -> bool:
@@ -49,7 +50,10 @@ def _hnd(t: torch.Tensor | None, layout) -> torch.Tensor | None:
 
 
 def _kernel_pools(cache: CacheDesc):
-    """(k_data, k_scales, v_data, v_scales, k_gs, v_gs, fmt) as the kernels take them, or None."""
+    """(k_data, k_scales, v_data, v_scales, fmt) as the kernels take them, or None (the reference serves the
+    call, and refuses what is not a cache descriptor)."""
+    if not isinstance(cache, CacheDesc) or not _use_triton(cache):
+        return None
     q = cache.quant
     fmt = format_of(cache)
     if q is None and (fmt.k.uses_global_scale or fmt.v.uses_global_scale):
@@ -66,80 +70,62 @@ def _kernel_pools(cache: CacheDesc):
     if kd is None or vd is None or (q is not None and ((q.k_scales is None) != (ks is None)
                                                        or (q.v_scales is None) != (vs is None))):
         return None
-    kg = q.k_global_scale if q is not None and fmt.k.uses_global_scale else None
-    vg = q.v_global_scale if q is not None and fmt.v.uses_global_scale else None
-    return kd, ks, vd, vs, kg, vg, fmt
+    return kd, ks, vd, vs, fmt
 
 
+@torch.no_grad()
 def write_kv(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> None:
-    """`reference.write_kv`, on the fused Triton write kernel when possible. `check` validates the slots
-    (range, uniqueness: host syncs); engines that own their slot mappings pass False to stay sync-free."""
-    pools = _kernel_pools(cache) if _use_triton(cache) else None
+    """`reference.write_kv`, on the fused Triton write kernel when possible. `check` validates the descriptors
+    and the values the write depends on (slot range and uniqueness, global scales: host syncs); engines that
+    own their slot mappings and scales pass False to stay sync-free. Either way nothing is stored unless the
+    whole write is accepted."""
+    pools = _kernel_pools(cache)
     if pools is None:
         return reference.write_kv(cache, write)
-    slots = write.slots.slots.to(cache.k.tensor.device, torch.int64)
-    keep = reference.valid_slots(slots, write.slots.invalid_slot)
-    if check:
-        cache.validate()
-        write.validate(cache)
-        reference.check_unique_slots(slots[keep])
-    from .triton import write_kv as triton_write
-    kd, ks, vd, vs, kg, vg, fmt = pools
-    triton_write(write.io.key, write.io.value, torch.where(keep, slots, -1), kd, ks, vd, vs, fmt, kg, vg,
-                 check_slots=False)
+    plan = check_write(cache, write, check=check)
+    from .triton.write import launch_write
+    kd, ks, vd, vs, fmt = pools
+    launch_write(write.io.key, write.io.value, plan.args, kd, ks, vd, vs, fmt)
 
 
+@torch.no_grad()
 def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
               out_dtype: torch.dtype | None = None, k_scale: ScaleDesc | None = None,
               v_scale: ScaleDesc | None = None) -> KvIoDesc:
     """`reference.gather_kv`, on the Triton gather kernel when possible (PACKED tables, primary pool)."""
-    pools = _kernel_pools(cache) if _use_triton(cache) else None
-    table = gather.block_table
-    if pools is None or table.format != BlockTableFormat.PACKED or k_scale is not None or v_scale is not None \
+    pools = _kernel_pools(cache)
+    if pools is None or not isinstance(gather, GatherDesc) or not _packed(gather.block_table) \
             or (cache.pool is not None and cache.pool.secondary is not None):
         return reference.gather_kv(cache, gather, out, out_dtype, k_scale, v_scale)
-    cache.validate()
-    gather.validate(cache)
-    kd, ks, vd, vs, kg, vg, fmt = pools
-    bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq)
-    lens = gather.seq_lens.lengths.to(device=bt.device)
-    _check_blocks_in_range(cache, bt, lens.to(torch.int64).clamp(max=gather.max_seq_len))
+    plan = check_gather(cache, gather, out, out_dtype, k_scale, v_scale)
+    kd, ks, vd, vs, fmt = pools
+    table = gather.block_table
+    bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(kd.device).contiguous()
+    lens = gather.seq_lens.lengths.to(kd.device)
     from .triton import gather_kv as triton_gather
-    if out is not None:
-        out.validate(cache, "gather.io")
-        total = int(gather.output_lengths().sum())
-        if out.num_tokens < total:
-            raise KvxError(Status.INVALID_ARGUMENT, f"gather output holds {out.num_tokens} tokens, {total} are gathered")
-        triton_gather(kd, ks, vd, vs, bt, lens, fmt, kg, vg, max_seq_len=gather.max_seq_len,
-                      out_dtype=out.key.dtype, out=(out.key, out.value))
-        return out
-    k, v = triton_gather(kd, ks, vd, vs, bt, lens, fmt, kg, vg, max_seq_len=gather.max_seq_len, out_dtype=out_dtype)
-    return KvIoDesc(k, v)
+    k, v = triton_gather(kd, ks, vd, vs, bt, lens, fmt, plan.k_gs, plan.v_gs, max_seq_len=plan.max_seq_len,
+                         out_dtype=out_dtype,
+                         out=(out.key, out.value) if out is not None else None)
+    return out if out is not None else KvIoDesc(k, v)
 
 
-def _check_blocks_in_range(cache: CacheDesc, bt: torch.Tensor, lens: torch.Tensor) -> None:
-    """OUT_OF_RANGE unless every block a sequence uses (its first ceil(len / block_size) entries; the rest
-    of the row may hold stale ids) is a block of the cache. One host sync."""
-    need = torch.arange(bt.shape[1], device=bt.device)[None, :] * cache.block_size < lens[:, None]
-    if bool((need & ((bt < 0) | (bt >= cache.num_blocks))).any()):
-        raise KvxError(Status.OUT_OF_RANGE, f"block table references a block outside [0, {cache.num_blocks})")
+def _packed(table: BlockTable) -> bool:
+    """The kernels read PACKED tables; anything else (including a malformed table) goes to the reference."""
+    return isinstance(table, BlockTable) and table.format == BlockTableFormat.PACKED
 
 
 def _kernel_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, check: bool):
-    """(pools, int32 block table [B, max_blocks], int32 seq_lens [B]) for the attention kernels, or None."""
-    pools = _kernel_pools(cache) if _use_triton(cache) else None
-    if pools is None or table.format != BlockTableFormat.PACKED \
+    """(pools, int32 block table [B, max_blocks], int32 seq_lens [B], global scales) for the attention
+    kernels, or None (the reference serves the call)."""
+    pools = _kernel_pools(cache)
+    if pools is None or not _packed(table) or cache.num_blocks > INT32_MAX + 1 \
             or (cache.pool is not None and cache.pool.secondary is not None):
         return None
-    dev = cache.k.tensor.device
-    bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(dev, torch.int32)
-    lens = seq_lens.lengths.to(dev, torch.int32)
     if check:  # what the reference's gather validates, on the kernels' side
         cache.validate()
-        table.validate(cache)
-        seq_lens.validate(table, cache.block_size)
-        _check_blocks_in_range(cache, bt, lens)
-    return pools, bt.contiguous(), lens
+    bt, lens = kernel_table(cache, table, seq_lens, check=check)
+    gs = cache_global_scales(cache, pools[-1], None, None, "attention", check_values=check)
+    return pools, bt, lens, gs
 
 
 def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
@@ -148,10 +134,12 @@ def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_l
     """`attention.paged_decode`, on the decode kernels (CUDA or Triton, `ops.triton.paged_decode`'s choice)
     for PACKED tables over kernel-addressable pools. `check` validates the table against the cache (one host
     sync); engines that own their tables pass False and `max_seq_len` to stay sync-free (CUDA graphs)."""
+    attention.check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap,
+                         window=window)
     args = _kernel_table(cache, table, seq_lens, check)
     if args is None:
         return attention.paged_decode(query, cache, table, seq_lens, sm_scale=sm_scale, softcap=softcap, window=window)
-    (kd, ks, vd, vs, kg, vg, fmt), bt, lens = args
+    (kd, ks, vd, vs, fmt), bt, lens, (kg, vg) = args
     from .triton import paged_decode as kernel
     return kernel(query, kd, ks, vd, vs, kg, vg, bt, lens, fmt, sm_scale=sm_scale, softcap=softcap, window=window,
                   max_seq_len=max_seq_len)
@@ -163,16 +151,18 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
                   check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention.paged_prefill`, on the Triton prefill kernel for PACKED tables over kernel-addressable
     pools (the work plan reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync)."""
+    attention.check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap,
+                         window=window)
     args = _kernel_table(cache, table, seq_lens, check)
     if args is None:
         return attention.paged_prefill(query, qo_indptr, cache, table, seq_lens, causal=causal, sm_scale=sm_scale,
                                        softcap=softcap, window=window)
-    (kd, ks, vd, vs, kg, vg, fmt), bt, lens = args
+    (kd, ks, vd, vs, fmt), bt, lens, (kg, vg) = args
     from .triton import paged_prefill as kernel
     from .triton import prefill_plan
-    ip = qo_indptr.to(torch.int32)
-    if check:
-        attention.check_qo_indptr(ip, lens.tolist(), query.shape[0])
+    if check:  # on the caller's dtype, before narrowing
+        attention.check_qo_indptr(qo_indptr, lens.tolist(), query.shape[0])
+    ip = narrow_int32(qo_indptr, "qo_indptr", check=check)
     plan = prefill_plan(ip.cpu(), query.shape[1] // cache.num_kv_heads)
     return kernel(query, ip.to(query.device), kd, ks, vd, vs, kg, vg, bt, lens, fmt, causal=causal, sm_scale=sm_scale,
                   softcap=softcap, window_left=window, plan=tuple(x.to(query.device) for x in plan))

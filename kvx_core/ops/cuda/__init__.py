@@ -67,7 +67,7 @@ def build(arch: str, nvcc: str | None = None, out_dir: Path | None = None) -> Pa
                str(SOURCE), "-o", str(tmp_lib)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
-            raise KvxError(Status.INTERNAL, f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+            raise KvxError(Status.INTERNAL_ERROR, f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
         os.replace(tmp_lib, lib)  # atomic: concurrent builders never load a half-written file
     return lib
 
@@ -84,7 +84,7 @@ def library(device) -> ctypes.CDLL:
             lib.kvx_decode_params_size.restype = ctypes.c_int
             from .decode import DecodeParams
             if lib.kvx_decode_params_size() != ctypes.sizeof(DecodeParams):
-                raise KvxError(Status.INTERNAL, "DecodeParams ctypes mirror does not match decode_fp4.cu")
+                raise KvxError(Status.INTERNAL_ERROR, "DecodeParams ctypes mirror does not match decode_fp4.cu")
             _LIBS[arch] = lib
         return _LIBS[arch]
 

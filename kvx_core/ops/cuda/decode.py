@@ -138,7 +138,7 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
     p.ml, p.ml_sb, p.ml_sh = mid_l.data_ptr(), mid_l.stride(0), mid_l.stride(1)
     p.sm_scale, p.softcap = sm_scale, float(softcap) if softcap else 0.0
-    p.window = int(window) if window is not None and window >= 0 else -1
+    p.window = min(int(window), 2**31 - 1) if window is not None and window >= 0 else -1  # int32 field: saturate
     p.qh, p.bs, p.num_splits = hq // hkv, bs, mid_o.shape[2]
     lib = library(q.device)
     with torch.cuda.device(q.device):  # the kernel launches into the calling thread's current context
@@ -146,4 +146,4 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
         err = lib.kvx_decode_fp4(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group, WARPS, bsz,
                                  hkv, stream)
     if err != 0:
-        raise KvxError(Status.INTERNAL, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")
+        raise KvxError(Status.INTERNAL_ERROR, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")

@@ -18,6 +18,7 @@ import torch
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat, FP8Format, get_format
+from ..checks import check_max_seq_len
 from .spec import KernelFormat, kernel_format
 
 __all__ = ["paged_decode", "paged_prefill", "prefill_plan", "write_kv", "gather_kv", "decode_num_splits", "interpreting"]
@@ -39,10 +40,28 @@ if interpreting():
 
 
 def _fmt(fmt: CacheFormat | str) -> CacheFormat:
-    return get_format(fmt) if isinstance(fmt, str) else fmt
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    if not isinstance(fmt, CacheFormat):
+        raise KvxError(Status.INVALID_ARGUMENT, f"fmt must be a cache format or its name, got {type(fmt).__name__}")
+    return fmt
+
+
+def _pool_geometry(k_data, v_data) -> tuple[int, int, int]:
+    """(num_blocks, H_kv, block_size) shared by the K and V pools (4-D tensors)."""
+    for name, t in (("K", k_data), ("V", v_data)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise KvxError(Status.INVALID_ARGUMENT, f"{name} pool must be a [num_blocks, H_kv, block_size, Dk] tensor, "
+                           f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if tuple(v_data.shape[:3]) != tuple(k_data.shape[:3]):
+        raise KvxError(Status.INVALID_ARGUMENT, "K and V pools must share [num_blocks, H_kv, block_size]")
+    return tuple(int(n) for n in k_data.shape[:3])
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
+    """Arguments are torch tensors (None for absent ones) on one device the kernels can run on."""
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise KvxError(Status.INVALID_ARGUMENT, f"the kernels take torch tensors, got a {type(t).__name__}")
     dev = tensors[0].device
     if dev.type != "cuda" and not interpreting():
         raise KvxError(Status.UNSUPPORTED, "Triton KVX kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
@@ -157,6 +176,7 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
         block_n = _default_block_n(kk, kv, d)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if bsz else 0
+    max_seq_len = check_max_seq_len(max_seq_len)  # it sizes the splits only: each split reads its own seq_len
     if window is not None and window >= 0:
         max_seq_len = min(max_seq_len, window + 1)
     use_cuda = _use_cuda_decode(backend, q, fmt, k_data, ks[0], v_data, vs[0], num_warps)

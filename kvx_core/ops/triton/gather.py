@@ -4,7 +4,7 @@ PACKED block table, decoded into dense ragged K/V `[T, H, D]` (sequences concate
 Compat/debug path (the attention kernels never materialise this). Grid `(cdiv(max_len, BT), B, 2 H)`.
 Decoding is the formats' FP32 arithmetic (no FMA contraction), so the output equals
 `reference.gather_kv` bit for bit; Hadamard formats are decoded to FP32 in the kernel and rotated back
-with the reference's own torch matmul.
+with the reference's own `formats.rotate`.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat, FP8Format, rotate
+from ..checks import (IO_DTYPES, check_block_ids, check_max_seq_len, check_no_alias, check_out_dtype, global_scale,
+                      require_type)
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .quant import cast_exact, e2m1_value, e4m3_f32, f8_byte_f32, f16_bytes_f32
 from .spec import kernel_format
@@ -97,6 +99,7 @@ def _gather_kernel(
                      VF, D, DP, VGRP, VNGP, VE5)
 
 
+@torch.no_grad()
 def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
               block_table: torch.Tensor, seq_lens: torch.Tensor, fmt: CacheFormat | str, k_gs=None, v_gs=None, *,
               max_seq_len: int | None = None, out_dtype: torch.dtype | None = None,
@@ -104,49 +107,61 @@ def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch
     """Dense ragged `(K, V) [sum(min(seq_lens, max_seq_len)), H_kv, D]` in the model's domain.
 
     `out_dtype` defaults to the pool dtype for unquantized caches and FP32 otherwise (as the reference).
-    `block_table` is PACKED int32 `[B, max_blocks]`; `seq_lens` int32 `[B]`. One host sync (the total).
+    `block_table` is PACKED int32/int64 `[B, max_blocks]`; `seq_lens` int32/int64 `[B]`. Host syncs (the total,
+    and the checks: block ids a sequence uses lie in the pools, global scales are finite and > 0).
     """
-    from . import _check_device, _check_pool, _fmt, _gs, _scale_args, _u8
+    from . import _check_device, _check_pool, _fmt, _gs, _pool_geometry, _scale_args, _u8
     fmt = _fmt(fmt)
+    nb, hkv, bs = _pool_geometry(k_data, v_data)
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        require_type(t, torch.Tensor, name)
     _check_device(k_data, v_data, block_table, seq_lens)
-    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64) or block_table.stride(1) != 1 \
-            or seq_lens.dim() != 1 or seq_lens.numel() != block_table.shape[0]:
-        raise KvxError(Status.INVALID_ARGUMENT, "block_table must be int32/int64 [B, max_blocks] (contiguous rows) "
-                       "and seq_lens [B]")
-    nb, hkv, bs = k_data.shape[:3]
+    idx = (torch.int32, torch.int64)
+    if block_table.dim() != 2 or block_table.dtype not in idx or seq_lens.dtype not in idx or seq_lens.dim() != 1 \
+            or seq_lens.numel() != block_table.shape[0]:
+        raise KvxError(Status.INVALID_ARGUMENT, "block_table must be int32/int64 [B, max_blocks] and seq_lens "
+                       f"int32/int64 [B], got {block_table.dtype} {tuple(block_table.shape)} and {seq_lens.dtype} "
+                       f"{tuple(seq_lens.shape)}")
+    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()  # the kernel reads unit-stride rows
     kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
     d = k_data.shape[3] * (2 if kk.packed else 1)
     fmt.check_head_dim(d)
     _check_pool("K", k_data, kk, d)
     _check_pool("V", v_data, kv, d)
+    ks, vs = _scale_args("K", k_scales, k_data, kk, fmt.k, d), _scale_args("V", v_scales, v_data, kv, fmt.v, d)
+    kg = global_scale(fmt.k, k_gs, hkv, k_data.device, "K global scale")
+    vg = global_scale(fmt.v, v_gs, hkv, k_data.device, "V global scale")
     lens = seq_lens.to(torch.int64)
     if max_seq_len is not None:
-        lens = lens.clamp(max=max_seq_len)
-    if block_table.shape[0] and bool((lens > block_table.shape[1] * bs).any()):
+        lens = lens.clamp(max=check_max_seq_len(max_seq_len))
+    if bool((lens < 0).any()):
+        raise KvxError(Status.INVALID_ARGUMENT, "sequence lengths must be >= 0")
+    if bool((lens > block_table.shape[1] * bs).any()):
         raise KvxError(Status.OUT_OF_RANGE, f"a sequence is longer than its block table row ({block_table.shape[1]} blocks)")
+    check_block_ids(block_table, lens, bs, nb)
     cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=cu[1:])
     total = int(cu[-1])
     max_len = int(lens.max()) if lens.numel() else 0
+    check_out_dtype(out_dtype)
     dt = out_dtype or (kk.storage if kk.code == 0 and kv.code == 0 else torch.float32)
-    work = torch.float32 if fmt.rotate else dt
-    if out is not None and not fmt.rotate:
+    if out is not None:
+        _check_out(out, total, hkv, d, out_dtype, {"K": k_data, "V": v_data, "K scales": k_scales, "V scales": v_scales})
+    direct = out is not None and not fmt.rotate and out[0].stride(2) == 1 and out[1].stride(2) == 1
+    if direct:
         ko, vo = out
-        if ko.shape[0] < total or tuple(ko.shape[1:]) != (hkv, d) or ko.stride(2) != 1 or vo.shape != ko.shape:
-            raise KvxError(Status.INVALID_ARGUMENT, f"out must be two [>= {total}, {hkv}, {d}] tensors")
     else:
-        ko = torch.empty(total, hkv, d, dtype=work, device=k_data.device)
-        vo = torch.empty(total, hkv, d, dtype=work, device=k_data.device)
+        dts = (out[0].dtype, out[1].dtype) if out is not None else (dt, dt)
+        ko, vo = (torch.empty(total, hkv, d, dtype=torch.float32 if fmt.rotate else x, device=k_data.device) for x in dts)
     if total:
-        ks, vs = _scale_args("K", k_scales, k_data, kk, fmt.k, d), _scale_args("V", v_scales, v_data, kv, fmt.v, d)
         dp = triton.next_power_of_2(d)
         ngp = lambda k: triton.next_power_of_2(max(1, d // (k.group or 16)))
         e5 = lambda tf: isinstance(tf, FP8Format) and tf.name == "fp8_e5m2"
         _gather_kernel[(triton.cdiv(max_len, block_t), block_table.shape[0], 2 * hkv)](
             block_table, block_table.stride(0), seq_lens, cu, max_len, hkv,
-            _u8(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks, _gs(k_gs, kk, hkv, k_data.device),
+            _u8(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks, _gs(kg, kk, hkv, k_data.device),
             ko, ko.stride(0), ko.stride(1),
-            _u8(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs, _gs(v_gs, kv, hkv, v_data.device),
+            _u8(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs, _gs(vg, kv, hkv, v_data.device),
             vo, vo.stride(0), vo.stride(1),
             D=d, DP=dp, BT=block_t, BS=bs,
             KF=kk.code, KGRP=kk.group or 16, KNGP=ngp(kk), KE5=e5(fmt.k),
@@ -154,9 +169,20 @@ def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch
             num_warps=4, enable_fp_fusion=False,
         )
     if fmt.rotate:
-        ko, vo = rotate(ko).to(dt), rotate(vo).to(dt)
-        if out is not None:
-            out[0][:total].copy_(ko)
-            out[1][:total].copy_(vo)
-            return out
-    return ko, vo
+        ko, vo = (rotate(x, out_dtype=o.dtype if out is not None else dt) for x, o in zip((ko, vo), out or (None, None)))
+    if out is None or direct:
+        return ko, vo
+    out[0][:total].copy_(ko)
+    out[1][:total].copy_(vo)
+    return out
+
+
+def _check_out(out, total: int, hkv: int, d: int, out_dtype: torch.dtype | None, pools: dict) -> None:
+    """`out` is two float `[>= total, H_kv, D]` tensors on the pools' device (of `out_dtype` when given) that
+    overlap neither each other nor a pool."""
+    ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+    if not ok or any(t.dim() != 3 or t.shape[0] < total or tuple(t.shape[1:]) != (hkv, d) or t.dtype not in IO_DTYPES
+                     or (out_dtype is not None and t.dtype != out_dtype) or t.device != pools["K"].device for t in out):
+        raise KvxError(Status.INVALID_ARGUMENT, f"out must be two {out_dtype or 'bf16/fp16/fp32'} [>= {total}, {hkv}, {d}] "
+                       f"tensors on {pools['K'].device}")
+    check_no_alias({"out K": out[0], "out V": out[1]}, pools)

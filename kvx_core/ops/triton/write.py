@@ -3,8 +3,8 @@ bytes into the paged pools by slot mapping, K and V in ONE launch.
 
 Grid `(cdiv(T, BT), H, 2)`: a program encodes BT tokens of one head of K (axis 2 = 0) or V (= 1).
 Bit-identical to `kvx_core.formats` encode (same FP32 operations, IEEE division, no FMA contraction,
-software FP8 rounding; see quant.py). Hadamard formats rotate with the reference's own torch matmul
-(`formats.rotate`) before the kernel, so the kernel sees exactly the reference's rotated input.
+software FP8 rounding; see quant.py). Hadamard formats rotate with the reference's own `formats.rotate`
+before the kernel, so the kernel sees exactly the reference's rotated input.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import KvxError, Status
 from ...formats import CacheFormat, FP8Format, MXFP4Format, rotate
+from ..checks import WriteArgs, check_write_args
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .quant import cast_exact, ceil_log2, e4m3_f32, e2m1_code, f32_to_f8_bits, floor_log2, is_finite, rint, to_f32
 from .spec import kernel_format
@@ -163,15 +163,11 @@ def _write_kernel(
 
 
 def _side(name, x, data, scales, gs, tf, d, hkv):
-    """Validated kernel arguments and constexprs of one of K/V."""
+    """Kernel arguments and constexprs of one of K/V (`x` checked by `check_write_args`; here its pools)."""
     from . import _check_pool, _gs, _scale_args, _u8
     kf = kernel_format(tf)
     _check_pool(name, data, kf, d)
-    if x.dim() != 3 or x.shape[1] != hkv or x.shape[2] != d or x.stride(2) != 1 \
-            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise KvxError(Status.INVALID_ARGUMENT,
-                       f"{name} must be bf16/fp16/fp32 [T, H_kv={hkv}, D={d}] with a contiguous last dim, "
-                       f"got {x.dtype} {tuple(x.shape)}")
+    x = x if x.stride(2) == 1 else x.contiguous()
     sc = _scale_args(name, scales, data, kf, tf, d)
     grp = kf.group or 16
     ngp = triton.next_power_of_2(max(1, d // grp))
@@ -182,45 +178,45 @@ def _side(name, x, data, scales, gs, tf, d, hkv):
     return args, consts
 
 
+@torch.no_grad()
 def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
              k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
-             fmt: CacheFormat | str, k_gs=None, v_gs=None, *, check_slots: bool = True, block_t: int | None = None) -> None:
+             fmt: CacheFormat | str, k_gs=None, v_gs=None, *, check: bool = True, block_t: int | None = None) -> None:
     """Quantize `key`/`value [T, H_kv, D]` (bf16/fp16/fp32) in `fmt` and scatter them into the HND pools
     at `slot_mapping [T]` (int32/int64; negative = skip), one launch for K and V.
 
-    `check_slots` verifies (one host sync) that valid slots are in range and unique, as the reference
-    does; hot paths that validated their slot mapping upstream pass False.
+    Everything (both sides, pools, slots, global scales) is checked before the launch, so a rejected call
+    stores nothing. `check` adds the value checks (host syncs), as the reference does: valid slots in range
+    and unique, global scales finite and > 0; hot paths that validated them upstream pass False.
     """
-    from . import _check_device, _fmt
+    from . import _fmt, _pool_geometry
     fmt = _fmt(fmt)
-    _check_device(key, value, slot_mapping, k_data, v_data)
-    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64) \
-            or slot_mapping.numel() != key.shape[0] or value.shape[0] != key.shape[0]:
-        raise KvxError(Status.INVALID_ARGUMENT, f"slot_mapping must be int32/int64 [T={key.shape[0]}] and K/V must "
-                       f"have T rows, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}, V {tuple(value.shape)}")
-    d = int(key.shape[-1]) if key.dim() == 3 else -1
-    fmt.check_head_dim(d)
-    nb, hkv, bs = k_data.shape[:3]
-    if tuple(v_data.shape[:3]) != (nb, hkv, bs):
-        raise KvxError(Status.INVALID_ARGUMENT, "K and V pools must share [num_blocks, H_kv, block_size]")
-    if check_slots:
-        valid = slot_mapping[slot_mapping >= 0]
-        if valid.numel():
-            if int(valid.max()) >= nb * bs:
-                raise KvxError(Status.OUT_OF_RANGE, f"slot {int(valid.max())} >= {nb * bs} slots in the cache")
-            if valid.unique().numel() != valid.numel():
-                raise KvxError(Status.INVALID_ARGUMENT, "slot mapping names the same slot twice in one write batch")
-    if fmt.rotate:
-        key, value = rotate(key), rotate(value)  # the reference's own matmul: bit-identical inputs
-    kargs, kc = _side("K", key, k_data, k_scales, k_gs, fmt.k, d, hkv)
-    vargs, vc = _side("V", value, v_data, v_scales, v_gs, fmt.v, d, hkv)
+    nb, hkv, bs = _pool_geometry(k_data, v_data)
+    args = check_write_args(fmt, key, value, slot_mapping, num_slots=nb * bs, num_kv_heads=hkv, k_gs=k_gs, v_gs=v_gs,
+                            check=check)
+    launch_write(key, value, args, k_data, k_scales, v_data, v_scales, fmt, block_t=block_t)
+
+
+def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data: torch.Tensor,
+                 k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
+                 fmt: CacheFormat, *, block_t: int | None = None) -> None:
+    """The fused write of arguments `check_write_args` accepted for these pools (`write_kv`, and `ops.dispatch`
+    after its descriptor-level check); the pools themselves are checked here, still before the launch."""
+    from . import _check_device, _pool_geometry
+    _, hkv, bs = _pool_geometry(k_data, v_data)
+    _check_device(key, value, args.slots, k_data, v_data)
+    d = int(key.shape[2])
+    if fmt.rotate:  # the reference's own rotation: bit-identical inputs
+        key, value = rotate(key), rotate(value)
+    kargs, kc = _side("K", key, k_data, k_scales, args.k_gs, fmt.k, d, hkv)
+    vargs, vc = _side("V", value, v_data, v_scales, args.v_gs, fmt.v, d, hkv)
     t = int(key.shape[0])
     if t == 0:
         return
     dp = triton.next_power_of_2(d)
     bt = block_t or max(1, min(64, 4096 // dp))
     _write_kernel[(triton.cdiv(t, bt), hkv, 2)](
-        slot_mapping, t, *kargs, *vargs,
+        args.slots, t, *kargs, *vargs,
         D=d, DP=dp, BT=bt, BS=bs,
         KF=kc[0], KGRP=kc[1], KNGP=kc[2], KE5=kc[3], KRCEIL=kc[4],
         VF=vc[0], VGRP=vc[1], VNGP=vc[2], VE5=vc[3], VRCEIL=vc[4],
