@@ -584,3 +584,26 @@ def test_rot_kernel_paths_are_batch_invariant(name, kernel_path):
     full = dispatch.gather_kv(c.descriptor(0), _gd(BlockTable.packed(torch.tensor([[0, 1]])), (8,), 8))
     one = dispatch.gather_kv(c.descriptor(0), _gd(BlockTable.packed(torch.tensor([[0, 1]])), (1,), 8))
     assert torch.equal(one.key, full.key[:1]) and torch.equal(one.value, full.value[:1])
+
+
+# ----------------------------------------------------------------------------- the same on CUDA pools (GPU machine)
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("name", ["fp8_e4m3", "nvfp4", "k8v4_rot"])
+def test_rejected_write_changes_nothing_gpu(name, entry):
+    """F1 on the natural kernel path: a bad V global scale or a duplicate slot stores nothing."""
+    c = _cache(name, device="cuda")
+    snap = _snapshot(c)
+    x, slots = _x().cuda(), torch.tensor([5, 9, 2], device="cuda")
+    _raises(INV, lambda: _write(entry, c, x, x, slots, vg=torch.tensor([1.0, 0.0], device="cuda")))
+    _raises(INV, lambda: _write(entry, c, x, x, torch.tensor([5, 9, 5], device="cuda")))
+    _assert_unchanged(c, snap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotate_batch_invariant_gpu(d):
+    x = torch.randn(512, 8, d, generator=torch.Generator().manual_seed(d)).cuda()
+    full = rotate(x)
+    for n in (1, 3, 8, 64):
+        assert torch.equal(rotate(x[:n]), full[:n])
