@@ -120,7 +120,7 @@ def test_capacity_grows_by_format_ratio(runs, dtype):
 def test_generation_for_prompts_of_different_lengths(runs, dtype):
     r = runs[dtype]
     assert [len(t) for t in r["gen_tokens"]] == [24] * 4
-    assert all(text.strip() for text in r["gen_text"])
+    assert all(r["gen_text"])  # detokenized (content is the model's business)
 
 
 @pytest.mark.slow
@@ -151,8 +151,9 @@ def test_prefix_cache_reuse_is_exact(runs, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["kvx_nvfp4", "kvx_int4"])
 def test_rotated_end_to_end(runs, checkpoint, dtype):
-    """`--additional-config '{"kvx": {"rotate": true}}'` end to end: generation, prefix caching, and a
-    perplexity no worse than the unrotated run (measured: nvfp4 18.90 vs 19.27, int4 18.73 vs 19.88)."""
+    """`--additional-config '{"kvx": {"rotate": true}}'` end to end: generation, bit-identical prefix caching,
+    and perplexity within the format's bound of BF16 (measured: nvfp4 18.90 vs 19.27 unrotated, int4 18.73 vs
+    19.88; that rotation beats no rotation is this model's behaviour, not a KVX guarantee, so not asserted)."""
     p = subprocess.run([sys.executable, str(RUNNER), checkpoint, dtype, "--rotate"], env=ENV, capture_output=True,
                        text=True, timeout=300)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
@@ -161,25 +162,34 @@ def test_rotated_end_to_end(runs, checkpoint, dtype):
     assert r["rotate"] and r["num_blocks"] == runs[dtype]["num_blocks"]
     assert [len(t) for t in r["gen_tokens"]] == [24] * 4
     assert r["prefix"]["warm"] == r["prefix"]["cold"] and r["prefix"]["warm_cached"] > 0
-    assert r["ppl"] <= runs[dtype]["ppl"] * 1.01 and r["ppl"] <= runs["auto"]["ppl"] * (1 + PPL_BOUND[dtype]), \
-        (r["ppl"], runs[dtype]["ppl"])
+    assert r["ppl"] <= runs["auto"]["ppl"] * (1 + PPL_BOUND[dtype]), (r["ppl"], runs["auto"]["ppl"])
+
+
+GREEDY_GAP_NATS = 0.5
+"""Largest allowed logprob gap between a token generated under preemption and the top token of a solo,
+teacher-forced re-score of the same sequence: covers vLLM CPU's batch variance (BF16 `auto` logprobs move
+by up to 0.11 between solo and batched runs) amplified by quantization code flips; a page lost or written
+to the wrong block on recompute puts tokens several nats below the top (measured here: 0.0 for all 640)."""
 
 
 @pytest.mark.slow
 def test_preemption_and_recompute(checkpoint):
-    """A 10-block cache (1280 tokens) cannot hold 4 concurrent ~330-token requests: vLLM preempts one and
-    recomputes it later into freshly allocated pages; every request completes with all its tokens.
-    (Token-level equality with solo runs is not asserted: vLLM CPU is not batch-invariant - BF16 `auto`
-    logprobs move by up to 0.11 between solo and batched runs - and quantized caches turn that into code
-    flips, so kvx_int4 greedy outputs drift after 5-40 tokens; see compat_matrix.yaml.)"""
+    """A 10-block cache (1280 tokens) cannot hold 4 concurrent requests of ~160 + 160 tokens: vLLM preempts,
+    frees the preempted request's KVX pages and later recomputes them into fresh blocks. Asserted (what KVX
+    owns, on any CPU): every request finishes with all its tokens; every block returns to the pool; and each
+    token generated across preemption is greedy under a solo re-score of the finished sequence (fresh pages,
+    no preemption) within GREEDY_GAP_NATS. Free-running equality with solo runs is NOT asserted: vLLM CPU is
+    not batch-invariant and a 135M model's greedy text diverges after the first flip (compat_matrix.yaml)."""
     p = subprocess.run([sys.executable, str(RUNNER), checkpoint, "kvx_int4", "--preempt"], env=ENV,
-                       capture_output=True, text=True, timeout=400)
+                       capture_output=True, text=True, timeout=600)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, (p.stdout + p.stderr)[-4000:]
     r = json.loads(m.group(1))
     assert r["num_blocks"] == 10 and r["preemptions"] >= 1, r
-    assert [len(t) for t in r["together"]] == [160] * 4 and [len(t) for t in r["alone"]] == [160] * 4
-    assert all(len(set(t)) > 10 for t in r["together"]), "degenerate (repeating) continuations"
+    assert r["finished"] == [True] * 4 and [len(t) for t in r["together"]] == [160] * 4
+    assert r["free_blocks_after"] == r["free_blocks_before"] == r["num_blocks"] - 1, r  # vLLM keeps 1 null block
+    worst = max(max(g) for g in r["greedy_gaps"])
+    assert [len(g) for g in r["greedy_gaps"]] == [160] * 4 and worst <= GREEDY_GAP_NATS, worst
 
 
 def _free_port() -> int:

@@ -72,25 +72,43 @@ def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool) -> dict:
 
 def preempt(ckpt: str, cache_dtype: str) -> dict:
     """Preemption and recompute: a KV cache of 10 blocks (1280 tokens) cannot hold 4 concurrent requests of
-    ~320 tokens, so vLLM preempts and later recomputes some; their greedy tokens are compared with the same
-    requests run one at a time (no preemption) on the same engine."""
+    ~140-190 + 160 tokens, so vLLM preempts some and later recomputes their pages. Records what KVX owns there:
+    the block pool's free count before and after (every block released), and, per request, how far each
+    generated token's logprob lies below the top logprob when the finished sequence is re-scored alone
+    (teacher-forced prefill over fresh pages, no preemption): a page written wrongly on recompute shows as
+    tokens far from greedy; batch-variance noise of vLLM CPU stays within a small margin."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=1024, enforce_eager=True,
               max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=False, seed=0,
               num_gpu_blocks_override=10, disable_log_stats=False, distributed_executor_backend="uni")
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool  # in-process engine core
     base = "Write a long story about a lighthouse keeper and the ships that pass in the night. "
     prompts = [base * (8 + i) + f"Chapter {i + 1}:" for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=PREEMPT_GEN, ignore_eos=True)
-    alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
+    free_before = pool.get_num_free_blocks()
     before = _preemptions(llm)
     together = llm.generate(prompts, greedy, use_tqdm=False)
-    return {"dtype": cache_dtype, "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
-            "prompt_tokens": [len(r.prompt_token_ids) for r in together],
-            "preemptions": _preemptions(llm) - before,
-            "alone": [list(r.outputs[0].token_ids) for r in alone],
-            "together": [list(r.outputs[0].token_ids) for r in together]}
+    preemptions = _preemptions(llm) - before
+    free_after = pool.get_num_free_blocks()
+    gaps = []
+    for r in together:  # one at a time: 10 blocks hold one ~490-token sequence without preemption
+        ids = list(r.prompt_token_ids) + list(r.outputs[0].token_ids)
+        scored = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                              use_tqdm=False)[0]
+        n = len(r.prompt_token_ids)
+        gaps.append([_rank1(lp).logprob - lp[t].logprob
+                     for t, lp in zip(ids[n:], scored.prompt_logprobs[n:])])
+    cc = llm.llm_engine.vllm_config.cache_config
+    return {"dtype": cache_dtype, "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
+            "prompt_tokens": [len(r.prompt_token_ids) for r in together], "preemptions": preemptions,
+            "free_blocks_before": free_before, "free_blocks_after": free_after,
+            "finished": [r.finished for r in together],
+            "together": [list(r.outputs[0].token_ids) for r in together], "greedy_gaps": gaps}
+
+
+def _rank1(lp: dict):
+    return next(v for v in lp.values() if v.rank == 1)
 
 
 def _preemptions(llm) -> float:
