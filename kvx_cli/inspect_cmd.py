@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
 from kvx_adapters import flashinfer, tgi, trtllm, vllm
 from kvx_core.cache import PagedKVCache, page_bytes
 from kvx_core.descriptors import CacheDesc, TensorDesc
-from kvx_core.errors import KvxError, Status
+from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import get_format, list_formats
+
+from .args import UINT32_MAX, bounded_int
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -27,10 +30,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", help="engine attention backend: vllm " + "|".join(_BACKENDS["vllm"])
                    + "; tgi " + "|".join(_BACKENDS["tgi"]) + " (default: the engine's first)")
     p.add_argument("--layout", choices=("NHD", "HND"), default="NHD", help="physical block layout (default NHD)")
-    p.add_argument("--num-blocks", type=int, required=True)
-    p.add_argument("--block-size", type=int, required=True, help="tokens per block (page)")
-    p.add_argument("--kv-heads", type=int, required=True)
-    p.add_argument("--head-dim", type=int, required=True)
+    size = bounded_int(1, UINT32_MAX)
+    limits = f"1..{UINT32_MAX} (a uint32 of the C ABI); the cache must fit this machine's memory"
+    p.add_argument("--num-blocks", type=size, required=True, help=f"physical blocks, {limits}")
+    p.add_argument("--block-size", type=size, required=True, help=f"tokens per block (page), {limits}")
+    p.add_argument("--kv-heads", type=size, required=True, help=f"KV heads, {limits}")
+    p.add_argument("--head-dim", type=size, required=True, help=f"dimension per KV head, {limits}")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="cache element dtype (engines)")
     p.add_argument("--format", choices=list_formats(), help="KVX cache format (engine kvx only; default = --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -146,7 +151,31 @@ def _print_text(info: dict, engine: str) -> None:
     print("  validation: OK (KVX v1 spec §7.1)")
 
 
+def _cache_bytes(a: argparse.Namespace) -> int:
+    """Bytes `_engine_cache` will allocate for K and V (with scales for a KVX format)."""
+    if a.engine == "kvx":
+        return a.num_blocks * page_bytes(get_format(a.format or a.dtype), a.block_size, a.kv_heads, a.head_dim)
+    return 2 * a.num_blocks * a.block_size * a.kv_heads * a.head_dim * _DTYPES[a.dtype].itemsize
+
+
+def _physical_memory() -> int | None:
+    """This machine's RAM in bytes, None where the OS does not say (no sysconf)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _require_fits_memory(a: argparse.Namespace) -> None:
+    """Refuse a cache larger than this machine's memory before allocating (torch would raise or swap)."""
+    need, have = _cache_bytes(a), _physical_memory()
+    require(have is None or need <= have, Status.OUT_OF_RANGE,
+            f"this cache needs {need:,} bytes, more than this machine's {have or 0:,} bytes of memory: "
+            f"use fewer or smaller blocks")
+
+
 def run(a: argparse.Namespace) -> int:
+    _require_fits_memory(a)
     desc, tensors, cache = _engine_cache(a)
     info = describe(desc, tensors, cache)
     if a.json:

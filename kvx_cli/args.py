@@ -1,0 +1,41 @@
+"""argparse pieces shared by the `kvx` subcommands: bounded integers and one-line usage errors.
+
+Every numeric option is checked by its `type=` while the command line is parsed, so a bad value
+is refused before any work (no allocation, no model load) with one line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, NoReturn
+
+UINT32_MAX = 2**32 - 1  # the C ABI's sizes (num_blocks, block_size, num_kv_heads, head_dim) are uint32
+
+
+class UsageError(Exception):
+    """A command line that argparse refused; `kvx_cli.main.main` prints it as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line instead of a usage block plus SystemExit.
+
+    Subparsers inherit the class, so `kvx inspect --num-blocks -1` fails the same way.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse `type=` accepting a decimal integer in [lo, hi] and refusing anything else."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range [{lo}, {hi}]")
+        return value
+
+    parse.__name__ = f"integer in [{lo}, {hi}]"
+    return parse
