@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench, bench_graph, copy_bandwidth, emit, env_info  # noqa: E402
 
 from kvx_core.formats import get_format  # noqa: E402
-from kvx_core.ops.triton import decode_num_splits, paged_decode  # noqa: E402
-from kvx_core.ops.cuda.decode import num_splits as cuda_splits, supports  # noqa: E402
+from kvx_core.ops.cuda.decode import supports  # noqa: E402
+from kvx_core.ops.decode import cuda_num_splits, paged_decode, triton_num_splits  # noqa: E402
 from kvx_core.ops.triton.spec import kernel_format  # noqa: E402
 
 
@@ -150,7 +150,7 @@ def main():
                 variants.append(dict(backend="cuda"))
                 variants += [dict(backend="cuda", num_splits=int(x)) for x in args.cuda_splits.split(",") if x]
             if name in args.tune.split(",") and cfg in args.tune_configs.split(","):
-                auto = decode_num_splits(bsz, hkv, ctx, 128, torch.device(dev))
+                auto = triton_num_splits(bsz, hkv, ctx, 128, torch.device(dev))
                 variants = []
                 for bn in (64, 128):
                     for nw in (4, 8):
@@ -163,10 +163,10 @@ def main():
                 try:
                     kw = dict(var)
                     if kw.get("backend") == "cuda":
-                        kw.setdefault("num_splits", cuda_splits(bsz, hkv, ctx, info["sms"]))
+                        kw.setdefault("num_splits", cuda_num_splits(bsz, hkv, ctx, info["sms"]))
                     elif kw.get("backend") == "triton":
-                        kw.setdefault("num_splits", decode_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64,
-                                                                      torch.device(dev)))
+                        kw.setdefault("num_splits", triton_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64,
+                                                                       torch.device(dev)))
                     # backend "auto" picks its kernel and splits itself, as a user's call does
                     fn = lambda: paged_decode(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=ctx,  # noqa: E731
                                               out=out, lse=lse, **kw)

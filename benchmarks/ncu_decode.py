@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import random_pool  # noqa: E402
 
 from kvx_core.formats import get_format  # noqa: E402
-from kvx_core.ops.triton import paged_decode  # noqa: E402
+from kvx_core.ops.decode import paged_decode  # noqa: E402
 
 
 def main() -> None:

@@ -131,7 +131,7 @@ def _kernel_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, check:
 def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
                  max_seq_len: int | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention.paged_decode`, on the decode kernels (CUDA or Triton, `ops.triton.paged_decode`'s choice)
+    """`attention.paged_decode`, on the decode kernels (CUDA or Triton, `ops.decode.paged_decode`'s choice)
     for PACKED tables over kernel-addressable pools. `check` validates the table against the cache (one host
     sync); engines that own their tables pass False and `max_seq_len` to stay sync-free (CUDA graphs)."""
     attention.check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap,
@@ -140,7 +140,7 @@ def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_l
     if args is None:
         return attention.paged_decode(query, cache, table, seq_lens, sm_scale=sm_scale, softcap=softcap, window=window)
     (kd, ks, vd, vs, fmt), bt, lens, (kg, vg) = args
-    from .triton import paged_decode as kernel
+    from .decode import paged_decode as kernel
     return kernel(query, kd, ks, vd, vs, kg, vg, bt, lens, fmt, sm_scale=sm_scale, softcap=softcap, window=window,
                   max_seq_len=max_seq_len)
 

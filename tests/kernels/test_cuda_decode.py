@@ -16,7 +16,7 @@ from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
 from kvx_core.ops.cuda import build, nvcc_path
 from kvx_core.ops.cuda.decode import DecodeParams, supports
-from kvx_core.ops.triton import paged_decode
+from kvx_core.ops.decode import paged_decode
 
 CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -54,14 +54,14 @@ def _check(o, lse, ro, rl, tol=1e-2):
 
 # ------------------------------------------------------------------ CPU: build + ABI mirror
 def test_cuda_source_compiles_and_mirror_matches(tmp_path):
-    """nvcc compiles decode_fp4.cu for sm_90a; the ctypes DecodeParams has the C struct's size."""
+    """nvcc compiles paged_decode_mma.cu for sm_90a; the ctypes DecodeParams has the C struct's size."""
     if nvcc_path() is None:
         if os.environ.get("CI"):
             pytest.fail("nvcc is required in CI (it compiles the CUDA decode kernel)")
         pytest.skip("nvcc not installed")
     lib = ctypes.CDLL(str(build("90a", out_dir=tmp_path)))
     assert lib.kvx_decode_params_size() == ctypes.sizeof(DecodeParams)
-    assert build("90a", out_dir=tmp_path) == next(tmp_path.glob("kvx_decode_fp4-90a-*.so"))  # cached
+    assert build("90a", out_dir=tmp_path) == next(tmp_path.glob("kvx_paged_decode_mma-90a-*.so"))  # cached
 
 
 def test_supports_names_the_reason():

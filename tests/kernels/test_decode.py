@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvx_core.formats import get_format, list_formats
-from kvx_core.ops.triton import paged_decode
+from kvx_core.ops.decode import paged_decode
 from oracle import make_pools, make_table, ref_decode
 
 ALL = list_formats()

@@ -1,4 +1,5 @@
-"""CUDA kernels of KVX: the 4-bit paged decode (`decode_fp4.cu`), built with nvcc on first use.
+"""CUDA kernels of KVX: the paged decode on tensor cores (`paged_decode_mma.cu`: NVFP4, MXFP4, INT4, INT8 and FP8
+caches), built with nvcc on first use.
 
 The library is compiled for the current GPU's architecture (SM 8.9+, `sm_90a` on Hopper) into
 `$KVX_CUDA_CACHE` (default `~/.cache/kvx/cuda`), keyed by the source hash, the architecture and the
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from ...errors import KvxError, Status
 
-SOURCE = Path(__file__).with_name("decode_fp4.cu")
+SOURCE = Path(__file__).with_name("paged_decode_mma.cu")
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
 
@@ -47,7 +48,7 @@ def arch_of(capability: tuple[int, int]) -> str:
 
 
 def build(arch: str, nvcc: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compile `decode_fp4.cu` for `arch` (e.g. '90a') into a shared library; cached by content."""
+    """Compile `paged_decode_mma.cu` for `arch` (e.g. '90a') into a shared library; cached by content."""
     nvcc = nvcc or nvcc_path()
     if nvcc is None:
         raise KvxError(Status.UNSUPPORTED, "nvcc not found (set CUDA_HOME): KVX builds its CUDA decode kernel "
@@ -55,7 +56,7 @@ def build(arch: str, nvcc: str | None = None, out_dir: Path | None = None) -> Pa
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
-    lib = out_dir / f"kvx_decode_fp4-{arch}-{key}.so"
+    lib = out_dir / f"kvx_paged_decode_mma-{arch}-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,19 +74,13 @@ def build(arch: str, nvcc: str | None = None, out_dir: Path | None = None) -> Pa
 
 
 def library(device) -> ctypes.CDLL:
-    """The loaded kernel library for a torch CUDA device (built on first use)."""
+    """The loaded kernel library for a torch CUDA device (built on first use; `decode.kernel_library` sets the
+    kernel's signature and checks its parameter struct)."""
     import torch
     arch = arch_of(torch.cuda.get_device_capability(device))
     with _LOCK:
         if arch not in _LIBS:
-            lib = ctypes.CDLL(str(build(arch)))
-            lib.kvx_decode_fp4.restype = ctypes.c_int
-            lib.kvx_decode_fp4.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_void_p]
-            lib.kvx_decode_params_size.restype = ctypes.c_int
-            from .decode import DecodeParams
-            if lib.kvx_decode_params_size() != ctypes.sizeof(DecodeParams):
-                raise KvxError(Status.INTERNAL_ERROR, "DecodeParams ctypes mirror does not match decode_fp4.cu")
-            _LIBS[arch] = lib
+            _LIBS[arch] = ctypes.CDLL(str(build(arch)))
         return _LIBS[arch]
 
 

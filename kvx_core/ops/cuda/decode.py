@@ -1,20 +1,20 @@
-"""Launcher of the CUDA 4-bit paged decode (`decode_fp4.cu`): which calls it serves, and the launch.
+"""Launcher of the CUDA paged decode (`paged_decode_mma.cu`): which calls it serves, and the launch.
 
 It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries), INT4, INT8 and FP8 E4M3/E5M2 (f16/bf16)
 caches whose K and V use the same format (rotated variants too), head_dim 64/128/256, 1..16 query heads
 per KV head, block sizes that are multiples of 16, dense token rows aligned for word loads; 4 warps/CTA. Anything else goes to the
-Triton kernel (`supports` says why). The kernel writes per-split partial outputs that the Triton reduce
-kernel merges, exactly as the Triton decode kernel does.
+Triton kernel (`supports` says why). The kernel writes per-split partial outputs that the Triton split merge
+(`ops/triton/merge.py`) merges, exactly as the Triton decode kernel does.
 """
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat, FP8Format, IntFormat, MXFP4Format, NVFP4Format
+from . import cuda_error_name, library
 
 F_NVFP4, F_MXFP4, F_INT4, F_E4M3, F_E5M2, F_INT8 = 0, 1, 2, 3, 4, 5
 BYTE_FORMATS = (F_E4M3, F_E5M2, F_INT8)  # one byte per element
@@ -37,6 +37,20 @@ class DecodeParams(ctypes.Structure):
         ("sm_scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
         ("qh", ctypes.c_int32), ("bs", ctypes.c_int32), ("num_splits", ctypes.c_int32),
     ]
+
+
+def kernel_library(device) -> ctypes.CDLL:
+    """The kernel library for a CUDA device (`library`), with `kvx_paged_decode`'s signature set and the
+    DecodeParams mirror checked against the C struct's size (INTERNAL_ERROR if they differ)."""
+    lib = library(device)
+    if not getattr(lib, "_kvx_checked", False):
+        lib.kvx_paged_decode.restype = ctypes.c_int
+        lib.kvx_paged_decode.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+        lib.kvx_decode_params_size.restype = ctypes.c_int
+        if lib.kvx_decode_params_size() != ctypes.sizeof(DecodeParams):
+            raise KvxError(Status.INTERNAL_ERROR, "DecodeParams ctypes mirror does not match paged_decode_mma.cu")
+        lib._kvx_checked = True
+    return lib
 
 
 def _code(fmt: CacheFormat) -> tuple[int, int] | None:
@@ -101,24 +115,10 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
     return None
 
 
-def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """Splits per (sequence, KV head): >= 9 CTAs per SM for large batches (4 resident per SM), ~4 per SM
-    when there are fewer (sequence, KV head) pairs than SMs; at least 2 tiles per warp.
-
-    Runs 8-10 (H200, GQA 32/8, D=128): B=64 at 32k, 3 splits best (2: +1.5%, 1: +4%, 64: +15%);
-    B=1 at 32k, 64 splits (34 us) beat 32 (39 us) and 16 (57 us).
-    """
-    base = max(1, batch * num_kv_heads)
-    ctas = 4 * sm_count if base < sm_count else 9 * sm_count
-    by_len = max(1, math.ceil(max_seq_len / (32 * WARPS)))
-    return int(max(1, min(math.ceil(ctas / base), by_len, 256)))
-
-
 def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
            mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
            window: int | None) -> None:
     """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`."""
-    from . import cuda_error_name, library
     code, group = _code(fmt)
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
@@ -140,10 +140,10 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     p.sm_scale, p.softcap = sm_scale, float(softcap) if softcap else 0.0
     p.window = min(int(window), 2**31 - 1) if window is not None and window >= 0 else -1  # int32 field: saturate
     p.qh, p.bs, p.num_splits = hq // hkv, bs, mid_o.shape[2]
-    lib = library(q.device)
+    lib = kernel_library(q.device)
     with torch.cuda.device(q.device):  # the kernel launches into the calling thread's current context
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        err = lib.kvx_decode_fp4(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group, WARPS, bsz,
+        err = lib.kvx_paged_decode(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group, WARPS, bsz,
                                  hkv, stream)
     if err != 0:
         raise KvxError(Status.INTERNAL_ERROR, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")

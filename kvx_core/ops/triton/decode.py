@@ -5,11 +5,15 @@ all `QH = Hq / H_kv` query heads that share the KV head (GQA), dequantizes in re
 `dequant.py`), and runs the online softmax with the tile dots on tensor cores (M = QH padded to 16).
 4-bit formats are never interleaved in registers: even head_dim elements (low nibbles) and odd ones
 (high nibbles) are contracted separately against the even / odd query halves, and the V halves
-accumulate into even / odd output columns. The reduction kernel merges the splits (LSE-weighted),
-rotates the output back for Hadamard formats, casts to the query dtype and writes the LSE.
+accumulate into even / odd output columns. `merge.py` merges the splits (LSE-weighted), rotates the output
+back for Hadamard formats, casts to the query dtype and writes the LSE. `launch_decode` (below) launches this
+kernel; `kvx_core/ops/decode.py` checks the arguments, chooses the backend and the splits, and merges.
 """
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
@@ -17,7 +21,9 @@ from .dequant import (
     F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, TWO_POW_24, dot_f32, e2m1_hi_f16_x4, e2m1_lo_f16_x4,
     e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, lse_or_empty, u4_hi_f16_sub, u4_lo_f16_sub, u8_f16_sub,
 )
+from .launch import as_bytes, fp8_type, interpreting, next_pow2
 from .quant import f16_bytes_f32
+from .spec import KernelFormat, kernel_format
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -274,47 +280,50 @@ def _decode_kernel(
         tl.store(MO + mo_row[:, None] + offs_d[None, :], oa, mask=rmask[:, None])
 
 
-@triton.jit
-def _reduce_kernel(
-    MO, s_mob, s_moh, s_mos,
-    ML, s_mlb, s_mlh,
-    O, s_ob, s_oh,
-    LSE, s_lb, s_lh,
-    num_splits,
-    D: tl.constexpr, DB: tl.constexpr, SB: tl.constexpr, ROTATE: tl.constexpr, RSD: tl.constexpr,
-):
-    """Merge the splits of one (sequence, query head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s.
+def default_block_n(kk: KernelFormat, kv: KernelFormat, head_dim: int) -> int:
+    """Key tile of the Triton decode for K / V kernel formats `kk` / `kv`."""
+    if kk.storage == torch.float32 or kv.storage == torch.float32:
+        return 16
+    if kk.storage in (torch.bfloat16, torch.float16) or kv.storage in (torch.bfloat16, torch.float16):
+        return 64 if head_dim <= 128 else 32
+    if kk.packed and kv.packed:
+        return 64  # run 3 (H200, B=64 32k): 64 beat 128 by 9-10% on int4 and nvfp4
+    return 128 if head_dim <= 128 else 64  # 8-bit payloads (run-2 sweep winners on H200)
 
-    Program (b, hq, j) owns output columns [j*DB, (j+1)*DB) (DB = D when the output is rotated back: the
-    Hadamard needs the whole row); splits are read SB at a time as one [SB, DB] tile (one memory latency
-    per SB splits, not per split), so small batches still spread the reduction over many SMs.
-    """
-    b = tl.program_id(0).to(tl.int64)
-    hq = tl.program_id(1).to(tl.int64)
-    d0 = tl.program_id(2) * DB
-    offs_s = tl.arange(0, SB)
-    offs_d = d0 + tl.arange(0, DB)
-    m = float("-inf")
-    l = 0.0
-    acc = tl.zeros([DB], tl.float32)
-    for s0 in range(0, num_splits, SB):
-        sp = s0 + offs_s
-        smask = sp < num_splits
-        lse2 = tl.load(ML + b * s_mlb + hq * s_mlh + sp, mask=smask, other=float("-inf"))
-        o = tl.load(MO + b * s_mob + hq * s_moh + sp[:, None] * s_mos + offs_d[None, :], mask=smask[:, None],
-                    other=0.0)
-        m_new = tl.maximum(m, tl.max(lse2, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse2 - m_safe)
-        l = l * alpha + tl.sum(w, axis=0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
-        m = m_new
-    l_safe = tl.where(l > 0, l, 1.0)
-    out = acc / l_safe
-    if ROTATE:
-        out = tl.sum(out[:, None] * hadamard_tile(D, D, 1, 0, 1, 0), axis=0) * RSD
-    lse = lse_or_empty(l, (m + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(O + b * s_ob + hq * s_oh + offs_d, out.to(O.dtype.element_ty))
-    if d0 == 0:
-        tl.store(LSE + b * s_lb + hq * s_lh, lse)
+
+def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
+                  softcap, window, block_n, num_warps, num_stages) -> None:
+    """The Triton split-KV decode kernel on checked arguments: per-split partials into `mid_o [B, Hq, S, D]` /
+    `mid_l [B, Hq, S]` (`ks` / `vs`: `launch.scale_args`; `kg` / `vg`: `launch.global_scale_arg`)."""
+    bsz, hq, d = q.shape
+    _, hkv, bs, _ = k_data.shape
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    qh = hq // hkv
+    bm = max(16, next_pow2(qh))
+    num_splits = mid_o.shape[2]
+    kdt, vdt = kk.dot_dtype(q.dtype), kv.dot_dtype(q.dtype)
+    rsd = 1.0 / math.sqrt(d)
+    if block_n is None:
+        block_n = default_block_n(kk, kv, d)
+    if num_warps is None:
+        num_warps = 4  # run-2 sweep: 8 warps lost 0-45% on every format
+    if num_stages is None:
+        num_stages = 2 if (kk.packed or kv.packed) else 3
+    _decode_kernel[(bsz, hkv, num_splits)](
+        q, q.stride(0), q.stride(1),
+        as_bytes(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        ks[0], ks[1], ks[2], ks[3],
+        as_bytes(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2),
+        vs[0], vs[1], vs[2], vs[3],
+        kg, vg,
+        block_table, block_table.stride(0), seq_lens,
+        mid_o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_l, mid_l.stride(0), mid_l.stride(1),
+        sm_scale, float(softcap) if softcap else 1.0, int(window) if window is not None and window >= 0 else 0,
+        BS=bs, QH=qh, BM=bm, D=d, BLOCK_N=block_n,
+        KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
+        KDT=kdt, VDT=vdt, KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
+        KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(k_data.dtype), V8=fp8_type(v_data.dtype),
+        ROTATE=fmt.rotate, SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, RSD=rsd,
+        ASM=not interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )

@@ -17,6 +17,7 @@ from ...formats import CacheFormat, FP8Format, rotate
 from ..checks import (IO_DTYPES, check_block_ids, check_max_seq_len, check_no_alias, check_out_dtype, global_scale,
                       require_type)
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
+from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
 from .quant import cast_exact, e2m1_value, e4m3_f32, f8_byte_f32, f16_bytes_f32
 from .spec import kernel_format
 
@@ -110,12 +111,11 @@ def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch
     `block_table` is PACKED int32/int64 `[B, max_blocks]`; `seq_lens` int32/int64 `[B]`. Host syncs (the total,
     and the checks: block ids a sequence uses lie in the pools, global scales are finite and > 0).
     """
-    from . import _check_device, _check_pool, _fmt, _gs, _pool_geometry, _scale_args, _u8
-    fmt = _fmt(fmt)
-    nb, hkv, bs = _pool_geometry(k_data, v_data)
+    fmt = as_format(fmt)
+    nb, hkv, bs = pool_geometry(k_data, v_data)
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
         require_type(t, torch.Tensor, name)
-    _check_device(k_data, v_data, block_table, seq_lens)
+    check_device(k_data, v_data, block_table, seq_lens)
     idx = (torch.int32, torch.int64)
     if block_table.dim() != 2 or block_table.dtype not in idx or seq_lens.dtype not in idx or seq_lens.dim() != 1 \
             or seq_lens.numel() != block_table.shape[0]:
@@ -126,9 +126,9 @@ def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch
     kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
     d = k_data.shape[3] * (2 if kk.packed else 1)
     fmt.check_head_dim(d)
-    _check_pool("K", k_data, kk, d)
-    _check_pool("V", v_data, kv, d)
-    ks, vs = _scale_args("K", k_scales, k_data, kk, fmt.k, d), _scale_args("V", v_scales, v_data, kv, fmt.v, d)
+    check_pool("K", k_data, kk, d)
+    check_pool("V", v_data, kv, d)
+    ks, vs = scale_args("K", k_scales, k_data, kk, fmt.k, d), scale_args("V", v_scales, v_data, kv, fmt.v, d)
     kg = global_scale(fmt.k, k_gs, hkv, k_data.device, "K global scale")
     vg = global_scale(fmt.v, v_gs, hkv, k_data.device, "V global scale")
     lens = seq_lens.to(torch.int64)
@@ -159,9 +159,11 @@ def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch
         e5 = lambda tf: isinstance(tf, FP8Format) and tf.name == "fp8_e5m2"
         _gather_kernel[(triton.cdiv(max_len, block_t), block_table.shape[0], 2 * hkv)](
             block_table, block_table.stride(0), seq_lens, cu, max_len, hkv,
-            _u8(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks, _gs(kg, kk, hkv, k_data.device),
+            as_bytes(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks,
+            global_scale_arg(kg, kk, hkv, k_data.device),
             ko, ko.stride(0), ko.stride(1),
-            _u8(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs, _gs(vg, kv, hkv, v_data.device),
+            as_bytes(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs,
+            global_scale_arg(vg, kv, hkv, v_data.device),
             vo, vo.stride(0), vo.stride(1),
             D=d, DP=dp, BT=block_t, BS=bs,
             KF=kk.code, KGRP=kk.group or 16, KNGP=ngp(kk), KE5=e5(fmt.k),

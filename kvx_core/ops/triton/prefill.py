@@ -24,6 +24,7 @@ from .dequant import (
     F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, e2m1_hi_f16, e2m1_lo_f16, e4m3_byte_f16, e8m0_f32_x2p14,
     lse_or_empty, u4_hi_f16, u4_lo_f16, u8_code_f16,
 )
+from .launch import as_bytes, as_format, check_device, check_pool, fp8_type, global_scale_arg, scale_args
 from .quant import f16_bytes_f32
 from .spec import kernel_format
 
@@ -275,9 +276,8 @@ def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_
     `qo_indptr` int32 `[B+1]`; `seq_lens` int32 `[B]` = cached lengths INCLUDING the new tokens.
     `plan` = `prefill_plan(qo_indptr, Hq // H_kv, block_m)` may be computed once and reused.
     """
-    from . import _check_device, _check_pool, _f8, _fmt, _gs, _scale_args, _u8
-    fmt = _fmt(fmt)
-    _check_device(q, qo_indptr, k_data, v_data, block_table, seq_lens)
+    fmt = as_format(fmt)
+    check_device(q, qo_indptr, k_data, v_data, block_table, seq_lens)
     if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1:
         raise KvxError(Status.INVALID_ARGUMENT, f"q must be bf16/fp16 [T, Hq, D] with a contiguous last dim, got {q.dtype} {tuple(q.shape)}")
     t, hq, d = q.shape
@@ -285,8 +285,8 @@ def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_
     fmt.check_head_dim(d)
     if d & (d - 1) or d < 32:
         raise KvxError(Status.UNSUPPORTED, f"paged_prefill supports power-of-two head_dim >= 32, got {d}")
-    _check_pool("K", k_data, kk, d)
-    _check_pool("V", v_data, kv, d)
+    check_pool("K", k_data, kk, d)
+    check_pool("V", v_data, kv, d)
     nb, hkv, bs, _ = k_data.shape
     bsz = seq_lens.numel()
     if hq % hkv or tuple(v_data.shape[:3]) != (nb, hkv, bs):
@@ -297,8 +297,8 @@ def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_
     qh = hq // hkv
     if plan is None:
         plan = prefill_plan(qo_indptr, qh, block_m)
-    ks = _scale_args("K", k_scales, k_data, kk, fmt.k, d)
-    vs = _scale_args("V", v_scales, v_data, kv, fmt.v, d)
+    ks = scale_args("K", k_scales, k_data, kk, fmt.k, d)
+    vs = scale_args("V", v_scales, v_data, kv, fmt.v, d)
     if block_n is None:
         block_n = _default_block_n(kk, kv)
     if num_warps is None:
@@ -312,9 +312,9 @@ def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_
     if plan[0].numel():
         _prefill_kernel[(plan[0].numel(), hkv)](
             qq, qq.stride(0), qq.stride(1), o, o.stride(0), o.stride(1), lse, lse.stride(0), lse.stride(1),
-            _u8(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks,
-            _u8(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs,
-            _gs(k_gs, kk, hkv, q.device), _gs(v_gs, kv, hkv, q.device),
+            as_bytes(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks,
+            as_bytes(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs,
+            global_scale_arg(k_gs, kk, hkv, q.device), global_scale_arg(v_gs, kv, hkv, q.device),
             block_table, block_table.stride(0), seq_lens, qo_indptr, plan[0], plan[1],
             1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale), float(softcap) if softcap else 1.0,
             int(window_left) if window_left is not None and window_left >= 0 else 0,
@@ -322,7 +322,7 @@ def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_
             KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
             KDT=kk.dot_dtype(q.dtype), VDT=kv.dot_dtype(q.dtype),
             KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
-            KGS=kk.global_scale, VGS=kv.global_scale, K8=_f8(k_data.dtype), V8=_f8(v_data.dtype),
+            KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(k_data.dtype), V8=fp8_type(v_data.dtype),
             CAUSAL=causal, SOFTCAP=bool(softcap), WINDOW=window_left is not None and window_left >= 0,
             num_warps=num_warps, num_stages=num_stages,
         )

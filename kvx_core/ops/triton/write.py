@@ -15,6 +15,7 @@ import triton.language as tl
 from ...formats import CacheFormat, FP8Format, MXFP4Format, rotate
 from ..checks import WriteArgs, check_write_args
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
+from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
 from .quant import cast_exact, ceil_log2, e4m3_f32, e2m1_code, f32_to_f8_bits, floor_log2, is_finite, rint, to_f32
 from .spec import kernel_format
 
@@ -164,17 +165,16 @@ def _write_kernel(
 
 def _side(name, x, data, scales, gs, tf, d, hkv):
     """Kernel arguments and constexprs of one of K/V (`x` checked by `check_write_args`; here its pools)."""
-    from . import _check_pool, _gs, _scale_args, _u8
     kf = kernel_format(tf)
-    _check_pool(name, data, kf, d)
+    check_pool(name, data, kf, d)
     x = x if x.stride(2) == 1 else x.contiguous()
-    sc = _scale_args(name, scales, data, kf, tf, d)
+    sc = scale_args(name, scales, data, kf, tf, d)
     grp = kf.group or 16
     ngp = triton.next_power_of_2(max(1, d // grp))
     consts = (kf.code, grp, ngp, isinstance(tf, FP8Format) and tf.name == "fp8_e5m2",
               not isinstance(tf, MXFP4Format) or tf.scale_rule == "rceil")
-    args = (x, x.stride(0), x.stride(1), _u8(data), data.stride(0), data.stride(1), data.stride(2), *sc,
-            _gs(gs, kf, hkv, x.device))
+    args = (x, x.stride(0), x.stride(1), as_bytes(data), data.stride(0), data.stride(1), data.stride(2), *sc,
+            global_scale_arg(gs, kf, hkv, x.device))
     return args, consts
 
 
@@ -189,9 +189,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
     stores nothing. `check` adds the value checks (host syncs), as the reference does: valid slots in range
     and unique, global scales finite and > 0; hot paths that validated them upstream pass False.
     """
-    from . import _fmt, _pool_geometry
-    fmt = _fmt(fmt)
-    nb, hkv, bs = _pool_geometry(k_data, v_data)
+    fmt = as_format(fmt)
+    nb, hkv, bs = pool_geometry(k_data, v_data)
     args = check_write_args(fmt, key, value, slot_mapping, num_slots=nb * bs, num_kv_heads=hkv, k_gs=k_gs, v_gs=v_gs,
                             check=check)
     launch_write(key, value, args, k_data, k_scales, v_data, v_scales, fmt, block_t=block_t)
@@ -202,9 +201,8 @@ def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data
                  fmt: CacheFormat, *, block_t: int | None = None) -> None:
     """The fused write of arguments `check_write_args` accepted for these pools (`write_kv`, and `ops.dispatch`
     after its descriptor-level check); the pools themselves are checked here, still before the launch."""
-    from . import _check_device, _pool_geometry
-    _, hkv, bs = _pool_geometry(k_data, v_data)
-    _check_device(key, value, args.slots, k_data, v_data)
+    _, hkv, bs = pool_geometry(k_data, v_data)
+    check_device(key, value, args.slots, k_data, v_data)
     d = int(key.shape[2])
     if fmt.rotate:  # the reference's own rotation: bit-identical inputs
         key, value = rotate(key), rotate(value)

@@ -21,7 +21,7 @@
 // One CTA = (split, KV head, sequence). Its warps take 16-token tiles round-robin, each with its own
 // online softmax (a warp's next tile's words are loaded while its current tile is computed), and are merged through
 // shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
-// Triton reduce kernel (kvx_core/ops/triton/decode.py), which merges the splits.
+// Triton split merge (kvx_core/ops/triton/merge.py), which merges the splits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -659,8 +659,8 @@ int kvx_decode_params_size(void) { return (int)sizeof(kvx::DecodeParams); }
 // fmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4, 3 FP8 E4M3, 4 FP8 E5M2, 5 INT8;
 // bf16: the query dtype is bf16 (else f16). 4 warps per CTA. Returns a cudaError_t (0 = launched);
 // cudaErrorInvalidValue for an unsupported combination.
-int kvx_decode_fp4(const kvx::DecodeParams* p, int fmt, int bf16, int head_dim, int group, int num_warps,
-                   int batch, int num_kv_heads, void* stream) {
+int kvx_paged_decode(const kvx::DecodeParams* p, int fmt, int bf16, int head_dim, int group, int num_warps,
+                      int batch, int num_kv_heads, void* stream) {
   using namespace kvx;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || num_warps != kvx::NW) return (int)cudaErrorInvalidValue;

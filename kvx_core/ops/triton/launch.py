@@ -1,0 +1,123 @@
+"""Launch helpers shared by the Triton launchers (write, gather, decode, prefill): argument checks that run
+before any launch, and the kernel arguments built from pools and formats.
+
+On CPU the kernels run under `TRITON_INTERPRET=1` (set before triton is imported); importing this module then
+installs the interpreter shim (`_interp.py`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton.language as tl
+
+from ...errors import KvxError, Status
+from ...formats import CacheFormat, get_format
+from .spec import KernelFormat
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if interpreting():
+    from ._interp import install as _install_interp_shim
+    _install_interp_shim()
+
+
+def as_format(fmt: CacheFormat | str) -> CacheFormat:
+    """A cache format or its registry name -> the CacheFormat (KvxError otherwise)."""
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    if not isinstance(fmt, CacheFormat):
+        raise KvxError(Status.INVALID_ARGUMENT, f"fmt must be a cache format or its name, got {type(fmt).__name__}")
+    return fmt
+
+
+def pool_geometry(k_data, v_data) -> tuple[int, int, int]:
+    """(num_blocks, H_kv, block_size) shared by the K and V pools (4-D tensors)."""
+    for name, t in (("K", k_data), ("V", v_data)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise KvxError(Status.INVALID_ARGUMENT, f"{name} pool must be a [num_blocks, H_kv, block_size, Dk] tensor, "
+                           f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if tuple(v_data.shape[:3]) != tuple(k_data.shape[:3]):
+        raise KvxError(Status.INVALID_ARGUMENT, "K and V pools must share [num_blocks, H_kv, block_size]")
+    return tuple(int(n) for n in k_data.shape[:3])
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Arguments are torch tensors (None for absent ones) on one device the kernels can run on."""
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise KvxError(Status.INVALID_ARGUMENT, f"the kernels take torch tensors, got a {type(t).__name__}")
+    dev = tensors[0].device
+    if dev.type != "cuda" and not interpreting():
+        raise KvxError(Status.UNSUPPORTED, "Triton KVX kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    for t in tensors:
+        if t is not None and t.device != dev:
+            raise KvxError(Status.INVALID_ARGUMENT, f"all tensors must be on {dev}, got one on {t.device}")
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter's stand-in)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def check_pool(name: str, data: torch.Tensor, kf: KernelFormat, head_dim: int) -> None:
+    """`data` is a `[num_blocks, H_kv, block_size, Dk]` pool of `kf`'s storage dtype with a contiguous last dim."""
+    if data.dim() != 4:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{name} pool must be [num_blocks, H_kv, block_size, Dk], got {tuple(data.shape)}")
+    if data.dtype != kf.storage:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{name} pool dtype must be {kf.storage}, got {data.dtype}")
+    dk = head_dim // 2 if kf.packed else head_dim
+    if data.shape[3] != dk or data.stride(3) != 1:
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{name} pool last dim must be {dk} and contiguous, got {data.shape[3]} (stride {data.stride(3)})")
+
+
+def scale_args(name, scales, data, kf: KernelFormat, tf, head_dim):
+    """(scale pool, its block / head / token strides) as the kernels take them; the data pool and zeros for a
+    format without a scale pool (the kernel never reads it)."""
+    if not kf.has_scales:
+        return (data, 0, 0, 0)
+    want = tf.scale_dim(head_dim)
+    if scales is None or scales.dim() != 4 or scales.dtype != torch.uint8 or scales.shape[3] != want \
+            or tuple(scales.shape[:3]) != tuple(data.shape[:3]) or scales.stride(3) != 1:
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{name} scale pool must be uint8 {tuple(data.shape[:3]) + (want,)} with a contiguous last dim, "
+                       f"got {None if scales is None else (scales.dtype, tuple(scales.shape))}")
+    return (scales, scales.stride(0), scales.stride(1), scales.stride(2))
+
+
+def global_scale_arg(gs, kf: KernelFormat, hkv: int, device) -> torch.Tensor:
+    """The FP32 `[H_kv]` global-scale argument (ones when absent; one placeholder element for a format
+    without a global scale)."""
+    if not kf.global_scale:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    if gs is None:
+        return torch.ones(hkv, dtype=torch.float32, device=device)
+    if not isinstance(gs, torch.Tensor):
+        return torch.full((hkv,), float(gs), dtype=torch.float32, device=device)
+    g = gs.to(device=device, dtype=torch.float32).reshape(-1)
+    if g.numel() == 1:
+        g = g.expand(hkv)
+    if g.numel() != hkv:
+        raise KvxError(Status.INVALID_ARGUMENT, f"global scale must be [] or [H_kv={hkv}], got {tuple(gs.shape)}")
+    return g.contiguous()
+
+
+def fp8_type(dt: torch.dtype):
+    """Bitcast target of an FP8 pool (the kernels load FP8 payload as bytes)."""
+    return tl.float8e5 if dt == torch.float8_e5m2 else tl.float8e4nv
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 pools are passed as uint8 views (same strides)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
