@@ -1,5 +1,5 @@
 """Independent oracles for the KVX cache formats: numpy + ml_dtypes re-implementations of the pinned
-formulas in ARCHITECTURE.md. Nothing here imports kvx_core.formats (the code under test).
+formulas in docs/formats.md. Nothing here imports kvx_core.formats (the code under test).
 """
 from __future__ import annotations
 

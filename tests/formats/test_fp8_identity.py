@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import kvx_fmt_oracles as O
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import FP8Format, IdentityFormat
+
+from . import oracles as O
 
 F32 = np.float32
 SPEC = {  # name: (torch dtype, max finite, mantissa bits, half the smallest subnormal)

@@ -19,7 +19,7 @@ from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, P
                                   WriteDesc, memory_of)
 from kvx_core.enums import KVCACHEINDEX_NULL, KVCACHEINDEX_SECONDARY_BIT, Layout
 from kvx_core.ops.reference import gather_kv, write_kv
-from kvx_core_testutil import ALL_LAYOUTS, PERMS, build, divisors, raw_bytes
+from .helpers import ALL_LAYOUTS, PERMS, build, divisors, raw_bytes
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])

@@ -13,7 +13,7 @@ from kvx_core.descriptors import (BlockTable, CacheDesc, KvIoDesc, PoolDesc, Qua
                                   SlotMapping, TensorDesc)
 from kvx_core.enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory, QuantFormat,
                             ScaleGranularity)
-from kvx_core_testutil import build
+from .helpers import build
 
 
 def check_tensor(c: structs.TensorDescC, t: torch.Tensor, dtype: DType, layout: Layout, memory=Memory.HOST):

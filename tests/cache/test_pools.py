@@ -4,13 +4,14 @@ separate pools hold bit-identical bytes and decode identically; `descriptor(laye
 import pytest
 import torch
 
-from kvx_cache_oracle import as_bytes, same_view, storages
-from kvx_cache_setup import make_batch
 from kvx_core.cache import PagedKVCache
 from kvx_core.codec import format_of
 from kvx_core.enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, DType, Layout, QuantFormat
 from kvx_core.formats import list_formats
 from kvx_core.ops.attention import paged_decode
+
+from .batch import make_batch
+from .oracle import as_bytes, same_view, storages
 
 H, D, BS = 2, 64, 4
 

@@ -15,7 +15,7 @@ from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, P
 from kvx_core.enums import Layout, Memory
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops.reference import gather_kv, write_kv
-from kvx_core_testutil import build
+from .helpers import build
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run on the GPU machine")]

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-import kvx_fmt_oracles as O
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import NVFP4Format, global_scale_from_amax
+
+from . import oracles as O
 
 F32 = np.float32
 FMT = NVFP4Format()

@@ -6,13 +6,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters_engine_ref import DTYPES, flashinfer_append, flashinfer_read, make_workload, same_view
 from kvx_adapters import flashinfer
 from kvx_core.block_tables import packed_to_ragged
 from kvx_core.descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat, Layout
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import gather_kv, write_kv
+
+from .engine_ref import DTYPES, flashinfer_append, flashinfer_read, make_workload, same_view
 
 SETTINGS = settings(max_examples=25, deadline=None)
 

@@ -6,14 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters_engine_ref import (DTYPES, make_workload, same_view, tgi_store_hnd, tgi_store_nhd, vllm_paged_read,
-                                 vllm_reshape_and_cache)
 from kvx_adapters import tgi
 from kvx_core.block_tables import packed_to_ragged
 from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat, Layout
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import gather_kv, write_kv
+
+from .engine_ref import (DTYPES, make_workload, same_view, tgi_store_hnd, tgi_store_nhd, vllm_paged_read,
+                         vllm_reshape_and_cache)
 
 SETTINGS = settings(max_examples=15, deadline=None)
 # TGI models/globals.py BLOCK_SIZE per ATTENTION

@@ -14,7 +14,7 @@ from kvx_core.enums import Layout
 from kvx_core.errors import KvxError, Status
 from kvx_core.layouts import (Geometry, block_view, canonical_strides, convert, detect_layout, from_logical,
                               logical_view)
-from kvx_core_testutil import ALL_LAYOUTS, PERMS, build, divisors
+from .helpers import ALL_LAYOUTS, PERMS, build, divisors
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALL = ALL_LAYOUTS

@@ -71,7 +71,7 @@ def test_canonical_shape_and_strides_follow_spec(layout, geom, pack):
     assert c.k.shape == shape and c.k.stride == stride and c.k.layout == layout and c.k.dtype == DType.F16
     assert c.k.memory == Memory.HOST and c.k.data_ptr == t.data_ptr()
     if layout != Layout.NHD and h == b and (layout != Layout.HND_PACKED):
-        return  # [N, H, B, D] == [N, B, H, D]: the shape cannot name the layout (see test_core_layouts)
+        return  # [N, H, B, D] == [N, B, H, D]: the shape cannot name the layout (see test_layouts)
     detected = CacheDesc.from_torch(t, torch.zeros_like(t), block_size=b, num_kv_heads=h, head_dim=d)
     assert detected.k.layout == layout and detected.v.layout == layout
     assert detect_layout(t, g) == layout

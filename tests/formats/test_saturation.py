@@ -2,7 +2,7 @@
 format as +-FP32 max and saturate as each format's docstring says, instead of becoming inf in the FP32 cast
 and poisoning their group with the NaN marker.
 
-Oracle: the numpy/ml_dtypes re-implementations in kvx_fmt_oracles, fed the input clipped to +-FP32 max by
+Oracle: the numpy/ml_dtypes re-implementations in oracles.py, fed the input clipped to +-FP32 max by
 numpy (nothing from kvx_core computes the expected bytes); plus the saturation values the docstrings pin.
 Non-finite inputs must still poison their group (the clip must not make inf finite). The last section covers
 the format API's other arguments (out_dtype, constructor arguments, helpers): KvxError, never a TypeError.
@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-import kvx_fmt_oracles as O
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import (
     FP8Format, IdentityFormat, IntFormat, MXFP4Format, NVFP4Format, get_format, global_scale_from_amax,
     kv_cache_format_name, list_formats, rotate,
 )
+
+from . import oracles as O
 
 F32 = np.float32
 F32_MAX = float(np.finfo(F32).max)

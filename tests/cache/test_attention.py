@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvx_cache_oracle import attention_f64, dequant_sequence
-from kvx_cache_setup import Batch, make_batch
 from kvx_core.formats import list_formats
 from kvx_core.ops.attention import paged_decode, paged_prefill
+
+from .batch import Batch, make_batch
+from .oracle import attention_f64, dequant_sequence
 
 KV_HEADS = 2
 LENS = [0, 1, 17, 40]

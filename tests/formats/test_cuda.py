@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-import kvx_fmt_oracles as O
 from kvx_core.formats import FP8Format, IdentityFormat, IntFormat, MXFP4Format, NVFP4Format
+
+from . import oracles as O
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from kvx_core.formats import codes as C
-from kvx_fmt_oracles import E2M1_TABLE, e2m1_codes, pack
+from .oracles import E2M1_TABLE, e2m1_codes, pack
 
 F32 = np.float32
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-import kvx_fmt_oracles as O
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import IntFormat
+
+from . import oracles as O
 
 F32 = np.float32
 

@@ -6,14 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters_engine_ref import (DTYPES, make_workload, vllm_allocate, vllm_flash_read, vllm_kv,
-                                 vllm_paged_read, vllm_reshape_and_cache, vllm_reshape_and_cache_flash)
 from kvx_adapters import vllm
 from kvx_core.block_tables import packed_to_ragged
 from kvx_core.descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat, DType, Layout
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import gather_kv, write_kv
+
+from .engine_ref import (DTYPES, make_workload, vllm_allocate, vllm_flash_read, vllm_kv,
+                         vllm_paged_read, vllm_reshape_and_cache, vllm_reshape_and_cache_flash)
 
 SETTINGS = settings(max_examples=25, deadline=None)
 

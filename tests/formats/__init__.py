@@ -1,0 +1,1 @@
+"""Format tests against the independent numpy/ml_dtypes oracles in `oracles.py`."""
