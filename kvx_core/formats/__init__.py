@@ -9,13 +9,11 @@ from .identity import IdentityFormat
 from .integer import IntFormat
 from .mxfp4 import MXFP4Format
 from .nvfp4 import NVFP4Format, global_scale_from_amax
-from .policy import KvCacheMode, QuantPolicy, kv_cache_format_name, select_kv_cache_mode
 from .registry import CacheFormat, get_format, list_formats
 from .rotation import hadamard, rotate, unrotate
 
 __all__ = [
     "GROUP_HEAD_DIM", "TensorFormat", "IdentityFormat", "FP8Format", "IntFormat", "MXFP4Format",
     "NVFP4Format", "global_scale_from_amax", "CacheFormat", "get_format", "list_formats",
-    "hadamard", "rotate", "unrotate", "KvCacheMode", "QuantPolicy", "select_kv_cache_mode",
-    "kv_cache_format_name",
+    "hadamard", "rotate", "unrotate",
 ]

@@ -1,4 +1,4 @@
-"""Cache-format registry, Hadamard rotation and the quant_policy -> KvCacheMode selection."""
+"""Cache-format registry and Hadamard rotation."""
 import math
 
 import pytest
@@ -6,9 +6,7 @@ import torch
 
 from kvx_core.enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, DType, QuantFormat, torch_dtype
 from kvx_core.errors import KvxError, Status
-from kvx_core.formats import (
-    KvCacheMode, get_format, hadamard, kv_cache_format_name, list_formats, rotate, select_kv_cache_mode,
-)
+from kvx_core.formats import get_format, hadamard, list_formats, rotate
 
 NAMES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp4", "mxfp4_32", "nvfp4", "k8v4", "mxfp4_floor", "mxfp4_32_floor",
          "int4_rot", "mxfp4_rot", "mxfp4_32_rot", "nvfp4_rot", "k8v4_rot"]
@@ -151,50 +149,6 @@ def test_rotation_helps_int4_with_outlier_channels():
     v_rot = rot.decode_v(*rot.encode_v(v), unrotate=True)
     v_plain = plain.decode_v(*plain.encode_v(v))
     assert (v_rot - v).abs().mean() < 0.5 * (v_plain - v).abs().mean()
-
-
-POLICY_CASES = [
-    (0, 90, KvCacheMode.NONE), (0, 75, KvCacheMode.NONE), (4, 80, KvCacheMode.INT4), (8, 80, KvCacheMode.INT8),
-    (12, 90, KvCacheMode.INT8),  # both int bits: int8 wins (seed priority)
-    (16, 89, KvCacheMode.MXFP4), (16, 90, KvCacheMode.MXFP4), (16, 100, KvCacheMode.NVFP4),
-    (16, 103, KvCacheMode.NVFP4), (16, 120, KvCacheMode.NVFP4), (16, 121, KvCacheMode.NVFP4),
-    (20, 90, KvCacheMode.MXFP4), (28, 100, KvCacheMode.NVFP4),  # FP4 bit wins over int bits
-]
-
-
-@pytest.mark.parametrize("policy,sm,mode", POLICY_CASES)
-def test_select_kv_cache_mode(policy, sm, mode):
-    assert select_kv_cache_mode(policy, sm) is mode
-
-
-def test_policy_format_names():
-    assert kv_cache_format_name(16, 90) == "mxfp4" and kv_cache_format_name(16, 100) == "nvfp4"
-    assert kv_cache_format_name(8, 90) == "int8" and kv_cache_format_name(4, 90) == "int4"
-    assert kv_cache_format_name(0, 90) == "bf16" and kv_cache_format_name(0, 90, torch.float16) == "fp16"
-    for mode in KvCacheMode:
-        if mode.format_name is not None:
-            get_format(mode.format_name)
-    with pytest.raises(KvxError):
-        kv_cache_format_name(0, 90, torch.int8)
-
-
-@pytest.mark.parametrize("policy", [1, 2, 3, 32, 64, 5, 17, 0x100, -4])
-def test_invalid_policy_bits(policy):
-    with pytest.raises(KvxError) as e:
-        select_kv_cache_mode(policy, 90)
-    assert e.value.status == Status.INVALID_ARGUMENT
-
-
-def test_invalid_policy_types_and_sm():
-    for policy, sm in ((True, 90), (4.0, 90), ("8", 90), (8, 0), (8, -90), (8, 9.0)):
-        with pytest.raises(KvxError) as e:
-            select_kv_cache_mode(policy, sm)
-        assert e.value.status == Status.INVALID_ARGUMENT
-    for sm in (70, 80, 86, 88):
-        with pytest.raises(KvxError) as e:
-            select_kv_cache_mode(16, sm)
-        assert e.value.status == Status.UNSUPPORTED
-        assert select_kv_cache_mode(8, sm) is KvCacheMode.INT8
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "int8", "int4", "mxfp4", "mxfp4_32", "nvfp4"])

@@ -1,4 +1,4 @@
-"""LMDeploy/TurboMind `quant_policy` bitmask -> KV cache mode -> KVX cache format (docs/quantization.md §14.2).
+"""LMDeploy/TurboMind adapter: `quant_policy` bitmask -> KV cache mode -> KVX cache format (docs/quantization.md §14.2).
 
 quant_policy is a bitmask: 0x04 int4 KV, 0x08 int8 KV, 0x10 FP4 KV family; 0x01 and 0x02 are
 reserved and every other bit is undefined (both -> KvxError INVALID_ARGUMENT). Priority, as in the
@@ -13,8 +13,8 @@ import enum
 
 import torch
 
-from ..errors import KvxError, Status
-from .base import is_int
+from kvx_core.errors import KvxError, Status
+from kvx_core.formats.base import is_int
 
 
 class QuantPolicy(enum.IntFlag):
