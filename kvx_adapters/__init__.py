@@ -1,6 +1,6 @@
 """KVX engine adapters: pure, zero-copy translation between engine KV-cache tensors and KVX descriptors.
 
-One module per engine (`vllm`, `tgi`, `trtllm`, `flashinfer`). Each function takes tensors shaped and
+One module per engine (`vllm`, `tgi`, `trtllm`, `flashinfer`, `lmdeploy`: its quant_policy -> format). Each function takes tensors shaped and
 typed exactly as the engine allocates them and returns KVX descriptors that *view* the same memory
 (no copies), and the reverse. No engine is imported: these are tensor functions, testable anywhere.
 The engine source each shape comes from is cited in the docstrings; docs/engine_layouts.md §17
