@@ -68,8 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _formats(spec: str) -> list[CacheFormat]:
-    """bf16 (the baseline) first, then the named formats; unknown or repeated names are refused."""
+    """bf16 (the baseline) first, then the named formats; none, unknown or repeated names are refused."""
     names = list_formats() if spec.strip() == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    require(bool(names), Status.INVALID_ARGUMENT, f"--formats {spec!r} names no format")
     repeated = sorted({n for n in names if names.count(n) > 1})
     require(not repeated, Status.INVALID_ARGUMENT, f"--formats names {', '.join(repeated)} more than once")
     fmts = [get_format(n) for n in names]

@@ -399,7 +399,7 @@ def test_demo_refuses_bad_text_before_loading(content, tmp_path, no_model_work, 
     assert not (tmp_path / "o.jsonl").exists()
 
 
-@pytest.mark.parametrize("spec", ["int8,int8", "bogus", "int8,all", "nvfp4, nvfp4"])
+@pytest.mark.parametrize("spec", ["int8,int8", "bogus", "int8,all", "nvfp4, nvfp4", "", " , ,", "INT8"])
 def test_demo_refuses_bad_formats_before_loading(spec, no_model_work, capsys):
     refused(["demo", "--formats", spec], capsys)
 

@@ -104,6 +104,43 @@ def test_make_windows():
     assert e.value.status == Status.INVALID_ARGUMENT
 
 
+@pytest.mark.parametrize("ids, num_windows, window_len", [
+    (torch.arange(100), 2.5, 10), (torch.arange(100), True, 10), (torch.arange(100), 2, 10.0),
+    (torch.arange(100), 2, None), ([1, 2, 3], 1, 2), (torch.arange(100).float(), 2, 10),
+    (torch.arange(100).bool(), 1, 10), (torch.arange(100).view(10, 10), 2, 10)])
+def test_make_windows_bad_input_is_a_kvx_error(ids, num_windows, window_len):
+    """A float count or float ids would fail deep in torch or be truncated silently (issue 10)."""
+    with pytest.raises(KvxError) as e:
+        make_windows(ids, num_windows, window_len)
+    assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_make_windows_accepts_integer_scalars():
+    assert torch.equal(make_windows(torch.arange(40, dtype=torch.int32), torch.tensor(2), 20),
+                       torch.arange(40).view(2, 20))
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1, 2.5, "8"])
+def test_tokenize_bad_max_tokens_is_a_kvx_error(max_tokens):
+    with pytest.raises(KvxError) as e:
+        tokenize(lambda text, **kw: {"input_ids": list(range(len(text)))}, "some text", max_tokens=max_tokens)
+    assert e.value.status == Status.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("windows, chunk_size", [
+    (torch.zeros(1, 4), 2), (torch.zeros(1, 4, dtype=torch.bool), 2), ([[1, 2]], 1),
+    (torch.zeros(0, 4, dtype=torch.long), 1), (torch.zeros(1, 1, dtype=torch.long), 1),
+    (torch.zeros(4, dtype=torch.long), 1), (torch.zeros(1, 4, dtype=torch.long), 2.5)])
+def test_evaluate_bad_input_is_refused_before_the_model_runs(windows, chunk_size):
+    class NeverCalled(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("the model ran on refused input")
+
+    with pytest.raises(KvxError) as e:
+        evaluate(NeverCalled(), windows, lambda: None, chunk_size=chunk_size)
+    assert e.value.status == Status.INVALID_ARGUMENT
+
+
 def test_eval_result_arithmetic():
     r = EvalResult(
         nll_sums=[2.0, 4.0],

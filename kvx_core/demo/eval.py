@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import KvxError, Status
+from ..errors import KvxError, Status, int_value, require
+from .text import is_integer_tensor
 
 CacheFactory = Callable[[], Any]  # returns a transformers Cache (fresh, empty) for one window
 
@@ -103,11 +104,14 @@ def evaluate(
     `chunk_size` tokens are fed per forward call (<= 0 or >= L: the whole window at once).
     `progress(done, total)` is called after each window.
     """
-    if windows.dim() != 2 or windows.shape[1] < 2:
-        raise KvxError(Status.INVALID_ARGUMENT, f"windows must be [N, L>=2], got {tuple(windows.shape)}")
+    require(isinstance(windows, torch.Tensor) and is_integer_tensor(windows) and windows.dim() == 2
+            and windows.shape[0] >= 1 and windows.shape[1] >= 2, Status.INVALID_ARGUMENT,
+            f"windows must be an integer tensor [N>=1, L>=2], got {getattr(windows, 'dtype', type(windows).__name__)} "
+            f"{tuple(getattr(windows, 'shape', ()))}")
+    chunk = int_value(chunk_size)
+    require(chunk is not None, Status.INVALID_ARGUMENT, f"chunk_size must be an int, got {chunk_size!r}")
     num_windows, window_len = windows.shape
-    if chunk_size <= 0 or chunk_size > window_len:
-        chunk_size = window_len
+    chunk_size = window_len if chunk <= 0 or chunk > window_len else chunk
     factory = cache_factory or _default_cache_factory(model)
     device = next(model.parameters()).device
     windows = windows.to(device=device, dtype=torch.long)

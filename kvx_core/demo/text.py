@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import KvxError, Status
+from ..errors import KvxError, Status, int_value, require
 
 TEXT_NAME = "pydoc_data.topics"
 
@@ -42,9 +42,11 @@ def tokenize(tokenizer: Any, text: str, max_tokens: int | None = None) -> torch.
     text is ~110k tokens. The ids of a prefix equal the leading ids of the full encoding, except
     possibly the last one or two, which are cut off with a margin.
     """
+    require(isinstance(text, str), Status.INVALID_ARGUMENT, f"text must be a str, got {type(text).__name__}")
     if max_tokens is None:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return torch.tensor(ids, dtype=torch.long)
+    max_tokens = _count(max_tokens, "max_tokens", 1)
     chars = max(4096, max_tokens * 6)
     while True:
         piece = text[:chars]
@@ -57,13 +59,26 @@ def tokenize(tokenizer: Any, text: str, max_tokens: int | None = None) -> torch.
         chars *= 2
 
 
+def _count(value: object, what: str, lo: int) -> int:
+    """`value` as an int >= `lo` (Python or NumPy/torch integer scalar; not a bool or float), else
+    INVALID_ARGUMENT: a float count would otherwise fail deep inside torch, or be truncated."""
+    n = int_value(value)
+    require(n is not None and n >= lo, Status.INVALID_ARGUMENT, f"{what} must be an int >= {lo}, got {value!r}")
+    return n
+
+
+def is_integer_tensor(t: torch.Tensor) -> bool:
+    """Token ids must be integers: a float or bool tensor would be cast to ids silently."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def make_windows(ids: torch.Tensor, num_windows: int, window_len: int) -> torch.Tensor:
     """`[num_windows, window_len]` int64: consecutive non-overlapping windows from the start of `ids`."""
-    if num_windows < 1 or window_len < 2:
-        raise KvxError(
-            Status.INVALID_ARGUMENT,
-            f"need num_windows >= 1 and window_len >= 2, got {num_windows} and {window_len}",
-        )
+    num_windows = _count(num_windows, "num_windows", 1)
+    window_len = _count(window_len, "window_len", 2)
+    require(isinstance(ids, torch.Tensor) and ids.dim() == 1 and is_integer_tensor(ids), Status.INVALID_ARGUMENT,
+            f"ids must be a 1-D integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)} "
+            f"of shape {tuple(getattr(ids, 'shape', ()))}")
     need = num_windows * window_len
     if ids.numel() < need:
         raise KvxError(
