@@ -200,6 +200,19 @@ def test_cache_dir_not_built_by_kvx_is_never_replaced(content, tmp_path, private
     assert snapshot(target) == before and snapshot(user) == user_before
 
 
+def test_ensure_local_checkpoint_never_replaces_a_named_foreign_dir(tmp_path, monkeypatch):
+    """The same rule for an explicit `path`: only new, empty or KVX-built directories are built into."""
+    builds = _fake_gguf(tmp_path, monkeypatch)
+    for kind, target in _foreign_dirs(tmp_path / "user").items():
+        if kind in ("empty directory", "missing"):
+            continue
+        before = snapshot(target)
+        with pytest.raises(KvxError):
+            demo_model.ensure_local_checkpoint(target, force=True)
+        assert snapshot(target) == before, kind
+    assert builds == []
+
+
 @pytest.mark.parametrize("state", ["new", "empty", "stale KVX build", "KVX build of another format"])
 def test_cache_dir_of_kvx_is_built_or_rebuilt(state, tmp_path, private_cache, monkeypatch):
     builds = _fake_gguf(tmp_path, monkeypatch)
