@@ -5,9 +5,14 @@ orthonormal, so H^-1 = H^T = H. Keys and queries are both multiplied by H (Q K^T
 are rotated at write time and the attention output is rotated back with the same H (P (V H) H = P V).
 Rotation spreads outliers across the head so FP4/INT4 group scales fit the data better.
 Numerics: `rotate` is the fast Walsh-Hadamard butterfly in FP32 (FP64 for FP64 input): log2(D) stages of
-elementwise adds/subtracts in a fixed order, then one multiply by 1/sqrt(D). Every row is computed on its
-own, so a token's rotation is bit-identical whatever the batch it comes in (a matmul's summation order
-changes with the number of rows) and on any device (IEEE adds, no reductions).
+elementwise adds/subtracts in a fixed order, then one multiply by 1/sqrt(D) rounded to the working dtype.
+Every row is computed on its own, so a token's rotation is bit-identical whatever the batch it comes in (a matmul's
+summation order changes with the number of rows) and on any device (IEEE adds, no reductions).
+Saturation (finite stays finite, as the formats promise): finite inputs are first saturated to
+±FP32_MAX/D, so the butterfly's D-fold sums stay finite, and finite results beyond the output dtype's range
+saturate to its largest value; NaN and ±inf inputs pass through untouched and poison their row.
+On CUDA (FP16/BF16/FP32 input) the same butterfly runs as one fused Triton kernel
+(`kvx_core.ops.triton.hadamard`, bit-identical to the torch ops); elsewhere torch runs it stage by stage.
 """
 from __future__ import annotations
 
@@ -51,15 +56,54 @@ def rotate(x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         raise KvxError(Status.INVALID_ARGUMENT, "rotate expects a floating-point torch.Tensor [..., D]")
     d = int(x.shape[-1])
     _check_order(d)
+    out_dtype = out_dtype or x.dtype
+    if x.is_cuda and x.dtype != torch.float64 and _fused_available():
+        from ..ops.triton.hadamard import hadamard_rows  # lazy: kvx_core imports with torch alone
+
+        return hadamard_rows(x, out_dtype)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = x.to(work).reshape(-1, d)
+    y = _saturate_finite(x.to(work).reshape(-1, d), input_limit(d))
     h = 1
     while h < d:
         y = y.reshape(-1, d // (2 * h), 2, h)
         a, b = y[:, :, 0], y[:, :, 1]
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return (y.reshape(x.shape) * (1.0 / math.sqrt(d))).to(out_dtype or x.dtype)
+    y = y.reshape(x.shape) * inv_sqrt(d, work)
+    return _saturate_finite(y, output_limit(out_dtype)).to(out_dtype)
+
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def input_limit(d: int) -> float:
+    """Finite inputs are saturated to ±this before the butterfly, so its D-fold sums stay finite in FP32."""
+    return FP32_MAX / d
+
+
+@functools.lru_cache(maxsize=64)
+def inv_sqrt(d: int, work: torch.dtype = torch.float32) -> float:
+    """1/sqrt(d) rounded to the working dtype: the one multiply every implementation applies after the butterfly."""
+    return float(torch.tensor(1.0 / math.sqrt(d), dtype=work))
+
+
+def output_limit(dtype: torch.dtype) -> float:
+    """Finite results saturate to ±this: the output dtype's largest value (FP32's for wider outputs)."""
+    return min(torch.finfo(dtype).max, FP32_MAX)
+
+
+def _saturate_finite(y: Tensor, limit: float) -> Tensor:
+    """Clamp finite values to ±limit; NaN and ±inf are kept (they mark their group invalid downstream)."""
+    return torch.where(torch.isfinite(y), y.clamp(-limit, limit), y)
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 #: H is symmetric and orthonormal, so undoing a rotation is the same operation.

@@ -1,0 +1,60 @@
+"""Fused Walsh-Hadamard rotation: one launch for what `formats.rotation.rotate` does in log2(D) torch ops.
+
+The kernel runs the same fixed-order butterfly on FP32 registers (stage h maps each pair (y[i], y[i+h]) of
+a 2h-block to (a + b, a - b), then one multiply by the FP32 value of 1/sqrt(D)), with the same saturation of
+finite inputs and results (`formats.rotation`), so its output is bit-identical to the torch butterfly
+and, like it, independent of how many rows come in one call. On a GPU the torch version costs ~3
+launches per stage; this one costs one (the `_rot` decode and write paths rotate q and K/V every step).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats.rotation import input_limit, inv_sqrt, output_limit
+
+ROWS = 16
+"""Rows per program: [16, D] FP32 tiles stay in registers for D <= 256."""
+
+
+@triton.jit
+def _saturate_finite(y, limit):
+    finite = tl.abs(y) < float("inf")  # False for NaN and +-inf, which pass through
+    return tl.where(finite, tl.minimum(tl.maximum(y, -limit), limit), y)
+
+
+@triton.jit
+def _hadamard_kernel(x_ptr, y_ptr, n_rows, x_stride, y_stride, inv_sqrt_d, in_limit, out_limit,
+                     D: tl.constexpr, LOG2_D: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, D)
+    mask = (rows < n_rows)[:, None]
+    y = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = _saturate_finite(y, in_limit)
+    for s in tl.static_range(LOG2_D):
+        h: tl.constexpr = 1 << s
+        # [R, D/2h, 2, h] -> pairs on the last axis -> (a + b, a - b) -> back to [R, D]
+        t = tl.permute(tl.reshape(y, (ROWS, D // (2 * h), 2, h)), (0, 1, 3, 2))
+        a, b = tl.split(t)
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, D))
+    y = _saturate_finite(y * inv_sqrt_d, out_limit)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * y_stride + cols[None, :], y, mask=mask)
+
+
+def hadamard_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Rotate each row of `x [..., D]` (D a power of two, FP16/BF16/FP32) into a new `out_dtype` tensor.
+
+    The kernel stores FP32; a narrower `out_dtype` is torch's RNE cast (Triton's CPU interpreter does not
+    round BF16 stores to nearest-even, so a cast inside the kernel would differ between CPU and GPU)."""
+    d = int(x.shape[-1])
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    n = x2.shape[0]
+    if n:
+        _hadamard_kernel[(triton.cdiv(n, ROWS),)](x2, out, n, x2.stride(0), out.stride(0), inv_sqrt(d),
+                                                  input_limit(d), output_limit(out_dtype),
+                                                  D=d, LOG2_D=d.bit_length() - 1, ROWS=ROWS)
+    return out.reshape(x.shape).to(out_dtype)
