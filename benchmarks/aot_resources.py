@@ -6,8 +6,8 @@ import sys, torch, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvx_core.ops.triton.decode import _decode_kernel, default_block_n
-from kvx_core.ops.triton.launch import fp8_type
-from kvx_core.ops.triton.spec import kernel_format
+from kvx_core.ops.triton.launch import dot_type, fp8_type
+from kvx_core.ops.kernel_format import kernel_format
 from kvx_core.formats import get_format
 target = GPUTarget("cuda", 90, 32)
 
@@ -26,8 +26,8 @@ def compile_decode(name, d=128, bs=16, qh=4, block_n=None, num_warps=4, num_stag
     def p(dt): return "*" + {torch.bfloat16:"bf16", torch.float16:"fp16", torch.float32:"fp32"}.get(dt, "u8")
     block_n = block_n or default_block_n(kk, kv, d)
     consts = dict(BS=bs, QH=qh, BM=max(16, qh), D=d, BLOCK_N=block_n, KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
-        KDT=kk.dot_dtype(torch.bfloat16), VDT=kv.dot_dtype(torch.bfloat16), KIEEE=kk.storage==torch.float32, VIEEE=kv.storage==torch.float32,
-        KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk.storage), V8=fp8_type(kv.storage), ROTATE=fmt.rotate, SOFTCAP=softcap, WINDOW=window, RSD=d**-0.5, ASM=True)
+        KDT=dot_type(kk, torch.bfloat16), VDT=dot_type(kv, torch.bfloat16), KIEEE=kk.storage==torch.float32, VIEEE=kv.storage==torch.float32,
+        KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv), ROTATE=fmt.rotate, SOFTCAP=softcap, WINDOW=window, RSD=d**-0.5, ASM=True)
     ptrs = dict(Q="*bf16", KD=p(kk.storage), KS="*u8", VD=p(kv.storage), VS="*u8", KG="*fp32", VG="*fp32", BT="*i32", SEQ="*i32", MO="*fp32", ML="*fp32")
     sig = sig_for(_decode_kernel, consts, ptrs)
     # the JIT marks pointers and ints divisible by 16 (tt.divisibility); mirror the benchmark's shapes

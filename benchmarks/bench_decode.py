@@ -23,7 +23,7 @@ from common import bench, bench_graph, copy_bandwidth, emit, env_info  # noqa: E
 from kvx_core.formats import get_format  # noqa: E402
 from kvx_core.ops.cuda.decode import supports  # noqa: E402
 from kvx_core.ops.decode import cuda_num_splits, paged_decode, triton_num_splits  # noqa: E402
-from kvx_core.ops.triton.spec import kernel_format  # noqa: E402
+from kvx_core.ops.kernel_format import kernel_format  # noqa: E402
 
 
 def random_pool(tf, nb, hkv, bs, d, dev):

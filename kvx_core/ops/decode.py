@@ -14,13 +14,13 @@ import os
 import torch
 
 from ..errors import KvxError, Status
-from ..formats import CacheFormat, FP8Format
+from ..formats import CacheFormat
 from .checks import check_max_seq_len
 from .cuda import decode as cuda_decode
+from .kernel_format import FormatCode, kernel_format
 from .triton import decode as triton_decode
 from .triton.launch import as_format, check_device, check_pool, global_scale_arg, interpreting, scale_args, sm_count
 from .triton.merge import merge_splits
-from .triton.spec import kernel_format
 
 BACKENDS = ("auto", "cuda", "triton")
 
@@ -65,7 +65,7 @@ def choose_backend(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_sca
     if backend == "triton" or (backend == "auto" and (interpreting() or q.device.type != "cuda")):
         return "triton"
     why = cuda_decode.supports(q, fmt, k_data, k_scales, v_data, v_scales)
-    if why is None and backend == "auto" and isinstance(fmt.k, FP8Format) \
+    if why is None and backend == "auto" and kernel_format(fmt.k).code == FormatCode.FP8 \
             and q.shape[0] * k_data.shape[1] < sm_count(q.device) // 8:
         # FP8 with very few (sequence, KV head) pairs: Triton measured faster (runs 11-12, H200, B=1 32k:
         # 44 us vs 50 us); from B=16 (8k) the CUDA kernel is faster (0.106 vs 0.141 ms; B=64: 1.6x).

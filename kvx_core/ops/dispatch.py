@@ -25,6 +25,7 @@ from ..errors import KvxError
 from ..layouts import block_view
 from . import attention, reference
 from .checks import INT32_MAX, cache_global_scales, check_gather, check_write, kernel_table, narrow_int32
+from .kernel_format import kernel_format
 
 
 def _triton_available() -> bool:
@@ -59,7 +60,6 @@ def _kernel_pools(cache: CacheDesc):
     if q is None and (fmt.k.uses_global_scale or fmt.v.uses_global_scale):
         return None  # v1.0 FP8: the scale comes with each write/gather call
     try:
-        from .triton.spec import kernel_format
         kernel_format(fmt.k), kernel_format(fmt.v)
     except KvxError:
         return None

@@ -6,6 +6,7 @@ CPU tests compile the CUDA source with nvcc for sm_90a and check the ctypes mirr
 import ctypes
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ from oracle import make_pools, make_table, ref_decode
 
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
-from kvx_core.ops.cuda import build, nvcc_path
+from kvx_core.ops.cuda import SOURCE, build, nvcc_path
 from kvx_core.ops.cuda.decode import DecodeParams, supports
+from kvx_core.ops.kernel_format import CudaCode, FormatCode, kernel_format
 from kvx_core.ops.decode import paged_decode
 
 CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2"]
@@ -62,6 +64,29 @@ def test_cuda_source_compiles_and_mirror_matches(tmp_path):
     lib = ctypes.CDLL(str(build("90a", out_dir=tmp_path)))
     assert lib.kvx_decode_params_size() == ctypes.sizeof(DecodeParams)
     assert build("90a", out_dir=tmp_path) == next(tmp_path.glob("kvx_paged_decode_mma-90a-*.so"))  # cached
+
+
+def test_cuda_format_codes_match_the_source():
+    """`CudaCode` (kvx_core/ops/kernel_format.py) is the `enum` of the CUDA source, name for name."""
+    enum = re.search(r"enum\s*:\s*int\s*\{([^}]*)\}", SOURCE.read_text())
+    assert enum, "no format enum in the CUDA source"
+    codes = dict(re.findall(r"F_(\w+)\s*=\s*(\d+)", enum.group(1)))
+    assert {k: int(v) for k, v in codes.items()} == {c.name: c.value for c in CudaCode}
+
+
+@pytest.mark.parametrize("name", CUDA_FORMATS + ["bf16", "fp16", "fp32", "k8v4"])
+def test_cuda_codes_derive_from_the_kernel_format(name):
+    """Each format the CUDA kernel serves has one CUDA code, derived from its KernelFormat."""
+    fmt = get_format(name)
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    want = {"nvfp4": CudaCode.NVFP4, "mxfp4": CudaCode.MXFP4, "mxfp4_32": CudaCode.MXFP4, "int4": CudaCode.INT4,
+            "int8": CudaCode.INT8, "fp8_e4m3": CudaCode.E4M3, "fp8_e5m2": CudaCode.E5M2}.get(name.removesuffix("_rot"))
+    if name == "k8v4":
+        assert kk != kv
+    else:
+        assert kk == kv and kk.cuda_code == want
+    assert kk.e5m2 == (fmt.k.torch_data_dtype == torch.float8_e5m2)
+    assert (kk.code == FormatCode.FP8) == (kk.cuda_code in (CudaCode.E4M3, CudaCode.E5M2))
 
 
 def test_supports_names_the_reason():

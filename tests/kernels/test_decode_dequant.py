@@ -54,3 +54,11 @@ def test_decode_portable_decoders_values():
         out = torch.empty(256, dtype=torch.int16)
         _probe[(1,)](x, out, WHICH=which, ASM=False, N=256)
         assert torch.equal(out.view(torch.float16).double(), ref), which
+
+
+def test_triton_format_codes_come_from_the_kernel_format():
+    """The F_* constexprs the Triton kernels compare against are `FormatCode`'s values."""
+    from kvx_core.ops.kernel_format import FormatCode
+    from kvx_core.ops.triton import dequant
+    for code in FormatCode:
+        assert getattr(dequant, f"F_{code.name}").value == code.value

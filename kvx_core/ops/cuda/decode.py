@@ -13,11 +13,10 @@ import ctypes
 import torch
 
 from ...errors import KvxError, Status
-from ...formats import CacheFormat, FP8Format, IntFormat, MXFP4Format, NVFP4Format
+from ...formats import CacheFormat
+from ..kernel_format import FormatCode, KernelFormat, kernel_format
 from . import cuda_error_name, library
 
-F_NVFP4, F_MXFP4, F_INT4, F_E4M3, F_E5M2, F_INT8 = 0, 1, 2, 3, 4, 5
-BYTE_FORMATS = (F_E4M3, F_E5M2, F_INT8)  # one byte per element
 WARPS = 4  # warps per CTA of the CUDA kernel (its tiles are 16 tokens per warp)
 
 
@@ -53,19 +52,14 @@ def kernel_library(device) -> ctypes.CDLL:
     return lib
 
 
-def _code(fmt: CacheFormat) -> tuple[int, int] | None:
-    """(format code, group size) when K and V share a format the kernel decodes, else None."""
-    if type(fmt.k) is not type(fmt.v) or fmt.k.group_size != fmt.v.group_size:
+def _served(fmt: CacheFormat) -> KernelFormat | None:
+    """The kernel format of K and V when they share one the CUDA kernel decodes (`KernelFormat.cuda_code`),
+    else None."""
+    try:
+        kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    except KvxError:
         return None
-    if isinstance(fmt.k, FP8Format) and fmt.k.torch_data_dtype == fmt.v.torch_data_dtype:
-        return (F_E4M3 if fmt.k.torch_data_dtype == torch.float8_e4m3fn else F_E5M2), 0
-    if isinstance(fmt.k, NVFP4Format):
-        return F_NVFP4, 16
-    if isinstance(fmt.k, MXFP4Format):
-        return F_MXFP4, fmt.k.group_size
-    if isinstance(fmt.k, IntFormat) and fmt.k.bits == fmt.v.bits:
-        return (F_INT4 if fmt.k.bits == 4 else F_INT8), 16
-    return None
+    return kk if kk == kv and kk.cuda_code is not None else None
 
 
 def _aligned(t: torch.Tensor, width: int) -> bool:
@@ -74,14 +68,14 @@ def _aligned(t: torch.Tensor, width: int) -> bool:
 
 def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
     """None when the CUDA kernel serves this call, else the reason it does not."""
-    code = _code(fmt)
-    if code is None:
+    kf = _served(fmt)
+    if kf is None:
         return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 / int8 / fp8 (same format for K and V)"
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(q.device) < (8, 9):
         return "needs compute capability >= 8.9"
-    if q.dtype not in (torch.float16, torch.bfloat16) or (code[0] == F_MXFP4 and q.dtype != torch.bfloat16):
+    if q.dtype not in (torch.float16, torch.bfloat16) or (kf.code == FormatCode.MXFP4 and q.dtype != torch.bfloat16):
         return f"{q.dtype} queries (MXFP4 needs bf16, the others f16 or bf16)"
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
@@ -93,20 +87,19 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
         return f"block size {bs} (a multiple of 16)"
     if bsz > 65535 or hkv > 65535:
         return "grid too large"
-    byte = code[0] in BYTE_FORMATS
-    row = d if byte else d // 2
+    row = d // 2 if kf.packed else d  # payload bytes per token row
     if not (_aligned(k_data, min(16, row // 4)) and _aligned(v_data, min(16, row // 8))):
         return "payload rows not aligned for word loads"
     for name, t in (("K", k_data), ("V", v_data)):
         if t.stride(2) != row:
             return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {row} bytes)"
-    if code[0] not in (F_E4M3, F_E5M2):  # formats with a scale pool
-        affine = code[0] in (F_INT4, F_INT8)
-        ksb = 4 if affine else max(1, (d // 4) // code[1])
-        vsb = 4 if affine else max(1, (d // 8) // code[1])
+    if kf.has_scales:
+        affine = kf.affine
+        ksb = 4 if affine else max(1, (d // 4) // kf.group)
+        vsb = 4 if affine else max(1, (d // 8) // kf.group)
         if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
             return "scale rows not aligned"
-        srow = 4 if affine else d // code[1]
+        srow = 4 if affine else d // kf.group
         for name, t in (("K scale", k_scales), ("V scale", v_scales)):
             if t.stride(2) != srow:
                 return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {srow} bytes)"
@@ -119,10 +112,10 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
            mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
            window: int | None) -> None:
     """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`."""
-    code, group = _code(fmt)
+    kf = _served(fmt)
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
-    q = fmt.rotate_q(q)  # the output is rotated back by the reduce kernel
+    q = fmt.rotate_q(q)  # the output is rotated back by the split merge
     p = DecodeParams()
     p.q, p.q_sb, p.q_sh = q.data_ptr(), q.stride(0), q.stride(1)
     for pre, data, sc in (("k", k_data, k_scales), ("v", v_data, v_scales)):
@@ -131,7 +124,7 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
         for suf, i in (("b", 0), ("h", 1), ("t", 2)):
             setattr(p, f"{pre}d_s{suf}", data.stride(i))
             setattr(p, f"{pre}s_s{suf}", sc.stride(i))
-    scaled = code in (F_NVFP4, F_E4M3, F_E5M2)  # formats with an FP32 global scale per KV head
+    scaled = kf.global_scale  # NVFP4, FP8: an FP32 global scale per KV head
     p.kg = kg.data_ptr() if kg is not None and scaled else None
     p.vg = vg.data_ptr() if vg is not None and scaled else None
     p.bt, p.bt_sb, p.seq = block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr()
@@ -143,7 +136,8 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     lib = kernel_library(q.device)
     with torch.cuda.device(q.device):  # the kernel launches into the calling thread's current context
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        err = lib.kvx_paged_decode(ctypes.byref(p), code, int(q.dtype == torch.bfloat16), d, group, WARPS, bsz,
-                                 hkv, stream)
+        # group: the FP4 group size (the kernel reads it for NVFP4 / MXFP4 only)
+        err = lib.kvx_paged_decode(ctypes.byref(p), int(kf.cuda_code), int(q.dtype == torch.bfloat16), d,
+                                   kf.group or 16, WARPS, bsz, hkv, stream)
     if err != 0:
         raise KvxError(Status.INTERNAL_ERROR, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")

@@ -17,13 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_format import KernelFormat, kernel_format
 from .dequant import (
     F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, TWO_POW_24, dot_f32, e2m1_hi_f16_x4, e2m1_lo_f16_x4,
     e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, lse_or_empty, u4_hi_f16_sub, u4_lo_f16_sub, u8_f16_sub,
 )
-from .launch import as_bytes, fp8_type, interpreting, next_pow2
+from .launch import as_bytes, dot_type, fp8_type, interpreting, next_pow2
 from .quant import f16_bytes_f32
-from .spec import KernelFormat, kernel_format
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -301,7 +301,7 @@ def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
     qh = hq // hkv
     bm = max(16, next_pow2(qh))
     num_splits = mid_o.shape[2]
-    kdt, vdt = kk.dot_dtype(q.dtype), kv.dot_dtype(q.dtype)
+    kdt, vdt = dot_type(kk, q.dtype), dot_type(kv, q.dtype)
     rsd = 1.0 / math.sqrt(d)
     if block_n is None:
         block_n = default_block_n(kk, kv, d)
@@ -323,7 +323,7 @@ def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
         BS=bs, QH=qh, BM=bm, D=d, BLOCK_N=block_n,
         KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
         KDT=kdt, VDT=vdt, KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
-        KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(k_data.dtype), V8=fp8_type(v_data.dtype),
+        KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv),
         ROTATE=fmt.rotate, SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, RSD=rsd,
         ASM=not interpreting(), num_warps=num_warps, num_stages=num_stages,
     )

@@ -1,4 +1,4 @@
-"""`@triton.jit` helpers that decode each KVX cache format in registers (and the format codes).
+"""`@triton.jit` helpers that decode each KVX cache format in registers (and the format codes as constexprs).
 
 Decoding is split into an exactly-representable *payload value* that goes into the tensor-core dot
 and a factor applied after the dot where the algebra allows it (per token, per head), so the hot
@@ -15,13 +15,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Format codes (tl.constexpr values). Keep in sync with `spec.py`.
-F_PLAIN = tl.constexpr(0)   # bf16 / fp16 / fp32 stored as is
-F_FP8 = tl.constexpr(1)     # float8 e4m3 / e5m2, x = fp8 * g
-F_INT8 = tl.constexpr(2)    # uint8 code, x = c * scale + min (fp16 scale, fp16 min in 4 scale bytes)
-F_INT4 = tl.constexpr(3)    # two uint4 codes per byte, same scales
-F_MXFP4 = tl.constexpr(4)   # E2M1 pairs + E8M0 byte per group (16 or 32)
-F_NVFP4 = tl.constexpr(5)   # E2M1 pairs + E4M3 byte per 16, x = e2m1 * s * g
+from ..kernel_format import FormatCode
+
+# Format codes as tl.constexpr values, from `kvx_core/ops/kernel_format.py` (meanings there).
+F_PLAIN = tl.constexpr(int(FormatCode.PLAIN))
+F_FP8 = tl.constexpr(int(FormatCode.FP8))
+F_INT8 = tl.constexpr(int(FormatCode.INT8))
+F_INT4 = tl.constexpr(int(FormatCode.INT4))
+F_MXFP4 = tl.constexpr(int(FormatCode.MXFP4))
+F_NVFP4 = tl.constexpr(int(FormatCode.NVFP4))
 
 TWO_POW_14 = tl.constexpr(16384.0)
 

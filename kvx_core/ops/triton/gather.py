@@ -13,13 +13,13 @@ import triton
 import triton.language as tl
 
 from ...errors import KvxError, Status
-from ...formats import CacheFormat, FP8Format, rotate
+from ...formats import CacheFormat, rotate
 from ..checks import (IO_DTYPES, check_block_ids, check_max_seq_len, check_no_alias, check_out_dtype, global_scale,
                       require_type)
+from ..kernel_format import FormatCode, kernel_format
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
 from .quant import cast_exact, e2m1_value, e4m3_f32, f8_byte_f32, f16_bytes_f32
-from .spec import kernel_format
 
 
 @triton.jit
@@ -144,7 +144,7 @@ def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch
     total = int(cu[-1])
     max_len = int(lens.max()) if lens.numel() else 0
     check_out_dtype(out_dtype)
-    dt = out_dtype or (kk.storage if kk.code == 0 and kv.code == 0 else torch.float32)
+    dt = out_dtype or (kk.storage if kk.code == kv.code == FormatCode.PLAIN else torch.float32)
     if out is not None:
         _check_out(out, total, hkv, d, out_dtype, {"K": k_data, "V": v_data, "K scales": k_scales, "V scales": v_scales})
     direct = out is not None and not fmt.rotate and out[0].stride(2) == 1 and out[1].stride(2) == 1
@@ -156,7 +156,6 @@ def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch
     if total:
         dp = triton.next_power_of_2(d)
         ngp = lambda k: triton.next_power_of_2(max(1, d // (k.group or 16)))
-        e5 = lambda tf: isinstance(tf, FP8Format) and tf.name == "fp8_e5m2"
         _gather_kernel[(triton.cdiv(max_len, block_t), block_table.shape[0], 2 * hkv)](
             block_table, block_table.stride(0), seq_lens, cu, max_len, hkv,
             as_bytes(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks,
@@ -166,8 +165,8 @@ def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch
             global_scale_arg(vg, kv, hkv, v_data.device),
             vo, vo.stride(0), vo.stride(1),
             D=d, DP=dp, BT=block_t, BS=bs,
-            KF=kk.code, KGRP=kk.group or 16, KNGP=ngp(kk), KE5=e5(fmt.k),
-            VF=kv.code, VGRP=kv.group or 16, VNGP=ngp(kv), VE5=e5(fmt.v),
+            KF=kk.code, KGRP=kk.group or 16, KNGP=ngp(kk), KE5=kk.e5m2,
+            VF=kv.code, VGRP=kv.group or 16, VNGP=ngp(kv), VE5=kv.e5m2,
             num_warps=4, enable_fp_fusion=False,
         )
     if fmt.rotate:

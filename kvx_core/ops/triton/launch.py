@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat, get_format
-from .spec import KernelFormat
+from ..kernel_format import KernelFormat
 
 
 def interpreting() -> bool:
@@ -108,9 +108,17 @@ def global_scale_arg(gs, kf: KernelFormat, hkv: int, device) -> torch.Tensor:
     return g.contiguous()
 
 
-def fp8_type(dt: torch.dtype):
-    """Bitcast target of an FP8 pool (the kernels load FP8 payload as bytes)."""
-    return tl.float8e5 if dt == torch.float8_e5m2 else tl.float8e4nv
+def fp8_type(kf: KernelFormat):
+    """Bitcast target of an FP8 payload (the kernels load FP8 pools as bytes; unused for other formats)."""
+    return tl.float8e5 if kf.e5m2 else tl.float8e4nv
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def dot_type(kf: KernelFormat, q_dtype: torch.dtype):
+    """The triton dtype of `kf`'s tensor-core dot operands (`KernelFormat.dot_dtype`)."""
+    return _TL[kf.dot_dtype(q_dtype)]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

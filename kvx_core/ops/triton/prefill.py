@@ -20,13 +20,13 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
+from ..kernel_format import kernel_format
 from .dequant import (
     F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, e2m1_hi_f16, e2m1_lo_f16, e4m3_byte_f16, e8m0_f32_x2p14,
     lse_or_empty, u4_hi_f16, u4_lo_f16, u8_code_f16,
 )
-from .launch import as_bytes, as_format, check_device, check_pool, fp8_type, global_scale_arg, scale_args
+from .launch import as_bytes, as_format, check_device, check_pool, dot_type, fp8_type, global_scale_arg, scale_args
 from .quant import f16_bytes_f32
-from .spec import kernel_format
 
 LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_M = 128
@@ -250,7 +250,7 @@ def _default_block_n(kk, kv) -> int:
     tile spills: 128 keys is 15-25% slower); 16 for fp32 caches (IEEE fp32 dots)."""
     if kk.storage == torch.float32 or kv.storage == torch.float32:
         return 16
-    return 64 if kk.code in (F_INT8, F_INT4) or kv.code in (F_INT8, F_INT4) else 128
+    return 64 if kk.affine or kv.affine else 128
 
 
 def prefill_plan(qo_indptr: torch.Tensor, qh: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,9 +320,9 @@ def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_
             int(window_left) if window_left is not None and window_left >= 0 else 0,
             BS=bs, QH=qh, BM=block_m, D=d, BLOCK_N=block_n,
             KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
-            KDT=kk.dot_dtype(q.dtype), VDT=kv.dot_dtype(q.dtype),
+            KDT=dot_type(kk, q.dtype), VDT=dot_type(kv, q.dtype),
             KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
-            KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(k_data.dtype), V8=fp8_type(v_data.dtype),
+            KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv),
             CAUSAL=causal, SOFTCAP=bool(softcap), WINDOW=window_left is not None and window_left >= 0,
             num_warps=num_warps, num_stages=num_stages,
         )

@@ -12,12 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import CacheFormat, FP8Format, MXFP4Format, rotate
+from ...formats import CacheFormat, rotate
 from ..checks import WriteArgs, check_write_args
+from ..kernel_format import kernel_format
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
 from .quant import cast_exact, ceil_log2, e4m3_f32, e2m1_code, f32_to_f8_bits, floor_log2, is_finite, rint, to_f32
-from .spec import kernel_format
 
 F16_MAX = tl.constexpr(65504.0)
 F16_NAN_BITS = tl.constexpr(0x7E00)
@@ -171,8 +171,7 @@ def _side(name, x, data, scales, gs, tf, d, hkv):
     sc = scale_args(name, scales, data, kf, tf, d)
     grp = kf.group or 16
     ngp = triton.next_power_of_2(max(1, d // grp))
-    consts = (kf.code, grp, ngp, isinstance(tf, FP8Format) and tf.name == "fp8_e5m2",
-              not isinstance(tf, MXFP4Format) or tf.scale_rule == "rceil")
+    consts = (kf.code, grp, ngp, kf.e5m2, kf.rceil)
     args = (x, x.stride(0), x.stride(1), as_bytes(data), data.stride(0), data.stride(1), data.stride(2), *sc,
             global_scale_arg(gs, kf, hkv, x.device))
     return args, consts
