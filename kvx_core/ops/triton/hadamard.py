@@ -33,9 +33,8 @@ def _hadamard_kernel(x_ptr, y_ptr, n_rows, x_stride, y_stride, inv_sqrt_d, in_li
     y = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = _saturate_finite(y, in_limit)
     for s in tl.static_range(LOG2_D):
-        h: tl.constexpr = 1 << s
-        # [R, D/2h, 2, h] -> pairs on the last axis -> (a + b, a - b) -> back to [R, D]
-        t = tl.permute(tl.reshape(y, (ROWS, D // (2 * h), 2, h)), (0, 1, 3, 2))
+        # h = 2**s: [R, D/2h, 2, h] -> pairs on the last axis -> (a + b, a - b) -> back to [R, D]
+        t = tl.permute(tl.reshape(y, (ROWS, D >> (s + 1), 2, 1 << s)), (0, 1, 3, 2))
         a, b = tl.split(t)
         y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, D))
     y = _saturate_finite(y * inv_sqrt_d, out_limit)
