@@ -28,7 +28,8 @@ BACKENDS = ("auto", "cuda", "triton")
 def triton_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device) -> int:
     """Splits per (sequence, KV head) of the Triton decode: ~4 programs per SM, but at least 1024 tokens per split.
 
-    Run 3 (H200): B=64 32k nvfp4 2 splits beat 1 by 12%; B=1 32k 32 splits beat 16 by 1.4x and 64 by 1.1x.
+    H200 (benchmarks/results/decode_triton_splits_blockn_h200.jsonl): B=64 32k nvfp4 2 splits beat 1 by 12%;
+    B=1 32k 32 splits beat 16 by 1.4x and 64 by 1.1x.
     `block_n` is kept for the signature; the token floor covers it (1024 >= 4 * block_n).
     """
     target = 4 * sm_count(device)
@@ -41,8 +42,9 @@ def cuda_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: i
     """Splits per (sequence, KV head) of the CUDA decode: >= 9 CTAs per SM for large batches (4 resident per SM),
     ~4 per SM when there are fewer (sequence, KV head) pairs than SMs; at least 2 tiles per warp.
 
-    Runs 8-10 (H200, GQA 32/8, D=128): B=64 at 32k, 3 splits best (2: +1.5%, 1: +4%, 64: +15%);
-    B=1 at 32k, 64 splits (34 us) beat 32 (39 us) and 16 (57 us).
+    H200, GQA 32/8, D=128: B=64 at 32k, 3 splits best (2: +1.5%, 1: +4%, 64: +15%;
+    benchmarks/results/decode_cuda_cpasync_splits_h200.jsonl); B=1 at 32k, 64 splits (34 us) beat 32 (39 us) and
+    16 (57 us) (benchmarks/results/decode_cuda_splits_warps_h200.jsonl).
     """
     base = max(1, batch * num_kv_heads)
     ctas = 4 * sm_count if base < sm_count else 9 * sm_count
@@ -67,8 +69,9 @@ def choose_backend(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_sca
     why = cuda_decode.supports(q, fmt, k_data, k_scales, v_data, v_scales)
     if why is None and backend == "auto" and kernel_format(fmt.k).code == FormatCode.FP8 \
             and q.shape[0] * k_data.shape[1] < sm_count(q.device) // 8:
-        # FP8 with very few (sequence, KV head) pairs: Triton measured faster (runs 11-12, H200, B=1 32k:
-        # 44 us vs 50 us); from B=16 (8k) the CUDA kernel is faster (0.106 vs 0.141 ms; B=64: 1.6x).
+        # FP8 with very few (sequence, KV head) pairs: Triton measured faster
+        # (H200, benchmarks/results/decode_int8_fp8_cuda_vs_triton_h200.jsonl, B=1 32k: 44 us vs 50 us); from B=16
+        # (8k) the CUDA kernel is faster (0.106 vs 0.141 ms; B=64: 1.6x).
         why = "tiny-batch FP8 decode runs faster in Triton"
     if why is None and num_warps not in (None, cuda_decode.WARPS):
         why = f"num_warps={num_warps}: the CUDA decode runs {cuda_decode.WARPS} warps per CTA"

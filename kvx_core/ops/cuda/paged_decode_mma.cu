@@ -1,7 +1,7 @@
 // KVX paged decode attention over 4-bit and 8-bit KV caches (NVFP4, MXFP4, INT4, INT8, FP8 E4M3/E5M2):
 // CUDA, SM89+.
 //
-// Why CUDA and not Triton (benchmarks/results/ncu_decode_b64_32k_h200.txt): Triton's mma-v2 path
+// Why CUDA and not Triton (benchmarks/results/ncu_decode_triton_b64_32k_h200.txt): Triton's mma-v2 path
 // routes the 4-bit payload through shared memory and layout conversions; its NVFP4 decode used 20%
 // of DRAM bandwidth, bound on L1/TEX. Here a thread loads its payload as 32-bit words straight into
 // registers and decodes them *into the tensor-core fragment layout*: the contraction index of QK^T is

@@ -287,8 +287,10 @@ def default_block_n(kk: KernelFormat, kv: KernelFormat, head_dim: int) -> int:
     if kk.storage in (torch.bfloat16, torch.float16) or kv.storage in (torch.bfloat16, torch.float16):
         return 64 if head_dim <= 128 else 32
     if kk.packed and kv.packed:
-        return 64  # run 3 (H200, B=64 32k): 64 beat 128 by 9-10% on int4 and nvfp4
-    return 128 if head_dim <= 128 else 64  # 8-bit payloads (run-2 sweep winners on H200)
+        # H200, B=64 32k: 64 beat 128 by 9-10% on int4 and nvfp4 (benchmarks/results/decode_triton_splits_blockn_h200.jsonl)
+        return 64
+    # 8-bit payloads (H200 sweep winners: benchmarks/results/decode_triton_tile_sweep_h200.jsonl)
+    return 128 if head_dim <= 128 else 64
 
 
 def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
@@ -306,7 +308,8 @@ def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
     if block_n is None:
         block_n = default_block_n(kk, kv, d)
     if num_warps is None:
-        num_warps = 4  # run-2 sweep: 8 warps lost 0-45% on every format
+        # H200 sweep (benchmarks/results/decode_triton_tile_sweep_h200.jsonl): 8 warps lost up to ~40% of throughput
+        num_warps = 4
     if num_stages is None:
         num_stages = 2 if (kk.packed or kv.packed) else 3
     _decode_kernel[(bsz, hkv, num_splits)](

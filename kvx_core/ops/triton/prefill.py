@@ -245,7 +245,7 @@ def _prefill_kernel(
 
 
 def _default_block_n(kk, kv) -> int:
-    """Key tile (H200 sweep, benchmarks/results/prefill_sweep_s3.jsonl, at BLOCK_M=128 / 8 warps): 128 for
+    """Key tile (H200 sweep, benchmarks/results/prefill_tile_sweep_h200.jsonl, at BLOCK_M=128 / 8 warps): 128 for
     bf16 / fp16 / FP8 / FP4 caches; 64 for INT8 / INT4 (their per-key affine epilogue on a [BM, 128] score
     tile spills: 128 keys is 15-25% slower); 16 for fp32 caches (IEEE fp32 dots)."""
     if kk.storage == torch.float32 or kv.storage == torch.float32:
