@@ -545,6 +545,23 @@ def test_rotate_rows_are_batch_invariant_and_accurate(d, dtype):
     assert (full.double() - ref).abs().max() <= tol * max(1.0, float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("d", [2, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_rotate_keeps_finite_rows_finite_and_non_finite_rows_poisoned(d, dtype):
+    """docs/formats.md §16.7: finite inputs saturate (no inf/NaN from the butterfly's D-fold sums or the cast to
+    the output dtype), a NaN or inf input still poisons its row, and rows stay batch-invariant."""
+    big = torch.finfo(dtype).max
+    x = torch.randn(8, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64).to(dtype)
+    x[0], x[1], x[2, ::2] = big, -big, big
+    x[3, 0], x[4, -1], x[5, 0] = float("nan"), float("inf"), -float("inf")
+    for out_dtype in {dtype, torch.float16, torch.float32}:
+        y = rotate(x, out_dtype)
+        assert y.dtype == out_dtype and y[[0, 1, 2, 6, 7]].isfinite().all(), (dtype, out_dtype)
+        assert (~y[3:6].isfinite()).any(-1).all(), (dtype, out_dtype)
+        for i in range(8):
+            assert torch.equal(rotate(x[i:i + 1], out_dtype).nan_to_num(0.0), y[i:i + 1].nan_to_num(0.0))
+
+
 @pytest.mark.parametrize("h,d", [(1, 128), (2, 64)])
 @pytest.mark.parametrize("name", ROT)
 def test_rot_write_and_gather_are_batch_invariant(name, h, d):
