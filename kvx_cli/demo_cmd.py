@@ -120,7 +120,7 @@ def _json_output(path: Path | None) -> Iterator[IO[str] | None]:
 def _require_fits_model(config: Any, window_len: int, fmts: list[CacheFormat]) -> None:
     """Refuse, before the weights load, a window longer than the model's context (it measures
     nothing, and attention memory grows as L^2) and a format that cannot store the model's heads."""
-    from kvx_core.demo import model_shape
+    from kvx_demo import model_shape
 
     context = getattr(config, "max_position_embeddings", None)
     require(context is None or window_len <= context, Status.OUT_OF_RANGE,
@@ -132,7 +132,7 @@ def _require_fits_model(config: Any, window_len: int, fmts: list[CacheFormat]) -
 
 def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> AmaxObserver:
     """Per-layer K/V amax over one window, observed through a BF16 KVX cache."""
-    from kvx_core.demo.kvx_cache import KvxCache
+    from kvx_demo.kvx_cache import KvxCache
 
     obs = AmaxObserver(shape["num_layers"])
     paged = _paged(get_format("fp32"), shape, ids.shape[1], block_size)
@@ -175,7 +175,7 @@ def run(a: argparse.Namespace) -> int:
     text = _read_text(a.text)
     with _json_output(a.json) as out:
         try:
-            from kvx_core.demo import ensure_local_checkpoint, load_model, read_checkpoint_config
+            from kvx_demo import ensure_local_checkpoint, load_model, read_checkpoint_config
 
             source = a.model if a.model is not None else ensure_local_checkpoint()
             _require_fits_model(read_checkpoint_config(source), a.window_len, fmts)
@@ -192,8 +192,8 @@ def run(a: argparse.Namespace) -> int:
 
 def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: str | None) -> list[dict]:
     """One result row per format, printed as a table while it runs."""
-    from kvx_core.demo import evaluate, load_windows, model_shape
-    from kvx_core.demo.kvx_cache import KvxCache
+    from kvx_demo import evaluate, load_windows, model_shape
+    from kvx_demo.kvx_cache import KvxCache
 
     shape = model_shape(loaded.model)
     need = a.windows + (1 if a.calibrate else 0)

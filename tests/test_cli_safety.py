@@ -21,11 +21,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import kvx_core.demo as demo
+import kvx_demo as demo
 from kvx_cli import demo_cmd, inspect_cmd
 from kvx_cli.args import UINT32_MAX
 from kvx_cli.main import main
-from kvx_core.demo import model as demo_model
+from kvx_demo import model as demo_model
 from kvx_core.errors import KvxError, Status
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,16 +24,16 @@ PPL_DELTA_CEILING_FP4_PCT = 60.0
 
 @pytest.fixture(scope="module")
 def loaded():
-    from kvx_core.demo import load_model
+    from kvx_demo import load_model
 
     return load_model()
 
 
 def test_kvx_cache_bf16_matches_roundtrip_cache_bit_for_bit(loaded):
     """Through KVX pools (write_kv -> gather_kv) a BF16 cache must equal a plain BF16 round trip."""
-    from kvx_core.demo import load_windows, model_shape
-    from kvx_core.demo.hf_cache import RoundTripCache, bf16_roundtrip
-    from kvx_core.demo.kvx_cache import KvxCache
+    from kvx_demo import load_windows, model_shape
+    from kvx_demo.hf_cache import RoundTripCache, bf16_roundtrip
+    from kvx_demo.kvx_cache import KvxCache
 
     s = model_shape(loaded.model)
     ids = load_windows(loaded.tokenizer, 1, 96)
@@ -49,8 +49,8 @@ def test_kvx_cache_bf16_matches_roundtrip_cache_bit_for_bit(loaded):
 
 
 def test_kvx_cache_releases_blocks(loaded):
-    from kvx_core.demo import model_shape
-    from kvx_core.demo.kvx_cache import KvxCache
+    from kvx_demo import model_shape
+    from kvx_demo.kvx_cache import KvxCache
 
     s = model_shape(loaded.model)
     paged = PagedKVCache("nvfp4", num_layers=s["num_layers"], num_blocks=4, block_size=16,

@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-from kvx_core.demo import model as demo_model
-from kvx_core.demo.eval import EvalResult, evaluate
-from kvx_core.demo.text import default_text, make_windows, text_fingerprint, tokenize
+from kvx_demo import model as demo_model
+from kvx_demo.eval import EvalResult, evaluate
+from kvx_demo.text import default_text, make_windows, text_fingerprint, tokenize
 from kvx_core.errors import KvxError, Status
 
 # pydoc_data.topics of CPython 3.11.7: the exact reference values below hold only for this text.
@@ -224,7 +224,7 @@ def test_perplexity_first_512_tokens(lm, windows_512):
 
 @pytest.mark.slow
 def test_custom_cache_equals_dynamic_cache(lm, windows_512, ref_128):
-    from kvx_core.demo.hf_cache import RoundTripCache
+    from kvx_demo.hf_cache import RoundTripCache
 
     n_layers = lm.model.config.num_hidden_layers
     w = windows_512[:, :128]
@@ -240,7 +240,7 @@ def test_custom_cache_equals_dynamic_cache(lm, windows_512, ref_128):
 @pytest.mark.slow
 def test_lossy_cache_changes_perplexity(lm, windows_512, ref_128):
     """The stored K/V reach attention: BF16 storage barely moves ppl, int3 storage clearly hurts."""
-    from kvx_core.demo.hf_cache import RoundTripCache, bf16_roundtrip
+    from kvx_demo.hf_cache import RoundTripCache, bf16_roundtrip
 
     def int3(t: torch.Tensor) -> torch.Tensor:
         scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 3
@@ -258,7 +258,7 @@ def test_lossy_cache_changes_perplexity(lm, windows_512, ref_128):
 
 @pytest.mark.slow
 def test_cache_that_miscounts_tokens_is_rejected(lm, windows_512):
-    from kvx_core.demo.hf_cache import RoundTripCache
+    from kvx_demo.hf_cache import RoundTripCache
 
     class Forgetful(RoundTripCache):
         def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -38,7 +38,7 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLL
 
 @pytest.fixture(scope="module")
 def checkpoint() -> str:
-    from kvx_core.demo.model import ensure_local_checkpoint
+    from kvx_demo.model import ensure_local_checkpoint
 
     return str(ensure_local_checkpoint())
 

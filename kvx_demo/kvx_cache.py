@@ -13,8 +13,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..block_tables import blocks_needed, slot_mapping
-from ..cache import PagedKVCache
-from ..errors import Status, require
+from kvx_core.cache import PagedKVCache
+from kvx_core.errors import Status, require
 
 
 class _BlockTable:

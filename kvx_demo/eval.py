@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import KvxError, Status, int_value, require
+from kvx_core.errors import KvxError, Status, int_value, require
 from .text import is_integer_tensor
 
 CacheFactory = Callable[[], Any]  # returns a transformers Cache (fresh, empty) for one window

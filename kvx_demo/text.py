@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import KvxError, Status, int_value, require
+from kvx_core.errors import KvxError, Status, int_value, require
 
 TEXT_NAME = "pydoc_data.topics"
 
