@@ -20,9 +20,13 @@ from .checks import UINT32_MAX, check_table_types, require_type
 from .reference import gather_kv
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, sm_scale: float,
-            softcap: float | None, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [Tq, Hq, D] at positions `q_pos`, k/v [L, Hkv, D] at positions 0..L-1 -> (out [Tq,Hq,D], lse [Tq,Hq])."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, sm_scale: float,
+           softcap: float | None, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP64 attention core: q [Tq, Hq, D] at positions `q_pos`, k/v [L, Hkv, D] at positions 0..L-1 ->
+    (out [Tq, Hq, D], lse [Tq, Hq]) in FP64. Rows with no allowed key give 0 and -inf; NaN scores give NaN.
+
+    The paged functions below round it to FP32; the kernel tests' oracle (tests/kernels/oracle.py) runs it on
+    K/V decoded by the formats themselves. It is tested against hand-made cases in tests/cache."""
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -43,7 +47,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     empty = torch.isneginf(lse)[..., None]  # rows with no allowed key: output 0, lse -inf
     p = torch.where(empty, 0.0, torch.exp(s - torch.where(empty, 0.0, lse[..., None])))  # NaN K/V stays NaN
     out = torch.einsum("thgl,lhd->thgd", p, v.double())
-    return out.float().reshape(tq, hq, d), lse.float().reshape(tq, hq)
+    return out.reshape(tq, hq, d), lse.reshape(tq, hq)
 
 
 def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, what: str, *,
@@ -113,7 +117,7 @@ def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_l
             continue
         k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]
         pos = torch.tensor([n - 1], device=query.device)
-        out[b:b + 1], lse[b:b + 1] = _attend(query[b:b + 1], k, v, pos, scale, softcap, window, causal=True)
+        out[b:b + 1], lse[b:b + 1] = attend(query[b:b + 1], k, v, pos, scale, softcap, window, causal=True)  # -> FP32
     return out.to(query.dtype), lse
 
 
@@ -136,5 +140,5 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
             continue
         k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]
         pos = torch.arange(n - (q1 - q0), n, device=query.device)
-        out[q0:q1], lse[q0:q1] = _attend(query[q0:q1], k, v, pos, scale, softcap, window, causal)
+        out[q0:q1], lse[q0:q1] = attend(query[q0:q1], k, v, pos, scale, softcap, window, causal)  # -> FP32
     return out.to(query.dtype), lse

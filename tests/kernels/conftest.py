@@ -1,14 +1,11 @@
 """Kernel tests run on CUDA when present, else on CPU under TRITON_INTERPRET=1 (set before triton loads)."""
 import os
-import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

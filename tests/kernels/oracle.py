@@ -1,5 +1,11 @@
-"""Torch oracles for the Triton kernel tests: build quantized pools with the formats' encode, and
-dense float64 attention over the formats' decode of the same pools."""
+"""Torch oracle of the attention kernel tests: quantized pools built with the formats' encode, and FP64
+attention over the formats' decode of the same pools.
+
+The FP64 attention itself is `kvx_core.ops.attention.attend`, the one core shared with the CPU reference
+(`ops.attention`, itself tested against hand-made cases in tests/cache/test_attention.py). Everything else
+here stays independent of the kernels and of the reference's gather: K/V come from `TensorFormat.decode` on
+the pools read by hand through the block table, q is rotated and the output rotated back with the formats'
+own `rotate_q` / `unrotate_output`."""
 from __future__ import annotations
 
 import math
@@ -7,6 +13,7 @@ import math
 import torch
 
 from kvx_core.formats import CacheFormat
+from kvx_core.ops.attention import attend
 
 
 def make_pools(fmt: CacheFormat, num_blocks: int, hkv: int, bs: int, d: int, device="cpu", seed=0,
@@ -58,10 +65,8 @@ def dense_kv(fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, s
 
 def ref_decode(q, fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens,
                sm_scale=None, softcap=None, window=None):
-    """float64 decode attention over the formats' decode of the pools -> (out [B,Hq,D] f64, lse [B,Hq] f64)."""
+    """FP64 decode attention over the formats' decode of the pools -> (out [B,Hq,D] f64, lse [B,Hq] f64)."""
     bsz, hq, d = q.shape
-    hkv = k_data.shape[1]
-    qh = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.zeros(bsz, hq, d, dtype=torch.float64)
     lse = torch.full((bsz, hq), float("-inf"), dtype=torch.float64)
@@ -70,17 +75,7 @@ def ref_decode(q, fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_tab
         if L == 0:
             continue
         k, v = dense_kv(fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, L, b)
-        qq = fmt.rotate_q(q[b].cpu().double())  # [Hq, D]
-        kk = k.repeat_interleave(qh, dim=1)  # [L, Hq, D]
-        vv = v.repeat_interleave(qh, dim=1)
-        s = torch.einsum("hd,lhd->hl", qq, kk) * sm_scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        if window is not None and window >= 0:
-            pos = torch.arange(L)
-            s[:, pos < L - 1 - window] = float("-inf")
-        lse[b] = torch.logsumexp(s, dim=-1)
-        p = torch.softmax(s, dim=-1)
-        o = torch.einsum("hl,lhd->hd", p, vv)
-        out[b] = fmt.unrotate_output(o)
+        qq = fmt.rotate_q(q[b:b + 1].cpu().double())  # [1, Hq, D], K's (rotated) domain
+        o, lse[b:b + 1] = attend(qq, k, v, torch.tensor([L - 1]), sm_scale, softcap, window, causal=True)
+        out[b] = fmt.unrotate_output(o[0])
     return out, lse

@@ -6,7 +6,8 @@ import torch
 
 from kvx_core.formats import get_format, list_formats
 from kvx_core.ops.decode import paged_decode
-from oracle import make_pools, make_table, ref_decode
+
+from .oracle import make_pools, make_table, ref_decode
 
 ALL = list_formats()
 

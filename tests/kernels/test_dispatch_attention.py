@@ -3,12 +3,12 @@ the interpreter, natural on CUDA) agrees with `ops.attention`, falls back to it 
 serve the call, and refuses bad tables with OUT_OF_RANGE."""
 import pytest
 import torch
-from graphs import capture
-from test_gather_kernel import _cache
 
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import attention, dispatch, reference
+
+from .helpers import capture, filled_cache
 
 
 def _tables(device):
@@ -38,7 +38,7 @@ def _forbid_reference(monkeypatch):
 @pytest.mark.parametrize("name", ["bf16", "int8", "nvfp4", "k8v4_rot"])
 def test_dispatch_attention_kernel_path(name, device, monkeypatch):
     monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
-    c = _cache(name, device, page_buffer=True, seed=3)  # one buffer per layer, pools are strided page views
+    c = filled_cache(name, device, page_buffer=True, seed=3)  # one buffer per layer, pools are strided page views
     desc = c.descriptor(0)
     table, lens = _tables(device)
     g = torch.Generator().manual_seed(1)
@@ -54,7 +54,7 @@ def test_dispatch_attention_kernel_path(name, device, monkeypatch):
 
 def test_dispatch_attention_checks(device, monkeypatch):
     monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
-    c = _cache("int4", device, seed=2)
+    c = filled_cache("int4", device, seed=2)
     desc = c.descriptor(0)
     table, lens = _tables(device)
     q = torch.randn(4, 4, 64).to(torch.bfloat16).to(device)
@@ -81,7 +81,7 @@ def test_dispatch_attention_gpu(name, monkeypatch):
     """Realistic shapes on the GPU: the natural dispatch takes the kernels (no forcing). Finite data: with
     scores near the fp32 overflow edge the NaN pattern depends on accumulation order (the CPU test above
     covers NaN propagation)."""
-    c = _cache(name, "cuda", nb=300, bs=16, h=8, d=128, page_buffer=True, seed=5)
+    c = filled_cache(name, "cuda", nb=300, bs=16, h=8, d=128, page_buffer=True, seed=5)
     g = torch.Generator().manual_seed(6)
     k, v = torch.randn(2, 300 * 16, 8, 128, generator=g).cuda()
     reference.write_kv(c.descriptor(0), WriteDesc(KvIoDesc(k, v), SlotMapping(torch.arange(300 * 16, device="cuda"))))
@@ -103,7 +103,7 @@ def test_dispatch_attention_gpu(name, monkeypatch):
 def test_dispatch_decode_step_cuda_graph(name):
     """One engine decode step through the sync-free dispatch (write each sequence's new token, then attend),
     captured in a CUDA graph and replayed with new inputs: equal to the same step run eagerly."""
-    c = _cache(name, "cuda", nb=128, bs=16, h=8, d=128, page_buffer=True, seed=8)
+    c = filled_cache(name, "cuda", nb=128, bs=16, h=8, d=128, page_buffer=True, seed=8)
     desc = c.descriptor(0)
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(2, 128 * 16, 8, 128, generator=g).cuda()

@@ -2,29 +2,14 @@
 import pytest
 import torch
 
-from kvx_core.cache import PagedKVCache
 from kvx_core.descriptors import BlockTable, GatherDesc, SeqLens, SlotMapping, WriteDesc, KvIoDesc
 from kvx_core.formats import list_formats
 from kvx_core.ops import dispatch, reference
 from kvx_core.ops.triton import gather_kv
-from test_write_kernel import adversarial
+
+from .helpers import filled_cache
 
 ALL = list_formats()
-
-
-def _cache(name, device, nb=12, bs=4, h=2, d=64, page_buffer=False, seed=0):
-    c = PagedKVCache(name, num_layers=1, num_blocks=nb, block_size=bs, num_kv_heads=h, head_dim=d,
-                     device=device, page_buffer=page_buffer, per_head_global_scale=True)
-    if c.layers[0].k_global is not None:
-        c.set_global_scales(0, torch.tensor([0.5, 2.0 ** -7] * (h // 2)), torch.tensor([3.3, 1.0] * (h // 2)))
-    t = nb * bs
-    g = torch.Generator().manual_seed(seed)
-    k = adversarial(t, h, d, seed)
-    k[5:] = torch.randn(t - 5, h, d, generator=g) * 3  # mostly finite so decoded rows are comparable
-    v = torch.randn(t, h, d, generator=g)
-    reference.write_kv(c.descriptor(0), WriteDesc(KvIoDesc(k.to(device), v.to(device)),
-                                                  SlotMapping(torch.randperm(t, generator=g).to(device))))
-    return c
 
 
 def _table(bs, device):
@@ -40,7 +25,7 @@ def _eq(a, b):
 
 @pytest.mark.parametrize("name", ALL)
 def test_gather_bit_identical(name, device):
-    c = _cache(name, device)
+    c = filled_cache(name, device)
     bt, lens = _table(c.block_size, device)
     rk, rv = c.gather(0, bt, lens)  # reference
     p = c.layers[0]
@@ -52,7 +37,7 @@ def test_gather_bit_identical(name, device):
 
 @pytest.mark.parametrize("name", ["bf16", "int4", "nvfp4_rot", "mxfp4_32", "fp8_e5m2"])
 def test_gather_max_seq_len_out_dtype_page_buffer(name, device):
-    c = _cache(name, device, page_buffer=True, seed=4)
+    c = filled_cache(name, device, page_buffer=True, seed=4)
     bt, lens = _table(c.block_size, device)
     desc = c.descriptor(0)
     gd = GatherDesc(BlockTable.packed(bt), SeqLens(lens), 7)
@@ -67,7 +52,7 @@ def test_gather_max_seq_len_out_dtype_page_buffer(name, device):
 def test_dispatch_matches_reference(name, device, monkeypatch):
     """`ops.dispatch` takes the Triton path (forced on CPU under the interpreter) and equals the reference."""
     monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
-    a, b = _cache(name, device, seed=1), _cache(name, device, seed=1)
+    a, b = filled_cache(name, device, seed=1), filled_cache(name, device, seed=1)
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(6, 2, 64, generator=g).to(device), torch.randn(6, 2, 64, generator=g).to(device)
     slots = torch.tensor([40, -1, 3, 17, -1, 46], device=device)
@@ -84,7 +69,7 @@ def test_dispatch_matches_reference(name, device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ALL)
 def test_gather_gpu_realistic(name):
-    c = _cache(name, "cuda", nb=600, bs=16, h=8, d=128, seed=2)
+    c = filled_cache(name, "cuda", nb=600, bs=16, h=8, d=128, seed=2)
     lens = torch.tensor([1, 777, 0, 4000, 2999], dtype=torch.int32, device="cuda")
     bt = torch.randint(0, 600, (5, 250), device="cuda", dtype=torch.int32)
     rk, rv = c.gather(0, bt, lens)

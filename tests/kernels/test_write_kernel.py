@@ -7,32 +7,10 @@ import torch
 from kvx_core.formats import get_format, list_formats, rotate
 from kvx_core.ops.triton import write_kv
 
+from .helpers import adversarial
+
 ALL = list_formats()
 POISON = 0xA5
-
-
-def adversarial(t: int, h: int, d: int, seed: int = 0) -> torch.Tensor:
-    """FP32 `[t, h, d]`: per-group magnitudes 1e-30..1e30, E2M1/E4M3 ties, zeros, -0, subnormals, NaN, inf."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, d, generator=g)
-    mag = 10.0 ** (torch.rand(t, h, d // 16, 1, generator=g) * 60 - 30)
-    x = (x.view(t, h, d // 16, 16) * mag).view(t, h, d)
-    x[0, 0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, -0.0, 0, 1e-45, -1e-40,
-                                 448 * 6, 464 * 6, 2.0 ** -10 * 6, 3e38])
-    x[0, 0, 16:32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6] * 2) * -1.0
-    if t > 1:
-        x[1, 0, 3] = float("nan")
-        x[1, h - 1, d - 1] = float("inf")
-    if t > 2:
-        x[2, 0] = 0.0                                 # all-zero row (int: constant, NVFP4: s == 0)
-        x[2, h - 1] = 1.5                             # constant row
-    if t > 3:
-        x[3, 0] = torch.linspace(-3e38, 3e38, d)      # int range overflows FP32 / FP16
-        x[3, h - 1, :16] = 2.0 ** -140                # FP32 subnormal group (MXFP4 byte 0 / 1)
-        x[3, h - 1, 16:32] = -float("inf")
-    if t > 4:
-        x[4, 0] = torch.randn(d, generator=g) * 1e-4  # tiny: NVFP4 scale underflow guard at g = 1
-    return x
 
 
 def _pools(tf, nb, h, bs, d, device):
