@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..block_tables import blocks_needed, slot_mapping
+from kvx_core.block_tables import blocks_needed, slot_mapping
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import Status, require
 
