@@ -5,7 +5,8 @@ all `QH = Hq / H_kv` query heads that share the KV head (GQA), dequantizes in re
 `dequant.py`), and runs the online softmax with the tile dots on tensor cores (M = QH padded to 16).
 4-bit formats are never interleaved in registers: even head_dim elements (low nibbles) and odd ones
 (high nibbles) are contracted separately against the even / odd query halves, and the V halves
-accumulate into even / odd output columns. `merge.py` merges the splits (LSE-weighted), rotates the output
+accumulate into even / odd output columns. The tile steps are `tiles.py`'s, shared with prefill.py (here
+with INT codes as fp16 subnormals, `SUB`, and the inline-PTX decoders, `ASM`). `merge.py` merges the splits (LSE-weighted), rotates the output
 back for Hadamard formats, casts to the query dtype and writes the LSE. `launch_decode` (below) launches this
 kernel; `kvx_core/ops/decode.py` checks the arguments, chooses the backend and the splits, and merges.
 """
@@ -18,14 +19,9 @@ import triton
 import triton.language as tl
 
 from ..kernel_format import KernelFormat, kernel_format
-from .dequant import (
-    F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, TWO_POW_24, dot_f32, e2m1_hi_f16_x4, e2m1_lo_f16_x4,
-    e4m3_byte_f16, e8m0_f32_x2p14, hadamard_tile, lse_or_empty, u4_hi_f16_sub, u4_lo_f16_sub, u8_f16_sub,
-)
+from .dequant import F_INT4, F_MXFP4, F_NVFP4, dot_f32, hadamard_tile, lse_or_empty
 from .launch import as_bytes, dot_type, fp8_type, interpreting, next_pow2
-from .quant import f16_bytes_f32
-
-LOG2E = tl.constexpr(1.4426950408889634)
+from .tiles import acc_init, finish, head_factors, kv_tile, pv_step, q_sums, scores, softmax_step, tile_slots
 
 
 @triton.jit
@@ -84,8 +80,6 @@ def _decode_kernel(
 
     KPACK: tl.constexpr = KF == F_INT4 or KF == F_MXFP4 or KF == F_NVFP4
     VPACK: tl.constexpr = VF == F_INT4 or VF == F_MXFP4 or VF == F_NVFP4
-    KINT: tl.constexpr = KF == F_INT8 or KF == F_INT4
-    VINT: tl.constexpr = VF == F_INT8 or VF == F_INT4
     HD: tl.constexpr = D // 2
 
     rows = tl.arange(0, BM)
@@ -99,166 +93,33 @@ def _decode_kernel(
         qb = _load_q_part(Q, q_row, rmask, D, BM, 1, True, ROTATE, KDT, RSD)
     else:
         qa = _load_q_part(Q, q_row, rmask, D, BM, 0, False, ROTATE, KDT, RSD)
-    if KINT:
-        qsum = tl.sum(qa.to(tl.float32), axis=1)
-        if KPACK:
-            qsum += tl.sum(qb.to(tl.float32), axis=1)
+        qb = qa  # unused: one tile
+    qsum = q_sums(qa, qb, KF, BM)
+    k_fac, v_fac = head_factors(sm_scale, softcap, KG, VG, h, KF, VF, KGS, VGS, SOFTCAP, True)
+    m_i, l_i, acc_a, acc_b, pm = acc_init(VF, BM, D)
 
-    # per-head constant factors applied after the dots
-    k_fac = sm_scale
-    if KGS:
-        k_fac = k_fac * tl.load(KG + h)
-    if KF == F_NVFP4:
-        k_fac = k_fac * TWO_POW_14
-    v_fac = 1.0
-    if VGS:
-        v_fac = v_fac * tl.load(VG + h)
-    if VF == F_NVFP4:
-        v_fac = v_fac * TWO_POW_14
-    if VINT:
-        v_fac = v_fac * TWO_POW_24
-    if SOFTCAP:
-        k_fac = k_fac / softcap  # s = softcap * tanh(qk * sm_scale / softcap)
-
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    if VPACK:
-        acc_a = tl.zeros([BM, HD], tl.float32)
-        acc_b = tl.zeros([BM, HD], tl.float32)
-    else:
-        acc_a = tl.zeros([BM, D], tl.float32)
-    if VINT:
-        pm = tl.zeros([BM], tl.float32)
-
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     offs_hd = tl.arange(0, HD)
-    bt_row = BT + b.to(tl.int64) * s_btb
     h64 = h.to(tl.int64)
 
     for start in range(lo, hi, BLOCK_N):
-        t = start + offs_n
-        tmask = t < hi
-        phys = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
-        off = (t % BS).to(tl.int64)
+        t, tmask, phys, off = tile_slots(BT, s_btb, b, start, hi, BLOCK_N, BS)
 
         # ------------------------------------------------------------ K tile -> scores
         krow = phys * s_kdb + h64 * s_kdh + off * s_kdt
-        if KPACK:
-            if KF == F_INT4:
-                kb8 = tl.load(KD + krow[:, None] + offs_hd[None, :], mask=tmask[:, None], other=0)
-                ka_t = u4_lo_f16_sub(kb8, ASM)
-                kb_t = u4_hi_f16_sub(kb8, ASM)
-            else:
-                KG_N: tl.constexpr = D // KGRP
-                KGB: tl.constexpr = KGRP // 2
-                offs_g = tl.arange(0, KG_N)
-                offs_gb = tl.arange(0, KGB)
-                kb8 = tl.load(KD + krow[:, None, None] + (offs_g[None, :, None] * KGB + offs_gb[None, None, :]),
-                              mask=tmask[:, None, None], other=0)
-                ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
-                ksb = tl.load(KS + ksrow[:, None] + offs_g[None, :], mask=tmask[:, None], other=0)
-                if KF == F_NVFP4:
-                    ks16 = e4m3_byte_f16(ksb)[:, :, None]
-                    ka3 = e2m1_lo_f16_x4(kb8, ASM) * ks16
-                    kb3 = e2m1_hi_f16_x4(kb8, ASM) * ks16
-                else:
-                    ks32 = e8m0_f32_x2p14(ksb)[:, :, None]
-                    ka3 = e2m1_lo_f16_x4(kb8, ASM).to(tl.float32) * ks32
-                    kb3 = e2m1_hi_f16_x4(kb8, ASM).to(tl.float32) * ks32
-                ka_t = tl.reshape(ka3, [BLOCK_N, HD]).to(KDT)
-                kb_t = tl.reshape(kb3, [BLOCK_N, HD]).to(KDT)
-            s = tl.dot(qa, tl.trans(ka_t)) + tl.dot(qb, tl.trans(kb_t))
-        else:
-            kraw = tl.load(KD + krow[:, None] + offs_d[None, :], mask=tmask[:, None], other=0)
-            if KF == F_INT8:
-                k_t = u8_f16_sub(kraw, ASM)
-            elif KF == F_FP8:
-                k_t = kraw.to(K8, bitcast=True).to(KDT)
-            else:
-                k_t = kraw.to(KDT)
-            if KIEEE:
-                s = tl.dot(qa, tl.trans(k_t), input_precision="ieee")
-            else:
-                s = tl.dot(qa, tl.trans(k_t))
-        if KINT:
-            ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
-            k_sc = f16_bytes_f32(KS, ksrow, 0, tmask) * TWO_POW_24  # codes enter the dot as fp16 c * 2**-24
-            k_mn = f16_bytes_f32(KS, ksrow, 2, tmask)
-            s = s * k_sc[None, :] + qsum[:, None] * k_mn[None, :]
-        s = s * k_fac
-        if SOFTCAP:
-            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no overflow NaN
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
-        s = s * LOG2E
+        ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
+        ka_t, kb_t = kv_tile(KD, krow, KS, ksrow, tmask, KF, KGRP, D, BLOCK_N, KDT, K8, True, ASM)
+        s = scores(qa, qb, ka_t, kb_t, KS, ksrow, tmask, qsum, k_fac, softcap, KF, KIEEE, SOFTCAP, True)
         s = tl.where(tmask[None, :], s, float("-inf"))
 
         # ------------------------------------------------------------ online softmax
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
 
         # ------------------------------------------------------------ V tile
         vrow = phys * s_vdb + h64 * s_vdh + off * s_vdt
-        if VPACK:
-            acc_a = acc_a * alpha[:, None]
-            acc_b = acc_b * alpha[:, None]
-            if VF == F_INT4:
-                vb8 = tl.load(VD + vrow[:, None] + offs_hd[None, :], mask=tmask[:, None], other=0)
-                va_t = u4_lo_f16_sub(vb8, ASM)
-                vb_t = u4_hi_f16_sub(vb8, ASM)
-            else:
-                VG_N: tl.constexpr = D // VGRP
-                VGB: tl.constexpr = VGRP // 2
-                offs_vg = tl.arange(0, VG_N)
-                offs_vgb = tl.arange(0, VGB)
-                vb8 = tl.load(VD + vrow[:, None, None] + (offs_vg[None, :, None] * VGB + offs_vgb[None, None, :]),
-                              mask=tmask[:, None, None], other=0)
-                vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
-                vsb = tl.load(VS + vsrow[:, None] + offs_vg[None, :], mask=tmask[:, None], other=0)
-                if VF == F_NVFP4:
-                    vs16 = e4m3_byte_f16(vsb)[:, :, None]
-                    va3 = e2m1_lo_f16_x4(vb8, ASM) * vs16
-                    vb3 = e2m1_hi_f16_x4(vb8, ASM) * vs16
-                else:
-                    vs32 = e8m0_f32_x2p14(vsb)[:, :, None]
-                    va3 = e2m1_lo_f16_x4(vb8, ASM).to(tl.float32) * vs32
-                    vb3 = e2m1_hi_f16_x4(vb8, ASM).to(tl.float32) * vs32
-                va_t = tl.reshape(va3, [BLOCK_N, HD]).to(VDT)
-                vb_t = tl.reshape(vb3, [BLOCK_N, HD]).to(VDT)
-        else:
-            acc_a = acc_a * alpha[:, None]
-            vraw = tl.load(VD + vrow[:, None] + offs_d[None, :], mask=tmask[:, None], other=0)
-            if VF == F_INT8:
-                va_t = u8_f16_sub(vraw, ASM)
-            elif VF == F_FP8:
-                va_t = vraw.to(V8, bitcast=True).to(VDT)
-            else:
-                va_t = vraw.to(VDT)
-        if VINT:
-            vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
-            v_sc = f16_bytes_f32(VS, vsrow, 0, tmask)
-            v_mn = f16_bytes_f32(VS, vsrow, 2, tmask)
-            v_smax = tl.max(v_sc, axis=0)
-            v_smax = tl.where(v_smax > 0, v_smax, 1.0)
-            w = (p * (v_sc / v_smax)[None, :]).to(VDT)
-            pm = pm * alpha + tl.sum(p * v_mn[None, :], axis=1)
-            acc_a += tl.dot(w, va_t.to(VDT)) * v_smax
-            if VPACK:
-                acc_b += tl.dot(w, vb_t.to(VDT)) * v_smax
-        else:
-            pv = p.to(VDT)
-            if VPACK:
-                acc_a += tl.dot(pv, va_t)
-                acc_b += tl.dot(pv, vb_t)
-            else:
-                if VIEEE:
-                    acc_a += tl.dot(p, va_t, input_precision="ieee")
-                else:
-                    acc_a += tl.dot(pv, va_t)
+        vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
+        acc_a, acc_b, pm = pv_step(acc_a, acc_b, pm, p, alpha, VD, vrow, VS, vsrow, tmask, VF, VGRP, D, BLOCK_N, VDT,
+                                   V8, VIEEE, True, ASM)
 
     # ---- store this split's normalised partial output and its log2-sum-exp ----
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -266,17 +127,11 @@ def _decode_kernel(
     lse2 = lse_or_empty(l_i, m_i + tl.log2(l_safe))
     mo_row = b.to(tl.int64) * s_mob + hq.to(tl.int64) * s_moh + sp * s_mos
     tl.store(ML + b.to(tl.int64) * s_mlb + hq.to(tl.int64) * s_mlh + sp, lse2, mask=rmask)
-    if VINT:
-        add = pm
-    else:
-        add = tl.zeros([BM], tl.float32)
+    oa, ob = finish(acc_a, acc_b, pm, inv_l, v_fac, VF)
     if VPACK:
-        oa = (acc_a * v_fac + add[:, None]) * inv_l[:, None]
-        ob = (acc_b * v_fac + add[:, None]) * inv_l[:, None]
         tl.store(MO + mo_row[:, None] + offs_hd[None, :] * 2, oa, mask=rmask[:, None])
         tl.store(MO + mo_row[:, None] + offs_hd[None, :] * 2 + 1, ob, mask=rmask[:, None])
     else:
-        oa = (acc_a * v_fac + add[:, None]) * inv_l[:, None]
         tl.store(MO + mo_row[:, None] + offs_d[None, :], oa, mask=rmask[:, None])
 
 

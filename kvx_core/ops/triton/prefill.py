@@ -4,9 +4,10 @@ Sequence b's new tokens are rows `qo_indptr[b]:qo_indptr[b+1]` of `q [T, Hq, D]`
 `q_len` cached tokens (already written); each attends to the cached prefix plus itself. One program =
 BM rows of (token, query head) pairs of one sequence and one KV head (GQA packing: every K/V tile is
 loaded once for all `Hq / H_kv` heads that share it), online softmax over BLOCK_N-token tiles with
-both dots on tensor cores. K/V tiles are dequantized in registers exactly as decode.py does (payload
-values exact in the dot dtype, per-head/per-token factors after the dot; 4-bit formats contract
-even/odd head_dim halves separately). Hadamard formats: q is rotated and the output rotated back with
+both dots on tensor cores. The tile steps (K/V dequantization in registers, scores, online softmax, P.V) are
+`tiles.py`'s, shared with decode.py (payload values exact in the dot dtype, per-head/per-token factors after
+the dot; 4-bit formats contract even/odd head_dim halves separately); here INT codes enter the dots as their
+integer values (`SUB` off) and the 4-bit decoders are the portable forms (`ASM` off). Hadamard formats: q is rotated and the output rotated back with
 the torch matmul around the kernel. `window_left` follows FlashInfer, `paged_decode` and
 `attention.paged_prefill(window=...)`: key j is attended iff `j >= pos - window_left`.
 """
@@ -21,39 +22,12 @@ import triton.language as tl
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ..kernel_format import kernel_format
-from .dequant import (
-    F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, e2m1_hi_f16, e2m1_lo_f16, e4m3_byte_f16, e8m0_f32_x2p14,
-    lse_or_empty, u4_hi_f16, u4_lo_f16, u8_code_f16,
-)
+from .dequant import F_INT4, F_MXFP4, F_NVFP4, lse_or_empty
 from .launch import as_bytes, as_format, check_device, check_pool, dot_type, fp8_type, global_scale_arg, scale_args
-from .quant import f16_bytes_f32
+from .tiles import acc_init, finish, head_factors, kv_tile, pv_step, q_sums, scores, softmax_step, tile_slots
 
-LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_M = 128
 """Default rows of (token, query head) pairs per program; `prefill_plan` and the launch must agree."""
-
-
-@triton.jit
-def _fp4_tile(D_, row, S_, srow, tmask, F: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr,
-              BLOCK_N: tl.constexpr, DT: tl.constexpr):
-    """[BLOCK_N, D/2] even (low nibble) and odd (high nibble) FP4 tiles, scaled by the group byte
-    (NVFP4: e2m1 * 2**-14 * E4M3 in fp16, exact; MXFP4: e2m1 * 2**E in bf16, exact)."""
-    NG: tl.constexpr = D // GRP
-    GB: tl.constexpr = GRP // 2
-    offs_g = tl.arange(0, NG)
-    offs_gb = tl.arange(0, GB)
-    b8 = tl.load(D_ + row[:, None, None] + (offs_g[None, :, None] * GB + offs_gb[None, None, :]),
-                 mask=tmask[:, None, None], other=0)
-    sb = tl.load(S_ + srow[:, None] + offs_g[None, :], mask=tmask[:, None], other=0)
-    if F == F_NVFP4:
-        s16 = e4m3_byte_f16(sb)[:, :, None]
-        a3 = e2m1_lo_f16(b8) * s16
-        b3 = e2m1_hi_f16(b8) * s16
-    else:
-        s32 = e8m0_f32_x2p14(sb)[:, :, None]
-        a3 = e2m1_lo_f16(b8).to(tl.float32) * s32
-        b3 = e2m1_hi_f16(b8).to(tl.float32) * s32
-    return tl.reshape(a3, [BLOCK_N, D // 2]).to(DT), tl.reshape(b3, [BLOCK_N, D // 2]).to(DT)
 
 
 @triton.jit
@@ -80,8 +54,6 @@ def _prefill_kernel(
 
     KPACK: tl.constexpr = KF == F_INT4 or KF == F_MXFP4 or KF == F_NVFP4
     VPACK: tl.constexpr = VF == F_INT4 or VF == F_MXFP4 or VF == F_NVFP4
-    KINT: tl.constexpr = KF == F_INT8 or KF == F_INT4
-    VINT: tl.constexpr = VF == F_INT8 or VF == F_INT4
     HD: tl.constexpr = D // 2
 
     r = row0 + tl.arange(0, BM)
@@ -98,33 +70,10 @@ def _prefill_kernel(
         qb = tl.load(Q + q_row[:, None] + 2 * offs_hd[None, :] + 1, mask=rvalid[:, None], other=0.0).to(KDT)
     else:
         qa = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=rvalid[:, None], other=0.0).to(KDT)
-    if KINT:
-        qsum = tl.sum(qa.to(tl.float32), axis=1)
-        if KPACK:
-            qsum += tl.sum(qb.to(tl.float32), axis=1)
-
-    k_fac = sm_scale
-    if KGS:
-        k_fac = k_fac * tl.load(KG + h)
-    if KF == F_NVFP4:
-        k_fac = k_fac * TWO_POW_14
-    v_fac = 1.0
-    if VGS:
-        v_fac = v_fac * tl.load(VG + h)
-    if VF == F_NVFP4:
-        v_fac = v_fac * TWO_POW_14
-    if SOFTCAP:
-        k_fac = k_fac / softcap
-
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    if VPACK:
-        acc_a = tl.zeros([BM, HD], tl.float32)
-        acc_b = tl.zeros([BM, HD], tl.float32)
-    else:
-        acc_a = tl.zeros([BM, D], tl.float32)
-    if VINT:
-        pm = tl.zeros([BM], tl.float32)
+        qb = qa  # unused: one tile
+    qsum = q_sums(qa, qb, KF, BM)
+    k_fac, v_fac = head_factors(sm_scale, softcap, KG, VG, h, KF, VF, KGS, VGS, SOFTCAP, False)
+    m_i, l_i, acc_a, acc_b, pm = acc_init(VF, BM, D)
 
     tok_last = tl.minimum(q_len - 1, (row0 + BM - 1) // QH)
     hi = seq_len
@@ -137,43 +86,14 @@ def _prefill_kernel(
         lo = tl.maximum(prefix + row0 // QH - window_left, 0)
         full_end = lo
     full_end = lo + (tl.maximum(full_end - lo, 0) // BLOCK_N) * BLOCK_N
-    offs_n = tl.arange(0, BLOCK_N)
-    bt_row = BT + b.to(tl.int64) * s_btb
     h64 = h.to(tl.int64)
 
     for start in range(lo, hi, BLOCK_N):
-        t = start + offs_n
-        tmask = t < hi
-        phys = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
-        off = (t % BS).to(tl.int64)
+        t, tmask, phys, off = tile_slots(BT, s_btb, b, start, hi, BLOCK_N, BS)
         krow = phys * s_kdb + h64 * s_kdh + off * s_kdt
         ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
-        if KPACK:
-            if KF == F_INT4:
-                kb8 = tl.load(KD + krow[:, None] + offs_hd[None, :], mask=tmask[:, None], other=0)
-                ka_t = u4_lo_f16(kb8).to(KDT)
-                kb_t = u4_hi_f16(kb8).to(KDT)
-            else:
-                ka_t, kb_t = _fp4_tile(KD, krow, KS, ksrow, tmask, KF, KGRP, D, BLOCK_N, KDT)
-            s = tl.dot(qa, tl.trans(ka_t)) + tl.dot(qb, tl.trans(kb_t))
-        else:
-            kraw = tl.load(KD + krow[:, None] + offs_d[None, :], mask=tmask[:, None], other=0)
-            if KF == F_INT8:
-                k_t = u8_code_f16(kraw).to(KDT)
-            elif KF == F_FP8:
-                k_t = kraw.to(K8, bitcast=True).to(KDT)
-            else:
-                k_t = kraw.to(KDT)
-            if KIEEE:
-                s = tl.dot(qa, tl.trans(k_t), input_precision="ieee")
-            else:
-                s = tl.dot(qa, tl.trans(k_t))
-        if KINT:
-            s = s * f16_bytes_f32(KS, ksrow, 0, tmask)[None, :] + qsum[:, None] * f16_bytes_f32(KS, ksrow, 2, tmask)[None, :]
-        s = s * k_fac
-        if SOFTCAP:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
-        s = s * LOG2E
+        ka_t, kb_t = kv_tile(KD, krow, KS, ksrow, tmask, KF, KGRP, D, BLOCK_N, KDT, K8, False, False)
+        s = scores(qa, qb, ka_t, kb_t, KS, ksrow, tmask, qsum, k_fac, softcap, KF, KIEEE, SOFTCAP, False)
         if start >= full_end:  # tiles on the causal diagonal, past the end or in the window edge
             allowed = tmask[None, :] & rvalid[:, None]
             if CAUSAL:
@@ -182,63 +102,20 @@ def _prefill_kernel(
                 allowed = allowed & (t[None, :] >= qpos[:, None] - window_left)
             s = tl.where(allowed, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         vrow = phys * s_vdb + h64 * s_vdh + off * s_vdt
         vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
-        acc_a = acc_a * alpha[:, None]
-        if VPACK:
-            acc_b = acc_b * alpha[:, None]
-            if VF == F_INT4:
-                vb8 = tl.load(VD + vrow[:, None] + offs_hd[None, :], mask=tmask[:, None], other=0)
-                va_t = u4_lo_f16(vb8)
-                vb_t = u4_hi_f16(vb8)
-            else:
-                va_t, vb_t = _fp4_tile(VD, vrow, VS, vsrow, tmask, VF, VGRP, D, BLOCK_N, VDT)
-        else:
-            vraw = tl.load(VD + vrow[:, None] + offs_d[None, :], mask=tmask[:, None], other=0)
-            if VF == F_INT8:
-                va_t = u8_code_f16(vraw)
-            elif VF == F_FP8:
-                va_t = vraw.to(V8, bitcast=True).to(VDT)
-            else:
-                va_t = vraw.to(VDT)
-        if VINT:
-            v_sc = f16_bytes_f32(VS, vsrow, 0, tmask)
-            v_mn = f16_bytes_f32(VS, vsrow, 2, tmask)
-            v_smax = tl.max(v_sc, axis=0)
-            v_smax = tl.where(v_smax > 0, v_smax, 1.0)
-            w = (p * (v_sc / v_smax)[None, :]).to(VDT)
-            pm = pm * alpha + tl.sum(p * v_mn[None, :], axis=1)
-            acc_a += tl.dot(w, va_t.to(VDT)) * v_smax
-            if VPACK:
-                acc_b += tl.dot(w, vb_t.to(VDT)) * v_smax
-        elif VPACK:
-            acc_a += tl.dot(p.to(VDT), va_t)
-            acc_b += tl.dot(p.to(VDT), vb_t)
-        elif VIEEE:
-            acc_a += tl.dot(p, va_t, input_precision="ieee")
-        else:
-            acc_a += tl.dot(p.to(VDT), va_t)
+        acc_a, acc_b, pm = pv_step(acc_a, acc_b, pm, p, alpha, VD, vrow, VS, vsrow, tmask, VF, VGRP, D, BLOCK_N, VDT,
+                                   V8, VIEEE, False, False)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     inv_l = 1.0 / l_safe
-    add = tl.zeros([BM], tl.float32)
-    if VINT:
-        add = pm
     o_row = (q0 + tok).to(tl.int64) * s_ot + hq.to(tl.int64) * s_oh
+    oa, ob = finish(acc_a, acc_b, pm, inv_l, v_fac, VF)
     if VPACK:
-        oa = (acc_a * v_fac + add[:, None]) * inv_l[:, None]
-        ob = (acc_b * v_fac + add[:, None]) * inv_l[:, None]
         tl.store(O + o_row[:, None] + 2 * offs_hd[None, :], oa.to(O.dtype.element_ty), mask=rvalid[:, None])
         tl.store(O + o_row[:, None] + 2 * offs_hd[None, :] + 1, ob.to(O.dtype.element_ty), mask=rvalid[:, None])
     else:
-        oa = (acc_a * v_fac + add[:, None]) * inv_l[:, None]
         tl.store(O + o_row[:, None] + offs_d[None, :], oa.to(O.dtype.element_ty), mask=rvalid[:, None])
     lse = lse_or_empty(l_i, (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(LSE + (q0 + tok).to(tl.int64) * s_lt + hq.to(tl.int64) * s_lh, lse, mask=rvalid)
