@@ -27,7 +27,7 @@ def compile_decode(name, d=128, bs=16, qh=4, block_n=None, num_warps=4, num_stag
     block_n = block_n or default_block_n(kk, kv, d)
     consts = dict(BS=bs, QH=qh, BM=max(16, qh), D=d, BLOCK_N=block_n, KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
         KDT=dot_type(kk, torch.bfloat16), VDT=dot_type(kv, torch.bfloat16), KIEEE=kk.storage==torch.float32, VIEEE=kv.storage==torch.float32,
-        KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv), ROTATE=fmt.rotate, SOFTCAP=softcap, WINDOW=window, RSD=d**-0.5, ASM=True)
+        KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv), SOFTCAP=softcap, WINDOW=window, ASM=True)
     ptrs = dict(Q="*bf16", KD=p(kk.storage), KS="*u8", VD=p(kv.storage), VS="*u8", KG="*fp32", VG="*fp32", BT="*i32", SEQ="*i32", MO="*fp32", ML="*fp32")
     sig = sig_for(_decode_kernel, consts, ptrs)
     # the JIT marks pointers and ints divisible by 16 (tt.divisibility); mirror the benchmark's shapes

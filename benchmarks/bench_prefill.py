@@ -11,8 +11,7 @@ import torch
 
 from common import bench, emit, env_info
 from kvx_core.cache import PagedKVCache
-from kvx_core.ops.triton import paged_prefill, prefill_plan
-from kvx_core.ops.triton.prefill import BLOCK_M
+from kvx_core.ops.triton import plan_prefill
 
 FORMATS = ["bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "k8v4"]
 
@@ -80,9 +79,10 @@ def main() -> None:
                         t.random_(100, 120)
                 for cfg in configs:
                     kw = cfg or {}
-                    plan = prefill_plan(qo, hq // hkv, kw.get("block_m", BLOCK_M))
-                    fn = lambda: paged_prefill(q, qo, p.k_data, p.k_scales, p.v_data, p.v_scales,  # noqa: E731
-                                               p.k_global, p.v_global, bt, sl, c.format, plan=plan, **kw)
+                    plan = plan_prefill(c.format, qo, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                                        q_dtype=q.dtype, device=q.device, **kw)  # planned once, as engines do
+                    fn = lambda: plan.run(q, p.k_data, p.k_scales, p.v_data, p.v_scales,  # noqa: E731
+                                          p.k_global, p.v_global, bt, sl)
                     r = bench(fn, n=50)
                     rec = {**base, **shape, "impl": "kvx_triton", "format": name, "config": kw or "default", **r,
                            "tflops": fl / r["ms"] / 1e9}

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from kvx_core.ops.graphs import capture
+
 _FLUSH = None
 
 
@@ -43,14 +45,7 @@ def bench_graph(fn, n: int = 50) -> dict | None:
     try:
         fn()
         torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g, _ = capture(fn)
         return bench(g.replay, n=n)
     except Exception as e:  # noqa: BLE001
         print("graph capture failed:", repr(e)[:200])

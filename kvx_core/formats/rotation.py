@@ -45,8 +45,9 @@ def hadamard(d: int, dtype: torch.dtype = torch.float32, device: torch.device | 
     return _sylvester(d).to(device=device, dtype=dtype, copy=True)
 
 
-def rotate(x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-    """`x @ H` along the last dim (its own inverse: `rotate(rotate(x)) == x` up to rounding), row by row.
+def rotate(x: Tensor, out_dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
+    """`x @ H` along the last dim (its own inverse: `rotate(rotate(x)) == x` up to rounding), row by row, into a new
+    tensor of `out_dtype` (default: x's) or into `out` (x's shape, a float dtype; the result is then `out`).
 
     Butterfly stage h (h = 1, 2, 4, ...) maps each pair (a, b) = (y[i], y[i + h]) of a 2h-block to
     (a + b, a - b): the Sylvester recursion H_2h = [[H_h, H_h], [H_h, -H_h]] unrolled. No host sync and
@@ -56,11 +57,18 @@ def rotate(x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         raise KvxError(Status.INVALID_ARGUMENT, "rotate expects a floating-point torch.Tensor [..., D]")
     d = int(x.shape[-1])
     _check_order(d)
+    if out is not None:
+        if not isinstance(out, Tensor) or not out.is_floating_point() or out.shape != x.shape \
+                or out.device != x.device:
+            raise KvxError(Status.INVALID_ARGUMENT, f"rotate: out must be a float tensor {tuple(x.shape)} on {x.device}")
+        out_dtype = out.dtype
     out_dtype = out_dtype or x.dtype
-    if x.is_cuda and x.dtype != torch.float64 and _fused_available():
+    if x.is_cuda and x.dtype != torch.float64 and out_dtype != torch.float64 and _fused_available():
         from ..ops.triton.hadamard import hadamard_rows  # lazy: kvx_core imports with torch alone
 
-        return hadamard_rows(x, out_dtype)
+        return hadamard_rows(x, out_dtype, out)
+    if out is not None:
+        return out.copy_(rotate(x, out_dtype))
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = _saturate_finite(x.to(work).reshape(-1, d), input_limit(d))
     h = 1

@@ -50,10 +50,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return out.reshape(tq, hq, d), lse.reshape(tq, hq)
 
 
-def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, what: str, *,
-               sm_scale=None, softcap=None, window=None) -> None:
-    """Argument types, the query's shape and the options (the gather checks the rest); sync-free, so the
-    kernel path of `ops.dispatch` runs it too."""
+def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal=True) -> None:
+    """The attention options: finite numbers, softcap >= 0, an int window (host only)."""
+    require(isinstance(causal, bool), Status.INVALID_ARGUMENT, f"{what}: causal must be a bool, got {causal!r}")
     for name, x in (("sm_scale", sm_scale), ("softcap", softcap)):
         require(x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)),
                 Status.INVALID_ARGUMENT, f"{what}: {name} must be None or a finite number, got {x!r}")
@@ -61,6 +60,13 @@ def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_len
     # an int: the reference would compare a float window, the kernels truncate it
     require(window is None or (isinstance(window, numbers.Integral) and not isinstance(window, bool)), Status.INVALID_ARGUMENT,
             f"{what}: window must be None or an int, got {window!r}")
+
+
+def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, what: str, *,
+               sm_scale=None, softcap=None, window=None, causal=True) -> None:
+    """Argument types, the query's shape and the options (the gather checks the rest); sync-free, so the
+    kernel path of `ops.dispatch` runs it too."""
+    check_options(what, sm_scale=sm_scale, softcap=softcap, window=window, causal=causal)
     require_type(cache, CacheDesc, f"{what}: cache")
     check_table_types(table, seq_lens)
     require_type(query, torch.Tensor, f"{what}: query")
@@ -70,15 +76,16 @@ def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_len
             f"{what}: num_q_heads {query.shape[1]} must be a multiple of num_kv_heads {cache.num_kv_heads} (GQA)")
 
 
-def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int) -> list[int]:
+def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | None) -> list[int]:
     """`qo_indptr` as a host list, after checking it is an int32/int64 tensor of `len(lens) + 1` non-decreasing
     entries from 0 to `num_tokens` that gives no sequence more new tokens than its cached length
-    (INVALID_ARGUMENT). Read on its own dtype: callers narrow it only after this."""
+    (INVALID_ARGUMENT). Read on its own dtype: callers narrow it only after this. `num_tokens` None: a plan made
+    before the queries are known (the run checks the query rows against the last entry)."""
     require(isinstance(qo_indptr, torch.Tensor) and qo_indptr.dtype in (torch.int32, torch.int64)
             and qo_indptr.dim() == 1, Status.INVALID_ARGUMENT, "paged_prefill: qo_indptr must be a 1-D int32/int64 "
             f"tensor, got {(qo_indptr.dtype, tuple(qo_indptr.shape)) if isinstance(qo_indptr, torch.Tensor) else qo_indptr!r}")
     ip = qo_indptr.tolist()
-    require(len(ip) == len(lens) + 1 and ip[0] == 0 and ip[-1] == num_tokens
+    require(len(ip) == len(lens) + 1 and ip[0] == 0 and ip[-1] == (ip[-1] if num_tokens is None else num_tokens)
             and all(a <= b for a, b in zip(ip, ip[1:])), Status.INVALID_ARGUMENT,
             "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing entries from 0 to num query tokens")
     for b, n in enumerate(lens):

@@ -1,6 +1,8 @@
 """Paged decode on the GPU kernels: the one place that chooses the backend (the CUDA kernel in `ops/cuda` or
-the Triton kernel in `ops/triton/decode.py`) and the number of KV splits, then launches the chosen split-KV
-kernel and the split merge (`ops/triton/merge.py`).
+the Triton kernel in `ops/triton/decode.py`) and the number of KV splits (`plan_decode`, once per step), then
+launches the chosen split-KV kernel and the split merge (`ops/triton/merge.py`) per layer (`DecodePlan.run`).
+Hadamard formats: q is rotated before the kernel and the merged FP32 output back after it by
+`formats.rotation.rotate` (the one rotation every KVX path uses); the kernels work in the rotated domain.
 
 `ops.dispatch.paged_decode` calls `paged_decode` here for kernel-addressable caches; the benchmarks call it on
 raw pools. Pools follow the storage contract of `ops/triton` (HND data `[num_blocks, H_kv, block_size, Dk]`,
@@ -10,16 +12,19 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import KvxError, Status
 from ..formats import CacheFormat
+from ..formats.rotation import rotate
 from .checks import check_max_seq_len
 from .cuda import decode as cuda_decode
 from .kernel_format import FormatCode, kernel_format
 from .triton import decode as triton_decode
-from .triton.launch import as_format, check_device, check_pool, global_scale_arg, interpreting, scale_args, sm_count
+from .triton.launch import (as_format, check_device, check_layer, global_scale_arg, interpreting, pool_geometry,
+                            sm_count)
 from .triton.merge import merge_splits
 
 BACKENDS = ("auto", "cuda", "triton")
@@ -59,16 +64,17 @@ def choose_splits(backend: str, batch: int, num_kv_heads: int, max_seq_len: int,
     return triton_num_splits(batch, num_kv_heads, max_seq_len, block_n, device)
 
 
-def choose_backend(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_scales, num_warps) -> str:
-    """"cuda" or "triton": which kernel serves this call (see `paged_decode`'s `backend` argument)."""
+def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, batch: int,
+                   num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_warps) -> str:
+    """"cuda" or "triton": which kernel serves a step of this geometry (see `paged_decode`'s `backend` argument)."""
     backend = backend or os.environ.get("KVX_DECODE_BACKEND", "auto")
     if backend not in BACKENDS:
         raise KvxError(Status.INVALID_ARGUMENT, f"decode backend must be auto, cuda or triton, got {backend!r}")
-    if backend == "triton" or (backend == "auto" and (interpreting() or q.device.type != "cuda")):
+    if backend == "triton" or (backend == "auto" and (interpreting() or device.type != "cuda")):
         return "triton"
-    why = cuda_decode.supports(q, fmt, k_data, k_scales, v_data, v_scales)
+    why = cuda_decode.plan_reason(fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, head_dim, block_size)
     if why is None and backend == "auto" and kernel_format(fmt.k).code == FormatCode.FP8 \
-            and q.shape[0] * k_data.shape[1] < sm_count(q.device) // 8:
+            and batch * num_kv_heads < sm_count(device) // 8:
         # FP8 with very few (sequence, KV head) pairs: Triton measured faster
         # (H200, benchmarks/results/decode_int8_fp8_cuda_vs_triton_h200.jsonl, B=1 32k: 44 us vs 50 us); from B=16
         # (8k) the CUDA kernel is faster (0.106 vs 0.141 ms; B=64: 1.6x).
@@ -77,7 +83,7 @@ def choose_backend(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_sca
         why = f"num_warps={num_warps}: the CUDA decode runs {cuda_decode.WARPS} warps per CTA"
     if why is None and backend == "auto":
         try:
-            cuda_decode.kernel_library(q.device)
+            cuda_decode.kernel_library(device)
         except KvxError as e:
             if e.status != Status.UNSUPPORTED:
                 raise
@@ -87,6 +93,101 @@ def choose_backend(backend, q, fmt: CacheFormat, k_data, k_scales, v_data, v_sca
     return "triton" if why is not None else "cuda"
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """One step's decode decisions (FlashInfer's plan/run split): the backend, the splits, the Triton tile and the
+    split workspace for `batch` queries of `num_qo_heads` x `head_dim` over pools of `num_kv_heads` x
+    `block_size`. An engine plans once per step and `run`s once per layer: every layer reuses the workspace
+    (layers run one after another on one stream) and nothing is decided, allocated or synced per layer
+    except the rotated formats' q / output rotations."""
+
+    fmt: CacheFormat
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    q_dtype: torch.dtype
+    backend: str  # "cuda" or "triton"
+    forced: bool  # the caller asked for this backend (no fallback)
+    num_splits: int
+    block_n: int
+    num_warps: int | None
+    num_stages: int | None
+    sm_scale: float
+    softcap: float | None
+    window: int | None
+    mid_o: torch.Tensor  # fp32 [B, Hq, S, D] per-split partial outputs
+    mid_l: torch.Tensor  # fp32 [B, Hq, S] per-split log2-sum-exps
+    rotated_out: torch.Tensor | None  # fp32 [B, Hq, D]: the merged output before its rotation back (rotated formats)
+
+    def run(self, q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=None, lse=None):
+        """Decode one layer: `q [B, Hq, D]` over its pools -> (`out`, `lse`) (written in place when given:
+        `out [B, Hq, D]` of any float dtype with a contiguous last dim, `lse [B, Hq]` fp32)."""
+        fmt = self.fmt
+        ks, vs, out, lse = check_layer(self, q, self.batch, self.batch, k_data, k_scales, v_data, v_scales,
+                                       block_table, seq_lens, out, lse)
+        kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+        kg = global_scale_arg(k_gs, kk, self.num_kv_heads, q.device)
+        vg = global_scale_arg(v_gs, kv, self.num_kv_heads, q.device)
+        if self.batch == 0:
+            return out, lse
+        qq = fmt.rotate_q(q)
+        why = cuda_decode.pool_reason(qq, fmt, k_data, ks[0], v_data, vs[0]) if self.backend == "cuda" else None
+        if why is not None and self.forced:
+            raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot address these pools ({why}); plan with "
+                           "backend='triton' or 'auto'")
+        if self.backend == "cuda" and why is None:
+            cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
+                               self.mid_l, self.sm_scale, self.softcap, self.window)
+        else:  # Triton, also for pools the planned CUDA kernel cannot address (same splits)
+            triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, self.mid_o,
+                                        self.mid_l, self.sm_scale, self.softcap, self.window, self.block_n,
+                                        self.num_warps, self.num_stages)
+        if self.rotated_out is None:
+            merge_splits(self.mid_o, self.mid_l, out, lse)
+        else:  # merge in FP32, then one rotation back into the output dtype
+            merge_splits(self.mid_o, self.mid_l, self.rotated_out, lse)
+            rotate(self.rotated_out, out=out)
+        return out, lse
+
+
+def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int, q_dtype: torch.dtype, device, max_seq_len: int, sm_scale: float | None = None,
+                softcap: float | None = None, window: int | None = None, num_splits: int | None = None,
+                block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                backend: str | None = None) -> DecodePlan:
+    """Plan a decode step (host only, no sync): `max_seq_len` bounds the step's sequence lengths and sizes the
+    splits only (each split reads its own sequence length). See `paged_decode` for the options."""
+    fmt = as_format(fmt)
+    device = torch.device(device)
+    if q_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise KvxError(Status.INVALID_ARGUMENT, f"queries must be bf16, fp16 or fp32, got {q_dtype}")
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    d = head_dim
+    fmt.check_head_dim(d)
+    if d & (d - 1) or d < 32:
+        raise KvxError(Status.UNSUPPORTED, f"paged_decode supports power-of-two head_dim >= 32, got {d}")
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        raise KvxError(Status.INVALID_ARGUMENT, f"Hq={num_qo_heads} must be a multiple of H_kv={num_kv_heads}")
+    if block_n is None:
+        block_n = triton_decode.default_block_n(kk, kv, d)
+    max_seq_len = check_max_seq_len(max_seq_len)
+    if window is not None and window >= 0:
+        max_seq_len = min(max_seq_len, window + 1)
+    chosen = choose_backend(backend, fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, d, block_size,
+                            num_warps)
+    if num_splits is None:
+        num_splits = choose_splits(chosen, batch, num_kv_heads, max_seq_len, block_n, device)
+    mid_o = torch.empty(batch, num_qo_heads, num_splits, d, dtype=torch.float32, device=device)
+    mid_l = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=device)
+    rotated = torch.empty(batch, num_qo_heads, d, dtype=torch.float32, device=device) if fmt.rotate else None
+    forced = (backend or os.environ.get("KVX_DECODE_BACKEND", "auto")) != "auto"
+    return DecodePlan(fmt, batch, num_qo_heads, num_kv_heads, d, block_size, q_dtype, chosen, forced, num_splits, block_n,
+                      num_warps, num_stages, 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
+                      softcap, window, mid_o, mid_l, rotated)
+
+
 def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, fmt,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
                  num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
@@ -94,60 +195,24 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
                  backend: str | None = None):
     """Decode attention: `q [B, Hq, D]` over the paged quantized cache -> (`out [B, Hq, D]` q.dtype, `lse [B, Hq]` fp32).
 
-    `lse` is the natural-log sum-exp of the (scaled, soft-capped) scores; `-inf` and a zero output
-    for an empty sequence. `window` = FlashInfer's `window_left`: keys at positions
-    `>= seq_len - 1 - window` are attended. Rotated formats take unrotated q and return unrotated out.
-    `backend`: "auto" (default, or `$KVX_DECODE_BACKEND`) runs the CUDA kernel (`ops/cuda`: 4-bit, INT8, FP8) where
-    it serves the call and Triton elsewhere; "cuda" requires the CUDA kernel; "triton" forces Triton.
-    `block_n`, `num_warps`, `num_stages` tune the Triton kernel (defaults: `ops/triton/decode.py`).
+    `plan_decode` then `DecodePlan.run` (engines plan once per step and run per layer). `lse` is the natural-log
+    sum-exp of the (scaled, soft-capped) scores; `-inf` and a zero output for an empty sequence. `window` =
+    FlashInfer's `window_left`: keys at positions `>= seq_len - 1 - window` are attended. Rotated formats take
+    unrotated q and return unrotated out. `backend`: "auto" (default, or `$KVX_DECODE_BACKEND`) runs the CUDA
+    kernel (`ops/cuda`: 4-bit, INT8, FP8) where it serves the call and Triton elsewhere; "cuda" requires the CUDA
+    kernel; "triton" forces Triton. `block_n`, `num_warps`, `num_stages` tune the Triton kernel (defaults:
+    `ops/triton/decode.py`). `max_seq_len` (default: read from `seq_lens`, one host sync) sizes the splits.
     """
     fmt = as_format(fmt)
     check_device(q, k_data, v_data, block_table, seq_lens)
-    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or q.stride(2) != 1:
-        raise KvxError(Status.INVALID_ARGUMENT, f"q must be [B, Hq, D] float with a contiguous last dim, got {q.dtype} {tuple(q.shape)}")
-    bsz, hq, d = q.shape
-    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
-    fmt.check_head_dim(d)
-    if d & (d - 1) or d < 32:
-        raise KvxError(Status.UNSUPPORTED, f"paged_decode supports power-of-two head_dim >= 32, got {d}")
-    check_pool("K", k_data, kk, d)
-    check_pool("V", v_data, kv, d)
-    nb, hkv, bs, _ = k_data.shape
-    if tuple(v_data.shape[:3]) != (nb, hkv, bs):
-        raise KvxError(Status.INVALID_ARGUMENT, "K and V pools must share [num_blocks, H_kv, block_size]")
-    if hq % hkv:
-        raise KvxError(Status.INVALID_ARGUMENT, f"Hq={hq} must be a multiple of H_kv={hkv}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != bsz or block_table.stride(1) != 1:
-        raise KvxError(Status.INVALID_ARGUMENT, "block_table must be int32 [B, max_blocks] with a contiguous last dim")
-    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (bsz,):
-        raise KvxError(Status.INVALID_ARGUMENT, "seq_lens must be int32 [B]")
-    ks = scale_args("K", k_scales, k_data, kk, fmt.k, d)
-    vs = scale_args("V", v_scales, v_data, kv, fmt.v, d)
-    kg, vg = global_scale_arg(k_gs, kk, hkv, q.device), global_scale_arg(v_gs, kv, hkv, q.device)
-    if block_n is None:
-        block_n = triton_decode.default_block_n(kk, kv, d)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise KvxError(Status.INVALID_ARGUMENT, f"q must be [B, Hq, D], got {tuple(getattr(q, 'shape', ()))}")
+    pool_geometry(k_data, v_data)
     if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item()) if bsz else 0
-    max_seq_len = check_max_seq_len(max_seq_len)  # it sizes the splits only: each split reads its own seq_len
-    if window is not None and window >= 0:
-        max_seq_len = min(max_seq_len, window + 1)
-    chosen = choose_backend(backend, q, fmt, k_data, ks[0], v_data, vs[0], num_warps)
-    if num_splits is None:
-        num_splits = choose_splits(chosen, bsz, hkv, max_seq_len, block_n, q.device)
-    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    if out is None:
-        out = torch.empty_like(q)
-    if lse is None:
-        lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
-    if bsz == 0:
-        return out, lse
-    mid_o = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
-    mid_l = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
-    if chosen == "cuda":
-        cuda_decode.launch(q, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
-                           softcap, window)
-    else:
-        triton_decode.launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, mid_o, mid_l,
-                                    sm_scale, softcap, window, block_n, num_warps, num_stages)
-    merge_splits(mid_o, mid_l, out, lse, fmt.rotate)
-    return out, lse
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    bsz, hq, d = q.shape
+    plan = plan_decode(fmt, batch=bsz, num_qo_heads=hq, num_kv_heads=k_data.shape[1], head_dim=d,
+                       block_size=k_data.shape[2], q_dtype=q.dtype, device=q.device, max_seq_len=max_seq_len,
+                       sm_scale=sm_scale, softcap=softcap, window=window, num_splits=num_splits, block_n=block_n,
+                       num_warps=num_warps, num_stages=num_stages, backend=backend)
+    return plan.run(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=out, lse=lse)

@@ -8,6 +8,9 @@ HND_PACKED layouts with pack > 1, RAGGED / KV_OFFSETS block tables and secondary
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..codec import format_of
@@ -21,11 +24,17 @@ from ..descriptors import (
     WriteDesc,
 )
 from ..enums import BlockTableFormat
-from ..errors import KvxError
+from ..errors import KvxError, Status, require
+from ..formats import CacheFormat, get_format
 from ..layouts import block_view
 from . import attention, reference
-from .checks import INT32_MAX, cache_global_scales, check_gather, check_write, kernel_table, narrow_int32
+from .checks import (INT32_MAX, cache_global_scales, check_gather, check_table_types, check_write, kernel_table,
+                     narrow_int32, require_type)
 from .kernel_format import kernel_format
+
+if TYPE_CHECKING:  # the kernel modules import triton; kvx_core imports with torch alone
+    from .decode import DecodePlan
+    from .triton.prefill import PrefillPlan
 
 
 def _triton_available() -> bool:
@@ -36,9 +45,14 @@ def _triton_available() -> bool:
     return True
 
 
+def _kernel_device(device: torch.device) -> bool:
+    """Kernels run on CUDA devices (tests force them on the CPU under TRITON_INTERPRET=1 by patching this)."""
+    return device.type == "cuda" and _triton_available()
+
+
 def _use_triton(cache: CacheDesc) -> bool:
-    """Kernels run on CUDA pools (tests force them under TRITON_INTERPRET=1 by patching this)."""
-    return cache.k.tensor is not None and cache.k.tensor.is_cuda and _triton_available()
+    """Kernels run on pools on a kernel device."""
+    return cache.k.tensor is not None and _kernel_device(cache.k.tensor.device)
 
 
 def _hnd(t: torch.Tensor | None, layout) -> torch.Tensor | None:
@@ -114,35 +128,141 @@ def _packed(table: BlockTable) -> bool:
     return isinstance(table, BlockTable) and table.format == BlockTableFormat.PACKED
 
 
-def _kernel_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, check: bool):
-    """(pools, int32 block table [B, max_blocks], int32 seq_lens [B], global scales) for the attention
-    kernels, or None (the reference serves the call)."""
+def _kernel_args(cache: CacheDesc, table: BlockTable, check: bool):
+    """(k_data, k_scales, v_data, v_scales, k_global, v_global) for the attention kernels, or None (the
+    reference serves the call): PACKED tables over kernel-addressable primary pools."""
     pools = _kernel_pools(cache)
     if pools is None or not _packed(table) or cache.num_blocks > INT32_MAX + 1 \
             or (cache.pool is not None and cache.pool.secondary is not None):
         return None
-    if check:  # what the reference's gather validates, on the kernels' side
-        cache.validate()
-    bt, lens = kernel_table(cache, table, seq_lens, check=check)
-    gs = cache_global_scales(cache, pools[-1], None, None, "attention", check_values=check)
-    return pools, bt, lens, gs
+    kd, ks, vd, vs, fmt = pools
+    kg, vg = cache_global_scales(cache, fmt, None, None, "attention", check_values=check)
+    return kd, ks, vd, vs, kg, vg
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's attention over descriptors (FlashInfer's plan/run, vLLM's metadata builder): built once per
+    step from the step's block table and lengths by `plan_decode` / `plan_prefill`, then `run` once per layer
+    with that layer's cache. The kernel plan (backend, splits, work list, workspace) and the int32 tables are made
+    once; each run checks its cache against the plan on the host (no sync unless `check`) and takes the
+    reference path for caches the kernels cannot address (CPU pools, other layouts)."""
+
+    what: str  # "paged_decode" or "paged_prefill"
+    fmt: CacheFormat
+    table: BlockTable
+    seq_lens: SeqLens
+    qo_indptr: torch.Tensor | None
+    options: dict
+    check: bool
+    kernel: DecodePlan | PrefillPlan | None  # None: not on a device the kernels run on
+    block_table: torch.Tensor | None  # int32 [B, max_blocks] for the kernels
+    lens: torch.Tensor | None  # int32 [B] for the kernels
+
+    def run(self, query: torch.Tensor, cache: CacheDesc, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of `query` over `cache` (this layer's) -> (`out`, `lse`), written in place when given."""
+        attention.check_args(query, cache, self.table, self.seq_lens, self.what, **self.options)
+        require(format_of(cache) == self.fmt, Status.INVALID_ARGUMENT,
+                f"{self.what}: the cache is {format_of(cache).name}, the plan was made for {self.fmt.name}")
+        if self.check and self.block_table is not None:  # the reference's gather validation, on this layer's cache
+            cache.validate()
+            kernel_table(cache, self.table, self.seq_lens, check=True)
+        args = None if self.kernel is None else _kernel_args(cache, self.table, self.check)
+        if args is None:
+            return self._reference(query, cache, out, lse)
+        return self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse)
+
+    def _reference(self, query, cache, out, lse):
+        opts = self.options
+        if self.what == "paged_decode":
+            o, l = attention.paged_decode(query, cache, self.table, self.seq_lens, **opts)
+        else:
+            o, l = attention.paged_prefill(query, self.qo_indptr, cache, self.table, self.seq_lens, **opts)
+        if out is not None:
+            require(isinstance(out, torch.Tensor) and out.shape == o.shape, Status.INVALID_ARGUMENT,
+                    f"{self.what}: out must be {tuple(o.shape)}")
+            o = out.copy_(o)
+        if lse is not None:
+            require(isinstance(lse, torch.Tensor) and lse.shape == l.shape, Status.INVALID_ARGUMENT,
+                    f"{self.what}: lse must be {tuple(l.shape)}")
+            l = lse.copy_(l)
+        return o, l
+
+
+def _plan_tables(what: str, fmt, table: BlockTable, seq_lens: SeqLens, options: dict, device, check: bool):
+    """Checked options and (device, int32 block table, int32 lens) for the kernels (None, None, None off CUDA)."""
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    require_type(fmt, CacheFormat, f"{what}: fmt")
+    check_table_types(table, seq_lens)
+    attention.check_options(what, **options)
+    device = torch.device(device) if device is not None else table.indices.device
+    if not (_kernel_device(device) and _packed(table)):
+        return fmt, device, None, None
+    bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(device)
+    # used ids are checked against each layer's cache in `run` (check) or owned by the engine; ids past a
+    # sequence's length may be stale and are never read, so they are narrowed unchecked
+    bt = bt.to(torch.int32).contiguous()
+    return fmt, device, bt, narrow_int32(seq_lens.lengths.to(device), "seq_lens", check=check)
+
+
+def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str, num_qo_heads: int,
+                num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype, device=None,
+                max_seq_len: int | None = None, sm_scale: float | None = None, softcap: float | None = None,
+                window: int | None = None, check: bool = True) -> AttentionPlan:
+    """Plan a decode step (one query token per sequence) for caches of this format and geometry on `device`
+    (default: the table's). `max_seq_len` bounds the step's lengths (default: read from `seq_lens`, one host
+    sync); with it and `check=False` planning never syncs, so engines plan in their metadata builder and run
+    under CUDA graphs."""
+    options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
+    fmt, device, bt, lens = _plan_tables("paged_decode", fmt, table, seq_lens, options, device, check)
+    kernel = None
+    if bt is not None:
+        if max_seq_len is None:
+            max_seq_len = int(lens.max().item()) if lens.numel() else 0
+        from . import decode as decode_kernel
+        kernel = decode_kernel.plan_decode(fmt, batch=seq_lens.seq_count, num_qo_heads=num_qo_heads,
+                                           num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                                           q_dtype=q_dtype, device=device, max_seq_len=max_seq_len, **options)
+    return AttentionPlan("paged_decode", fmt, table, seq_lens, None, options, check, kernel, bt, lens)
+
+
+def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
+                 num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype,
+                 device=None, causal: bool = True, sm_scale: float | None = None, softcap: float | None = None,
+                 window: int | None = None, check: bool = True) -> AttentionPlan:
+    """Plan a prefill / extend step: sequence b's new queries are rows `qo_indptr[b]:qo_indptr[b+1]` (the work
+    list reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync)."""
+    options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
+    fmt, device, bt, lens = _plan_tables("paged_prefill", fmt, table, seq_lens, options, device, check)
+    if check:  # on the caller's dtype, before narrowing
+        attention.check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), None)
+    kernel = None
+    if bt is not None and q_dtype in (torch.bfloat16, torch.float16):
+        from .triton import prefill as prefill_kernel
+        ip = narrow_int32(qo_indptr, "qo_indptr", check=check)
+        kernel = prefill_kernel.plan_prefill(fmt, ip.cpu(), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                             head_dim=head_dim, block_size=block_size, q_dtype=q_dtype,
+                                             device=device, causal=causal, sm_scale=sm_scale, softcap=softcap,
+                                             window_left=window)
+    return AttentionPlan("paged_prefill", fmt, table, seq_lens, qo_indptr, dict(options, causal=causal), check,
+                         kernel, bt, lens)
 
 
 def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
                  max_seq_len: int | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention.paged_decode`, on the decode kernels (CUDA or Triton, `ops.decode.paged_decode`'s choice)
-    for PACKED tables over kernel-addressable pools. `check` validates the table against the cache (one host
-    sync); engines that own their tables pass False and `max_seq_len` to stay sync-free (CUDA graphs)."""
+    """`attention.paged_decode`, on the decode kernels (CUDA or Triton, `ops.decode`'s choice) for PACKED tables
+    over kernel-addressable pools: `plan_decode` for this cache, then `run`. `check` validates the table against
+    the cache (one host sync); engines that own their tables plan once per step with `check=False` and
+    `max_seq_len` (sync-free: CUDA graphs) and run the plan per layer."""
     attention.check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap,
                          window=window)
-    args = _kernel_table(cache, table, seq_lens, check)
-    if args is None:
-        return attention.paged_decode(query, cache, table, seq_lens, sm_scale=sm_scale, softcap=softcap, window=window)
-    (kd, ks, vd, vs, fmt), bt, lens, (kg, vg) = args
-    from .decode import paged_decode as kernel
-    return kernel(query, kd, ks, vd, vs, kg, vg, bt, lens, fmt, sm_scale=sm_scale, softcap=softcap, window=window,
-                  max_seq_len=max_seq_len)
+    plan = plan_decode(table, seq_lens, fmt=format_of(cache), num_qo_heads=query.shape[1],
+                       num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, block_size=cache.block_size,
+                       q_dtype=query.dtype, device=query.device, max_seq_len=max_seq_len, sm_scale=sm_scale,
+                       softcap=softcap, window=window, check=check)
+    return plan.run(query, cache)
 
 
 def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc, table: BlockTable,
@@ -150,19 +270,11 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
                   softcap: float | None = None, window: int | None = None,
                   check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention.paged_prefill`, on the Triton prefill kernel for PACKED tables over kernel-addressable
-    pools (the work plan reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync)."""
+    pools: `plan_prefill` for this cache, then `run` (pass `qo_indptr` on the CPU to avoid a device sync)."""
     attention.check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap,
                          window=window)
-    args = _kernel_table(cache, table, seq_lens, check)
-    if args is None:
-        return attention.paged_prefill(query, qo_indptr, cache, table, seq_lens, causal=causal, sm_scale=sm_scale,
-                                       softcap=softcap, window=window)
-    (kd, ks, vd, vs, fmt), bt, lens, (kg, vg) = args
-    from .triton import paged_prefill as kernel
-    from .triton import prefill_plan
-    if check:  # on the caller's dtype, before narrowing
-        attention.check_qo_indptr(qo_indptr, lens.tolist(), query.shape[0])
-    ip = narrow_int32(qo_indptr, "qo_indptr", check=check)
-    plan = prefill_plan(ip.cpu(), query.shape[1] // cache.num_kv_heads)
-    return kernel(query, ip.to(query.device), kd, ks, vd, vs, kg, vg, bt, lens, fmt, causal=causal, sm_scale=sm_scale,
-                  softcap=softcap, window_left=window, plan=tuple(x.to(query.device) for x in plan))
+    plan = plan_prefill(qo_indptr, table, seq_lens, fmt=format_of(cache), num_qo_heads=query.shape[1],
+                        num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, block_size=cache.block_size,
+                        q_dtype=query.dtype, device=query.device, causal=causal, sm_scale=sm_scale,
+                        softcap=softcap, window=window, check=check)
+    return plan.run(query, cache)

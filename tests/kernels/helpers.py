@@ -1,9 +1,6 @@
-"""Helpers shared by the kernel tests: adversarial inputs, filled caches, CUDA-graph capture.
+"""Helpers shared by the kernel tests: adversarial inputs and filled caches (CUDA-graph capture: `kvx_core.ops.graphs`).
 (Pool / table builders and the FP64 attention oracle: `oracle.py`.)"""
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -51,17 +48,3 @@ def filled_cache(name, device, nb=12, bs=4, h=2, d=64, page_buffer=False, seed=0
     reference.write_kv(c.descriptor(0), WriteDesc(KvIoDesc(k.to(device), v.to(device)),
                                                   SlotMapping(torch.randperm(t, generator=g).to(device))))
     return c
-
-
-def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Warm `fn` up on a side stream (as torch requires before capture), then capture it: (graph, its result
-    tensors, which each replay overwrites)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result

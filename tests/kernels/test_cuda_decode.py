@@ -16,9 +16,9 @@ from kvx_core.formats import get_format
 from kvx_core.ops.cuda import SOURCE, build, nvcc_path
 from kvx_core.ops.cuda.decode import DecodeParams, supports
 from kvx_core.ops.decode import paged_decode
+from kvx_core.ops.graphs import capture
 from kvx_core.ops.kernel_format import CudaCode, FormatCode, kernel_format
 
-from .helpers import capture
 from .oracle import make_pools, make_table, ref_decode
 
 CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2"]

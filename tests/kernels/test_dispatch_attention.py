@@ -7,8 +7,9 @@ import torch
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import attention, dispatch, reference
+from kvx_core.ops.graphs import capture
 
-from .helpers import capture, filled_cache
+from .helpers import filled_cache
 
 
 def _tables(device):
@@ -37,7 +38,7 @@ def _forbid_reference(monkeypatch):
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "nvfp4", "k8v4_rot"])
 def test_dispatch_attention_kernel_path(name, device, monkeypatch):
-    monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     c = filled_cache(name, device, page_buffer=True, seed=3)  # one buffer per layer, pools are strided page views
     desc = c.descriptor(0)
     table, lens = _tables(device)
@@ -53,7 +54,7 @@ def test_dispatch_attention_kernel_path(name, device, monkeypatch):
 
 
 def test_dispatch_attention_checks(device, monkeypatch):
-    monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     c = filled_cache("int4", device, seed=2)
     desc = c.descriptor(0)
     table, lens = _tables(device)

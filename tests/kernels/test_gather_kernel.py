@@ -51,7 +51,7 @@ def test_gather_max_seq_len_out_dtype_page_buffer(name, device):
 @pytest.mark.parametrize("name", ["int8", "nvfp4", "k8v4_rot", "fp16"])
 def test_dispatch_matches_reference(name, device, monkeypatch):
     """`ops.dispatch` takes the Triton path (forced on CPU under the interpreter) and equals the reference."""
-    monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     a, b = filled_cache(name, device, seed=1), filled_cache(name, device, seed=1)
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(6, 2, 64, generator=g).to(device), torch.randn(6, 2, 64, generator=g).to(device)

@@ -130,7 +130,7 @@ def _write(entry: str, c: PagedKVCache, key, value, slots, kg=None, vg=None, che
 @pytest.fixture
 def kernel_path(monkeypatch):
     """`ops.dispatch` takes the kernels on CPU pools (Triton interpreter), as it does on CUDA pools."""
-    monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
 
 
 ENTRIES = ["reference", "dispatch", "launcher"]
@@ -337,7 +337,7 @@ def test_dispatch_attention_refuses_wide_block_ids_like_the_reference(op, bad, m
         return mod.paged_prefill(q, qo, desc, table, lens)
 
     _raises(OOR, lambda: run(attention))
-    monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     monkeypatch.setattr(attention, "paged_decode", None)  # the kernel path must refuse it itself
     monkeypatch.setattr(attention, "paged_prefill", None)
     _raises(OOR, lambda: run(dispatch))
@@ -349,7 +349,7 @@ def test_dispatch_prefill_checks_qo_indptr_before_narrowing(monkeypatch):
     q, table, lens = _decode_args(torch.tensor([[0, 1], [3, 0]]), [5, 3])
     qo = torch.tensor([0, 2**32 + 1, 2])
     _raises(INV, lambda: attention.paged_prefill(q, qo, desc, table, lens), match="qo_indptr")
-    monkeypatch.setattr(dispatch, "_use_triton", lambda cache: True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     _raises(INV, lambda: dispatch.paged_prefill(q, qo, desc, table, lens), match="qo_indptr")
     for bad in (qo.float(), qo[None], [0, 1, 2]):
         _raises(INV, lambda: dispatch.paged_prefill(q, bad, desc, table, lens), match="qo_indptr")

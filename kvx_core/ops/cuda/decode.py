@@ -66,27 +66,34 @@ def _aligned(t: torch.Tensor, width: int) -> bool:
     return t.data_ptr() % width == 0 and all(t.stride(i) % width == 0 for i in range(3))
 
 
-def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
-    """None when the CUDA kernel serves this call, else the reason it does not."""
+def plan_reason(fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, batch: int, num_qo_heads: int,
+                num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
+    """None when the CUDA kernel can serve a step of this geometry (the pools are checked by `pool_reason` at
+    launch), else the reason it cannot."""
     kf = _served(fmt)
     if kf is None:
         return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 / int8 / fp8 (same format for K and V)"
-    if q.device.type != "cuda":
+    if device.type != "cuda":
         return "not a CUDA tensor"
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
+    if torch.cuda.get_device_capability(device) < (8, 9):
         return "needs compute capability >= 8.9"
-    if q.dtype not in (torch.float16, torch.bfloat16) or (kf.code == FormatCode.MXFP4 and q.dtype != torch.bfloat16):
-        return f"{q.dtype} queries (MXFP4 needs bf16, the others f16 or bf16)"
-    bsz, hq, d = q.shape
-    _, hkv, bs, _ = k_data.shape
-    if d not in (64, 128, 256):
-        return f"head_dim {d} (64/128/256)"
-    if hq // hkv > 16:
-        return f"{hq // hkv} query heads per KV head (<= 16)"
-    if bs % 16:
-        return f"block size {bs} (a multiple of 16)"
-    if bsz > 65535 or hkv > 65535:
+    if q_dtype not in (torch.float16, torch.bfloat16) or (kf.code == FormatCode.MXFP4 and q_dtype != torch.bfloat16):
+        return f"{q_dtype} queries (MXFP4 needs bf16, the others f16 or bf16)"
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim} (64/128/256)"
+    if num_qo_heads // num_kv_heads > 16:
+        return f"{num_qo_heads // num_kv_heads} query heads per KV head (<= 16)"
+    if block_size % 16:
+        return f"block size {block_size} (a multiple of 16)"
+    if batch > 65535 or num_kv_heads > 65535:
         return "grid too large"
+    return None
+
+
+def pool_reason(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
+    """None when the kernel can address these tensors (dense, word-aligned rows), else the reason it cannot."""
+    kf = _served(fmt)
+    d = q.shape[2]
     row = d // 2 if kf.packed else d  # payload bytes per token row
     if not (_aligned(k_data, min(16, row // 4)) and _aligned(v_data, min(16, row // 8))):
         return "payload rows not aligned for word loads"
@@ -108,14 +115,22 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
     return None
 
 
+def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
+    """None when the CUDA kernel serves this call, else the reason it does not."""
+    bsz, hq, d = q.shape
+    _, hkv, bs, _ = k_data.shape
+    return plan_reason(fmt, q.dtype, q.device, bsz, hq, hkv, d, bs) \
+        or pool_reason(q, fmt, k_data, k_scales, v_data, v_scales)
+
+
 def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
            mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
            window: int | None) -> None:
-    """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`."""
+    """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`
+    (rotated formats: `q` and the partials are in the rotated domain)."""
     kf = _served(fmt)
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
-    q = fmt.rotate_q(q)  # the output is rotated back by the split merge
     p = DecodeParams()
     p.q, p.q_sb, p.q_sh = q.data_ptr(), q.stride(0), q.stride(1)
     for pre, data, sc in (("k", k_data, k_scales), ("v", v_data, v_scales)):

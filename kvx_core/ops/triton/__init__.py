@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .gather import gather_kv
 from .launch import interpreting
-from .prefill import paged_prefill, prefill_plan
+from .prefill import PrefillPlan, paged_prefill, plan_prefill
 from .write import write_kv
 
-__all__ = ["paged_prefill", "prefill_plan", "write_kv", "gather_kv", "interpreting"]
+__all__ = ["PrefillPlan", "paged_prefill", "plan_prefill", "write_kv", "gather_kv", "interpreting"]

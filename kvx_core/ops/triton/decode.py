@@ -6,44 +6,32 @@ all `QH = Hq / H_kv` query heads that share the KV head (GQA), dequantizes in re
 4-bit formats are never interleaved in registers: even head_dim elements (low nibbles) and odd ones
 (high nibbles) are contracted separately against the even / odd query halves, and the V halves
 accumulate into even / odd output columns. The tile steps are `tiles.py`'s, shared with prefill.py (here
-with INT codes as fp16 subnormals, `SUB`, and the inline-PTX decoders, `ASM`). `merge.py` merges the splits (LSE-weighted), rotates the output
-back for Hadamard formats, casts to the query dtype and writes the LSE. `launch_decode` (below) launches this
-kernel; `kvx_core/ops/decode.py` checks the arguments, chooses the backend and the splits, and merges.
+with INT codes as fp16 subnormals, `SUB`, and the inline-PTX decoders, `ASM`). `merge.py` merges the splits
+(LSE-weighted), casts to the output dtype and writes the LSE. Hadamard formats: the kernel works in the rotated
+domain; `kvx_core/ops/decode.py` rotates q before and the merged output back after (`formats.rotation.rotate`).
+`launch_decode` (below) launches this kernel; `kvx_core/ops/decode.py` plans (backend, splits) and merges.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from ..kernel_format import KernelFormat, kernel_format
-from .dequant import F_INT4, F_MXFP4, F_NVFP4, dot_f32, hadamard_tile, lse_or_empty
+from .dequant import F_INT4, F_MXFP4, F_NVFP4, lse_or_empty
 from .launch import as_bytes, dot_type, fp8_type, interpreting, next_pow2
 from .tiles import acc_init, finish, head_factors, kv_tile, pv_step, q_sums, scores, softmax_step, tile_slots
 
 
 @triton.jit
-def _load_q_part(Q, q_row, rmask, D: tl.constexpr, BM: tl.constexpr, PART: tl.constexpr, HALF: tl.constexpr,
-                 ROTATE: tl.constexpr, DT: tl.constexpr, RSD: tl.constexpr):
+def _load_q_part(Q, q_row, rmask, D: tl.constexpr, PART: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
     """Query tile as the K side needs it: full [BM, D] (HALF=False) or its even/odd half (PART 0/1)."""
-    if ROTATE:
-        offs_d = tl.arange(0, D)
-        q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-        if HALF:
-            hm = hadamard_tile(D, D // 2, 1, 0, 2, PART)
-        else:
-            hm = hadamard_tile(D, D, 1, 0, 1, 0)
-        qr = dot_f32(q, hm, tl.bfloat16) * RSD
-        return qr.to(DT)
+    if HALF:
+        offs = tl.arange(0, D // 2) * 2 + PART
     else:
-        if HALF:
-            offs = tl.arange(0, D // 2) * 2 + PART
-        else:
-            offs = tl.arange(0, D)
-        q = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0)
-        return q.to(DT)
+        offs = tl.arange(0, D)
+    q = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0)
+    return q.to(DT)
 
 
 @triton.jit
@@ -62,7 +50,7 @@ def _decode_kernel(
     KF: tl.constexpr, VF: tl.constexpr, KGRP: tl.constexpr, VGRP: tl.constexpr,
     KDT: tl.constexpr, VDT: tl.constexpr, KIEEE: tl.constexpr, VIEEE: tl.constexpr,
     KGS: tl.constexpr, VGS: tl.constexpr, K8: tl.constexpr, V8: tl.constexpr,
-    ROTATE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, RSD: tl.constexpr, ASM: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -87,12 +75,12 @@ def _decode_kernel(
     hq = h * QH + rows
     q_row = b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
 
-    # ---- query (rotated / split into even-odd halves as the K format needs) ----
+    # ---- query (split into even-odd halves as the K format needs) ----
     if KPACK:
-        qa = _load_q_part(Q, q_row, rmask, D, BM, 0, True, ROTATE, KDT, RSD)
-        qb = _load_q_part(Q, q_row, rmask, D, BM, 1, True, ROTATE, KDT, RSD)
+        qa = _load_q_part(Q, q_row, rmask, D, 0, True, KDT)
+        qb = _load_q_part(Q, q_row, rmask, D, 1, True, KDT)
     else:
-        qa = _load_q_part(Q, q_row, rmask, D, BM, 0, False, ROTATE, KDT, RSD)
+        qa = _load_q_part(Q, q_row, rmask, D, 0, False, KDT)
         qb = qa  # unused: one tile
     qsum = q_sums(qa, qb, KF, BM)
     k_fac, v_fac = head_factors(sm_scale, softcap, KG, VG, h, KF, VF, KGS, VGS, SOFTCAP, True)
@@ -159,7 +147,6 @@ def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
     bm = max(16, next_pow2(qh))
     num_splits = mid_o.shape[2]
     kdt, vdt = dot_type(kk, q.dtype), dot_type(kv, q.dtype)
-    rsd = 1.0 / math.sqrt(d)
     if block_n is None:
         block_n = default_block_n(kk, kv, d)
     if num_warps is None:
@@ -182,6 +169,5 @@ def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
         KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
         KDT=kdt, VDT=vdt, KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
         KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv),
-        ROTATE=fmt.rotate, SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, RSD=rsd,
-        ASM=not interpreting(), num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, ASM=not interpreting(), num_warps=num_warps, num_stages=num_stages,
     )

@@ -98,32 +98,6 @@ def e8m0_f32(b):
     return tl.where(x == 255, float("nan"), v)
 
 
-@triton.jit
-def hadamard_tile(R: tl.constexpr, C: tl.constexpr, row_mul: tl.constexpr, row_add: tl.constexpr,
-                  col_mul: tl.constexpr, col_add: tl.constexpr):
-    """Entries H[row_mul*i+row_add, col_mul*j+col_add] of the +-1 Sylvester matrix (fp32, unscaled)."""
-    i = tl.arange(0, R)[:, None] * row_mul + row_add
-    j = tl.arange(0, C)[None, :] * col_mul + col_add
-    x = i & j
-    x = x ^ (x >> 8)
-    x = x ^ (x >> 4)
-    x = x ^ (x >> 2)
-    x = x ^ (x >> 1)
-    return 1.0 - 2.0 * (x & 1).to(tl.float32)
-
-
-@triton.jit
-def dot_f32(a, b, DT: tl.constexpr):
-    """fp32 [M,K] @ [K,N] to ~fp32 accuracy on tensor cores: split a into hi + lo parts of dtype DT.
-
-    b must be exactly representable in DT (here: +-1 Hadamard entries).
-    """
-    a_hi = a.to(DT)
-    a_lo = (a - a_hi.to(tl.float32)).to(DT)
-    bb = b.to(DT)
-    return tl.dot(a_hi, bb) + tl.dot(a_lo, bb)
-
-
 # ---- packed decoders: 4 payload bytes per PTX block, two fp16 results per 32-bit register --------
 # `ASM` False selects the portable form (same bits; the CPU interpreter cannot run PTX). The byte
 # permute [b0,b2,b1,b3] puts elements (0,1) into the two 16-bit lanes at bits 0/16 and (2,3) at 8/24,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ...formats.rotation import input_limit, inv_sqrt, output_limit
+from .launch import interpreting
 
 ROWS = 16
 """Rows per program: [16, D] FP32 tiles stay in registers for D <= 256."""
@@ -41,19 +42,37 @@ def _hadamard_kernel(x_ptr, y_ptr, n_rows, x_stride, y_stride, inv_sqrt_d, in_li
     tl.store(y_ptr + rows[:, None].to(tl.int64) * y_stride + cols[None, :], y, mask=mask)
 
 
-def hadamard_rows(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Rotate each row of `x [..., D]` (D a power of two, FP16/BF16/FP32) into a new `out_dtype` tensor.
+def hadamard_rows(x: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate each row of `x [..., D]` (D a power of two, FP16/BF16/FP32) into `out` (same shape, `out_dtype`,
+    rows addressable as `[-1, D]` with a contiguous last dim) or a new `out_dtype` tensor.
 
-    The kernel stores FP32; a narrower `out_dtype` is torch's RNE cast (Triton's CPU interpreter does not
-    round BF16 stores to nearest-even, so a cast inside the kernel would differ between CPU and GPU)."""
+    On a GPU the kernel rounds to `out_dtype` itself (RNE, as torch's cast) and stores into the output: one launch.
+    Triton's CPU interpreter does not round BF16 stores to nearest-even, so there the kernel stores FP32 and torch
+    casts (same bits as on the GPU)."""
     d = int(x.shape[-1])
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
     n = x2.shape[0]
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    direct = not interpreting() or out_dtype == torch.float32
+    y2 = _rows_view(out) if direct else None
+    dst = y2 if y2 is not None else torch.empty((n, d), dtype=torch.float32 if not direct else out_dtype,
+                                                device=x.device)
     if n:
-        _hadamard_kernel[(triton.cdiv(n, ROWS),)](x2, out, n, x2.stride(0), out.stride(0), inv_sqrt(d),
+        _hadamard_kernel[(triton.cdiv(n, ROWS),)](x2, dst, n, x2.stride(0), dst.stride(0), inv_sqrt(d),
                                                   input_limit(d), output_limit(out_dtype),
                                                   D=d, LOG2_D=d.bit_length() - 1, ROWS=ROWS)
-    return out.reshape(x.shape).to(out_dtype)
+    if dst is not y2:
+        out.copy_(dst.reshape(out.shape))
+    return out
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """`t` as `[-1, D]` rows with a contiguous last dim sharing its memory, or None."""
+    try:
+        v = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+    return v if v.stride(-1) == 1 or v.shape[-1] <= 1 else None

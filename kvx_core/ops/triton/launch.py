@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat, get_format
-from ..kernel_format import KernelFormat
+from ..kernel_format import KernelFormat, kernel_format
 
 
 def interpreting() -> bool:
@@ -56,6 +56,44 @@ def check_device(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t is not None and t.device != dev:
             raise KvxError(Status.INVALID_ARGUMENT, f"all tensors must be on {dev}, got one on {t.device}")
+
+
+def check_out(name: str, t, shape, dtype, device) -> torch.Tensor:
+    """A caller-provided output: a float tensor of `shape` (and `dtype` when given) on `device`, last dim contiguous."""
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.device != device \
+            or (dtype is not None and t.dtype != dtype) or not t.is_floating_point() or t.stride(-1) != 1:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{name} must be a {dtype or 'float'} {tuple(shape)} tensor on {device} "
+                       f"with a contiguous last dim, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__} "
+                       f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
+    return t
+
+
+def check_layer(plan, q, rows: int, batch: int, k_data, k_scales, v_data, v_scales, block_table, seq_lens, out,
+                lse):
+    """One layer's tensors against its step's plan (a decode or prefill plan: `fmt`, `num_qo_heads`,
+    `num_kv_heads`, `head_dim`, `block_size`, `q_dtype`), host only -> (K scale args, V scale args, out, lse),
+    allocating `out` / `lse` when not given. `rows`: query rows, `batch`: sequences."""
+    fmt, hq, hkv, d, bs = plan.fmt, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.block_size
+    check_device(q, k_data, v_data, block_table, seq_lens)
+    if tuple(q.shape) != (rows, hq, d) or q.dtype != plan.q_dtype or q.stride(2) != 1:
+        raise KvxError(Status.INVALID_ARGUMENT, f"q must be {plan.q_dtype} {(rows, hq, d)} with a contiguous last dim "
+                       f"as planned, got {q.dtype} {tuple(q.shape)}")
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    check_pool("K", k_data, kk, d)
+    check_pool("V", v_data, kv, d)
+    if tuple(k_data.shape[1:3]) != (hkv, bs) or tuple(v_data.shape[:3]) != tuple(k_data.shape[:3]):
+        raise KvxError(Status.INVALID_ARGUMENT, f"K and V pools must be [num_blocks, {hkv}, {bs}, *] as planned, got "
+                       f"{tuple(k_data.shape)} / {tuple(v_data.shape)}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch \
+            or block_table.stride(1) != 1 or seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (batch,):
+        raise KvxError(Status.INVALID_ARGUMENT, f"need an int32 block_table [B={batch}, max_blocks] with a contiguous "
+                       "last dim and int32 seq_lens [B]")
+    ks = scale_args("K", k_scales, k_data, kk, fmt.k, d)
+    vs = scale_args("V", v_scales, v_data, kv, fmt.v, d)
+    out = torch.empty_like(q) if out is None else check_out("out", out, q.shape, None, q.device)
+    lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if lse is None \
+        else check_out("lse", lse, (rows, hq), torch.float32, q.device)
+    return ks, vs, out, lse
 
 
 def sm_count(device: torch.device) -> int:

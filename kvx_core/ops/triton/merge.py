@@ -1,21 +1,18 @@
 """Split merge of the split-KV decode: the per-split partial outputs and log2-sum-exps that the decode
 kernels (Triton `decode.py`, CUDA `ops/cuda`) write into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]` are merged
-(LSE-weighted) into the output, which is rotated back for Hadamard formats and cast to the query dtype, and
-its natural-log LSE.
+(LSE-weighted) into the output, cast to its dtype, and its natural-log LSE.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .dequant import hadamard_tile, lse_or_empty
+from .dequant import lse_or_empty
 from .launch import next_pow2
 
 MERGE_COLS = 32
-"""Output columns per merge program (unrotated formats): B=1 decode spreads its merge over D/32 x Hq
+"""Output columns per merge program: B=1 decode spreads its merge over D/32 x Hq
 programs (the whole-row merge took ~10 us of a 36 us B=1 32k NVFP4 decode on an H200)."""
 
 
@@ -26,12 +23,11 @@ def _merge_kernel(
     O, s_ob, s_oh,
     LSE, s_lb, s_lh,
     num_splits,
-    D: tl.constexpr, DB: tl.constexpr, SB: tl.constexpr, ROTATE: tl.constexpr, RSD: tl.constexpr,
+    DB: tl.constexpr, SB: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s.
 
-    Program (b, hq, j) owns output columns [j*DB, (j+1)*DB) (DB = D when the output is rotated back: the
-    Hadamard needs the whole row); splits are read SB at a time as one [SB, DB] tile (one memory latency
+    Program (b, hq, j) owns output columns [j*DB, (j+1)*DB); splits are read SB at a time as one [SB, DB] tile (one memory latency
     per SB splits, not per split), so small batches still spread the reduction over many SMs.
     """
     b = tl.program_id(0).to(tl.int64)
@@ -57,27 +53,23 @@ def _merge_kernel(
         m = m_new
     l_safe = tl.where(l > 0, l, 1.0)
     out = acc / l_safe
-    if ROTATE:
-        out = tl.sum(out[:, None] * hadamard_tile(D, D, 1, 0, 1, 0), axis=0) * RSD
     lse = lse_or_empty(l, (m + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(O + b * s_ob + hq * s_oh + offs_d, out.to(O.dtype.element_ty))
     if d0 == 0:
         tl.store(LSE + b * s_lb + hq * s_lh, lse)
 
 
-def merge_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 rotate: bool) -> None:
+def merge_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge `mid_o [B, Hq, S, D]` (fp32, per-split normalised outputs) and `mid_l [B, Hq, S]` (fp32 log2-sum-exps)
-    into `out [B, Hq, D]` (its dtype; rotated back when `rotate`) and `lse [B, Hq]` (fp32, natural log)."""
+    into `out [B, Hq, D]` (its dtype, last dim contiguous) and `lse [B, Hq]` (fp32, natural log)."""
     bsz, hq, num_splits, d = mid_o.shape
-    db = d if rotate else min(d, MERGE_COLS)
+    db = min(d, MERGE_COLS)
     _merge_kernel[(bsz, hq, d // db)](
         mid_o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_l, mid_l.stride(0), mid_l.stride(1),
         out, out.stride(0), out.stride(1),
         lse, lse.stride(0), lse.stride(1),
         num_splits,
-        D=d, DB=db, SB=min(64 if db < d else 32, next_pow2(num_splits)), ROTATE=rotate,
-        RSD=1.0 / math.sqrt(d),
+        DB=db, SB=min(64 if db < d else 32, next_pow2(num_splits)),
         num_warps=4,
     )

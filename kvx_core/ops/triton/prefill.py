@@ -7,13 +7,16 @@ loaded once for all `Hq / H_kv` heads that share it), online softmax over BLOCK_
 both dots on tensor cores. The tile steps (K/V dequantization in registers, scores, online softmax, P.V) are
 `tiles.py`'s, shared with decode.py (payload values exact in the dot dtype, per-head/per-token factors after
 the dot; 4-bit formats contract even/odd head_dim halves separately); here INT codes enter the dots as their
-integer values (`SUB` off) and the 4-bit decoders are the portable forms (`ASM` off). Hadamard formats: q is rotated and the output rotated back with
-the torch matmul around the kernel. `window_left` follows FlashInfer, `paged_decode` and
+integer values (`SUB` off) and the 4-bit decoders are the portable forms (`ASM` off). Hadamard formats: the
+kernel works in the rotated domain; q is rotated before it and its FP32 output back after it by
+`formats.rotation.rotate`, as in decode. `plan_prefill` builds the work list once per step; `PrefillPlan.run`
+launches one layer. `window_left` follows FlashInfer, `paged_decode` and
 `attention.paged_prefill(window=...)`: key j is attended iff `j >= pos - window_left`.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -21,13 +24,14 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
+from ...formats.rotation import rotate
 from ..kernel_format import kernel_format
 from .dequant import F_INT4, F_MXFP4, F_NVFP4, lse_or_empty
-from .launch import as_bytes, as_format, check_device, check_pool, dot_type, fp8_type, global_scale_arg, scale_args
+from .launch import as_bytes, as_format, check_device, check_layer, dot_type, fp8_type, global_scale_arg, pool_geometry
 from .tiles import acc_init, finish, head_factors, kv_tile, pv_step, q_sums, scores, softmax_step, tile_slots
 
 BLOCK_M = 128
-"""Default rows of (token, query head) pairs per program; `prefill_plan` and the launch must agree."""
+"""Default rows of (token, query head) pairs per program."""
 
 
 @triton.jit
@@ -130,82 +134,126 @@ def _default_block_n(kk, kv) -> int:
     return 64 if kk.affine or kv.affine else 128
 
 
-def prefill_plan(qo_indptr: torch.Tensor, qh: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
-    """Work list (one host sync, like FlashInfer's plan): per program its sequence and first packed row."""
+def work_list(qo_indptr: torch.Tensor, qh: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per program its sequence and first packed row (int32, on the host: one sync when `qo_indptr` is not)."""
     ip = qo_indptr.to("cpu", torch.int64)
     rows = (ip[1:] - ip[:-1]) * qh
     n = (rows + block_m - 1) // block_m
     seq = torch.repeat_interleave(torch.arange(n.numel()), n)
     first = torch.cumsum(n, 0) - n
     row = (torch.arange(int(n.sum())) - first[seq]) * block_m
-    dev = qo_indptr.device
-    return seq.to(dev, torch.int32), row.to(dev, torch.int32)
+    return seq.to(torch.int32), row.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One step's prefill work (FlashInfer's plan/run split): the program list over `qo_indptr`, the tiles and
+    the options, for `num_tokens` queries of `num_qo_heads` x `head_dim` over pools of `num_kv_heads` x
+    `block_size`. Built once per step (`plan_prefill`) and `run` once per layer."""
+
+    fmt: CacheFormat
+    num_tokens: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    q_dtype: torch.dtype
+    causal: bool
+    sm_scale: float
+    softcap: float | None
+    window_left: int | None
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    qo_indptr: torch.Tensor  # int32 [B + 1] on the device
+    tile_seq: torch.Tensor  # int32 [programs]: each program's sequence
+    tile_row: torch.Tensor  # int32 [programs]: its first packed (token, query head) row
+    rotated_out: torch.Tensor | None  # fp32 [T, Hq, D]: the output before its rotation back (rotated formats)
+
+    def run(self, q: torch.Tensor, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill one layer -> (`out [T, Hq, D]`, `lse [T, Hq]` fp32 natural log), in place when given."""
+        fmt = self.fmt
+        t, hq, d, hkv, bs = self.num_tokens, self.num_qo_heads, self.head_dim, self.num_kv_heads, self.block_size
+        ks, vs, out, lse = check_layer(self, q, t, self.qo_indptr.numel() - 1, k_data, k_scales, v_data, v_scales,
+                                       block_table, seq_lens, out, lse)
+        kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+        qq = fmt.rotate_q(q)
+        o = out if self.rotated_out is None else self.rotated_out
+        if self.tile_seq.numel():
+            w = self.window_left
+            _prefill_kernel[(self.tile_seq.numel(), hkv)](
+                qq, qq.stride(0), qq.stride(1), o, o.stride(0), o.stride(1), lse, lse.stride(0), lse.stride(1),
+                as_bytes(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks,
+                as_bytes(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs,
+                global_scale_arg(k_gs, kk, hkv, q.device), global_scale_arg(v_gs, kv, hkv, q.device),
+                block_table, block_table.stride(0), seq_lens, self.qo_indptr, self.tile_seq, self.tile_row,
+                self.sm_scale, float(self.softcap) if self.softcap else 1.0,
+                int(w) if w is not None and w >= 0 else 0,
+                BS=bs, QH=hq // hkv, BM=self.block_m, D=d, BLOCK_N=self.block_n,
+                KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
+                KDT=dot_type(kk, q.dtype), VDT=dot_type(kv, q.dtype),
+                KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
+                KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv),
+                CAUSAL=self.causal, SOFTCAP=bool(self.softcap), WINDOW=w is not None and w >= 0,
+                num_warps=self.num_warps, num_stages=self.num_stages,
+            )
+        if self.rotated_out is not None:  # one rotation back into the output dtype
+            rotate(o, out=out)
+        return out, lse
+
+
+def plan_prefill(fmt: CacheFormat | str, qo_indptr: torch.Tensor, *, num_qo_heads: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, q_dtype: torch.dtype, device, causal: bool = True,
+                 sm_scale: float | None = None, softcap: float | None = None, window_left: int | None = None,
+                 block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> PrefillPlan:
+    """Plan a prefill step from `qo_indptr` (int32/int64 `[B+1]`; pass it on the host to avoid a device sync)."""
+    fmt = as_format(fmt)
+    device = torch.device(device)
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        raise KvxError(Status.INVALID_ARGUMENT, f"prefill queries must be bf16 or fp16, got {q_dtype}")
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    d = head_dim
+    fmt.check_head_dim(d)
+    if d & (d - 1) or d < 32:
+        raise KvxError(Status.UNSUPPORTED, f"paged_prefill supports power-of-two head_dim >= 32, got {d}")
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        raise KvxError(Status.INVALID_ARGUMENT, f"Hq={num_qo_heads} must be a multiple of H_kv={num_kv_heads}")
+    if not isinstance(qo_indptr, torch.Tensor) or qo_indptr.dim() != 1 or qo_indptr.numel() < 1 \
+            or qo_indptr.dtype not in (torch.int32, torch.int64):
+        raise KvxError(Status.INVALID_ARGUMENT, "qo_indptr must be an int32/int64 [B+1] tensor")
+    host = qo_indptr.to("cpu")
+    num_tokens = int(host[-1])
+    seq, row = work_list(host, num_qo_heads // num_kv_heads, block_m)
+    rotated = torch.empty(num_tokens, num_qo_heads, d, dtype=torch.float32, device=device) if fmt.rotate else None
+    return PrefillPlan(fmt, num_tokens, num_qo_heads, num_kv_heads, d, block_size, q_dtype, causal,
+                       1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale), softcap, window_left, block_m,
+                       _default_block_n(kk, kv) if block_n is None else block_n,
+                       (8 if block_m >= 128 else 4) if num_warps is None else num_warps,
+                       2 if num_stages is None else num_stages,
+                       qo_indptr.to(device=device, dtype=torch.int32), seq.to(device), row.to(device), rotated)
 
 
 def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_data, v_scales, k_gs, v_gs,
                   block_table: torch.Tensor, seq_lens: torch.Tensor, fmt: CacheFormat | str, *, causal: bool = True,
                   sm_scale: float | None = None, softcap: float | None = None, window_left: int | None = None,
-                  plan: tuple[torch.Tensor, torch.Tensor] | None = None, out=None, lse=None,
-                  block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None):
-    """Prefill/extend attention -> (`out [T, Hq, D]` q.dtype, `lse [T, Hq]` fp32 natural log).
+                  out=None, lse=None, block_m: int = BLOCK_M, block_n: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None):
+    """Prefill/extend attention -> (`out [T, Hq, D]` q.dtype, `lse [T, Hq]` fp32 natural log): `plan_prefill`
+    then `PrefillPlan.run`.
 
     `qo_indptr` int32 `[B+1]`; `seq_lens` int32 `[B]` = cached lengths INCLUDING the new tokens.
-    `plan` = `prefill_plan(qo_indptr, Hq // H_kv, block_m)` may be computed once and reused.
     """
-    fmt = as_format(fmt)
     check_device(q, qo_indptr, k_data, v_data, block_table, seq_lens)
-    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16) or q.stride(2) != 1:
-        raise KvxError(Status.INVALID_ARGUMENT, f"q must be bf16/fp16 [T, Hq, D] with a contiguous last dim, got {q.dtype} {tuple(q.shape)}")
-    t, hq, d = q.shape
-    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
-    fmt.check_head_dim(d)
-    if d & (d - 1) or d < 32:
-        raise KvxError(Status.UNSUPPORTED, f"paged_prefill supports power-of-two head_dim >= 32, got {d}")
-    check_pool("K", k_data, kk, d)
-    check_pool("V", v_data, kv, d)
-    nb, hkv, bs, _ = k_data.shape
-    bsz = seq_lens.numel()
-    if hq % hkv or tuple(v_data.shape[:3]) != (nb, hkv, bs):
-        raise KvxError(Status.INVALID_ARGUMENT, f"Hq={hq} must be a multiple of H_kv={hkv}; K/V pools must match")
-    if qo_indptr.numel() != bsz + 1 or block_table.dtype != torch.int32 or block_table.dim() != 2 \
-            or block_table.shape[0] != bsz or block_table.stride(1) != 1 or seq_lens.dtype != torch.int32:
-        raise KvxError(Status.INVALID_ARGUMENT, "need qo_indptr [B+1], int32 block_table [B, max_blocks], int32 seq_lens [B]")
-    qh = hq // hkv
-    if plan is None:
-        plan = prefill_plan(qo_indptr, qh, block_m)
-    ks = scale_args("K", k_scales, k_data, kk, fmt.k, d)
-    vs = scale_args("V", v_scales, v_data, kv, fmt.v, d)
-    if block_n is None:
-        block_n = _default_block_n(kk, kv)
-    if num_warps is None:
-        num_warps = 8 if block_m >= 128 else 4
-    if num_stages is None:
-        num_stages = 2
-    qq = fmt.rotate_q(q)
-    o = torch.empty_like(q) if out is None or fmt.rotate else out
-    if lse is None:
-        lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
-    if plan[0].numel():
-        _prefill_kernel[(plan[0].numel(), hkv)](
-            qq, qq.stride(0), qq.stride(1), o, o.stride(0), o.stride(1), lse, lse.stride(0), lse.stride(1),
-            as_bytes(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks,
-            as_bytes(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs,
-            global_scale_arg(k_gs, kk, hkv, q.device), global_scale_arg(v_gs, kv, hkv, q.device),
-            block_table, block_table.stride(0), seq_lens, qo_indptr, plan[0], plan[1],
-            1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale), float(softcap) if softcap else 1.0,
-            int(window_left) if window_left is not None and window_left >= 0 else 0,
-            BS=bs, QH=qh, BM=block_m, D=d, BLOCK_N=block_n,
-            KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
-            KDT=dot_type(kk, q.dtype), VDT=dot_type(kv, q.dtype),
-            KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
-            KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv),
-            CAUSAL=causal, SOFTCAP=bool(softcap), WINDOW=window_left is not None and window_left >= 0,
-            num_warps=num_warps, num_stages=num_stages,
-        )
-    if fmt.rotate:
-        o = fmt.unrotate_output(o)
-        if out is not None:
-            out.copy_(o)
-            o = out
-    return o, lse
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise KvxError(Status.INVALID_ARGUMENT, f"q must be [T, Hq, D], got {tuple(getattr(q, 'shape', ()))}")
+    pool_geometry(k_data, v_data)
+    if qo_indptr.numel() != seq_lens.numel() + 1:
+        raise KvxError(Status.INVALID_ARGUMENT, "need qo_indptr [B+1] for seq_lens [B]")
+    plan = plan_prefill(fmt, qo_indptr, num_qo_heads=q.shape[1], num_kv_heads=k_data.shape[1], head_dim=q.shape[2],
+                        block_size=k_data.shape[2], q_dtype=q.dtype, device=q.device, causal=causal,
+                        sm_scale=sm_scale, softcap=softcap, window_left=window_left, block_m=block_m,
+                        block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return plan.run(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=out, lse=lse)

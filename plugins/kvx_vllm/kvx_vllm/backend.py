@@ -1,10 +1,11 @@
 """The KVX attention backend for vLLM 0.32: page geometry, metadata builder, cache write, attention.
 
 Writes go through `kvx_core.ops.dispatch.write_kv` (quantize into the page's data and scale regions at
-the slot mapping) and attention through `dispatch.paged_decode` / `paged_prefill`, which read the
-quantized pages directly: on CUDA pages the fused write, CUDA/Triton decode and Triton prefill kernels
-(sync-free: vLLM owns its slot mappings and block tables, `max_seq_len` and the host copy of
-`query_start_loc` come from its metadata), on CPU the torch reference ops.
+the slot mapping) and attention through a `dispatch.AttentionPlan` that the metadata builder makes once per
+step (`plan_decode` / `plan_prefill`: backend, splits, work list, workspace, int32 tables) and every layer
+runs over its own pages, writing into vLLM's output buffer: on CUDA pages the fused write, CUDA/Triton decode
+and Triton prefill kernels (sync-free: vLLM owns its slot mappings and block tables, `max_seq_len` and the host
+copy of `query_start_loc` come from its metadata), on CPU the torch reference ops.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import torch
 from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
 from kvx_core.descriptors import BlockTable, CacheDesc, KvIoDesc, SeqLens, WriteDesc
 from kvx_core.formats import CacheFormat, get_format
-from kvx_core.ops.dispatch import paged_decode, paged_prefill, write_kv
+from kvx_core.ops.dispatch import AttentionPlan, plan_decode, plan_prefill, write_kv
 from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
-from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata, MultipleOf)
@@ -91,31 +93,49 @@ class KvxMetadata:
     num_actual_tokens: int
     num_reqs: int
     max_query_len: int
-    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
-    query_start_loc_cpu: torch.Tensor  # the same on the host (the prefill work plan reads it)
     max_seq_len: int
     seq_lens: SeqLens  # int32 [num_reqs], cached + new tokens
     block_table: BlockTable  # PACKED int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_actual_tokens]
+    plan: AttentionPlan  # this step's attention, run by every layer
 
 
 class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
-    """Slices vLLM's common metadata to the live requests; checks the run's config at startup."""
+    """Slices vLLM's common metadata to the live requests and plans the step's attention once for all layers
+    of the group (they must share sm_scale and softcap, as FlashInfer's plan requires); checks the run's config
+    at startup."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        fmt = check_config(vllm_config)
-        init_logger("vllm.plugins.kvx").info("KVX attention backend: format %s for %d layers in pid %d", fmt,
-                                             len(layer_names), os.getpid())
+        self.format = get_format(check_config(vllm_config))
+        impls = [layer.impl for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase,
+                                                                     layer_names).values()]
+        params = {(impl.scale, impl.softcap) for impl in impls}
+        if len(params) > 1:
+            raise ValueError(f"KVX attention backend: the layers of one KV cache group must share sm_scale and "
+                             f"logits_soft_cap, got {sorted(params, key=str)}")
+        self.sm_scale, self.softcap = params.pop() if params else (None, None)
+        self.num_qo_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self.q_dtype = vllm_config.model_config.dtype
+        init_logger("vllm.plugins.kvx").info("KVX attention backend: format %s for %d layers in pid %d",
+                                             self.format.name, len(layer_names), os.getpid())
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvxMetadata:
         m = common_attn_metadata
         n = m.num_reqs
-        return KvxMetadata(m.num_actual_tokens, n, m.max_query_len, m.query_start_loc[:n + 1],
-                           m.query_start_loc_cpu[:n + 1], int(m.max_seq_len), seq_lens_from_vllm(m.seq_lens, n),
-                           block_table_from_vllm(m.block_table_tensor, n), m.slot_mapping[:m.num_actual_tokens])
+        spec = self.kv_cache_spec
+        lens, table = seq_lens_from_vllm(m.seq_lens, n), block_table_from_vllm(m.block_table_tensor, n)
+        geometry = dict(fmt=self.format, num_qo_heads=self.num_qo_heads, num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_size, block_size=spec.block_size, q_dtype=self.q_dtype,
+                        device=self.device, sm_scale=self.sm_scale, softcap=self.softcap, check=False)
+        if m.max_query_len == 1 and m.num_actual_tokens == n:
+            plan = plan_decode(table, lens, max_seq_len=int(m.max_seq_len), **geometry)
+        else:
+            plan = plan_prefill(m.query_start_loc_cpu[:n + 1], table, lens, **geometry)
+        return KvxMetadata(m.num_actual_tokens, n, m.max_query_len, int(m.max_seq_len), lens, table,
+                           m.slot_mapping[:m.num_actual_tokens], plan)
 
 
 class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
@@ -188,14 +208,6 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         m = attn_metadata
-        cache = self._cache(layer, kv_cache)
-        table, lens = m.block_table, m.seq_lens
-        q = query[:m.num_actual_tokens]
-        if m.max_query_len == 1 and m.num_actual_tokens == m.num_reqs:
-            out, _ = paged_decode(q, cache, table, lens, sm_scale=self.scale, softcap=self.softcap,
-                                  max_seq_len=m.max_seq_len, check=False)
-        else:
-            out, _ = paged_prefill(q, m.query_start_loc_cpu, cache, table, lens, sm_scale=self.scale,
-                                   softcap=self.softcap, check=False)
-        output[:m.num_actual_tokens] = out.to(output.dtype)
+        n = m.num_actual_tokens
+        m.plan.run(query[:n], self._cache(layer, kv_cache), out=output[:n].view(n, self.num_heads, self.head_size))
         return output
