@@ -23,7 +23,7 @@ from .checks import check_max_seq_len
 from .cuda import decode as cuda_decode
 from .kernel_format import FormatCode, kernel_format
 from .triton import decode as triton_decode
-from .triton.launch import (as_format, check_device, check_layer, global_scale_arg, interpreting, pool_geometry,
+from .triton.launch import (as_format, check_device, check_layer, check_plan, global_scale_arg, interpreting, pool_geometry,
                             sm_count)
 from .triton.merge import merge_splits
 
@@ -159,17 +159,10 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
                 backend: str | None = None) -> DecodePlan:
     """Plan a decode step (host only, no sync): `max_seq_len` bounds the step's sequence lengths and sizes the
     splits only (each split reads its own sequence length). See `paged_decode` for the options."""
-    fmt = as_format(fmt)
+    fmt, kk, kv = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
+                             num_qo_heads, num_kv_heads, head_dim)
     device = torch.device(device)
-    if q_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise KvxError(Status.INVALID_ARGUMENT, f"queries must be bf16, fp16 or fp32, got {q_dtype}")
-    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
     d = head_dim
-    fmt.check_head_dim(d)
-    if d & (d - 1) or d < 32:
-        raise KvxError(Status.UNSUPPORTED, f"paged_decode supports power-of-two head_dim >= 32, got {d}")
-    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-        raise KvxError(Status.INVALID_ARGUMENT, f"Hq={num_qo_heads} must be a multiple of H_kv={num_kv_heads}")
     if block_n is None:
         block_n = triton_decode.default_block_n(kk, kv, d)
     max_seq_len = check_max_seq_len(max_seq_len)

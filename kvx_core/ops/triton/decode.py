@@ -18,20 +18,8 @@ import triton
 import triton.language as tl
 
 from ..kernel_format import KernelFormat, kernel_format
-from .dequant import F_INT4, F_MXFP4, F_NVFP4, lse_or_empty
 from .launch import as_bytes, dot_type, fp8_type, interpreting, next_pow2
-from .tiles import acc_init, finish, head_factors, kv_tile, pv_step, q_sums, scores, softmax_step, tile_slots
-
-
-@triton.jit
-def _load_q_part(Q, q_row, rmask, D: tl.constexpr, PART: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
-    """Query tile as the K side needs it: full [BM, D] (HALF=False) or its even/odd half (PART 0/1)."""
-    if HALF:
-        offs = tl.arange(0, D // 2) * 2 + PART
-    else:
-        offs = tl.arange(0, D)
-    q = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0)
-    return q.to(DT)
+from .tiles import acc_init, head_factors, load_q, pv_tile, q_sums, qk_tile, softmax_step, store_rows, tile_slots
 
 
 @triton.jit
@@ -66,61 +54,30 @@ def _decode_kernel(
     lo = tok_lo + sp * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
-    KPACK: tl.constexpr = KF == F_INT4 or KF == F_MXFP4 or KF == F_NVFP4
-    VPACK: tl.constexpr = VF == F_INT4 or VF == F_MXFP4 or VF == F_NVFP4
-    HD: tl.constexpr = D // 2
-
     rows = tl.arange(0, BM)
     rmask = rows < QH
     hq = h * QH + rows
     q_row = b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
-
-    # ---- query (split into even-odd halves as the K format needs) ----
-    if KPACK:
-        qa = _load_q_part(Q, q_row, rmask, D, 0, True, KDT)
-        qb = _load_q_part(Q, q_row, rmask, D, 1, True, KDT)
-    else:
-        qa = _load_q_part(Q, q_row, rmask, D, 0, False, KDT)
-        qb = qa  # unused: one tile
+    qa, qb = load_q(Q, q_row, rmask, KF, D, KDT)
     qsum = q_sums(qa, qb, KF, BM)
     k_fac, v_fac = head_factors(sm_scale, softcap, KG, VG, h, KF, VF, KGS, VGS, SOFTCAP, True)
     m_i, l_i, acc_a, acc_b, pm = acc_init(VF, BM, D)
 
-    offs_d = tl.arange(0, D)
-    offs_hd = tl.arange(0, HD)
     h64 = h.to(tl.int64)
 
     for start in range(lo, hi, BLOCK_N):
         t, tmask, phys, off = tile_slots(BT, s_btb, b, start, hi, BLOCK_N, BS)
 
-        # ------------------------------------------------------------ K tile -> scores
-        krow = phys * s_kdb + h64 * s_kdh + off * s_kdt
-        ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
-        ka_t, kb_t = kv_tile(KD, krow, KS, ksrow, tmask, KF, KGRP, D, BLOCK_N, KDT, K8, True, ASM)
-        s = scores(qa, qb, ka_t, kb_t, KS, ksrow, tmask, qsum, k_fac, softcap, KF, KIEEE, SOFTCAP, True)
-        s = tl.where(tmask[None, :], s, float("-inf"))
-
-        # ------------------------------------------------------------ online softmax
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-
-        # ------------------------------------------------------------ V tile
-        vrow = phys * s_vdb + h64 * s_vdh + off * s_vdt
-        vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
-        acc_a, acc_b, pm = pv_step(acc_a, acc_b, pm, p, alpha, VD, vrow, VS, vsrow, tmask, VF, VGRP, D, BLOCK_N, VDT,
-                                   V8, VIEEE, True, ASM)
+        s = qk_tile(qa, qb, qsum, k_fac, softcap, KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, phys, h64, off,
+                    tmask, KF, KGRP, D, BLOCK_N, KDT, K8, KIEEE, SOFTCAP, True, ASM)
+        p, alpha, m_i, l_i = softmax_step(tl.where(tmask[None, :], s, float("-inf")), m_i, l_i)
+        acc_a, acc_b, pm = pv_tile(acc_a, acc_b, pm, p, alpha, VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, phys,
+                                   h64, off, tmask, VF, VGRP, D, BLOCK_N, VDT, V8, VIEEE, True, ASM)
 
     # ---- store this split's normalised partial output and its log2-sum-exp ----
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    inv_l = 1.0 / l_safe
-    lse2 = lse_or_empty(l_i, m_i + tl.log2(l_safe))
     mo_row = b.to(tl.int64) * s_mob + hq.to(tl.int64) * s_moh + sp * s_mos
+    lse2 = store_rows(MO, mo_row, acc_a, acc_b, pm, m_i, l_i, v_fac, rmask, VF, D)
     tl.store(ML + b.to(tl.int64) * s_mlb + hq.to(tl.int64) * s_mlh + sp, lse2, mask=rmask)
-    oa, ob = finish(acc_a, acc_b, pm, inv_l, v_fac, VF)
-    if VPACK:
-        tl.store(MO + mo_row[:, None] + offs_hd[None, :] * 2, oa, mask=rmask[:, None])
-        tl.store(MO + mo_row[:, None] + offs_hd[None, :] * 2 + 1, ob, mask=rmask[:, None])
-    else:
-        tl.store(MO + mo_row[:, None] + offs_d[None, :], oa, mask=rmask[:, None])
 
 
 def default_block_n(kk: KernelFormat, kv: KernelFormat, head_dim: int) -> int:

@@ -68,6 +68,22 @@ def check_out(name: str, t, shape, dtype, device) -> torch.Tensor:
     return t
 
 
+def check_plan(what: str, fmt: CacheFormat | str, q_dtype: torch.dtype, q_dtypes: tuple, num_qo_heads: int,
+               num_kv_heads: int, head_dim: int):
+    """The geometry a decode / prefill plan is made for -> (format, K kernel format, V kernel format)."""
+    fmt = as_format(fmt)
+    if q_dtype not in q_dtypes:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{what} queries must be one of {[str(t) for t in q_dtypes]}, "
+                       f"got {q_dtype}")
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    fmt.check_head_dim(head_dim)
+    if head_dim & (head_dim - 1) or head_dim < 32:
+        raise KvxError(Status.UNSUPPORTED, f"{what} supports power-of-two head_dim >= 32, got {head_dim}")
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        raise KvxError(Status.INVALID_ARGUMENT, f"Hq={num_qo_heads} must be a multiple of H_kv={num_kv_heads}")
+    return fmt, kk, kv
+
+
 def check_layer(plan, q, rows: int, batch: int, k_data, k_scales, v_data, v_scales, block_table, seq_lens, out,
                 lse):
     """One layer's tensors against its step's plan (a decode or prefill plan: `fmt`, `num_qo_heads`,

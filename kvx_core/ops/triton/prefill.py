@@ -26,9 +26,8 @@ from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ...formats.rotation import rotate
 from ..kernel_format import kernel_format
-from .dequant import F_INT4, F_MXFP4, F_NVFP4, lse_or_empty
-from .launch import as_bytes, as_format, check_device, check_layer, dot_type, fp8_type, global_scale_arg, pool_geometry
-from .tiles import acc_init, finish, head_factors, kv_tile, pv_step, q_sums, scores, softmax_step, tile_slots
+from .launch import as_bytes, check_device, check_layer, check_plan, dot_type, fp8_type, global_scale_arg, pool_geometry
+from .tiles import acc_init, head_factors, load_q, pv_tile, q_sums, qk_tile, softmax_step, store_rows, tile_slots
 
 BLOCK_M = 128
 """Default rows of (token, query head) pairs per program."""
@@ -56,10 +55,6 @@ def _prefill_kernel(
     seq_len = tl.load(SEQ + b)
     prefix = seq_len - q_len
 
-    KPACK: tl.constexpr = KF == F_INT4 or KF == F_MXFP4 or KF == F_NVFP4
-    VPACK: tl.constexpr = VF == F_INT4 or VF == F_MXFP4 or VF == F_NVFP4
-    HD: tl.constexpr = D // 2
-
     r = row0 + tl.arange(0, BM)
     tok = r // QH
     rvalid = tok < q_len
@@ -67,14 +62,7 @@ def _prefill_kernel(
     qpos = prefix + tok
     q_row = (q0 + tok).to(tl.int64) * s_qt + hq.to(tl.int64) * s_qh
 
-    offs_d = tl.arange(0, D)
-    offs_hd = tl.arange(0, HD)
-    if KPACK:
-        qa = tl.load(Q + q_row[:, None] + 2 * offs_hd[None, :], mask=rvalid[:, None], other=0.0).to(KDT)
-        qb = tl.load(Q + q_row[:, None] + 2 * offs_hd[None, :] + 1, mask=rvalid[:, None], other=0.0).to(KDT)
-    else:
-        qa = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=rvalid[:, None], other=0.0).to(KDT)
-        qb = qa  # unused: one tile
+    qa, qb = load_q(Q, q_row, rvalid, KF, D, KDT)
     qsum = q_sums(qa, qb, KF, BM)
     k_fac, v_fac = head_factors(sm_scale, softcap, KG, VG, h, KF, VF, KGS, VGS, SOFTCAP, False)
     m_i, l_i, acc_a, acc_b, pm = acc_init(VF, BM, D)
@@ -94,10 +82,8 @@ def _prefill_kernel(
 
     for start in range(lo, hi, BLOCK_N):
         t, tmask, phys, off = tile_slots(BT, s_btb, b, start, hi, BLOCK_N, BS)
-        krow = phys * s_kdb + h64 * s_kdh + off * s_kdt
-        ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
-        ka_t, kb_t = kv_tile(KD, krow, KS, ksrow, tmask, KF, KGRP, D, BLOCK_N, KDT, K8, False, False)
-        s = scores(qa, qb, ka_t, kb_t, KS, ksrow, tmask, qsum, k_fac, softcap, KF, KIEEE, SOFTCAP, False)
+        s = qk_tile(qa, qb, qsum, k_fac, softcap, KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, phys, h64, off,
+                    tmask, KF, KGRP, D, BLOCK_N, KDT, K8, KIEEE, SOFTCAP, False, False)
         if start >= full_end:  # tiles on the causal diagonal, past the end or in the window edge
             allowed = tmask[None, :] & rvalid[:, None]
             if CAUSAL:
@@ -107,22 +93,12 @@ def _prefill_kernel(
             s = tl.where(allowed, s, float("-inf"))
 
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        vrow = phys * s_vdb + h64 * s_vdh + off * s_vdt
-        vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
-        acc_a, acc_b, pm = pv_step(acc_a, acc_b, pm, p, alpha, VD, vrow, VS, vsrow, tmask, VF, VGRP, D, BLOCK_N, VDT,
-                                   V8, VIEEE, False, False)
+        acc_a, acc_b, pm = pv_tile(acc_a, acc_b, pm, p, alpha, VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, phys,
+                                   h64, off, tmask, VF, VGRP, D, BLOCK_N, VDT, V8, VIEEE, False, False)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    inv_l = 1.0 / l_safe
     o_row = (q0 + tok).to(tl.int64) * s_ot + hq.to(tl.int64) * s_oh
-    oa, ob = finish(acc_a, acc_b, pm, inv_l, v_fac, VF)
-    if VPACK:
-        tl.store(O + o_row[:, None] + 2 * offs_hd[None, :], oa.to(O.dtype.element_ty), mask=rvalid[:, None])
-        tl.store(O + o_row[:, None] + 2 * offs_hd[None, :] + 1, ob.to(O.dtype.element_ty), mask=rvalid[:, None])
-    else:
-        tl.store(O + o_row[:, None] + offs_d[None, :], oa.to(O.dtype.element_ty), mask=rvalid[:, None])
-    lse = lse_or_empty(l_i, (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(LSE + (q0 + tok).to(tl.int64) * s_lt + hq.to(tl.int64) * s_lh, lse, mask=rvalid)
+    lse2 = store_rows(O, o_row, acc_a, acc_b, pm, m_i, l_i, v_fac, rvalid, VF, D)
+    tl.store(LSE + (q0 + tok).to(tl.int64) * s_lt + hq.to(tl.int64) * s_lh, lse2 * 0.6931471805599453, mask=rvalid)
 
 
 def _default_block_n(kk, kv) -> int:
@@ -210,17 +186,10 @@ def plan_prefill(fmt: CacheFormat | str, qo_indptr: torch.Tensor, *, num_qo_head
                  block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None) -> PrefillPlan:
     """Plan a prefill step from `qo_indptr` (int32/int64 `[B+1]`; pass it on the host to avoid a device sync)."""
-    fmt = as_format(fmt)
+    fmt, kk, kv = check_plan("paged_prefill", fmt, q_dtype, (torch.bfloat16, torch.float16), num_qo_heads,
+                             num_kv_heads, head_dim)
     device = torch.device(device)
-    if q_dtype not in (torch.bfloat16, torch.float16):
-        raise KvxError(Status.INVALID_ARGUMENT, f"prefill queries must be bf16 or fp16, got {q_dtype}")
-    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
     d = head_dim
-    fmt.check_head_dim(d)
-    if d & (d - 1) or d < 32:
-        raise KvxError(Status.UNSUPPORTED, f"paged_prefill supports power-of-two head_dim >= 32, got {d}")
-    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-        raise KvxError(Status.INVALID_ARGUMENT, f"Hq={num_qo_heads} must be a multiple of H_kv={num_kv_heads}")
     if not isinstance(qo_indptr, torch.Tensor) or qo_indptr.dim() != 1 or qo_indptr.numel() < 1 \
             or qo_indptr.dtype not in (torch.int32, torch.int64):
         raise KvxError(Status.INVALID_ARGUMENT, "qo_indptr must be an int32/int64 [B+1] tensor")

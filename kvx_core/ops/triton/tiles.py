@@ -21,11 +21,26 @@ import triton.language as tl
 
 from .dequant import (
     F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, TWO_POW_24, e2m1_hi_f16_x4, e2m1_lo_f16_x4, e4m3_byte_f16,
-    e8m0_f32_x2p14, u4_hi_f16, u4_hi_f16_sub, u4_lo_f16, u4_lo_f16_sub, u8_code_f16, u8_f16_sub,
+    e8m0_f32_x2p14, lse_or_empty, u4_hi_f16, u4_hi_f16_sub, u4_lo_f16, u4_lo_f16_sub, u8_code_f16, u8_f16_sub,
 )
 from .quant import f16_bytes_f32
 
 LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def load_q(Q, q_row, rmask, F: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+    """The query rows `q_row` as K format F's dots take them, in dtype DT: (even, odd) head_dim halves for packed K
+    (low / high nibbles are contracted separately), else (the whole row, the same)."""
+    if F == F_INT4 or F == F_MXFP4 or F == F_NVFP4:
+        offs = tl.arange(0, D // 2) * 2
+        qa = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0).to(DT)
+        qb = tl.load(Q + q_row[:, None] + offs[None, :] + 1, mask=rmask[:, None], other=0.0).to(DT)
+    else:
+        offs = tl.arange(0, D)
+        qa = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0).to(DT)
+        qb = qa  # unused: one tile
+    return qa, qb
 
 
 @triton.jit
@@ -244,3 +259,40 @@ def finish(acc_a, acc_b, pm, inv_l, v_fac, F: tl.constexpr):
     else:
         ob = oa
     return oa, ob
+
+
+@triton.jit
+def store_rows(O, o_row, acc_a, acc_b, pm, m_i, l_i, v_fac, rmask, F: tl.constexpr, D: tl.constexpr):
+    """Store the normalised output rows `o_row` (cast to O's dtype; even / odd columns for packed V) and return
+    their log2-sum-exp (-inf for an empty row, NaN for NaN scores)."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    oa, ob = finish(acc_a, acc_b, pm, 1.0 / l_safe, v_fac, F)
+    if F == F_INT4 or F == F_MXFP4 or F == F_NVFP4:
+        offs_hd = tl.arange(0, D // 2)
+        tl.store(O + o_row[:, None] + 2 * offs_hd[None, :], oa.to(O.dtype.element_ty), mask=rmask[:, None])
+        tl.store(O + o_row[:, None] + 2 * offs_hd[None, :] + 1, ob.to(O.dtype.element_ty), mask=rmask[:, None])
+    else:
+        offs_d = tl.arange(0, D)
+        tl.store(O + o_row[:, None] + offs_d[None, :], oa.to(O.dtype.element_ty), mask=rmask[:, None])
+    return lse_or_empty(l_i, m_i + tl.log2(l_safe))
+
+
+@triton.jit
+def qk_tile(qa, qb, qsum, k_fac, softcap, KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, phys, h64, off, tmask,
+            F: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+            F8: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr):
+    """Scores of the query rows against the K tile at slots (`phys` block, `off` token) of KV head `h64`."""
+    krow = phys * s_kdb + h64 * s_kdh + off * s_kdt
+    ksrow = phys * s_ksb + h64 * s_ksh + off * s_kst
+    ka, kb = kv_tile(KD, krow, KS, ksrow, tmask, F, GRP, D, BLOCK_N, DT, F8, SUB, ASM)
+    return scores(qa, qb, ka, kb, KS, ksrow, tmask, qsum, k_fac, softcap, F, IEEE, SOFTCAP, SUB)
+
+
+@triton.jit
+def pv_tile(acc_a, acc_b, pm, p, alpha, VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, phys, h64, off, tmask,
+            F: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+            F8: tl.constexpr, IEEE: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr):
+    """`pv_step` on the V tile at slots (`phys` block, `off` token) of KV head `h64`."""
+    vrow = phys * s_vdb + h64 * s_vdh + off * s_vdt
+    vsrow = phys * s_vsb + h64 * s_vsh + off * s_vst
+    return pv_step(acc_a, acc_b, pm, p, alpha, VD, vrow, VS, vsrow, tmask, F, GRP, D, BLOCK_N, DT, F8, IEEE, SUB, ASM)
