@@ -63,8 +63,10 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 
 def env_info() -> dict:
+    # KVX_COMMIT: the commit of a copied working tree whose .git is not the source's (the GPU machine's copy)
+    commit = os.environ.get("KVX_COMMIT")
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+        commit = commit or subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                          stderr=subprocess.DEVNULL).strip()
     except Exception:  # noqa: BLE001
         commit = "unknown"
