@@ -156,9 +156,16 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
                 block_size: int, q_dtype: torch.dtype, device, max_seq_len: int, sm_scale: float | None = None,
                 softcap: float | None = None, window: int | None = None, num_splits: int | None = None,
                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                backend: str | None = None) -> DecodePlan:
+                backend: str | None = None, workspace: torch.Tensor | None = None,
+                split_batch: int | None = None) -> DecodePlan:
     """Plan a decode step (host only, no sync): `max_seq_len` bounds the step's sequence lengths and sizes the
-    splits only (each split reads its own sequence length). See `paged_decode` for the options."""
+    splits only (each split reads its own sequence length). See `paged_decode` for the options.
+
+    `split_batch` (>= batch): choose the backend and splits as for a batch of this size, e.g. the CUDA-graph
+    bucket vLLM pads `batch` to, so eager and replayed steps of one bucket sum in the same order.
+    `workspace`: a caller-owned contiguous fp32 buffer the split partials live in (at least `workspace_size`
+    elements for the largest step), so plans of every step use one fixed address, as CUDA-graph replays need;
+    default: fresh buffers."""
     fmt, kk, kv = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
                              num_qo_heads, num_kv_heads, head_dim)
     device = torch.device(device)
@@ -168,17 +175,55 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
     max_seq_len = check_max_seq_len(max_seq_len)
     if window is not None and window >= 0:
         max_seq_len = min(max_seq_len, window + 1)
-    chosen = choose_backend(backend, fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, d, block_size,
-                            num_warps)
+    sb = batch if split_batch is None else max(batch, int(split_batch))
+    chosen = choose_backend(backend, fmt, q_dtype, device, sb, num_qo_heads, num_kv_heads, d, block_size, num_warps)
     if num_splits is None:
-        num_splits = choose_splits(chosen, batch, num_kv_heads, max_seq_len, block_n, device)
-    mid_o = torch.empty(batch, num_qo_heads, num_splits, d, dtype=torch.float32, device=device)
-    mid_l = torch.empty(batch, num_qo_heads, num_splits, dtype=torch.float32, device=device)
-    rotated = torch.empty(batch, num_qo_heads, d, dtype=torch.float32, device=device) if fmt.rotate else None
+        num_splits = choose_splits(chosen, sb, num_kv_heads, max_seq_len, block_n, device)
+    mid_o, mid_l, rotated = _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device)
     forced = (backend or os.environ.get("KVX_DECODE_BACKEND", "auto")) != "auto"
     return DecodePlan(fmt, batch, num_qo_heads, num_kv_heads, d, block_size, q_dtype, chosen, forced, num_splits, block_n,
                       num_warps, num_stages, 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
                       softcap, window, mid_o, mid_l, rotated)
+
+
+def _workspace_sizes(fmt: CacheFormat, batch: int, num_qo_heads: int, num_splits: int, d: int) -> tuple[int, ...]:
+    """Elements of (mid_o, mid_l, rotated output) for one step."""
+    rows = batch * num_qo_heads
+    return rows * num_splits * d, rows * num_splits, rows * d if fmt.rotate else 0
+
+
+def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device):
+    """(mid_o, mid_l, rotated output or None): views of `workspace`, or new tensors when it is None."""
+    sizes = _workspace_sizes(fmt, batch, num_qo_heads, num_splits, d)
+    if workspace is None:
+        workspace = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+    elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32 or workspace.dim() != 1 \
+            or not workspace.is_contiguous() or workspace.device != device or workspace.numel() < sum(sizes):
+        raise KvxError(Status.INVALID_ARGUMENT, f"workspace must be a contiguous 1-D fp32 tensor on {device} of at "
+                       f"least {sum(sizes)} elements for this step (see workspace_size), got "
+                       f"{getattr(workspace, 'dtype', type(workspace).__name__)} {tuple(getattr(workspace, 'shape', ()))}")
+    a, b, c = sizes
+    mid_o = workspace[:a].view(batch, num_qo_heads, num_splits, d)
+    mid_l = workspace[a:a + b].view(batch, num_qo_heads, num_splits)
+    rotated = workspace[a + b:a + b + c].view(batch, num_qo_heads, d) if fmt.rotate else None
+    return mid_o, mid_l, rotated
+
+
+def workspace_size(fmt: CacheFormat | str, *, max_batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int, q_dtype: torch.dtype, device, max_seq_len: int) -> int:
+    """fp32 elements of a `plan_decode` workspace that serves every step of up to `max_batch` sequences of up to
+    `max_seq_len` tokens with the default backend and split choice (splits never shrink as lengths grow)."""
+    fmt, kk, kv = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
+                             num_qo_heads, num_kv_heads, head_dim)
+    device = torch.device(device)
+    block_n = triton_decode.default_block_n(kk, kv, head_dim)
+    best = 0
+    for batch in range(1, max_batch + 1):
+        chosen = choose_backend(None, fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, head_dim, block_size,
+                                None)
+        splits = choose_splits(chosen, batch, num_kv_heads, max_seq_len, block_n, device)
+        best = max(best, sum(_workspace_sizes(fmt, batch, num_qo_heads, splits, head_dim)))
+    return best
 
 
 def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, fmt,

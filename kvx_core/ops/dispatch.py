@@ -209,11 +209,13 @@ def _plan_tables(what: str, fmt, table: BlockTable, seq_lens: SeqLens, options: 
 def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str, num_qo_heads: int,
                 num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype, device=None,
                 max_seq_len: int | None = None, sm_scale: float | None = None, softcap: float | None = None,
-                window: int | None = None, check: bool = True) -> AttentionPlan:
+                window: int | None = None, check: bool = True, workspace: torch.Tensor | None = None,
+                split_batch: int | None = None) -> AttentionPlan:
     """Plan a decode step (one query token per sequence) for caches of this format and geometry on `device`
     (default: the table's). `max_seq_len` bounds the step's lengths (default: read from `seq_lens`, one host
     sync); with it and `check=False` planning never syncs, so engines plan in their metadata builder and run
-    under CUDA graphs."""
+    under CUDA graphs (with a persistent `workspace`: `ops.decode.workspace_size`, and `split_batch`: the graph
+    bucket, see `ops.decode.plan_decode`)."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
     fmt, device, bt, lens = _plan_tables("paged_decode", fmt, table, seq_lens, options, device, check)
     kernel = None
@@ -223,7 +225,8 @@ def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
         from . import decode as decode_kernel
         kernel = decode_kernel.plan_decode(fmt, batch=seq_lens.seq_count, num_qo_heads=num_qo_heads,
                                            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                                           q_dtype=q_dtype, device=device, max_seq_len=max_seq_len, **options)
+                                           q_dtype=q_dtype, device=device, max_seq_len=max_seq_len,
+                                           workspace=workspace, split_batch=split_batch, **options)
     return AttentionPlan("paged_decode", fmt, table, seq_lens, None, options, check, kernel, bt, lens)
 
 

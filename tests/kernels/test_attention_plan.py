@@ -123,3 +123,23 @@ def test_decode_plan_made_once_replays_for_two_layers_in_a_cuda_graph(name):
     got = out.clone()
     for i, desc in enumerate(layers):
         _same(got[i], dispatch.paged_decode(q[i], desc, table, lens, check=False, max_seq_len=1000)[0])
+
+
+def test_workspace_and_split_batch(device):
+    """A persistent workspace sized by `workspace_size` serves every batch up to its maximum (plans are views of
+    it, at one address); a too-small one is refused; `split_batch` plans splits as for the padded batch."""
+    from kvx_core.ops.decode import plan_decode, workspace_size
+
+    geo = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=16, q_dtype=torch.bfloat16, device=device)
+    n = workspace_size("nvfp4_rot", max_batch=16, max_seq_len=4096, **geo)
+    ws = torch.empty(n, dtype=torch.float32, device=device)
+    for batch in (1, 3, 16):
+        for max_len in (1, 100, 4096):
+            p = plan_decode("nvfp4_rot", batch=batch, max_seq_len=max_len, workspace=ws, **geo)
+            assert p.mid_o.data_ptr() == ws.data_ptr() and p.rotated_out is not None
+    with pytest.raises(KvxError, match="workspace") as e:
+        plan_decode("nvfp4_rot", batch=16, max_seq_len=4096, workspace=ws[:n - 1], **geo)
+    assert e.value.status == Status.INVALID_ARGUMENT
+    padded = plan_decode("nvfp4", batch=5, max_seq_len=4096, split_batch=8, **geo)
+    assert padded.num_splits == plan_decode("nvfp4", batch=8, max_seq_len=4096, **geo).num_splits
+    assert padded.mid_o.shape[0] == 5

@@ -2,9 +2,10 @@
 
 `register` is the `vllm.general_plugins` entry point. vLLM calls it in every process (API server,
 engine core, workers) before arguments are parsed, possibly more than once, so it is idempotent:
-it checks the vLLM version, adds the `kvx_*` cache dtypes to vLLM's `CacheDType` and registers
-the KVX attention backend (as `CUSTOM`, and on CPU behind `CPU_ATTN`'s path, which then delegates
-to vLLM's own CPU backend for every non-KVX dtype).
+it checks the vLLM version (0.26 on CUDA, 0.32 on CPU; their differences live in `compat`), adds the
+`kvx_*` cache dtypes to vLLM's `CacheDType`, installs the version's page-size hook and registers the KVX
+attention backend (as `CUSTOM`, and behind the platform's default backend path, `CPU_ATTN` / `FLASH_ATTN`,
+which then delegates to vLLM's own backend for every non-KVX dtype).
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from .compat import check_vllm_version
+    from .compat import check_vllm_version, install_version_hooks
     from .dtypes import add_cache_dtypes
     from .selection import register_backends
 
     check_vllm_version()
     add_cache_dtypes()
+    install_version_hooks()
     register_backends()
     _registered = True
     from vllm.logger import init_logger

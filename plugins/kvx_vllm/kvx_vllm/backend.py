@@ -1,4 +1,5 @@
-"""The KVX attention backend for vLLM 0.32: page geometry, metadata builder, cache write, attention.
+"""The KVX attention backend for vLLM (0.26 GPU, 0.32 CPU; see `compat`): page geometry, metadata builder,
+cache write, attention.
 
 Writes go through `kvx_core.ops.dispatch.write_kv` (quantize into the page's data and scale regions at
 the slot mapping) and attention through a `dispatch.AttentionPlan` that the metadata builder makes once per
@@ -24,9 +25,9 @@ from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadataBuilder,
-                                       AttentionType, CommonAttentionMetadata, MultipleOf)
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionLayer,
+                                       AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .dtypes import KVX_CACHE_DTYPES, is_kvx_dtype
 from .options import check_config
@@ -72,13 +73,25 @@ class KvxAttentionBackend(AttentionBackend):
         return [MultipleOf(PAGE_BLOCK_ALIGN)]
 
     @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # one head slot per page: every layout keeps a page contiguous; prefer vLLM CPU's default
+    def supported_kv_cache_layouts(cls):
+        """vLLM 0.32: one head slot per page, so every layout keeps a page contiguous; prefer vLLM CPU's
+        default."""
+        from vllm.v1.kv_cache_interface import KVCacheLayout
+
         return (KVCacheLayout.LBHNC,)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """vLLM 0.26: each layer's pages as `[num_blocks, 1, block_size, token_bytes]` bytes (the page the
+        `KvxFullAttentionSpec` of `compat` sized; vLLM passes "auto" as the dtype of specs it does not
+        know as quantized, so the format is the run's)."""
+        return (num_blocks, 1, block_size, token_bytes(_run_format(), num_kv_heads, head_size))
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One head slot of `num_kv_heads * bytes_per_token_head` bytes per token: a block is one page."""
+        """vLLM 0.32: one head slot of `num_kv_heads * bytes_per_token_head` bytes per token, so a block is
+        one page."""
         if spec.state_content_bytes is not None:
             return spec
         fmt = _run_format()
@@ -103,7 +116,14 @@ class KvxMetadata:
 class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
     """Slices vLLM's common metadata to the live requests and plans the step's attention once for all layers
     of the group (they must share sm_scale and softcap, as FlashInfer's plan requires); checks the run's config
-    at startup."""
+    at startup.
+
+    CUDA graphs (decode-only batches): a captured step replays the kernels with the addresses and split counts
+    of its capture, so everything a plan hands the kernels must outlive the step at a fixed address: vLLM's
+    persistent block table / seq_lens / slot mapping buffers (narrowed without copies) and the split
+    workspace, one buffer allocated here for the largest batch and context the run can see."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
@@ -118,6 +138,18 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         self.sm_scale, self.softcap = params.pop() if params else (None, None)
         self.num_qo_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.q_dtype = vllm_config.model_config.dtype
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.graph_sizes = sorted(vllm_config.compilation_config.cudagraph_capture_sizes or [])
+        self.workspace = None
+        if device.type == "cuda":
+            from kvx_core.ops.decode import workspace_size
+
+            n = workspace_size(self.format, max_batch=vllm_config.scheduler_config.max_num_seqs,
+                               num_qo_heads=self.num_qo_heads, num_kv_heads=kv_cache_spec.num_kv_heads,
+                               head_dim=kv_cache_spec.head_size, block_size=kv_cache_spec.block_size,
+                               q_dtype=self.q_dtype, device=device,
+                               max_seq_len=self.max_model_len)
+            self.workspace = torch.empty(n, dtype=torch.float32, device=device)
         init_logger("vllm.plugins.kvx").info("KVX attention backend: format %s for %d layers in pid %d",
                                              self.format.name, len(layer_names), os.getpid())
 
@@ -131,7 +163,12 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
                         head_dim=spec.head_size, block_size=spec.block_size, q_dtype=self.q_dtype,
                         device=self.device, sm_scale=self.sm_scale, softcap=self.softcap, check=False)
         if m.max_query_len == 1 and m.num_actual_tokens == n:
-            plan = plan_decode(table, lens, max_seq_len=int(m.max_seq_len), **geometry)
+            # splits sized for the longest context the run allows and for the CUDA-graph bucket vLLM pads this
+            # batch to, not for this step's lengths and batch: a graph replays the splits of its capture
+            # (whatever lengths vLLM captured with), and eager steps then split alike, so graph and eager decode
+            # sum in the same order (each split reads its own sequence length)
+            plan = plan_decode(table, lens, max_seq_len=self.max_model_len, workspace=self.workspace,
+                               split_batch=next((b for b in self.graph_sizes if b >= n), n), **geometry)
         else:
             plan = plan_prefill(m.query_start_loc_cpu[:n + 1], table, lens, **geometry)
         return KvxMetadata(m.num_actual_tokens, n, m.max_query_len, int(m.max_seq_len), lens, table,

@@ -1,27 +1,33 @@
 """How a `kvx_*` cache dtype selects the KVX backend, with one flag and no `--attention-backend`.
 
 - `CUSTOM` is registered as the KVX backend (its `get_name()` is "CUSTOM").
-- On CPU, vLLM's platform always answers `CPU_ATTN`'s path: that path is overridden with this
-  module's `CPUAttentionBackend` attribute, resolved per lookup (PEP 562 `__getattr__`): the KVX
-  backend when the current config's cache dtype is `kvx_*`, else vLLM's own `CPUAttentionBackend`
+- The platform's default backend path (`CPU_ATTN` on CPU, `FLASH_ATTN` on CUDA: `compat.default_backend_path`)
+  is overridden with this module's `DefaultAttentionBackend` attribute, resolved per lookup (PEP 562
+  `__getattr__`): the KVX backend when the current config's cache dtype is `kvx_*`, else vLLM's own class
   unchanged, so every non-KVX run is vLLM's.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from .dtypes import is_kvx_dtype
 
 KVX_BACKEND_PATH = "kvx_vllm.backend.KvxAttentionBackend"
-CPU_DISPATCH_PATH = f"{__name__}.CPUAttentionBackend"
+DISPATCH_PATH = f"{__name__}.DefaultAttentionBackend"
+_default: dict[str, str] = {}
 
 
 def register_backends() -> None:
-    """Register KVX as `CUSTOM` and put the dispatcher behind `CPU_ATTN` (idempotent)."""
+    """Register KVX as `CUSTOM` and put the dispatcher behind the platform's default backend (idempotent)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from .compat import default_backend_path
+
+    member, path = default_backend_path()
+    _default["path"] = path
     register_backend(AttentionBackendEnum.CUSTOM, KVX_BACKEND_PATH)
-    register_backend(AttentionBackendEnum.CPU_ATTN, CPU_DISPATCH_PATH)
+    register_backend(getattr(AttentionBackendEnum, member), DISPATCH_PATH)
 
 
 def current_cache_dtype() -> str | None:
@@ -33,12 +39,15 @@ def current_cache_dtype() -> str | None:
 
 
 def __getattr__(name: str) -> Any:
-    if name != "CPUAttentionBackend":
+    if name != "DefaultAttentionBackend":
         raise AttributeError(name)
     if is_kvx_dtype(current_cache_dtype()):
         from .backend import KvxAttentionBackend
 
         return KvxAttentionBackend
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    if "path" not in _default:
+        from .compat import default_backend_path
 
-    return CPUAttentionBackend
+        _default["path"] = default_backend_path()[1]
+    module, cls = _default["path"].rsplit(".", 1)
+    return getattr(importlib.import_module(module), cls)

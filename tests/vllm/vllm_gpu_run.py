@@ -1,0 +1,63 @@
+"""One offline vLLM 0.26 run on a CUDA GPU for one cache dtype; prints one `KVX_RESULT {json}` line.
+
+    python tests/vllm/vllm_gpu_run.py CKPT_DIR CACHE_DTYPE [--eager]
+
+CKPT_DIR: an HF checkpoint with its tokenizer (the demo's SmolLM2-135M, e.g. a bf16 copy). Measures: KV
+capacity vLLM reports, greedy continuations (with logprobs) of prompts of several lengths batched together
+(decode in CUDA graphs unless --eager), `prompt_logprobs` perplexity of 4096 demo-text tokens (chunked
+prefill), and prefix-cache reuse (warm vs cold logprobs of the same request).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+PROMPT_LENS = [5, 100, 333, 1500, 4000]
+GEN_TOKENS = 32
+PPL_TOKENS = 4096
+
+
+def main(ckpt: str, cache_dtype: str, eager: bool) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvx_demo.text import default_text, tokenize
+
+    t0 = time.perf_counter()
+    compilation = {"cudagraph_mode": "NONE" if eager else "FULL_AND_PIECEWISE"}
+    llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=8192, max_num_seqs=64,
+              gpu_memory_utilization=0.5, enable_prefix_caching=True, seed=0, compilation_config=compilation)
+    cc = llm.llm_engine.vllm_config.cache_config
+    out: dict = {"dtype": cache_dtype, "eager": eager, "startup_s": round(time.perf_counter() - t0, 1),
+                 "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size}
+    ids = tokenize(AutoTokenizer.from_pretrained(ckpt), default_text(), max_tokens=20000).tolist()
+    prompts = [ids[1000 * i:1000 * i + n] for i, n in enumerate(PROMPT_LENS)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=1)
+    gens = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
+    out["gen_tokens"] = [list(g.outputs[0].token_ids) for g in gens]
+    out["gen_logprobs"] = [[lp[t].logprob for t, lp in zip(g.outputs[0].token_ids, g.outputs[0].logprobs)]
+                           for g in gens]
+    scored_ids = ids[:PPL_TOKENS]
+    scored = llm.generate([TokensPrompt(prompt_token_ids=scored_ids)],
+                          SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    out["prompt_logprobs"] = [lp[t].logprob for t, lp in zip(scored_ids[1:], scored.prompt_logprobs[1:])]
+    out["ppl"] = math.exp(-sum(out["prompt_logprobs"]) / len(out["prompt_logprobs"]))
+    prefix = ids[5000:6024]
+    probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=prefix + ids[7000:7003])], probe, use_tqdm=False)
+    warm = llm.generate([TokensPrompt(prompt_token_ids=prefix + ids[8000:8002])], probe, use_tqdm=False)[0]
+    llm.reset_prefix_cache()
+    cold = llm.generate([TokensPrompt(prompt_token_ids=prefix + ids[8000:8002])], probe, use_tqdm=False)[0]
+    out["prefix"] = {"warm_cached": warm.num_cached_tokens, "cold_cached": cold.num_cached_tokens,
+                     "warm_tokens": list(warm.outputs[0].token_ids), "cold_tokens": list(cold.outputs[0].token_ids),
+                     "warm": [lp[t].logprob for t, lp in zip(warm.outputs[0].token_ids, warm.outputs[0].logprobs)],
+                     "cold": [lp[t].logprob for t, lp in zip(cold.outputs[0].token_ids, cold.outputs[0].logprobs)]}
+    out["total_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+if __name__ == "__main__":
+    print("KVX_RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], "--eager" in sys.argv[3:])), flush=True)
