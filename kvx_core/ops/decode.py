@@ -64,10 +64,15 @@ def choose_splits(backend: str, batch: int, num_kv_heads: int, max_seq_len: int,
     return triton_num_splits(batch, num_kv_heads, max_seq_len, block_n, device)
 
 
+def requested_backend(backend: str | None) -> str:
+    """The backend a call asks for: its `backend` argument, else `$KVX_DECODE_BACKEND`, else "auto"."""
+    return backend or os.environ.get("KVX_DECODE_BACKEND", "auto")
+
+
 def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, batch: int,
                    num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_warps) -> str:
     """"cuda" or "triton": which kernel serves a step of this geometry (see `paged_decode`'s `backend` argument)."""
-    backend = backend or os.environ.get("KVX_DECODE_BACKEND", "auto")
+    backend = requested_backend(backend)
     if backend not in BACKENDS:
         raise KvxError(Status.INVALID_ARGUMENT, f"decode backend must be auto, cuda or triton, got {backend!r}")
     if backend == "triton" or (backend == "auto" and (interpreting() or device.type != "cuda")):
@@ -180,7 +185,7 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
     if num_splits is None:
         num_splits = choose_splits(chosen, sb, num_kv_heads, max_seq_len, block_n, device)
     mid_o, mid_l, rotated = _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device)
-    forced = (backend or os.environ.get("KVX_DECODE_BACKEND", "auto")) != "auto"
+    forced = requested_backend(backend) != "auto"
     return DecodePlan(fmt, batch, num_qo_heads, num_kv_heads, d, block_size, q_dtype, chosen, forced, num_splits, block_n,
                       num_warps, num_stages, 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
                       softcap, window, mid_o, mid_l, rotated)

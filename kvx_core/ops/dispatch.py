@@ -163,8 +163,9 @@ class AttentionPlan:
             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of `query` over `cache` (this layer's) -> (`out`, `lse`), written in place when given."""
         attention.check_args(query, cache, self.table, self.seq_lens, self.what, **self.options)
-        require(format_of(cache) == self.fmt, Status.INVALID_ARGUMENT,
-                f"{self.what}: the cache is {format_of(cache).name}, the plan was made for {self.fmt.name}")
+        fmt = format_of(cache)
+        require(fmt == self.fmt, Status.INVALID_ARGUMENT,
+                f"{self.what}: the cache is {fmt.name}, the plan was made for {self.fmt.name}")
         if self.check and self.block_table is not None:  # the reference's gather validation, on this layer's cache
             cache.validate()
             kernel_table(cache, self.table, self.seq_lens, check=True)

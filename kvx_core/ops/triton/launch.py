@@ -58,7 +58,7 @@ def check_device(*tensors: torch.Tensor) -> None:
             raise KvxError(Status.INVALID_ARGUMENT, f"all tensors must be on {dev}, got one on {t.device}")
 
 
-def check_out(name: str, t, shape, dtype, device) -> torch.Tensor:
+def check_out_tensor(name: str, t, shape, dtype, device) -> torch.Tensor:
     """A caller-provided output: a float tensor of `shape` (and `dtype` when given) on `device`, last dim contiguous."""
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.device != device \
             or (dtype is not None and t.dtype != dtype) or not t.is_floating_point() or t.stride(-1) != 1:
@@ -106,9 +106,9 @@ def check_layer(plan, q, rows: int, batch: int, k_data, k_scales, v_data, v_scal
                        "last dim and int32 seq_lens [B]")
     ks = scale_args("K", k_scales, k_data, kk, fmt.k, d)
     vs = scale_args("V", v_scales, v_data, kv, fmt.v, d)
-    out = torch.empty_like(q) if out is None else check_out("out", out, q.shape, None, q.device)
+    out = torch.empty_like(q) if out is None else check_out_tensor("out", out, q.shape, None, q.device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if lse is None \
-        else check_out("lse", lse, (rows, hq), torch.float32, q.device)
+        else check_out_tensor("lse", lse, (rows, hq), torch.float32, q.device)
     return ks, vs, out, lse
 
 

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
-from kvx_core.descriptors import BlockTable, CacheDesc, KvIoDesc, SeqLens, WriteDesc
+from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.formats import CacheFormat, get_format
 from kvx_core.ops.dispatch import AttentionPlan, plan_decode, plan_prefill, write_kv
 from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
@@ -101,15 +101,10 @@ class KvxAttentionBackend(AttentionBackend):
 
 @dataclass
 class KvxMetadata:
-    """Per-step attention metadata (rows beyond `num_reqs` / `num_actual_tokens` are padding)."""
+    """Per-step attention metadata: the step's plan holds the tables and lengths (vLLM hands each layer's write
+    its slot mapping itself); query rows beyond `num_actual_tokens` are padding."""
 
     num_actual_tokens: int
-    num_reqs: int
-    max_query_len: int
-    max_seq_len: int
-    seq_lens: SeqLens  # int32 [num_reqs], cached + new tokens
-    block_table: BlockTable  # PACKED int32 [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor  # int64 [num_actual_tokens]
     plan: AttentionPlan  # this step's attention, run by every layer
 
 
@@ -171,8 +166,7 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
                                split_batch=next((b for b in self.graph_sizes if b >= n), n), **geometry)
         else:
             plan = plan_prefill(m.query_start_loc_cpu[:n + 1], table, lens, **geometry)
-        return KvxMetadata(m.num_actual_tokens, n, m.max_query_len, int(m.max_seq_len), lens, table,
-                           m.slot_mapping[:m.num_actual_tokens], plan)
+        return KvxMetadata(m.num_actual_tokens, plan)
 
 
 class KvxAttentionImpl(AttentionImpl[KvxMetadata]):

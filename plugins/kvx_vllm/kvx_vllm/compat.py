@@ -13,6 +13,7 @@ This module imports nothing from vLLM at module level (tests load it without vLL
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -87,9 +88,6 @@ def _install_page_spec_026() -> None:
     Attention.get_kv_cache_spec = get_kv_cache_spec
 
 
-_SPEC_CLS: list[type] = []
-
-
 def kvx_spec_026(spec: Any, vllm_config: Any) -> Any:
     """vLLM 0.26: the layer's `FullAttentionSpec` as a `KvxFullAttentionSpec` of the run's format."""
     from dataclasses import fields
@@ -111,10 +109,9 @@ def kvx_spec_026(spec: Any, vllm_config: Any) -> Any:
     return cls(**kw, kvx_token_bytes=token_bytes(fmt, spec.num_kv_heads, spec.head_size))
 
 
+@functools.cache
 def _spec_class_026() -> type:
     """`KvxFullAttentionSpec`, defined once vLLM 0.26 is importable."""
-    if _SPEC_CLS:
-        return _SPEC_CLS[0]
     from dataclasses import dataclass, replace
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -139,5 +136,4 @@ def _spec_class_026() -> type:
                 raise ValueError("KVX: the layers of one KV cache group need the same bytes per token")
             return replace(merged, kvx_token_bytes=specs[0].kvx_token_bytes)
 
-    _SPEC_CLS.append(KvxFullAttentionSpec)
     return KvxFullAttentionSpec

@@ -15,7 +15,6 @@ from .dtypes import is_kvx_dtype
 
 KVX_BACKEND_PATH = "kvx_vllm.backend.KvxAttentionBackend"
 DISPATCH_PATH = f"{__name__}.DefaultAttentionBackend"
-_default: dict[str, str] = {}
 
 
 def register_backends() -> None:
@@ -24,8 +23,7 @@ def register_backends() -> None:
 
     from .compat import default_backend_path
 
-    member, path = default_backend_path()
-    _default["path"] = path
+    member, _ = default_backend_path()
     register_backend(AttentionBackendEnum.CUSTOM, KVX_BACKEND_PATH)
     register_backend(getattr(AttentionBackendEnum, member), DISPATCH_PATH)
 
@@ -45,9 +43,7 @@ def __getattr__(name: str) -> Any:
         from .backend import KvxAttentionBackend
 
         return KvxAttentionBackend
-    if "path" not in _default:
-        from .compat import default_backend_path
+    from .compat import default_backend_path
 
-        _default["path"] = default_backend_path()[1]
-    module, cls = _default["path"].rsplit(".", 1)
+    module, cls = default_backend_path()[1].rsplit(".", 1)
     return getattr(importlib.import_module(module), cls)
