@@ -27,15 +27,16 @@ def test_options_and_dtypes_import_without_vllm():
             "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
     out = subprocess.run([sys.executable, "-c", code, str(PLUGIN)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "KvxOptions(rotate=False)" in out.stdout
+    assert "KvxOptions(rotate=False, prefill='split')" in out.stdout
 
 
-@pytest.mark.parametrize("extra, rotate", [
-    (None, False), ({}, False), ({"other_platform_key": 1}, False), ({"kvx": {}}, False),
-    ({"kvx": {"rotate": True}}, True), ({"kvx": {"rotate": False}}, False),
+@pytest.mark.parametrize("extra, rotate, prefill", [
+    (None, False, "split"), ({}, False, "split"), ({"other_platform_key": 1}, False, "split"),
+    ({"kvx": {}}, False, "split"), ({"kvx": {"rotate": True}}, True, "split"), ({"kvx": {"rotate": False}}, False, "split"),
+    ({"kvx": {"prefill": "cache"}}, False, "cache"), ({"kvx": {"prefill": "split", "rotate": True}}, True, "split"),
 ])
-def test_valid_configs(extra, rotate):
-    assert options.options_of(_config(extra)) == options.KvxOptions(rotate=rotate)
+def test_valid_configs(extra, rotate, prefill):
+    assert options.options_of(_config(extra)) == options.KvxOptions(rotate=rotate, prefill=prefill)
 
 
 def test_config_without_additional_config_attribute():
@@ -71,6 +72,8 @@ def test_non_object_kvx_section_is_refused(section):
     ({1: True, "x": 2}, "unknown .*'x', 1;"),  # mixed key types are reported, not a TypeError from sorting
     ({"rotate": 1}, '"rotate" must be true or false'), ({"rotate": "true"}, '"rotate" must be true or false'),
     ({"rotate": None}, '"rotate" must be true or false'),
+    ({"prefill": "flash"}, '"prefill" must be one of .split., .cache.'), ({"prefill": None}, '"prefill" must be one of'),
+    ({"prefill": "Cache"}, '"prefill" must be one of'), ({"prefill": True}, '"prefill" must be one of'),
 ])
 def test_bad_kvx_options_are_refused(section, match):
     with pytest.raises(ValueError, match=match):

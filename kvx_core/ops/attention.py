@@ -76,11 +76,13 @@ def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_len
             f"{what}: num_q_heads {query.shape[1]} must be a multiple of num_kv_heads {cache.num_kv_heads} (GQA)")
 
 
-def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | None) -> list[int]:
+def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | None,
+                    queries_cached: bool = True) -> list[int]:
     """`qo_indptr` as a host list, after checking it is an int32/int64 tensor of `len(lens) + 1` non-decreasing
-    entries from 0 to `num_tokens` that gives no sequence more new tokens than its cached length
-    (INVALID_ARGUMENT). Read on its own dtype: callers narrow it only after this. `num_tokens` None: a plan made
-    before the queries are known (the run checks the query rows against the last entry)."""
+    entries from 0 to `num_tokens` that (when `queries_cached`: the queries are the last cached tokens) gives no
+    sequence more new tokens than its cached length (INVALID_ARGUMENT). Read on its own dtype: callers narrow it
+    only after this. `num_tokens` None: a plan made before the queries are known (the run checks the query rows
+    against the last entry)."""
     require(isinstance(qo_indptr, torch.Tensor) and qo_indptr.dtype in (torch.int32, torch.int64)
             and qo_indptr.dim() == 1, Status.INVALID_ARGUMENT, "paged_prefill: qo_indptr must be a 1-D int32/int64 "
             f"tensor, got {(qo_indptr.dtype, tuple(qo_indptr.shape)) if isinstance(qo_indptr, torch.Tensor) else qo_indptr!r}")
@@ -89,9 +91,16 @@ def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | 
             and all(a <= b for a, b in zip(ip, ip[1:])), Status.INVALID_ARGUMENT,
             "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing entries from 0 to num query tokens")
     for b, n in enumerate(lens):
-        require(ip[b + 1] - ip[b] <= n, Status.INVALID_ARGUMENT,
+        require(not queries_cached or ip[b + 1] - ip[b] <= n, Status.INVALID_ARGUMENT,
                 f"paged_prefill: sequence {b} has {ip[b + 1] - ip[b]} new tokens but only {n} cached tokens")
     return ip
+
+
+def queries_cached(causal: bool, window: int | None) -> bool:
+    """Whether a prefill's queries must be the last cached tokens: their positions matter for a causal or
+    windowed mask; without either each query attends to all of its sequence's cached tokens (e.g. a new chunk
+    attending its cached prefix, its own K/V attended elsewhere and merged by LSE)."""
+    return causal or (window is not None and window >= 0)
 
 
 def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
@@ -134,9 +143,12 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
     """Chunked prefill / extend: sequence b's `q_len` new tokens (rows `qo_indptr[b]:qo_indptr[b+1]` of
     `query [T, Hq, D]`) are its last `q_len` cached tokens (already written); each attends to the
     cached prefix plus itself, causally. `seq_lens` are total cached lengths including the new tokens.
+    `causal=False` (no window): each query attends to all `seq_lens[b]` cached tokens, which need not include
+    the queries (a chunk's attention over its cached prefix only).
     """
     check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap, window=window)
-    ip = check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), query.shape[0])
+    ip = check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), query.shape[0],
+                         queries_cached(causal, window))
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
     io, lens, starts = _gather_all(cache, table, seq_lens)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)

@@ -236,11 +236,13 @@ def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, 
                  device=None, causal: bool = True, sm_scale: float | None = None, softcap: float | None = None,
                  window: int | None = None, check: bool = True) -> AttentionPlan:
     """Plan a prefill / extend step: sequence b's new queries are rows `qo_indptr[b]:qo_indptr[b+1]` (the work
-    list reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync)."""
+    list reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync). `causal=False` without a
+    window attends every query to all of its sequence's cached tokens (`attention.paged_prefill`)."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
     fmt, device, bt, lens = _plan_tables("paged_prefill", fmt, table, seq_lens, options, device, check)
     if check:  # on the caller's dtype, before narrowing
-        attention.check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), None)
+        attention.check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), None,
+                                  attention.queries_cached(causal, window))
     kernel = None
     if bt is not None and q_dtype in (torch.bfloat16, torch.float16):
         from .triton import prefill as prefill_kernel

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 RUNNER = Path(__file__).with_name("vllm_gpu_run.py")
 DTYPES = ["kvx_nvfp4", "kvx_int8", "kvx_k8v4", "kvx_int4", "kvx_mxfp4"]
-TAGS = ["auto", "auto_eager", *DTYPES, "kvx_nvfp4_eager"]
+TAGS = ["auto", "auto_eager", *DTYPES, "kvx_nvfp4_eager", "kvx_nvfp4_prefillcache", "kvx_int4_preempt"]
 PAGE_RATIO = {"kvx_nvfp4": 2 / 0.5625, "kvx_int4": 2 / 0.5625, "kvx_mxfp4": 2 / 0.5625, "kvx_int8": 2 / 1.0625,
               "kvx_k8v4": 2 / 0.78125}
 """BF16 bytes per element over the format's (payload + scales) at head_dim 64: the capacity a page buys."""
@@ -38,10 +38,22 @@ prompts); the 4-bit cache measured up to 0.21. Bit-equality of KVX's attention i
 (tests/kernels/test_attention_plan.py)."""
 
 
+def run_args(tag: str) -> list[str]:
+    """The runner command line of a tag: DTYPE[_eager|_prefillcache|_preempt] (the preemption run is the CPU
+    suite's `vllm_run.py --preempt`, which sizes its 1280-token cache in CUDA blocks here)."""
+    dtype, mode = tag, ""
+    for m in ("eager", "prefillcache", "preempt"):
+        if tag.endswith("_" + m):
+            dtype, mode = tag.removesuffix("_" + m), m
+    if mode == "preempt":
+        return [str(RUNNER.with_name("vllm_run.py")), dtype, "--preempt"]
+    return [str(RUNNER), dtype] + {"": [], "eager": ["--eager"], "prefillcache": ["--prefill-cache"]}[mode]
+
+
 def _run(ckpt: str, tag: str) -> dict:
-    dtype, eager = tag.removesuffix("_eager"), tag.endswith("_eager")
-    p = subprocess.run([sys.executable, str(RUNNER), ckpt, dtype] + (["--eager"] if eager else []),
-                       capture_output=True, text=True, timeout=900)
+    script, *args = run_args(tag)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if "--preempt" in args else None
+    p = subprocess.run([sys.executable, script, ckpt, *args], capture_output=True, text=True, timeout=900, env=env)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, f"vLLM GPU run {tag} failed:\n{(p.stdout + p.stderr)[-4000:]}"
     return json.loads(m.group(1))
@@ -89,10 +101,34 @@ def test_cuda_graph_decode_agrees_with_eager(runs, dtype):
         assert max(abs(a - b) for a, b in zip(gl[:n], el[:n])) <= DRIFT_BOUND
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_prefix_cache_reuse_is_exact(runs, dtype):
-    """Reused blocks give the same logprobs as recomputed ones, bit for bit (vLLM's `auto` does not:
-    its attention is not batch-invariant on the GPU)."""
-    p = runs[dtype]["prefix"]
+@pytest.mark.parametrize("tag", [*DTYPES, "kvx_nvfp4_prefillcache"])
+def test_prefix_cache_reuse_is_exact(runs, tag):
+    """Reused blocks give the same logprobs as recomputed ones, bit for bit (vLLM's `auto` does not: its attention
+    is not batch-invariant on the GPU). Split prefill: the cold run's chunk ends where the cached prefix ends
+    (`vllm_gpu_run.py`), so both attend it through the pages; the cache route attends everything there."""
+    p = runs[tag]["prefix"]
     assert p["warm_cached"] >= 1008 and p["cold_cached"] == 0
     assert p["warm"] == p["cold"] and p["warm_tokens"] == p["cold_tokens"]
+
+
+def test_cache_prefill_route(runs):
+    """`{"kvx": {"prefill": "cache"}}` on the GPU (the Triton prefill kernel over the pages): same capacity,
+    perplexity within the format's bound."""
+    r = runs["kvx_nvfp4_prefillcache"]
+    assert r["prefill"] == "cache" and r["num_blocks"] == runs["kvx_nvfp4"]["num_blocks"]
+    assert r["ppl"] <= runs["auto"]["ppl"] * (1 + GPU_PPL_BOUND["kvx_nvfp4"]), (r["ppl"], runs["auto"]["ppl"])
+
+
+PREEMPT_GAP_NATS = 0.5
+"""As the CPU suite's GREEDY_GAP_NATS: a token generated across preemption lies within this of the top token of
+a solo re-score (batch variance and quantization code flips); a page lost on recompute puts it nats below."""
+
+
+def test_preemption_and_recompute(runs):
+    """vLLM preempts requests out of a 1280-token cache on the GPU and recomputes their KVX pages: every request
+    finishes with all its tokens, every block returns, generated tokens stay greedy under a solo re-score."""
+    r = runs["kvx_int4_preempt"]
+    assert r["num_blocks"] * r["block_size"] == 1280 and r["preemptions"] >= 1, r
+    assert r["finished"] == [True] * 4 and [len(t) for t in r["together"]] == [160] * 4
+    assert r["free_blocks_after"] == r["free_blocks_before"] == r["num_blocks"] - 1, r
+    assert max(max(g) for g in r["greedy_gaps"]) <= PREEMPT_GAP_NATS

@@ -144,6 +144,8 @@ def test_greedy_agreement_int8_vs_bf16(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", KVX_DTYPES)
 def test_prefix_cache_reuse_is_exact(runs, dtype):
+    """Split prefill (the default): a hit attends the cached prefix over the KVX pages and the rest over its own
+    K/V, as the miss does when its chunk ends where the cached prefix ends (here: 256-token chunks, 2 blocks)."""
     p = runs[dtype]["prefix"]
     assert p["warm_cached"] >= 2 * runs[dtype]["block_size"] and p["cold_cached"] == 0, p
     assert p["warm"] == p["cold"]  # same tokens and bit-identical top-5 logprobs
@@ -166,6 +168,22 @@ def test_rotated_end_to_end(runs, checkpoint, dtype):
     assert r["ppl"] <= runs["auto"]["ppl"] * (1 + PPL_BOUND[dtype]), (r["ppl"], runs["auto"]["ppl"])
 
 
+@pytest.mark.slow
+def test_cache_prefill_route(runs, checkpoint):
+    """`{"kvx": {"prefill": "cache"}}`: every prompt token attends over the KVX pages (the prefill kernel path):
+    generation, bit-identical prefix reuse, the same capacity, and perplexity within the format's bound (it reads
+    more of the text through the quantized cache than the split route, whose chunks see their own K/V exactly)."""
+    p = subprocess.run([sys.executable, str(RUNNER), checkpoint, "kvx_nvfp4", "--prefill-cache"], env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
+    assert p.returncode == 0 and m, (p.stdout + p.stderr)[-4000:]
+    r = json.loads(m.group(1))
+    assert r["prefill"] == "cache" and r["num_blocks"] == runs["kvx_nvfp4"]["num_blocks"]
+    assert [len(t) for t in r["gen_tokens"]] == [24] * 4
+    assert r["prefix"]["warm"] == r["prefix"]["cold"] and r["prefix"]["warm_cached"] > 0
+    assert r["ppl"] <= runs["auto"]["ppl"] * (1 + PPL_BOUND["kvx_nvfp4"]), (r["ppl"], runs["auto"]["ppl"])
+
+
 GREEDY_GAP_NATS = 0.5
 """Largest allowed logprob gap between a token generated under preemption and the top token of a solo,
 teacher-forced re-score of the same sequence: covers vLLM CPU's batch variance (BF16 `auto` logprobs move
@@ -175,7 +193,7 @@ to the wrong block on recompute puts tokens several nats below the top (measured
 
 @pytest.mark.slow
 def test_preemption_and_recompute(checkpoint):
-    """A 10-block cache (1280 tokens) cannot hold 4 concurrent requests of ~160 + 160 tokens: vLLM preempts,
+    """A 1280-token cache (10 blocks) cannot hold 4 concurrent requests of ~160 + 160 tokens: vLLM preempts,
     frees the preempted request's KVX pages and later recomputes them into fresh blocks. Asserted (what KVX
     owns, on any CPU): every request finishes with all its tokens; every block returns to the pool; and each
     token generated across preemption is greedy under a solo re-score of the finished sequence (fresh pages,
@@ -186,7 +204,7 @@ def test_preemption_and_recompute(checkpoint):
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, (p.stdout + p.stderr)[-4000:]
     r = json.loads(m.group(1))
-    assert r["num_blocks"] == 10 and r["preemptions"] >= 1, r
+    assert r["num_blocks"] * r["block_size"] == 1280 and r["preemptions"] >= 1, r
     assert r["finished"] == [True] * 4 and [len(t) for t in r["together"]] == [160] * 4
     assert r["free_blocks_after"] == r["free_blocks_before"] == r["num_blocks"] - 1, r  # vLLM keeps 1 null block
     worst = max(max(g) for g in r["greedy_gaps"])

@@ -1,11 +1,15 @@
 """One offline vLLM 0.26 run on a CUDA GPU for one cache dtype; prints one `KVX_RESULT {json}` line.
 
-    python tests/vllm/vllm_gpu_run.py CKPT_DIR CACHE_DTYPE [--eager]
+    python tests/vllm/vllm_gpu_run.py CKPT_DIR CACHE_DTYPE [--eager] [--prefill-cache]
 
 CKPT_DIR: an HF checkpoint with its tokenizer (the demo's SmolLM2-135M, e.g. a bf16 copy). Measures: KV
 capacity vLLM reports, greedy continuations (with logprobs) of prompts of several lengths batched together
-(decode in CUDA graphs unless --eager), `prompt_logprobs` perplexity of 4096 demo-text tokens (chunked
-prefill), and prefix-cache reuse (warm vs cold logprobs of the same request).
+(decode in full CUDA graphs unless --eager; no torch.compile either way, so graph and eager runs share their
+prefill), `prompt_logprobs` perplexity of 4096 demo-text tokens, and prefix-cache reuse (warm vs cold logprobs of
+the same request). Prefill runs in 512-token chunks: under the default split prefill a chunk sees its own K/V
+exactly and everything before it through the KVX pages, so the perplexity measures the quantized cache over 7/8
+of the text, and the 1024-token prefix of the reuse probe ends on a chunk boundary in the cold run too.
+--prefill-cache: `{"kvx": {"prefill": "cache"}}` (every prompt token over the pages).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ GEN_TOKENS = 32
 PPL_TOKENS = 4096
 
 
-def main(ckpt: str, cache_dtype: str, eager: bool) -> dict:
+def main(ckpt: str, cache_dtype: str, eager: bool, prefill_cache: bool) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -27,11 +31,14 @@ def main(ckpt: str, cache_dtype: str, eager: bool) -> dict:
     from kvx_demo.text import default_text, tokenize
 
     t0 = time.perf_counter()
-    compilation = {"cudagraph_mode": "NONE" if eager else "FULL_AND_PIECEWISE"}
-    llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=8192, max_num_seqs=64,
-              gpu_memory_utilization=0.5, enable_prefix_caching=True, seed=0, compilation_config=compilation)
+    compilation = {"mode": 0, "cudagraph_mode": "NONE" if eager else "FULL_DECODE_ONLY",
+                   "cudagraph_capture_sizes": [1, 2, 4, 8]}
+    extra = {"additional_config": {"kvx": {"prefill": "cache"}}} if prefill_cache else {}
+    llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=8192, max_num_seqs=8,
+              max_num_batched_tokens=512, gpu_memory_utilization=0.5, enable_prefix_caching=True, seed=0,
+              compilation_config=compilation, **extra)
     cc = llm.llm_engine.vllm_config.cache_config
-    out: dict = {"dtype": cache_dtype, "eager": eager, "startup_s": round(time.perf_counter() - t0, 1),
+    out: dict = {"dtype": cache_dtype, "eager": eager, "prefill": "cache" if prefill_cache else "split", "startup_s": round(time.perf_counter() - t0, 1),
                  "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size}
     ids = tokenize(AutoTokenizer.from_pretrained(ckpt), default_text(), max_tokens=20000).tolist()
     prompts = [ids[1000 * i:1000 * i + n] for i, n in enumerate(PROMPT_LENS)]
@@ -60,4 +67,6 @@ def main(ckpt: str, cache_dtype: str, eager: bool) -> dict:
 
 
 if __name__ == "__main__":
-    print("KVX_RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], "--eager" in sys.argv[3:])), flush=True)
+    flags = sys.argv[3:]
+    print("KVX_RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], "--eager" in flags, "--prefill-cache" in flags)),
+          flush=True)

@@ -1,9 +1,10 @@
 """One offline vLLM run of SmolLM2-135M on CPU for one cache dtype; prints one JSON line of results.
 
 Run as a script (vLLM spawns an engine-core process, so it needs its own `__main__`):
-    python tests/vllm/vllm_run.py CKPT_DIR CACHE_DTYPE [--rotate] [--multiproc] [--preempt]
+    python tests/vllm/vllm_run.py CKPT_DIR CACHE_DTYPE [--rotate] [--prefill-cache] [--multiproc] [--preempt]
 Without --multiproc the engine core and worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
-and the 'uni' executor, set by the caller's environment / here).
+and the 'uni' executor, set by the caller's environment / here). --prefill-cache runs the "cache" prefill route
+(everything over the KVX pages) instead of the default split prefill.
 Measures: KV capacity vLLM reports, generation for prompts of different lengths, greedy
 continuations, `prompt_logprobs` perplexity on the demo text, and prefix-cache reuse.
 """
@@ -20,23 +21,25 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the 
 PPL_TOKENS = 512  # demo-text tokens scored with prompt_logprobs (two chunks of prefill)
 GEN_TOKENS = 24
 PREEMPT_GEN = 160
+PREEMPT_KV_TOKENS = 1280
 PREFIX_REPEAT = 30  # shared prefix of ~300 tokens: two full 128-token blocks
 
 
-def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool) -> dict:
+def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool, prefill: str) -> dict:
     from vllm import LLM, SamplingParams
     from kvx_demo.text import default_text, tokenize
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
-    extra = {"additional_config": {"kvx": {"rotate": True}}} if rotate else {}
+    kvx = {k: v for k, v in (("rotate", rotate), ("prefill", prefill)) if v not in (False, "split")}
+    extra = {"additional_config": {"kvx": kvx}} if kvx else {}
     if not multiproc:  # engine core and worker in this process: ~40 s less startup on 2 cores
         extra["distributed_executor_backend"] = "uni"
     llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=1024, enforce_eager=True,
               max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=True, seed=0, **extra)
     startup = time.perf_counter() - t0
     cc = llm.llm_engine.vllm_config.cache_config
-    out: dict = {"dtype": cache_dtype, "rotate": rotate, "startup_s": round(startup, 1),
+    out: dict = {"dtype": cache_dtype, "rotate": rotate, "prefill": prefill, "startup_s": round(startup, 1),
                  "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size}
 
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
@@ -71,17 +74,23 @@ def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool) -> dict:
 
 
 def preempt(ckpt: str, cache_dtype: str) -> dict:
-    """Preemption and recompute: a KV cache of 10 blocks (1280 tokens) cannot hold 4 concurrent requests of
-    ~140-190 + 160 tokens, so vLLM preempts some and later recomputes their pages. Records what KVX owns there:
-    the block pool's free count before and after (every block released), and, per request, how far each
-    generated token's logprob lies below the top logprob when the finished sequence is re-scored alone
-    (teacher-forced prefill over fresh pages, no preemption): a page written wrongly on recompute shows as
-    tokens far from greedy; batch-variance noise of vLLM CPU stays within a small margin."""
+    """Preemption and recompute: a KV cache of 1280 tokens (10 blocks of 128 on CPU, 80 of 16 on CUDA) cannot
+    hold 4 concurrent requests of ~140-190 + 160 tokens, so vLLM preempts some and later recomputes their pages.
+    Records what KVX owns there: the block pool's free count before and after (every block released), and, per
+    request, how far each generated token's logprob lies below the top logprob when the finished sequence is
+    re-scored alone (teacher-forced prefill over fresh pages, no preemption): a page written wrongly on recompute
+    shows as tokens far from greedy; batch-variance noise stays within a small margin. The cache prefill route
+    (`{"kvx": {"prefill": "cache"}}`): recompute and re-score then read the pages exactly as decode did (the split
+    route's chunks would see their own K/V unquantized, a view decode never had: up to 2.4 nats apart for int4)."""
+    import torch
     from vllm import LLM, SamplingParams
 
+    block = 16 if torch.cuda.is_available() else 128
     llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=1024, enforce_eager=True,
-              max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=False, seed=0,
-              num_gpu_blocks_override=10, disable_log_stats=False, distributed_executor_backend="uni")
+              max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=False, seed=0, block_size=block,
+              num_gpu_blocks_override=PREEMPT_KV_TOKENS // block, disable_log_stats=False,
+              distributed_executor_backend="uni", additional_config={"kvx": {"prefill": "cache"}},
+              **({"gpu_memory_utilization": 0.3} if block == 16 else {}))
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool  # in-process engine core
     base = "Write a long story about a lighthouse keeper and the ships that pass in the night. "
     prompts = [base * (8 + i) + f"Chapter {i + 1}:" for i in range(4)]
@@ -92,7 +101,7 @@ def preempt(ckpt: str, cache_dtype: str) -> dict:
     preemptions = _preemptions(llm) - before
     free_after = pool.get_num_free_blocks()
     gaps = []
-    for r in together:  # one at a time: 10 blocks hold one ~490-token sequence without preemption
+    for r in together:  # one at a time: 1280 tokens hold one ~490-token sequence without preemption
         ids = list(r.prompt_token_ids) + list(r.outputs[0].token_ids)
         scored = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
                               use_tqdm=False)[0]
@@ -126,5 +135,6 @@ if __name__ == "__main__":
     if "--preempt" in flags:
         res = preempt(sys.argv[1], sys.argv[2])
     else:
-        res = main(sys.argv[1], sys.argv[2], "--rotate" in flags, "--multiproc" in flags)
+        res = main(sys.argv[1], sys.argv[2], "--rotate" in flags, "--multiproc" in flags,
+                   "cache" if "--prefill-cache" in flags else "split")
     print("KVX_RESULT " + json.dumps(res), flush=True)

@@ -6,7 +6,9 @@ the slot mapping) and attention through a `dispatch.AttentionPlan` that the meta
 step (`plan_decode` / `plan_prefill`: backend, splits, work list, workspace, int32 tables) and every layer
 runs over its own pages, writing into vLLM's output buffer: on CUDA pages the fused write, CUDA/Triton decode
 and Triton prefill kernels (sync-free: vLLM owns its slot mappings and block tables, `max_seq_len` and the host
-copy of `query_start_loc` come from its metadata), on CPU the torch reference ops.
+copy of `query_start_loc` come from its metadata), on CPU the torch reference ops. Steps with prompt tokens run
+the split prefill of `prefill` (new tokens by FlashAttention, cached prefix by KVX, merged) unless the run
+asks for `{"kvx": {"prefill": "cache"}}`.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .dtypes import KVX_CACHE_DTYPES, is_kvx_dtype
-from .options import check_config
+from .options import check_config, options_of
 from .pages import PAGE_BLOCK_ALIGN, page_cache_desc, token_bytes
+from .prefill import SplitPrefill
 
 
 _run: dict[str, CacheFormat] = {}
@@ -105,7 +108,7 @@ class KvxMetadata:
     its slot mapping itself); query rows beyond `num_actual_tokens` are padding."""
 
     num_actual_tokens: int
-    plan: AttentionPlan  # this step's attention, run by every layer
+    plan: AttentionPlan | SplitPrefill  # this step's attention, run by every layer
 
 
 class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
@@ -124,6 +127,7 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.format = get_format(check_config(vllm_config))
+        self.split_prefill = options_of(vllm_config).prefill == "split"
         impls = [layer.impl for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase,
                                                                      layer_names).values()]
         params = {(impl.scale, impl.softcap) for impl in impls}
@@ -164,9 +168,20 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
             # sum in the same order (each split reads its own sequence length)
             plan = plan_decode(table, lens, max_seq_len=self.max_model_len, workspace=self.workspace,
                                split_batch=next((b for b in self.graph_sizes if b >= n), n), **geometry)
+        elif self.split_prefill:
+            plan = self._split_prefill(m, table, geometry)
         else:
             plan = plan_prefill(m.query_start_loc_cpu[:n + 1], table, lens, **geometry)
         return KvxMetadata(m.num_actual_tokens, plan)
+
+    def _split_prefill(self, m: CommonAttentionMetadata, table, geometry: dict) -> SplitPrefill:
+        """New tokens over themselves (FlashAttention) + over the cached prefix (KVX), merged (`prefill`)."""
+        n = m.num_reqs
+        cu = m.query_start_loc[:n + 1]
+        prefix_lens = seq_lens_from_vllm(m.seq_lens[:n] - (cu[1:] - cu[:-1]), n)  # on the device: no sync
+        prefix = plan_prefill(m.query_start_loc_cpu[:n + 1], table, prefix_lens, causal=False, **geometry)
+        scale = self.sm_scale if self.sm_scale is not None else self.kv_cache_spec.head_size ** -0.5
+        return SplitPrefill(prefix, cu, m.query_start_loc_cpu[:n + 1].tolist(), m.max_query_len, scale, self.softcap)
 
 
 class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
@@ -240,5 +255,9 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
             return output
         m = attn_metadata
         n = m.num_actual_tokens
-        m.plan.run(query[:n], self._cache(layer, kv_cache), out=output[:n].view(n, self.num_heads, self.head_size))
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        if isinstance(m.plan, SplitPrefill):
+            m.plan.run(query[:n], key[:n], value[:n], self._cache(layer, kv_cache), out)
+        else:
+            m.plan.run(query[:n], self._cache(layer, kv_cache), out=out)
         return output

@@ -3,6 +3,11 @@
 Options under the "kvx" key of vLLM's `additional_config`:
 - `rotate` (bool, default false): Hadamard rotation of K/V (and Q) for kvx_nvfp4, kvx_mxfp4,
   kvx_int4 and kvx_k8v4 (not kvx_int8, whose error is already ~0.02% perplexity).
+- `prefill` ("split" or "cache", default "split"): how steps with new prompt tokens attend. "split": the new
+  tokens over their own unquantized K/V (FlashAttention on CUDA) merged by LSE with KVX over the cached prefix
+  (`prefill.SplitPrefill`; as fast as vLLM's BF16 prefill; a prefix-cache hit agrees with a miss within the
+  format's error). "cache": everything over the quantized pages with KVX's prefill kernel (bit-identical
+  prefix reuse; 3-5x slower attention in prefill).
 Anything else under "kvx" is refused, so a typo never silently does nothing. Also refused: an
 `additional_config` that is not a JSON object, and a key that spells "kvx" another way ("KVX",
 " kvx"), which would otherwise be ignored. Errors are ValueError (as vLLM's own config checks
@@ -17,7 +22,8 @@ from typing import Any
 
 from .dtypes import format_name
 
-_KNOWN = {"rotate"}
+_KNOWN = {"rotate", "prefill"}
+PREFILL_ROUTES = ("split", "cache")
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class KvxOptions:
     """The plugin's per-run options."""
 
     rotate: bool = False
+    prefill: str = "split"
 
 
 def _kvx_section(vllm_config: Any) -> Any:
@@ -55,7 +62,11 @@ def options_of(vllm_config: Any) -> KvxOptions:
     rotate = raw.get("rotate", False)
     if not isinstance(rotate, bool):
         raise ValueError(f'KVX: --additional-config kvx "rotate" must be true or false, got {rotate!r}')
-    return KvxOptions(rotate=rotate)
+    prefill = raw.get("prefill", "split")
+    if prefill not in PREFILL_ROUTES:
+        raise ValueError(f'KVX: --additional-config kvx "prefill" must be one of {", ".join(map(repr, PREFILL_ROUTES))}, '
+                         f"got {prefill!r}")
+    return KvxOptions(rotate=rotate, prefill=prefill)
 
 
 def refusals(vllm_config: Any) -> list[str]:

@@ -1,0 +1,187 @@
+"""vLLM serving with each KV cache dtype, one process per dtype on one GPU: KV capacity, decode and prefill speed.
+
+    python benchmarks/bench_vllm.py --out benchmarks/results/vllm_kv_dtypes_h200.jsonl
+    python benchmarks/bench_vllm.py --dtypes auto,kvx_nvfp4 --out /tmp/x.jsonl      # a subset
+
+Model: a random-weight Llama of 8B geometry cut to 8 layers (hidden 4096, MLP 14336, GQA 32/8, head_dim 128,
+vocab 32000, bf16; `load_format="dummy"`, no tokenizer), so the GPU's memory goes to the KV cache and attention
+is a real share of the step. Settings (the same for every dtype): gpu_memory_utilization 0.85, prefix caching on,
+block size 16, max_num_batched_tokens 16384 (vLLM's LLM-class default on 80 GB GPUs), max_model_len 32768 + the
+decode steps, decode in full CUDA graphs (`cudagraph_mode=FULL_DECODE_ONLY`, capture sizes 1..64) and no
+torch.compile (`mode=0`: every dtype would compile its own graphs, ~1 minute each; prefill runs eagerly, which
+costs all dtypes alike).
+
+Per dtype, JSON lines (`benchmarks/common.py` environment fields plus vllm version):
+- `capacity`: KV tokens vLLM allocated, and requests of 32k tokens that fit at once (`max_concurrency_32k`).
+- `prefill`: 64 random 8k-token prompts, one output token, wall time (cold prefix cache); `ttft`: one fresh 8k
+  prompt alone, wall time to its one token.
+- `decode` at B x ctx: the prompts' KV is cached first (prefix caching), then the same prompts run twice, with 1
+  and with 1 + S output tokens; decode tok/s = B * S / (difference of the two wall times), so prefill and
+  scheduling of the cached prompts cancel. B=64 at 8k and 32k (the 32k case runs only when the KV cache holds
+  64 x 32k tokens and the 64 x 32k prefill is expected within `--long-prefill-s`, from 16x the measured 64 x 8k
+  prefill; otherwise its line says why it was skipped) and B=1 at 32k.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+DTYPES = ["auto", "fp8", "int8_per_token_head", "int4_per_token_head", "kvx_int8", "kvx_k8v4", "kvx_int4",
+          "kvx_nvfp4", "kvx_mxfp4"]
+MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+         "intermediate_size": 14336, "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "head_dim": 128, "vocab_size": 32000, "max_position_embeddings": 65536, "rope_theta": 500000.0,
+         "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+         "bos_token_id": 1, "eos_token_id": 2}
+CTX_SHORT, CTX_LONG, BATCH = 8192, 32768, 64
+
+
+def _prompts(n: int, length: int, seed: int) -> list[dict]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(3, MODEL["vocab_size"], (length,), generator=g).tolist()}
+            for _ in range(n)]
+
+
+def _timed(llm, prompts, tokens: int) -> float:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    return dt
+
+
+def _decode(llm, prompts, steps: int) -> dict:
+    """Decode tok/s over cached prompts: (1 + steps) tokens minus 1 token, same prompts (prefix-cache hits)."""
+    t0 = _timed(llm, prompts, 1)  # prefill: caches the prompts' KV (0 when they are cached already)
+    t1 = _timed(llm, prompts, 1)
+    tn = _timed(llm, prompts, 1 + steps)
+    return {"batch": len(prompts), "ctx": len(prompts[0]["prompt_token_ids"]), "steps": steps,
+            "first_pass_s": round(t0, 3), "decode_s": round(tn - t1, 4),
+            "tok_s": round(len(prompts) * steps / (tn - t1), 1)}
+
+
+def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill_s: float) -> None:
+    """Everything for one dtype in this process."""
+    import vllm
+    from vllm import LLM
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import emit, env_info
+
+    base = {**env_info(), "bench": "vllm", "vllm": vllm.__version__, "kv_cache_dtype": dtype}
+    with tempfile.TemporaryDirectory() as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(MODEL, f)
+        t0 = time.perf_counter()
+        llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  kv_cache_dtype=dtype, max_model_len=CTX_LONG + max(steps, steps_b1) + 16, block_size=16,
+                  gpu_memory_utilization=0.85, enable_prefix_caching=True, max_num_seqs=BATCH,
+                  max_num_batched_tokens=16384, seed=0,
+                  compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                      "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]})
+        cc = llm.llm_engine.vllm_config.cache_config
+        kv_tokens = cc.num_gpu_blocks * cc.block_size
+        emit(out, {**base, "metric": "capacity", "kv_tokens": kv_tokens, "block_size": cc.block_size,
+                   "max_concurrency_32k": round(kv_tokens / CTX_LONG, 2),
+                   "startup_s": round(time.perf_counter() - t0, 1)})
+
+        short = _prompts(BATCH, CTX_SHORT, seed=1)
+        t_prefill = _timed(llm, short, 1)
+        emit(out, {**base, "metric": "prefill", "batch": BATCH, "ctx": CTX_SHORT, "prefill_s": round(t_prefill, 3)})
+        emit(out, {**base, "metric": "ttft", "ctx": CTX_SHORT,
+                   "ttft_s": round(_timed(llm, _prompts(1, CTX_SHORT, seed=2), 1), 4)})
+        emit(out, {**base, "metric": "decode", **_decode(llm, short, steps)})
+        llm.reset_prefix_cache()
+
+        long = _prompts(BATCH, CTX_LONG, seed=3)
+        predicted = 16 * t_prefill
+        if kv_tokens < BATCH * (CTX_LONG + steps + 16):
+            emit(out, {**base, "metric": "decode", "batch": BATCH, "ctx": CTX_LONG,
+                       "skipped": f"the KV cache holds {kv_tokens} tokens < {BATCH} x {CTX_LONG + steps}"})
+        elif predicted > long_prefill_s:
+            emit(out, {**base, "metric": "decode", "batch": BATCH, "ctx": CTX_LONG,
+                       "skipped": f"64 x 32k prefill expected ~{predicted:.0f} s (16x the 64 x 8k prefill) > "
+                                  f"--long-prefill-s {long_prefill_s:.0f}"})
+        else:
+            emit(out, {**base, "metric": "decode", **_decode(llm, long, steps)})
+        emit(out, {**base, "metric": "decode", **_decode(llm, long[:1], steps_b1)})
+
+
+def summarize(path: str) -> str:
+    """A markdown table of a results file: each dtype's numbers and ratios to `auto` of the same run."""
+    rows: dict[str, dict] = {}
+    for line in open(path):
+        r = json.loads(line)
+        d = rows.setdefault(r["kv_cache_dtype"], {})
+        if r["metric"] == "decode":
+            key = f"decode_b{r['batch']}_{r['ctx'] // 1024}k"
+            d[key] = r.get("tok_s", "skipped")
+        elif r["metric"] in ("capacity", "prefill", "ttft"):
+            d.update({k: r[k] for k in ("kv_tokens", "prefill_s", "ttft_s") if k in r})
+    cols = [("kv_tokens", "KV tokens", True), ("decode_b64_8k", "decode B64 8k tok/s", True),
+            ("decode_b64_32k", "decode B64 32k tok/s", True), ("decode_b1_32k", "decode B1 32k tok/s", True),
+            ("prefill_s", "prefill 64x8k s", False), ("ttft_s", "TTFT 8k s", False)]
+    base = rows.get("auto", {})
+    out = ["| dtype | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for dtype, d in rows.items():
+        cells = []
+        for key, _, higher_better in cols:
+            v, b = d.get(key), base.get(key)
+            if not isinstance(v, (int, float)):
+                cells.append(str(v or "-"))
+            elif isinstance(b, (int, float)) and dtype != "auto":
+                cells.append(f"{v:,} ({v / b:.2f}x)")
+            else:
+                cells.append(f"{v:,}")
+        out.append(f"| {dtype} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated --kv-cache-dtype values")
+    ap.add_argument("--out", help="append JSON lines here")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed at B=64")
+    ap.add_argument("--steps-b1", type=int, default=256, help="decode steps timed at B=1")
+    ap.add_argument("--long-prefill-s", type=float, default=150.0,
+                    help="skip the B=64 x 32k decode when its prefill is expected to take longer (s)")
+    ap.add_argument("--timeout-s", type=int, default=420, help="limit per dtype process")
+    ap.add_argument("--summarize", metavar="JSONL", help="print a markdown table of a results file and exit")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run this dtype here
+    a = ap.parse_args()
+    if a.summarize:
+        print(summarize(a.summarize))
+        return
+    if a.one:
+        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s)
+        return
+    failed = []
+    for dtype in a.dtypes.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", dtype, "--steps", str(a.steps),
+               "--steps-b1", str(a.steps_b1), "--long-prefill-s", str(a.long_prefill_s)]
+        if a.out:
+            cmd += ["--out", a.out]
+        t = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, timeout=a.timeout_s, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        print(f"# {dtype}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(dtype)
+    if failed:
+        sys.exit(f"bench_vllm: failed for {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Split prefill: a step with new prompt tokens as two attentions merged by their log-sum-exps.
+
+Each request's new tokens attend (1) to themselves, causally, over their unquantized K/V (vLLM's FlashAttention
+varlen kernel on CUDA) and (2) to the request's cached prefix, over the quantized pages (a KVX non-causal plan
+over `seq_len - query_len` tokens per request); vLLM's `merge_attn_states` combines the two. A fresh prompt's
+prefix is empty (KVX returns 0 and lse -inf for those rows, which the merge passes through).
+
+Why: attention over the quantized pages (KVX's prefill kernel) runs at 0.2-0.35x FlashAttention's BF16 speed on
+Hopper (benchmarks/results/prefill_vs_flashinfer_h100.jsonl), so a 64x8k prefill all from the pages took longer
+than vLLM's own; here only the cached prefix of a chunked or prefix-hit prompt is read quantized. Decode steps
+still read only the pages.
+
+What it changes: a prompt's tokens see each other's exact K/V in the step that computes them, and the quantized
+K/V of earlier chunks or of a prefix-cache hit, so logprobs of a prompt computed in one step and of the same
+prompt over a cached prefix agree within the format's error, not bit for bit. `{"kvx": {"prefill": "cache"}}`
+attends everything over the pages instead (bit-identical prefix reuse, slower prefill).
+
+Off CUDA (vLLM CPU, the CI path) the new-token attention is KVX's FP64 reference core (`ops.attention.attend`),
+per request: the same math, for testing the route on small models.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvx_core.descriptors import CacheDesc
+from kvx_core.ops import attention
+from kvx_core.ops.dispatch import AttentionPlan
+from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+
+def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_scale, softcap):
+    """FlashAttention (the version vLLM picks for this GPU) over each request's new tokens, causally."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    out, lse = flash_attn_varlen_func(q=query.contiguous(), k=key, v=value, cu_seqlens_q=cu_seqlens, max_seqlen_q=max_query_len,
+                                      cu_seqlens_k=cu_seqlens, max_seqlen_k=max_query_len, softmax_scale=sm_scale,
+                                      causal=True, softcap=softcap or 0.0, return_softmax_lse=True,
+                                      fa_version=get_flash_attn_version(head_size=query.shape[-1]))
+    return out, lse
+
+
+def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_scale, softcap):
+    """The same attention with KVX's FP64 reference core, request by request (off CUDA)."""
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
+    for q0, q1 in zip(starts, starts[1:]):
+        if q1 > q0:
+            o, l = attention.attend(query[q0:q1], key[q0:q1], value[q0:q1], torch.arange(q1 - q0), sm_scale,
+                                    softcap, None, True)
+            out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), l.t().float()
+    return out, lse
+
+
+@dataclass
+class SplitPrefill:
+    """One prefill step's plan: run by every layer over its own pages and this step's new K/V."""
+
+    prefix: AttentionPlan  # KVX, causal=False, over each request's cached prefix
+    cu_seqlens: torch.Tensor  # vLLM's query_start_loc (int32, device)
+    starts: list[int]  # the same on the host
+    max_query_len: int
+    sm_scale: float
+    softcap: float | None
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: CacheDesc,
+            out: torch.Tensor) -> torch.Tensor:
+        """`out [T, Hq, D]` = attention of the step's `query [T, Hq, D]` over its new `key`/`value [T, Hkv, D]`
+        and the cached prefixes in `cache` (the new tokens are already written; the prefix plan does not read
+        them)."""
+        if query.is_cuda:
+            new_out, new_lse = _new_tokens_attention_cuda(query, key, value, self.cu_seqlens, self.max_query_len,
+                                                          self.sm_scale, self.softcap)
+        else:
+            new_out, new_lse = _new_tokens_attention_reference(query, key, value, self.starts, self.sm_scale,
+                                                               self.softcap)
+        prefix_out = torch.empty_like(query)
+        prefix_lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        self.prefix.run(query, cache, out=prefix_out, lse=prefix_lse)
+        merge_attn_states(out, prefix_out, prefix_lse.t().contiguous(), new_out, new_lse)
+        return out

@@ -1,0 +1,88 @@
+"""`kvx_vllm.prefill.SplitPrefill` (new tokens over their own K/V, cached prefix over KVX pages, merged by LSE)
+against an FP64 oracle: `ops.attention.attend` over each request's dequantized prefix (the reference gather of
+the pages) followed by its exact new K/V, causally at the new tokens' positions.
+
+Ragged requests: an empty prefix (a fresh prompt: the prefix attention is empty, lse -inf), one new token over a
+prefix (a decode token in a mixed batch), a long prefix with a long chunk. CPU (vLLM CPU: the reference core for
+the new tokens, vLLM's torch merge) in CI; CUDA (vLLM's FlashAttention, the KVX Triton prefill, vLLM's CUDA
+merge) on the GPU machine.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+CASES = {"mixed": ([0, 37, 300, 5], [20, 1, 64, 3]), "fresh": ([0, 0], [33, 7])}
+TOLERANCE = 1e-2
+"""Relative (Frobenius) error of the BF16 output: bf16 rounding of both partial outputs and of the result
+(~2^-8 each), FlashAttention's bf16 P.V, and the prefix kernel's accumulation; a wrong mask, position or merge
+weight gives errors of order 1."""
+
+
+def _check(device: str, fmt: str, case: str, softcap: float | None = None) -> None:
+    from kvx_core.cache import PagedKVCache
+    from kvx_core.descriptors import BlockTable, SeqLens
+    from kvx_core.ops.attention import attend
+    from kvx_core.ops.dispatch import plan_prefill
+    from kvx_vllm.prefill import SplitPrefill
+
+    prefix_lens, q_lens = CASES[case]
+    hkv, qh, d, bs = 2, 4, 64, 16
+    g = torch.Generator().manual_seed(sum(prefix_lens) + len(fmt))
+    totals = [p + q for p, q in zip(prefix_lens, q_lens)]
+    need = [math.ceil(t / bs) for t in totals]
+    cache = PagedKVCache(fmt, num_layers=1, num_blocks=sum(need) + 1, block_size=bs, num_kv_heads=hkv, head_dim=d,
+                         device=device)
+    perm = torch.randperm(sum(need) + 1, generator=g)
+    bt = torch.zeros(len(totals), max(need), dtype=torch.int32)
+    slots, i = [], 0
+    for b, (n, t) in enumerate(zip(need, totals)):
+        bt[b, :n] = perm[i:i + n]
+        i += n
+        slots.append(bt[b, torch.arange(t) // bs].long() * bs + torch.arange(t) % bs)
+    k = torch.randn(sum(totals), hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(sum(totals), hkv, d, generator=g).to(torch.bfloat16)
+    k[..., :2] *= 4.0
+    cache.write(0, k.to(device), v.to(device), torch.cat(slots).to(device))  # vLLM writes the new tokens first
+    starts = torch.tensor([0, *totals]).cumsum(0)
+    new = torch.cat([torch.arange(s + p, s + t) for s, p, t in zip(starts.tolist(), prefix_lens, totals)])
+    q = torch.randn(sum(q_lens), hkv * qh, d, generator=g).to(torch.bfloat16)
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+
+    plan = plan_prefill(cu, BlockTable.packed(bt.to(device)), SeqLens(torch.tensor(prefix_lens, dtype=torch.int32,
+                        device=device)), fmt=fmt, num_qo_heads=hkv * qh, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                        q_dtype=torch.bfloat16, device=device, causal=False, softcap=softcap, check=False)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
+    SplitPrefill(plan, cu.to(device), cu.tolist(), max(q_lens), d ** -0.5, softcap).run(
+        q.to(device), k[new].to(device), v[new].to(device), cache.descriptor(0), out)
+
+    kd, vd = cache.gather(0, bt.to(device), torch.tensor(prefix_lens, dtype=torch.int32, device=device))
+    pstart = torch.tensor([0, *prefix_lens]).cumsum(0).tolist()
+    ref = torch.empty(q.shape, dtype=torch.float64)
+    for b, (p, n) in enumerate(zip(prefix_lens, q_lens)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        kk = torch.cat([kd[pstart[b]:pstart[b + 1]].cpu().double(), k[new][rows].double()])
+        vv = torch.cat([vd[pstart[b]:pstart[b + 1]].cpu().double(), v[new][rows].double()])
+        ref[rows] = attend(q[rows], kk, vv, torch.arange(p, p + n), d ** -0.5, softcap, None, True)[0]
+    got = out.cpu().double()
+    assert not got.isnan().any()
+    err = (got - ref).norm() / ref.norm()
+    assert err < TOLERANCE, f"{fmt} {case}: relative error {err:.3g}"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8", "k8v4_rot"])
+def test_split_prefill_matches_the_oracle_cpu(fmt, case):
+    _check("cpu", fmt, case, softcap=30.0 if fmt == "int8" else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8", "int4", "mxfp4", "k8v4_rot"])
+def test_split_prefill_matches_the_oracle_cuda(fmt, case):
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA GPU with vLLM 0.26 (the GPU machine)")
+    _check("cuda", fmt, case, softcap=30.0 if fmt == "int8" else None)
