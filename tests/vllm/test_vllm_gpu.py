@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 RUNNER = Path(__file__).with_name("vllm_gpu_run.py")
 DTYPES = ["kvx_nvfp4", "kvx_int8", "kvx_k8v4", "kvx_int4", "kvx_mxfp4"]
-TAGS = ["auto", "auto_eager", *DTYPES, "kvx_nvfp4_eager", "kvx_nvfp4_prefillcache", "kvx_int4_preempt"]
+TAGS = ["auto", "auto_eager", *DTYPES, "kvx_nvfp4_eager", "kvx_nvfp4_prefillcache", "auto_preempt", "kvx_int4_preempt"]
 PAGE_RATIO = {"kvx_nvfp4": 2 / 0.5625, "kvx_int4": 2 / 0.5625, "kvx_mxfp4": 2 / 0.5625, "kvx_int8": 2 / 1.0625,
               "kvx_k8v4": 2 / 0.78125}
 """BF16 bytes per element over the format's (payload + scales) at head_dim 64: the capacity a page buys."""
@@ -103,8 +103,7 @@ def test_cuda_graph_decode_agrees_with_eager(runs, dtype):
 
 @pytest.mark.parametrize("tag", [*DTYPES, "kvx_nvfp4_prefillcache"])
 def test_prefix_cache_reuse_is_exact(runs, tag):
-    """Reused blocks give the same logprobs as recomputed ones, bit for bit (vLLM's `auto` does not: its attention
-    is not batch-invariant on the GPU). Split prefill: the cold run's chunk ends where the cached prefix ends
+    """Reused blocks give the same logprobs as recomputed ones, bit for bit. Split prefill: the cold run's chunk ends where the cached prefix ends
     (`vllm_gpu_run.py`), so both attend it through the pages; the cache route attends everything there."""
     p = runs[tag]["prefix"]
     assert p["warm_cached"] >= 1008 and p["cold_cached"] == 0
@@ -119,16 +118,26 @@ def test_cache_prefill_route(runs):
     assert r["ppl"] <= runs["auto"]["ppl"] * (1 + GPU_PPL_BOUND["kvx_nvfp4"]), (r["ppl"], runs["auto"]["ppl"])
 
 
-PREEMPT_GAP_NATS = 0.5
-"""As the CPU suite's GREEDY_GAP_NATS: a token generated across preemption lies within this of the top token of
-a solo re-score (batch variance and quantization code flips); a page lost on recompute puts it nats below."""
+PREEMPT_MIN_TOP1 = 0.75
+PREEMPT_MAX_MEAN_GAP = 0.15
+"""Per request: the share of tokens generated across preemption that a solo re-score (fresh pages, no preemption)
+ranks first, and their mean logprob gap below that score's top token. On the GPU the two passes read the same
+pages through different kernels: decode through the CUDA decode kernel, the re-score through the Triton prefill
+kernel (the cache route), whose rounding differs and is amplified through 30 bf16 layers near ties. Measured on
+the H100: `auto` (FlashAttention for both) 99.4-100% and <= 0.0002 nats; kvx_int4 84.4-98.8% and <= 0.075 nats
+(the CPU suite, one reference path for both, has 100% and 0). A lost or misplaced page makes the continuation
+attend the wrong tokens: the re-score's agreement collapses from the fault on."""
 
 
-def test_preemption_and_recompute(runs):
-    """vLLM preempts requests out of a 1280-token cache on the GPU and recomputes their KVX pages: every request
+@pytest.mark.parametrize("tag", ["auto_preempt", "kvx_int4_preempt"])
+def test_preemption_and_recompute(runs, tag):
+    """vLLM preempts requests out of a 1280-token cache on the GPU and recomputes their pages: every request
     finishes with all its tokens, every block returns, generated tokens stay greedy under a solo re-score."""
-    r = runs["kvx_int4_preempt"]
+    r = runs[tag]
     assert r["num_blocks"] * r["block_size"] == 1280 and r["preemptions"] >= 1, r
     assert r["finished"] == [True] * 4 and [len(t) for t in r["together"]] == [160] * 4
     assert r["free_blocks_after"] == r["free_blocks_before"] == r["num_blocks"] - 1, r
-    assert max(max(g) for g in r["greedy_gaps"]) <= PREEMPT_GAP_NATS
+    for gaps in r["greedy_gaps"]:
+        assert len(gaps) == 160
+        assert sum(g == 0 for g in gaps) / len(gaps) >= PREEMPT_MIN_TOP1
+        assert sum(gaps) / len(gaps) <= PREEMPT_MAX_MEAN_GAP
