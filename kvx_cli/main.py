@@ -9,7 +9,7 @@ import sys
 
 from kvx_core.errors import KvxError
 
-from . import demo_cmd, inspect_cmd
+from . import bundle_cmd, demo_cmd, inspect_cmd
 from .args import Parser, UsageError
 
 
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     inspect_cmd.add_parser(sub)
     demo_cmd.add_parser(sub)
+    bundle_cmd.add_parser(sub)
     try:
         args = parser.parse_args(argv)
     except UsageError as e:

@@ -30,7 +30,8 @@ class _Pools:
     scales: torch.Tensor | None  # [N, B, H, S, 1]
 
 
-def _pools(cache: CacheDesc, fmt: CacheFormat, which: str) -> _Pools:
+def side_pools(cache: CacheDesc, fmt: CacheFormat, which: str) -> _Pools:
+    """K ("k") or V ("v") of `cache`: its tensor format and 5-D data / scale views (raw row access by slot)."""
     desc = cache.k if which == "k" else cache.v
     scales = getattr(cache.quant, f"{which}_scales") if cache.quant is not None else None
     return _Pools(fmt.k if which == "k" else fmt.v, block_view(desc.tensor, desc.layout),
@@ -46,7 +47,7 @@ def write_kv(cache: CacheDesc, write: WriteDesc) -> None:
     fmt, a = plan.fmt, plan.args
     slots = a.slots[a.keep]
     blk, off = slots // cache.block_size, slots % cache.block_size
-    sides = [(_pools(cache, fmt, "k"), write.io.key, a.k_gs), (_pools(cache, fmt, "v"), write.io.value, a.v_gs)]
+    sides = [(side_pools(cache, fmt, "k"), write.io.key, a.k_gs), (side_pools(cache, fmt, "v"), write.io.value, a.v_gs)]
     encoded = [p.fmt.encode(rotate(x[a.keep]) if fmt.rotate else x[a.keep], g) for p, x, g in sides]
     for (p, _, _), (payload, scales) in zip(sides, encoded):
         p.data[blk, off] = payload.reshape(-1, *p.data.shape[2:])
@@ -83,7 +84,7 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
         dev = cache.k.tensor.device
         out = KvIoDesc(torch.empty(total, h, d, dtype=dt, device=dev), torch.empty(total, h, d, dtype=dt, device=dev))
     for (which, blocks, sec, g), dst in zip(sides, (out.key, out.value)):
-        p = _pools(cache, fmt, which)
+        p = side_pools(cache, fmt, which)
         if bool(sec.any()):
             data = _with_secondary(cache, which, p.data, blocks, sec, addr.offsets)
         else:

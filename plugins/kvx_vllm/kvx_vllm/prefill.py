@@ -5,7 +5,7 @@ varlen kernel on CUDA) and (2) to the request's cached prefix, over the quantize
 over `seq_len - query_len` tokens per request); vLLM's `merge_attn_states` combines the two. A fresh prompt's
 prefix is empty (KVX returns 0 and lse -inf for those rows, which the merge passes through).
 
-Why: attention over the quantized pages (KVX's prefill kernel) runs at 0.2-0.35x FlashAttention's BF16 speed on
+Why: attention over the quantized pages (KVX's prefill kernel) runs at 0.2-0.35x FlashInfer's BF16 prefill on
 Hopper (benchmarks/results/prefill_vs_flashinfer_h100.jsonl), so a 64x8k prefill all from the pages took longer
 than vLLM's own; here only the cached prefix of a chunked or prefix-hit prompt is read quantized. Decode steps
 still read only the pages.

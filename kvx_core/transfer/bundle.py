@@ -1,0 +1,219 @@
+"""The KVX bundle: a self-describing, checksummed container of one sequence's KV cache (docs/bundle.md).
+
+    MAGIC "KVXBNDL\\0" | u16 major | u16 minor | u32 header_len | header (canonical JSON) | u64 xxh64(all before)
+    CHUNK* : "KVXC" | u32 layer | u64 payload_len | payload | u64 xxh64(layer || payload, seed=header hash)
+    TRAILER: "KVXE" | u32 chunks | u64 offset of the trailer | u64 xxh64(chunk checksums, seed=header hash)
+
+Little-endian. One chunk per layer, in layer order; a payload is the layer's tensors in the header's order, each
+exactly the size the header gives it. Everything a reader accepts is checked before it is returned: magic,
+version, header size and schema, header hash, chunk tags, layer order, payload sizes, chunk checksums, chunk
+count, trailer offset and digest, and end of file right after the trailer. Any failure is a KvxError naming it.
+No pickle: the header is JSON, payloads are raw little-endian tensor bytes.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+
+from ..errors import KvxError, Status, require
+
+MAGIC = b"KVXBNDL\0"
+CHUNK_TAG = b"KVXC"
+TRAILER_TAG = b"KVXE"
+VERSION = (1, 0)
+MAX_HEADER_BYTES = 64 << 20
+"""A header larger than this is refused before it is read (the token ids of a 1M-token sequence take ~8 MB)."""
+
+DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _xxh64(data: bytes, seed: int = 0) -> int:
+    try:
+        import xxhash
+    except ImportError:
+        raise KvxError(Status.UNSUPPORTED, "KVX bundles need the xxhash package: pip install xxhash") from None
+    return xxhash.xxh64_intdigest(data, seed=seed)
+
+
+def canonical_json(obj) -> bytes:
+    """The header's byte form: sorted keys, no spaces, UTF-8 (so its hash is reproducible)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of every chunk: `per_token` tensors are `[tokens, *shape]`, the others `shape`."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    per_token: bool
+
+    def nbytes(self, tokens: int) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n * (tokens if self.per_token else 1)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": DTYPE_NAMES[self.dtype], "shape": list(self.shape),
+                "per_token": self.per_token}
+
+
+def _bad(what: str) -> KvxError:
+    return KvxError(Status.INVALID_ARGUMENT, f"KVX bundle rejected: {what}")
+
+
+def _uint(v, what: str, limit: int = 2**63) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
+        raise _bad(f"header field {what} must be an integer in [0, {limit}), got {v!r}")
+    return v
+
+
+def parse_specs(header: dict) -> tuple[int, int, list[TensorSpec]]:
+    """(num_layers, tokens, tensor specs) of a header, checked."""
+    try:
+        cache, tensors, tokens = header["cache"], header["tensors"], header["tokens"]
+        layers = _uint(cache["num_layers"], "cache.num_layers", 1 << 16)
+        count = _uint(tokens["count"], "tokens.count", 1 << 31)
+        specs = []
+        for t in tensors:
+            shape = tuple(_uint(s, f"tensors[{t['name']}].shape", 1 << 20) for s in t["shape"])
+            if t["dtype"] not in DTYPES or not isinstance(t["name"], str) or not isinstance(t["per_token"], bool):
+                raise _bad(f"tensor entry {t!r}")
+            specs.append(TensorSpec(t["name"], DTYPES[t["dtype"]], shape, t["per_token"]))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise _bad(f"header misses or mistypes a required field ({e!r})") from None
+    require(len({s.name for s in specs}) == len(specs), Status.INVALID_ARGUMENT,
+            "KVX bundle rejected: a tensor name repeats in the header")
+    return layers, count, specs
+
+
+class BundleWriter:
+    """Streams a bundle: the header, then `add_layer` once per layer in order, then `close` (the trailer)."""
+
+    def __init__(self, out: BinaryIO, header: dict):
+        self.out = out
+        self.num_layers, self.tokens, self.specs = parse_specs(header)
+        self.head = canonical_json(header)
+        require(len(self.head) <= MAX_HEADER_BYTES, Status.INVALID_ARGUMENT,
+                f"bundle header of {len(self.head)} bytes exceeds {MAX_HEADER_BYTES}")
+        prefix = MAGIC + struct.pack("<HHI", *VERSION, len(self.head)) + self.head
+        self.seed = _xxh64(prefix)  # the header hash covers magic, version and length too: every byte is checked
+        self.sums: list[int] = []
+        self.offset = 0
+        self._put(prefix + struct.pack("<Q", self.seed))
+
+    def _put(self, b: bytes) -> None:
+        self.out.write(b)
+        self.offset += len(b)
+
+    def add_layer(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The next layer's tensors (each as its spec says; any device, copied to the host)."""
+        layer = len(self.sums)
+        require(layer < self.num_layers, Status.INVALID_ARGUMENT, f"bundle declares {self.num_layers} layers")
+        parts = []
+        for s in self.specs:
+            t = tensors.get(s.name)
+            want = (self.tokens, *s.shape) if s.per_token else s.shape
+            require(isinstance(t, torch.Tensor) and t.dtype == s.dtype and tuple(t.shape) == tuple(want),
+                    Status.INVALID_ARGUMENT, f"layer {layer} tensor {s.name} must be {s.dtype} {tuple(want)}")
+            parts.append(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        payload = b"".join(parts)
+        layer_b = struct.pack("<I", layer)
+        checksum = _xxh64(layer_b + payload, self.seed)
+        self._put(CHUNK_TAG + layer_b + struct.pack("<Q", len(payload)) + payload + struct.pack("<Q", checksum))
+        self.sums.append(checksum)
+
+    def close(self) -> None:
+        require(len(self.sums) == self.num_layers, Status.INVALID_ARGUMENT,
+                f"bundle has {len(self.sums)} of its {self.num_layers} layers")
+        digest = _xxh64(b"".join(struct.pack("<Q", c) for c in self.sums), self.seed)
+        self._put(TRAILER_TAG + struct.pack("<IQQ", len(self.sums), self.offset, digest))
+
+
+class BundleReader:
+    """Reads and checks a bundle from a binary stream: `header` at once, `layers()` one verified chunk at a time
+    (the trailer is checked after the last; the stream must end there)."""
+
+    def __init__(self, src: BinaryIO):
+        self.src = src
+        self.offset = 0
+        head = self._take(16, "the fixed header")
+        if head[:8] != MAGIC:
+            raise _bad("not a KVX bundle (bad magic)")
+        major, minor, n = struct.unpack("<HHI", head[8:])
+        if major != VERSION[0]:
+            raise KvxError(Status.UNSUPPORTED, f"KVX bundle version {major}.{minor}: this reader reads {VERSION[0]}.x")
+        if n > MAX_HEADER_BYTES:
+            raise _bad(f"header length {n} exceeds {MAX_HEADER_BYTES}")
+        raw = self._take(n, "the header")
+        (seed,) = struct.unpack("<Q", self._take(8, "the header hash"))
+        if _xxh64(head + raw) != seed:
+            raise _bad("header checksum mismatch (corrupted header)")
+        try:
+            self.header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise _bad("header is not UTF-8 JSON") from None
+        if not isinstance(self.header, dict) or canonical_json(self.header) != raw:
+            raise _bad("header is not a canonical JSON object")
+        self.version = (major, minor)
+        self.seed = seed
+        self.num_layers, self.tokens, self.specs = parse_specs(self.header)
+
+    def _take(self, n: int, what: str) -> bytes:
+        b = self.src.read(n)
+        if len(b) != n:
+            raise _bad(f"truncated in {what} (offset {self.offset + len(b)})")
+        self.offset += n
+        return b
+
+    def layers(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Each layer's tensors (host memory), checked, in order; then the trailer and end of stream."""
+        size = sum(s.nbytes(self.tokens) for s in self.specs)
+        sums = []
+        for layer in range(self.num_layers):
+            tag, idx, n = struct.unpack("<4sIQ", self._take(16, f"chunk {layer}"))
+            if tag != CHUNK_TAG:
+                raise _bad(f"chunk {layer}: bad tag (expected a chunk, found {tag!r})")
+            if idx != layer:
+                raise _bad(f"chunk {layer}: holds layer {idx} (chunks reordered, duplicated or missing)")
+            if n != size:
+                raise _bad(f"chunk {layer}: payload of {n} bytes, the header gives {size}")
+            payload = self._take(n, f"chunk {layer}'s payload")
+            (checksum,) = struct.unpack("<Q", self._take(8, f"chunk {layer}'s checksum"))
+            if _xxh64(struct.pack("<I", layer) + payload, self.seed) != checksum:
+                raise _bad(f"chunk {layer}: checksum mismatch (corrupted payload)")
+            sums.append(checksum)
+            yield self._split(payload)
+        start = self.offset
+        tag, count, at, digest = struct.unpack("<4sIQQ", self._take(24, "the trailer"))
+        if tag != TRAILER_TAG:
+            raise _bad(f"expected the trailer after {self.num_layers} chunks, found {tag!r} (extra chunks?)")
+        if count != self.num_layers or at != start:
+            raise _bad(f"trailer declares {count} chunks at offset {at}, found {self.num_layers} at {start}")
+        if _xxh64(b"".join(struct.pack("<Q", c) for c in sums), self.seed) != digest:
+            raise _bad("trailer digest mismatch")
+        if self.src.read(1):
+            raise _bad(f"bytes after the trailer (the bundle is larger than declared: {start + 24} bytes)")
+
+    def _split(self, payload: bytes) -> dict[str, torch.Tensor]:
+        out, pos = {}, 0
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        for s in self.specs:
+            n = s.nbytes(self.tokens)
+            shape = (self.tokens, *s.shape) if s.per_token else s.shape
+            out[s.name] = buf[pos:pos + n].clone().view(s.dtype).reshape(shape)  # clone: aligned for its dtype
+            pos += n
+        return out
+
+    def read_all(self) -> list[dict[str, torch.Tensor]]:
+        """Every layer, after the whole bundle (trailer and end included) checked."""
+        return list(self.layers())

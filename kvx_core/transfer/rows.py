@@ -1,0 +1,93 @@
+"""Raw token rows of a cache, by slot: the stored bytes of K/V payloads and scales, no decoding.
+
+A bundle carries a sequence's rows exactly as its cache stores them, so a cache of the same format takes them
+back bit for bit whatever its layout or block size; only the global scales live per layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codec import format_of
+from ..descriptors import CacheDesc
+from ..errors import Status, require
+from ..ops.checks import cache_global_scales
+from ..ops.reference import side_pools
+
+ROW_TENSORS = ("k_data", "v_data", "k_scales", "v_scales")
+"""Per-token tensors of a layer, in bundle order (scales only for formats with a scale pool)."""
+LAYER_TENSORS = ("k_global", "v_global")
+"""Per-layer FP32 [H] global scales (formats with one)."""
+
+
+def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of each slot, after checking they are distinct and inside the cache."""
+    require(isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64),
+            Status.INVALID_ARGUMENT, "slots must be a 1-D int32/int64 tensor")
+    s = slots.to(device=cache.k.tensor.device, dtype=torch.int64)
+    capacity = cache.num_blocks * cache.block_size
+    require(s.numel() == 0 or (int(s.min()) >= 0 and int(s.max()) < capacity), Status.OUT_OF_RANGE,
+            f"slots must lie in [0, {capacity}) (num_blocks x block_size of the cache)")
+    require(s.numel() == torch.unique(s).numel(), Status.INVALID_ARGUMENT, "slots must not repeat")
+    return s // cache.block_size, s % cache.block_size
+
+
+def read_rows(cache: CacheDesc, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stored rows of `slots` ([T] token slots, in sequence order): `{name: [T, H, X]}` (payload in its stored
+    dtype, scales as bytes) plus the layer's global scales `{k_global, v_global: fp32 [H]}` where the format has
+    them. Copies, on the cache's device."""
+    cache.validate()
+    fmt = format_of(cache)
+    blk, off = check_slots(cache, slots)
+    out = {}
+    for which in ("k", "v"):
+        p = side_pools(cache, fmt, which)
+        out[f"{which}_data"] = p.data[blk, off].flatten(-2).contiguous()
+        if p.scales is not None:
+            out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
+    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows")
+    out.update({name: g for name, g in (("k_global", kg), ("v_global", vg)) if g is not None})
+    return out
+
+
+def row_shapes(cache: CacheDesc) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """`{name: (dtype, per-token row shape or per-layer shape)}` of the tensors `read_rows` returns."""
+    fmt = format_of(cache)
+    out = {}
+    for which in ("k", "v"):
+        p = side_pools(cache, fmt, which)
+        out[f"{which}_data"] = (p.data.dtype, (p.data.shape[2], p.data.shape[3] * p.data.shape[4]))
+        if p.scales is not None:
+            out[f"{which}_scales"] = (torch.uint8, (p.scales.shape[2], p.scales.shape[3] * p.scales.shape[4]))
+        if (fmt.k if which == "k" else fmt.v).uses_global_scale:
+            out[f"{which}_global"] = (torch.float32, (cache.num_kv_heads,))
+    return out
+
+
+def write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
+    """Store rows `read_rows` gave (of a cache of the same format and geometry) at `slots`, after checking them all.
+    The caller checks the layer's global scales match (rows mean something only under the scales they were
+    encoded with)."""
+    store = prepare_write_rows(cache, slots, rows)
+    store()
+
+
+def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor]):
+    """Check a `write_rows` call completely and return the store (a callable that cannot fail on its inputs)."""
+    cache.validate()
+    fmt = format_of(cache)
+    blk, off = check_slots(cache, slots)
+    shapes = row_shapes(cache)
+    for name, (dtype, shape) in shapes.items():
+        if name in LAYER_TENSORS:
+            continue
+        t = rows.get(name)
+        require(isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == (slots.numel(), *shape),
+                Status.INVALID_ARGUMENT, f"rows[{name!r}] must be {dtype} {(slots.numel(), *shape)}")
+    sides = [(side_pools(cache, fmt, w), rows[f"{w}_data"], rows.get(f"{w}_scales")) for w in ("k", "v")]
+
+    def store() -> None:
+        for p, data, scales in sides:
+            p.data[blk, off] = data.to(p.data.device).reshape(-1, *p.data.shape[2:])
+            if p.scales is not None:
+                p.scales[blk, off] = scales.to(p.data.device).reshape(-1, *p.scales.shape[2:])
+    return store
