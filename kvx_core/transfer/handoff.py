@@ -60,17 +60,28 @@ def _token_hash(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in token_ids)).hexdigest()
 
 
+def _head_range(kv_heads, model: ModelFingerprint, what: str) -> tuple[int, int]:
+    """A checked half-open KV-head range of the model (default: all of its heads)."""
+    a, b = (0, model.num_kv_heads) if kv_heads is None else kv_heads
+    require(isinstance(a, int) and isinstance(b, int) and 0 <= a < b <= model.num_kv_heads, Status.INVALID_ARGUMENT,
+            f"{what}: kv_heads must be a range [start, stop) within the model's {model.num_kv_heads} KV heads, "
+            f"got {kv_heads!r}")
+    return a, b
+
+
 def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
-                  token_ids: Sequence[int] | None = None) -> dict:
+                  token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None) -> dict:
     """Write the bundle of one sequence: `caches[i]` is layer i's cache, `slots` the sequence's token slots in
-    order (shared by every layer). Returns the header. Streams layer by layer."""
+    order (shared by every layer). A tensor-parallel rank exports its shard: `kv_heads` = the model's KV heads its
+    caches hold, `[start, stop)`. Returns the header. Streams layer by layer."""
     require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
             f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
     first = caches[0]
     fmt = format_of(first)
-    require(first.num_kv_heads == model.num_kv_heads and first.head_dim == model.head_dim, Status.INCOMPATIBLE,
-            f"export_bundle: the cache has {first.num_kv_heads} KV heads x {first.head_dim}, the model "
-            f"{model.num_kv_heads} x {model.head_dim}")
+    a, b = _head_range(kv_heads, model, "export_bundle")
+    require(first.num_kv_heads == b - a and first.head_dim == model.head_dim, Status.INCOMPATIBLE,
+            f"export_bundle: the cache has {first.num_kv_heads} KV heads x {first.head_dim}, KV heads [{a}, {b}) of "
+            f"the model are {b - a} x {model.head_dim}")
     require(token_ids is None or len(token_ids) == slots.numel(), Status.INVALID_ARGUMENT,
             f"export_bundle: {len(token_ids or [])} token ids for {slots.numel()} slots")
     shapes = row_shapes(first)
@@ -80,7 +91,7 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
                          "ids": None if token_ids is None else [int(t) for t in token_ids],
                          "ids_sha256": None if token_ids is None else _token_hash(token_ids)},
               "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
-                        "head_dim": first.head_dim, "kv_heads": [0, first.num_kv_heads]},
+                        "head_dim": first.head_dim, "kv_heads": [a, b]},
               "tensors": [s.to_json() for s in specs], "created_by": "kvx"}
     w = BundleWriter(out, header)
     for i, cache in enumerate(caches):
@@ -91,27 +102,40 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     return header
 
 
-def _check_compatible(header: dict, caches: Sequence[CacheDesc], model: ModelFingerprint,
-                      token_ids: Sequence[int] | None) -> None:
+def _check_bundle(reader: BundleReader, model: ModelFingerprint, token_ids: Sequence[int] | None) -> tuple[int, int]:
+    """A bundle's header against the importer's model and tokens -> the KV-head range it holds."""
+    header = reader.header
     theirs = header.get("model")
     ours = asdict(model)
     if theirs != ours:
         diff = sorted(k for k in ours if not isinstance(theirs, dict) or theirs.get(k) != ours[k])
         raise KvxError(Status.INCOMPATIBLE, f"bundle of another model: {', '.join(diff)} differ")
     cache = header["cache"]
-    require(cache.get("kv_heads") == [0, model.num_kv_heads], Status.UNSUPPORTED,
-            f"bundle holds KV heads {cache.get('kv_heads')} of {model.num_kv_heads}: importing a tensor-parallel "
-            "shard is not supported yet")
-    require(len(caches) == cache["num_layers"], Status.INCOMPATIBLE,
-            f"bundle has {cache['num_layers']} layers, {len(caches)} destination caches given")
-    for i, c in enumerate(caches):
-        require((c.num_kv_heads, c.head_dim) == (cache["num_kv_heads"], cache["head_dim"]), Status.INCOMPATIBLE,
-                f"layer {i}: destination cache has {c.num_kv_heads} KV heads x {c.head_dim}, the bundle "
-                f"{cache['num_kv_heads']} x {cache['head_dim']}")
+    heads = cache.get("kv_heads")
+    require(isinstance(heads, list) and len(heads) == 2 and all(isinstance(h, int) for h in heads)
+            and 0 <= heads[0] < heads[1] <= model.num_kv_heads and cache.get("num_kv_heads") == heads[1] - heads[0]
+            and cache.get("head_dim") == model.head_dim and cache.get("num_layers") == model.num_layers,
+            Status.INVALID_ARGUMENT, f"KVX bundle rejected: cache geometry {cache!r} does not fit its model")
     if token_ids is not None:
-        tok = header["tokens"]
-        require(tok.get("ids_sha256") == _token_hash(token_ids), Status.INCOMPATIBLE,
+        require(header["tokens"].get("ids_sha256") == _token_hash(token_ids), Status.INCOMPATIBLE,
                 "bundle holds the KV of other tokens than the ones given")
+    return heads[0], heads[1]
+
+
+def _assemble(shards: list[tuple[int, int, list[dict]]], a: int, b: int) -> list[dict[str, torch.Tensor]]:
+    """Per layer, the rows of KV heads [a, b) cut from the shards covering them (split and merge)."""
+    layers = []
+    for i in range(len(shards[0][2])):
+        parts: dict[str, list[torch.Tensor]] = {}
+        for sa, sb, rows in shards:
+            lo, hi = max(a, sa), min(b, sb)
+            if lo >= hi:
+                continue
+            for name, t in rows[i].items():
+                dim = 0 if name in LAYER_TENSORS else 1
+                parts.setdefault(name, []).append(t.narrow(dim, lo - sa, hi - lo))
+        layers.append({n: torch.cat(ts, dim=0 if n in LAYER_TENSORS else 1) for n, ts in parts.items()})
+    return layers
 
 
 def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slots: torch.Tensor):
@@ -135,18 +159,39 @@ def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slo
     return lambda: write_kv(cache, write)
 
 
-def import_bundle(src: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
-                  token_ids: Sequence[int] | None = None) -> dict:
-    """Read, verify and store a bundle into `caches` (layer i -> `caches[i]`) at `slots` (one per bundled token,
-    in order). All or nothing: every check, the whole bundle's checksums and every layer's conversion happen
-    before the first byte is stored. Returns the bundle header."""
-    reader = BundleReader(src)
-    header = reader.header
-    _check_compatible(header, caches, model, token_ids)
-    require(isinstance(slots, torch.Tensor) and slots.numel() == reader.tokens, Status.INVALID_ARGUMENT,
-            f"import_bundle: slots must be a tensor of {reader.tokens} entries (one per bundled token)")
-    fmt = header["cache"]["format"]
-    stores = [_prepare(rows, fmt, cache, slots) for rows, cache in zip(reader.read_all(), caches)]
+def import_bundle(src: BinaryIO | Sequence[BinaryIO], caches: Sequence[CacheDesc], slots: torch.Tensor, *,
+                  model: ModelFingerprint, token_ids: Sequence[int] | None = None,
+                  kv_heads: tuple[int, int] | None = None) -> list[dict]:
+    """Read, verify and store bundles into `caches` (layer i -> `caches[i]`) at `slots` (one per bundled token, in
+    order). `src`: one bundle, or the shards of several tensor-parallel ranks; the destination holds the model's
+    KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards hold them (resharding: split,
+    merge or both). All or nothing: every check, every bundle's checksums and every layer's conversion happen
+    before the first byte is stored. Returns the bundle headers."""
+    readers = [BundleReader(s) for s in ([src] if hasattr(src, "read") else list(src))]
+    require(len(readers) > 0, Status.INVALID_ARGUMENT, "import_bundle: no bundle given")
+    a, b = _head_range(kv_heads, model, "import_bundle")
+    ranges = [_check_bundle(r, model, token_ids) for r in readers]
+    first = readers[0].header
+    for r in readers[1:]:
+        require(r.header["cache"]["format"] == first["cache"]["format"] and r.header["tokens"] == first["tokens"],
+                Status.INCOMPATIBLE, "import_bundle: the shards differ in format or tokens")
+    covered = sorted(ranges)
+    require(all(p[1] <= q[0] for p, q in zip(covered, covered[1:])), Status.INVALID_ARGUMENT,
+            f"import_bundle: shards overlap in KV heads: {covered}")
+    need = [h for h in range(a, b) if not any(lo <= h < hi for lo, hi in covered)]
+    require(not need, Status.INCOMPATIBLE, f"import_bundle: no shard holds KV heads {need} of [{a}, {b})")
+    require(len(caches) == model.num_layers, Status.INCOMPATIBLE,
+            f"import_bundle: the bundle has {model.num_layers} layers, {len(caches)} destination caches given")
+    for i, c in enumerate(caches):
+        require((c.num_kv_heads, c.head_dim) == (b - a, model.head_dim), Status.INCOMPATIBLE,
+                f"layer {i}: destination cache has {c.num_kv_heads} KV heads x {c.head_dim}, KV heads [{a}, {b}) "
+                f"are {b - a} x {model.head_dim}")
+    require(isinstance(slots, torch.Tensor) and slots.numel() == readers[0].tokens, Status.INVALID_ARGUMENT,
+            f"import_bundle: slots must be a tensor of {readers[0].tokens} entries (one per bundled token)")
+    shards = [(lo, hi, r.read_all()) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
+    rows = _assemble(shards, a, b)
+    fmt = first["cache"]["format"]
+    stores = [_prepare(layer_rows, fmt, cache, slots) for layer_rows, cache in zip(rows, caches)]
     for store in stores:
         store()
-    return header
+    return [r.header for r in readers]

@@ -73,7 +73,7 @@ def test_round_trip_is_bit_identical_across_block_sizes_and_layouts(fmt):
         if src.layers[layer].k_global is not None:
             dst.set_global_scales(layer, src.layers[layer].k_global, src.layers[layer].v_global)
     dst_slots = torch.randperm(80, generator=torch.Generator().manual_seed(5))[:37]
-    header = import_bundle(io.BytesIO(blob), _descs(dst), dst_slots, model=MODEL, token_ids=list(range(100, 137)))
+    (header,) = import_bundle(io.BytesIO(blob), _descs(dst), dst_slots, model=MODEL, token_ids=list(range(100, 137)))
     assert header["cache"]["format"] == fmt
     for layer in range(LAYERS):
         a, b = read_rows(src.descriptor(layer), slots), read_rows(dst.descriptor(layer), dst_slots)
