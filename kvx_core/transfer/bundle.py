@@ -34,12 +34,20 @@ DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "float16": torch.float16, "b
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-def _xxh64(data: bytes, seed: int = 0) -> int:
+def _hasher(seed: int = 0):
+    """An incremental xxh64 (`update(bytes-like)`, `intdigest()`): payloads are hashed in place, never joined."""
     try:
         import xxhash
     except ImportError:
         raise KvxError(Status.UNSUPPORTED, "KVX bundles need the xxhash package: pip install xxhash") from None
-    return xxhash.xxh64_intdigest(data, seed=seed)
+    return xxhash.xxh64(seed=seed)
+
+
+def _xxh64(*parts, seed: int = 0) -> int:
+    h = _hasher(seed)
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
 
 
 def canonical_json(obj) -> bytes:
@@ -111,9 +119,9 @@ class BundleWriter:
         self.offset = 0
         self._put(prefix + struct.pack("<Q", self.seed))
 
-    def _put(self, b: bytes) -> None:
+    def _put(self, b) -> None:
         self.out.write(b)
-        self.offset += len(b)
+        self.offset += b.nbytes if isinstance(b, memoryview) else len(b)
 
     def add_layer(self, tensors: dict[str, torch.Tensor]) -> None:
         """The next layer's tensors (each as its spec says; any device, copied to the host)."""
@@ -125,17 +133,22 @@ class BundleWriter:
             want = (self.tokens, *s.shape) if s.per_token else s.shape
             require(isinstance(t, torch.Tensor) and t.dtype == s.dtype and tuple(t.shape) == tuple(want),
                     Status.INVALID_ARGUMENT, f"layer {layer} tensor {s.name} must be {s.dtype} {tuple(want)}")
-            parts.append(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        payload = b"".join(parts)
+            parts.append(memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
         layer_b = struct.pack("<I", layer)
-        checksum = _xxh64(layer_b + payload, self.seed)
-        self._put(CHUNK_TAG + layer_b + struct.pack("<Q", len(payload)) + payload + struct.pack("<Q", checksum))
+        h = _hasher(self.seed)
+        h.update(layer_b)
+        self._put(CHUNK_TAG + layer_b + struct.pack("<Q", sum(p.nbytes for p in parts)))
+        for p in parts:  # streamed: each tensor's bytes go out as they are, no joined copy
+            h.update(p)
+            self._put(p)
+        checksum = h.intdigest()
+        self._put(struct.pack("<Q", checksum))
         self.sums.append(checksum)
 
     def close(self) -> None:
         require(len(self.sums) == self.num_layers, Status.INVALID_ARGUMENT,
                 f"bundle has {len(self.sums)} of its {self.num_layers} layers")
-        digest = _xxh64(b"".join(struct.pack("<Q", c) for c in self.sums), self.seed)
+        digest = _xxh64(b"".join(struct.pack("<Q", c) for c in self.sums), seed=self.seed)
         self._put(TRAILER_TAG + struct.pack("<IQQ", len(self.sums), self.offset, digest))
 
 
@@ -175,6 +188,19 @@ class BundleReader:
         self.offset += n
         return b
 
+    def _take_into(self, n: int, what: str) -> bytearray:
+        """`n` bytes read straight into a new buffer (the tensors of the chunk are views of it)."""
+        buf = bytearray(n)
+        got = self.src.readinto(buf) if hasattr(self.src, "readinto") else None
+        if got is None:
+            data = self.src.read(n)
+            got = len(data)
+            buf[:got] = data
+        if got != n:
+            raise _bad(f"truncated in {what} (offset {self.offset + got})")
+        self.offset += n
+        return buf
+
     def layers(self) -> Iterator[dict[str, torch.Tensor]]:
         """Each layer's tensors (host memory), checked, in order; then the trailer and end of stream."""
         size = sum(s.nbytes(self.tokens) for s in self.specs)
@@ -187,9 +213,9 @@ class BundleReader:
                 raise _bad(f"chunk {layer}: holds layer {idx} (chunks reordered, duplicated or missing)")
             if n != size:
                 raise _bad(f"chunk {layer}: payload of {n} bytes, the header gives {size}")
-            payload = self._take(n, f"chunk {layer}'s payload")
+            payload = self._take_into(n, f"chunk {layer}'s payload")
             (checksum,) = struct.unpack("<Q", self._take(8, f"chunk {layer}'s checksum"))
-            if _xxh64(struct.pack("<I", layer) + payload, self.seed) != checksum:
+            if _xxh64(struct.pack("<I", layer), payload, seed=self.seed) != checksum:
                 raise _bad(f"chunk {layer}: checksum mismatch (corrupted payload)")
             sums.append(checksum)
             yield self._split(payload)
@@ -199,18 +225,21 @@ class BundleReader:
             raise _bad(f"expected the trailer after {self.num_layers} chunks, found {tag!r} (extra chunks?)")
         if count != self.num_layers or at != start:
             raise _bad(f"trailer declares {count} chunks at offset {at}, found {self.num_layers} at {start}")
-        if _xxh64(b"".join(struct.pack("<Q", c) for c in sums), self.seed) != digest:
+        if _xxh64(b"".join(struct.pack("<Q", c) for c in sums), seed=self.seed) != digest:
             raise _bad("trailer digest mismatch")
         if self.src.read(1):
             raise _bad(f"bytes after the trailer (the bundle is larger than declared: {start + 24} bytes)")
 
-    def _split(self, payload: bytes) -> dict[str, torch.Tensor]:
+    def _split(self, payload: bytearray) -> dict[str, torch.Tensor]:
+        """The chunk's tensors as views of its buffer (a copy only where a tensor's offset is not aligned)."""
         out, pos = {}, 0
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        buf = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
         for s in self.specs:
             n = s.nbytes(self.tokens)
             shape = (self.tokens, *s.shape) if s.per_token else s.shape
-            out[s.name] = buf[pos:pos + n].clone().view(s.dtype).reshape(shape)  # clone: aligned for its dtype
+            raw = buf[pos:pos + n]
+            size = torch.empty((), dtype=s.dtype).element_size()
+            out[s.name] = (raw if pos % size == 0 else raw.clone()).view(s.dtype).reshape(shape)
             pos += n
         return out
 

@@ -134,7 +134,8 @@ def _assemble(shards: list[tuple[int, int, list[dict]]], a: int, b: int) -> list
             for name, t in rows[i].items():
                 dim = 0 if name in LAYER_TENSORS else 1
                 parts.setdefault(name, []).append(t.narrow(dim, lo - sa, hi - lo))
-        layers.append({n: torch.cat(ts, dim=0 if n in LAYER_TENSORS else 1) for n, ts in parts.items()})
+        layers.append({n: ts[0] if len(ts) == 1 else torch.cat(ts, dim=0 if n in LAYER_TENSORS else 1)
+                       for n, ts in parts.items()})
     return layers
 
 

@@ -1,0 +1,101 @@
+"""KV bundle export / import throughput against a raw copy of the same bytes, in the same run.
+
+    python benchmarks/bench_transfer.py [--device cuda] [--tokens 8192] [--out FILE.jsonl]
+
+A cache of `--layers` x `--tokens` tokens (8 KV heads x 128) on `--device`; export writes the bundle into host
+memory (io.BytesIO), import reads it back into a second cache on the device. Cases: the same format both ways
+(rows move as stored: bf16, nvfp4) and bf16 -> nvfp4 (decode + re-encode on import). The baseline is a copy of the
+bundle's payload bytes between the device and (pinned) host memory: device -> host for export, host -> device for
+import. GB/s count the bundle's payload bytes; `x_copy` = bundle GB/s / copy GB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+
+import torch
+
+from kvx_core.cache import PagedKVCache
+from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best(fn, device: str, runs: int) -> float:
+    """Fastest of `runs` wall times (s) of `fn()`, synchronised."""
+    best = float("inf")
+    for _ in range(runs):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _cache(fmt: str, a) -> PagedKVCache:
+    blocks = (a.tokens + 15) // 16
+    return PagedKVCache(fmt, num_layers=a.layers, num_blocks=blocks, block_size=16, num_kv_heads=8, head_dim=128,
+                        device=a.device)
+
+
+def _env(device: str) -> dict:
+    if device == "cuda":
+        from common import env_info  # noqa: PLC0415
+
+        return env_info()
+    return {"gpu": None, "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "commit": os.environ.get("KVX_COMMIT", "unknown"), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    model = ModelFingerprint("bench", a.layers, 8, 128, {}, "0" * 64, "0" * 64)
+    slots = torch.arange(a.tokens)
+    env = {**_env(a.device), "bench": "transfer", "device": a.device, "layers": a.layers, "tokens": a.tokens}
+    g = torch.Generator().manual_seed(0)
+    for src_fmt, dst_fmt in (("bf16", "bf16"), ("nvfp4", "nvfp4"), ("bf16", "nvfp4")):
+        src, dst = _cache(src_fmt, a), _cache(dst_fmt, a)
+        for layer in range(a.layers):
+            kv = torch.randn(2, a.tokens, 8, 128, generator=g).to(a.device)
+            src.write(layer, kv[0], kv[1], slots.to(a.device))
+        srcs = [src.descriptor(i) for i in range(a.layers)]
+        dsts = [dst.descriptor(i) for i in range(a.layers)]
+        buf = io.BytesIO()
+        export_bundle(buf, srcs, slots, model=model)
+        blob = buf.getvalue()
+        t_exp = _best(lambda: export_bundle(io.BytesIO(), srcs, slots, model=model), a.device, a.runs)
+        t_imp = _best(lambda: import_bundle(io.BytesIO(blob), dsts, slots, model=model), a.device, a.runs)
+        dev = torch.empty(len(blob), dtype=torch.uint8, device=a.device)
+        host = torch.empty(len(blob), dtype=torch.uint8, pin_memory=a.device == "cuda")
+        t_d2h = _best(lambda: host.copy_(dev), a.device, a.runs)
+        t_h2d = _best(lambda: dev.copy_(host), a.device, a.runs)
+        gb = len(blob) / 1e9
+        rec = {**env, "src": src_fmt, "dst": dst_fmt, "bundle_bytes": len(blob),
+               "export_gbps": round(gb / t_exp, 3), "import_gbps": round(gb / t_imp, 3),
+               "copy_d2h_gbps": round(gb / t_d2h, 3), "copy_h2d_gbps": round(gb / t_h2d, 3),
+               "export_x_copy": round(t_d2h / t_exp, 3), "import_x_copy": round(t_h2d / t_imp, 3)}
+        line = json.dumps(rec, sort_keys=True)
+        print(line, flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

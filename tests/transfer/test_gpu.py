@@ -1,0 +1,63 @@
+"""Bundles on the GPU machine: export from / import into CUDA pools (the reference ops run on the device), and
+handoff between a CUDA cache and a CPU cache, bit for bit where the format matches."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from kvx_core.cache import PagedKVCache
+from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
+from kvx_core.transfer.rows import read_rows
+
+pytestmark = pytest.mark.gpu
+LAYERS, H, D, T = 2, 8, 128, 300
+MODEL = ModelFingerprint("LlamaForCausalLM", LAYERS, H, D, {}, "c" * 64, "t" * 64)
+
+
+def _cache(fmt, device, fill=False, bs=16):
+    c = PagedKVCache(fmt, num_layers=LAYERS, num_blocks=32, block_size=bs, num_kv_heads=H, head_dim=D, device=device)
+    if fill:
+        g = torch.Generator().manual_seed(0)
+        for layer in range(LAYERS):
+            c.write(layer, torch.randn(T, H, D, generator=g).to(device), torch.randn(T, H, D, generator=g).to(device),
+                    torch.arange(T, device=device))
+    return c
+
+
+def _descs(c):
+    return [c.descriptor(i) for i in range(LAYERS)]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "int4_rot", "k8v4"])
+@pytest.mark.parametrize("route", ["cuda->cuda", "cuda->cpu", "cpu->cuda"])
+def test_round_trip_between_devices_is_bit_identical(fmt, route):
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA GPU")
+    src_dev, dst_dev = route.split("->")
+    src, dst = _cache(fmt, src_dev, fill=True), _cache(fmt, dst_dev, bs=8)
+    slots = torch.arange(T)
+    dst_slots = torch.arange(T - 1, -1, -1) + 5
+    buf = io.BytesIO()
+    export_bundle(buf, _descs(src), slots, model=MODEL)
+    import_bundle(io.BytesIO(buf.getvalue()), _descs(dst), dst_slots, model=MODEL)
+    for layer in range(LAYERS):
+        a, b = read_rows(src.descriptor(layer), slots), read_rows(dst.descriptor(layer), dst_slots)
+        assert all(torch.equal(a[n].cpu().view(torch.uint8), b[n].cpu().view(torch.uint8)) for n in a)
+
+
+def test_conversion_on_the_gpu_equals_writing_the_gathered_kv():
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA GPU")
+    src, dst, oracle = _cache("bf16", "cuda", fill=True), _cache("nvfp4", "cuda"), _cache("nvfp4", "cuda")
+    slots = torch.arange(T)
+    buf = io.BytesIO()
+    export_bundle(buf, _descs(src), slots, model=MODEL)
+    import_bundle(io.BytesIO(buf.getvalue()), _descs(dst), slots, model=MODEL)
+    table = torch.arange((T + 15) // 16, dtype=torch.int32, device="cuda").view(1, -1)
+    for layer in range(LAYERS):
+        k, v = src.gather(layer, table, torch.tensor([T], dtype=torch.int32, device="cuda"))
+        oracle.write(layer, k, v, slots.cuda())
+        a, b = read_rows(dst.descriptor(layer), slots), read_rows(oracle.descriptor(layer), slots)
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
