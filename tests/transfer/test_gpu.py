@@ -17,7 +17,8 @@ MODEL = ModelFingerprint("LlamaForCausalLM", LAYERS, H, D, {}, "c" * 64, "t" * 6
 
 
 def _cache(fmt, device, fill=False, bs=16):
-    c = PagedKVCache(fmt, num_layers=LAYERS, num_blocks=32, block_size=bs, num_kv_heads=H, head_dim=D, device=device)
+    c = PagedKVCache(fmt, num_layers=LAYERS, num_blocks=512 // bs, block_size=bs, num_kv_heads=H, head_dim=D,
+                     device=device)
     if fill:
         g = torch.Generator().manual_seed(0)
         for layer in range(LAYERS):
