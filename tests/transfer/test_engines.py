@@ -1,12 +1,16 @@
 """Bundles between engines' real cache layouts (CPU, the adapters' zero-copy descriptors over tensors allocated as
 each engine allocates them): vLLM (flash_attn NHD, flashinfer HND, the legacy x-packed paged cache, FP8 as
-uint8), TGI (flashinfer, paged), TensorRT-LLM (the [blocks, layers, 2, H*T*D] primary pool), FlashInfer (HND) and
+uint8, and the KVX plugin's `kvx_*` pages), TGI (flashinfer, paged), TensorRT-LLM (the [blocks, layers, 2, H*T*D] primary pool), FlashInfer (HND) and
 KVX pages (NVFP4, INT4 rotated). Every ordered pair: the destination's gathered K/V equal what writing the
 source's gathered K/V into it gives (bit for bit), and the same format with the same scales moves bytes as they
 are."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import io
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,13 @@ from kvx_core.codec import format_of
 from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.ops import reference
 from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
+from kvx_core.formats import get_format
 from kvx_core.transfer.rows import read_rows
+
+PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "kvx_vllm"
+if importlib.util.find_spec("kvx_vllm") is None:  # the main venv does not install the plugin; pages needs no vLLM
+    sys.path.insert(0, str(PLUGIN))
+pages = importlib.import_module("kvx_vllm.pages")
 
 LAYERS, H, D, N = 2, 2, 64, 6
 MODEL = ModelFingerprint("LlamaForCausalLM", LAYERS, H, D, {"rope_theta": 1e4}, "c" * 64, "t" * 64)
@@ -66,6 +76,16 @@ def _kvx(bs, fmt):
     return [c.descriptor(i) for i in range(LAYERS)]
 
 
+def _vllm_kvx_pages(bs, name):
+    """The vLLM plugin's pages for `--kv-cache-dtype kvx_*`: one uint8 [blocks, 1, block_size, C] tensor per layer,
+    the global scales a 1-element 1.0 as the plugin passes them without checkpoint scales."""
+    fmt = get_format(name)
+    t = torch.zeros(N, 1, bs, pages.token_bytes(fmt, H, D), dtype=torch.uint8)
+    one = torch.ones(1)
+    return pages.page_cache_desc(t, fmt, H, D, one if fmt.k.uses_global_scale else None,
+                                 one if fmt.v.uses_global_scale else None)
+
+
 def _per_layer(make):
     return lambda bs: [make(bs) for _ in range(LAYERS)]
 
@@ -79,6 +99,8 @@ ENGINES = {
     "trtllm_pool_fp16": (8, _trtllm),
     "flashinfer_hnd": (16, _per_layer(_flashinfer_hnd)),
     "kvx_nvfp4": (16, lambda bs: _kvx(bs, "nvfp4")),
+    "vllm_kvx_nvfp4_pages": (16, _per_layer(lambda bs: _vllm_kvx_pages(bs, "nvfp4"))),
+    "vllm_kvx_k8v4_pages": (16, _per_layer(lambda bs: _vllm_kvx_pages(bs, "k8v4"))),
     "kvx_int4_rot": (8, lambda bs: _kvx(bs, "int4_rot")),
 }
 
