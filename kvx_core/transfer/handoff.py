@@ -25,7 +25,7 @@ from ..formats import get_format, rotate
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import BundleReader, BundleWriter, TensorSpec
-from .rows import LAYER_TENSORS, check_slots, prepare_write_rows, read_rows, row_shapes
+from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows, row_shapes
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,13 @@ def _check_bundle(reader: BundleReader, model: ModelFingerprint, token_ids: Sequ
             and 0 <= heads[0] < heads[1] <= model.num_kv_heads and cache.get("num_kv_heads") == heads[1] - heads[0]
             and cache.get("head_dim") == model.head_dim and cache.get("num_layers") == model.num_layers,
             Status.INVALID_ARGUMENT, f"KVX bundle rejected: cache geometry {cache!r} does not fit its model")
+    fmt = get_format(cache.get("format")) if isinstance(cache.get("format"), str) else None
+    require(fmt is not None, Status.INVALID_ARGUMENT, "KVX bundle rejected: cache.format is not a format name")
+    want = {n: (dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in format_specs(fmt, cache["num_kv_heads"],
+                                                                                 model.head_dim).items()}
+    got = {s.name: (s.dtype, s.shape, s.per_token) for s in reader.specs}
+    require(got == want, Status.INVALID_ARGUMENT,
+            f"KVX bundle rejected: its tensors {sorted(got)} do not match what format {fmt.name} stores")
     if token_ids is not None:
         require(header["tokens"].get("ids_sha256") == _token_hash(token_ids), Status.INCOMPATIBLE,
                 "bundle holds the KV of other tokens than the ones given")

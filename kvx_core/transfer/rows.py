@@ -63,6 +63,20 @@ def row_shapes(cache: CacheDesc) -> dict[str, tuple[torch.dtype, tuple[int, ...]
     return out
 
 
+def format_specs(fmt, num_kv_heads: int, head_dim: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The tensors a cache of format `fmt` stores for `num_kv_heads` x `head_dim`, as `row_shapes` names them
+    (what a bundle of that format must declare)."""
+    out = {}
+    for which, tf in (("k", fmt.k), ("v", fmt.v)):
+        out[f"{which}_data"] = (tf.torch_data_dtype, (num_kv_heads, tf.payload_dim(head_dim)))
+        if tf.scale_dim(head_dim):
+            out[f"{which}_scales"] = (torch.uint8, (num_kv_heads, tf.scale_dim(head_dim)))
+    for which, tf in (("k", fmt.k), ("v", fmt.v)):
+        if tf.uses_global_scale:
+            out[f"{which}_global"] = (torch.float32, (num_kv_heads,))
+    return out
+
+
 def write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
     """Store rows `read_rows` gave (of a cache of the same format and geometry) at `slots`, after checking them all.
     The caller checks the layer's global scales match (rows mean something only under the scales they were

@@ -254,3 +254,24 @@ def test_cli_bundle_inspect_and_verify(tmp_path, capsys):
     assert main(["bundle", "verify", str(tmp_path / "missing.kvx")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert bad.read_bytes() != blob and path.read_bytes() == blob  # read only
+
+
+def test_checksummed_bundle_whose_tensors_do_not_fit_its_format_is_refused(small):
+    """A bundle written by another tool with valid checksums but tensors that are not what its format stores (or
+    an unknown format): refused before anything is read into the cache."""
+    from kvx_core.transfer.bundle import BundleWriter  # noqa: PLC0415
+
+    blob, dst = small
+    header = BundleReader(io.BytesIO(blob)).header
+    before = _snapshot(dst)
+    for change in ({"format": "int8"}, {"format": "nvfp5"}):
+        h = {**header, "cache": {**header["cache"], **change}}
+        buf = io.BytesIO()
+        w = BundleWriter(buf, h)
+        for rows in BundleReader(io.BytesIO(blob)).read_all():
+            w.add_layer(rows)
+        w.close()
+        with pytest.raises(KvxError) as e:
+            import_bundle(io.BytesIO(buf.getvalue()), _descs(dst), torch.arange(3), model=MODEL)
+        assert e.value.status in REFUSED
+    assert _unchanged(dst, before)
