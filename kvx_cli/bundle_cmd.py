@@ -1,4 +1,5 @@
-"""`kvx bundle inspect | verify FILE`: what a KVX bundle holds, and whether every checksum in it holds."""
+"""`kvx bundle inspect | verify FILE`, `kvx bundle convert FILE OUT --format F`: what a KVX bundle holds, whether
+every checksum in it holds, and the same KV re-encoded in another format."""
 from __future__ import annotations
 
 import argparse
@@ -6,18 +7,23 @@ import json
 import os
 
 from kvx_core.errors import KvxError, Status
+from kvx_core.formats import list_formats
 from kvx_core.transfer.bundle import BundleReader
+from kvx_core.transfer.handoff import convert_bundle
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bundle", help="inspect or verify a KVX KV bundle (cross-engine handoff file)",
                        description="inspect: print the header (model, tokens, format, tensors) as a table or "
                                    "JSON; verify: also read every chunk and check every checksum, the layer order, "
-                                   "the trailer and the end of file. Reads only; exit 2 with one line when the "
-                                   "file is refused.")
-    p.add_argument("action", choices=("inspect", "verify"))
+                                   "the trailer and the end of file; convert: write OUT (a new file, never an "
+                                   "existing one) with the same KV in --format. Exit 2 with one line when a file "
+                                   "is refused.")
+    p.add_argument("action", choices=("inspect", "verify", "convert"))
     p.add_argument("file", help="bundle file")
+    p.add_argument("out", nargs="?", help="convert: the new bundle file (must not exist)")
     p.add_argument("--json", action="store_true", help="print the header as JSON (inspect)")
+    p.add_argument("--format", choices=list_formats(), help="convert: the KVX format of OUT")
     p.set_defaults(run=run)
 
 
@@ -27,7 +33,29 @@ def _open(path: str):
     return open(path, "rb")
 
 
+def _convert(args: argparse.Namespace) -> int:
+    if not args.out or not args.format:
+        raise KvxError(Status.INVALID_ARGUMENT, "convert needs FILE OUT --format FORMAT")
+    with _open(args.file) as f:
+        try:
+            out = open(args.out, "xb")  # noqa: SIM115  (exclusive: an existing file is never overwritten)
+        except FileExistsError:
+            raise KvxError(Status.INVALID_ARGUMENT, f"{args.out} exists; convert writes a new file only") from None
+        except OSError as e:
+            raise KvxError(Status.INVALID_ARGUMENT, f"{args.out}: {e.strerror}") from None
+        try:
+            with out:
+                header = convert_bundle(f, out, args.format)
+        except BaseException:
+            os.remove(args.out)  # the partial file this call created
+            raise
+    print(f"{args.out}: {header['cache']['num_layers']} layers x {header['tokens']['count']} tokens in {args.format}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.action == "convert":
+        return _convert(args)
     with _open(args.file) as f:
         reader = BundleReader(f)
         h = reader.header

@@ -21,7 +21,7 @@ import torch
 from ..codec import format_of
 from ..descriptors import CacheDesc, KvIoDesc, SlotMapping, WriteDesc
 from ..errors import KvxError, Status, require
-from ..formats import get_format, rotate
+from ..formats import CacheFormat, get_format, rotate
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import BundleReader, BundleWriter, TensorSpec
@@ -146,6 +146,47 @@ def _assemble(shards: list[tuple[int, int, list[dict]]], a: int, b: int) -> list
     return layers
 
 
+def decode_rows(rows: dict[str, torch.Tensor], fmt: CacheFormat) -> list[torch.Tensor]:
+    """[K, V] FP32 `[T, H, D]` in the model's domain from a layer's stored rows of format `fmt`."""
+    kv = []
+    for which, tf in (("k", fmt.k), ("v", fmt.v)):
+        data = rows[f"{which}_data"]
+        scales = rows.get(f"{which}_scales", torch.empty(*data.shape[:2], 0, dtype=torch.uint8))
+        x = tf.decode(data, scales, rows.get(f"{which}_global"))
+        kv.append(rotate(x) if fmt.rotate else x)
+    return kv
+
+
+def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict:
+    """Re-encode a bundle in another format (global scales 1.0 where the new format has them), layer by layer:
+    each layer's rows are what writing the source's dequantized K/V into a cache of `fmt` stores. Returns the new
+    header."""
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    reader = BundleReader(src)
+    header = reader.header
+    heads, d = header["cache"]["num_kv_heads"], header["cache"]["head_dim"]
+    fmt.check_head_dim(d)
+    src_fmt = get_format(header["cache"]["format"])
+    specs = format_specs(fmt, heads, d)
+    new = {**header, "cache": {**header["cache"], "format": fmt.name},
+           "tensors": [TensorSpec(n, dt, sh, n not in LAYER_TENSORS).to_json() for n, (dt, sh) in specs.items()]}
+    rows_in = reader.read_all()  # the whole source verified before the first byte of the output
+    w = BundleWriter(out, new)
+    for rows in rows_in:
+        layer = {}
+        for (which, tf), x in zip((("k", fmt.k), ("v", fmt.v)), decode_rows(rows, src_fmt)):
+            g = torch.ones(heads) if tf.uses_global_scale else None
+            payload, scales = tf.encode(rotate(x) if fmt.rotate else x, g)
+            layer[f"{which}_data"] = payload
+            if f"{which}_scales" in specs:
+                layer[f"{which}_scales"] = scales
+            if g is not None:
+                layer[f"{which}_global"] = g
+        w.add_layer(layer)
+    w.close()
+    return new
+
+
 def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slots: torch.Tensor):
     """The store of one layer's bundled `rows` (source format `src_name`) into `cache` at `slots`, checked and
     converted now; the returned callable only stores."""
@@ -154,12 +195,7 @@ def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slo
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
         if all(g is None or torch.equal(g.cpu(), rows[n]) for n, g in (("k_global", kg), ("v_global", vg))):
             return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS})
-    kv = []
-    for which, tf in (("k", src.k), ("v", src.v)):
-        data = rows[f"{which}_data"]
-        scales = rows.get(f"{which}_scales", torch.empty(*data.shape[:2], 0, dtype=torch.uint8))
-        x = tf.decode(data, scales, rows.get(f"{which}_global"))
-        kv.append(rotate(x) if src.rotate else x)
+    kv = decode_rows(rows, src)
     dev = cache.k.tensor.device
     check_slots(cache, slots)
     write = WriteDesc(KvIoDesc(kv[0].to(dev), kv[1].to(dev)), SlotMapping(slots.to(dev)))

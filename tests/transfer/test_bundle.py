@@ -275,3 +275,30 @@ def test_checksummed_bundle_whose_tensors_do_not_fit_its_format_is_refused(small
             import_bundle(io.BytesIO(buf.getvalue()), _descs(dst), torch.arange(3), model=MODEL)
         assert e.value.status in REFUSED
     assert _unchanged(dst, before)
+
+
+@pytest.mark.parametrize("src_fmt, dst_fmt", [("bf16", "nvfp4"), ("nvfp4_rot", "int8"), ("int4", "k8v4")])
+def test_convert_equals_importing_into_the_target_format(src_fmt, dst_fmt, tmp_path, capsys):
+    """`kvx bundle convert` then a same-format import stores what importing the original into a cache of the target
+    format (default global scales 1.0) stores; OUT must be new, and a refused conversion leaves no file."""
+    from kvx_cli.main import main  # noqa: PLC0415
+
+    blob, _, _ = _bundle(src_fmt, tokens=9)
+    src, out = tmp_path / "a.kvx", tmp_path / "b.kvx"
+    src.write_bytes(blob)
+    assert main(["bundle", "convert", str(src), str(out), "--format", dst_fmt]) == 0
+    slots = torch.arange(9)
+    via, direct = (PagedKVCache(dst_fmt, num_layers=LAYERS, num_blocks=2, block_size=16, num_kv_heads=HEADS,
+                                head_dim=DIM) for _ in range(2))
+    import_bundle(io.BytesIO(out.read_bytes()), _descs(via), slots, model=MODEL)
+    import_bundle(io.BytesIO(blob), _descs(direct), slots, model=MODEL)
+    for layer in range(LAYERS):
+        a, b = read_rows(via.descriptor(layer), slots), read_rows(direct.descriptor(layer), slots)
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    capsys.readouterr()
+    assert main(["bundle", "convert", str(src), str(out), "--format", dst_fmt]) == 2  # exists: untouched
+    assert "exists" in capsys.readouterr().err
+    bad = tmp_path / "bad.kvx"
+    bad.write_bytes(blob[:-1])
+    assert main(["bundle", "convert", str(bad), str(tmp_path / "c.kvx"), "--format", dst_fmt]) == 2
+    assert not (tmp_path / "c.kvx").exists()

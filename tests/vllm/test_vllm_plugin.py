@@ -155,8 +155,8 @@ def test_prefix_cache_reuse_is_exact(runs, dtype):
 @pytest.mark.parametrize("dtype", ["kvx_nvfp4", "kvx_int4"])
 def test_rotated_end_to_end(runs, checkpoint, dtype):
     """`--additional-config '{"kvx": {"rotate": true}}'` end to end: generation, bit-identical prefix caching,
-    and perplexity within the format's bound of BF16 (measured: nvfp4 18.90 vs 19.27 unrotated, int4 18.73 vs
-    19.88; that rotation beats no rotation is this model's behaviour, not a KVX guarantee, so not asserted)."""
+    and perplexity within the format's bound of BF16 (measured over the cache prefill route: nvfp4 18.90 vs 19.27
+    unrotated, int4 18.73 vs 19.88; that rotation beats no rotation is this model's behaviour, not a KVX guarantee, so not asserted)."""
     p = subprocess.run([sys.executable, str(RUNNER), checkpoint, dtype, "--rotate"], env=ENV, capture_output=True,
                        text=True, timeout=300)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
