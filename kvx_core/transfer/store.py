@@ -1,0 +1,94 @@
+"""A directory of KVX bundles keyed by model and tokens: KV offload to disk or shared memory (`/dev/shm/...`) and
+reload, also across restarts and between processes on one machine.
+
+Each entry is one bundle file named by the sha256 of the model fingerprint and the token ids. `put` writes a
+temporary file in the store and renames it into place (readers never see a partial bundle); `get` imports with
+every check of `import_bundle` (a damaged file is refused and the cache left untouched). The store owns only its
+directory: it creates it with a marker file and refuses a non-empty directory without that marker, and it only
+ever writes, renames or deletes its own `*.kvx` / `.tmp-*` files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..descriptors import CacheDesc
+from ..errors import KvxError, Status, require
+from .handoff import ModelFingerprint, export_bundle, import_bundle
+
+MARKER = "kvx_bundle_store.json"
+
+
+class BundleStore:
+    """Bundles under `root` (created when missing; an existing directory must be empty or a store)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        marker = self.root / MARKER
+        if self.root.exists():
+            require(self.root.is_dir(), Status.INVALID_ARGUMENT, f"bundle store {self.root}: not a directory")
+            require(marker.is_file() or not any(self.root.iterdir()), Status.INVALID_ARGUMENT,
+                    f"bundle store {self.root}: a non-empty directory KVX did not create (no {MARKER}); "
+                    "give a new or empty directory")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not marker.is_file():
+                marker.write_text(json.dumps({"kvx_bundle_store": 1}))
+        except OSError as e:
+            raise KvxError(Status.INVALID_ARGUMENT, f"bundle store {self.root}: {e.strerror}") from None
+
+    @staticmethod
+    def key(model: ModelFingerprint, token_ids: Sequence[int]) -> str:
+        """The entry name of a token sequence under a model."""
+        h = hashlib.sha256(json.dumps(asdict(model), sort_keys=True).encode())
+        h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids))
+        return h.hexdigest()
+
+    def path(self, model: ModelFingerprint, token_ids: Sequence[int]) -> Path:
+        return self.root / f"{self.key(model, token_ids)}.kvx"
+
+    def __contains__(self, entry: tuple[ModelFingerprint, Sequence[int]]) -> bool:
+        return self.path(*entry).is_file()
+
+    def put(self, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+            token_ids: Sequence[int]) -> Path:
+        """Offload the sequence `token_ids` (its KV at `slots` of `caches`); replaces an older entry atomically."""
+        final = self.path(model, token_ids)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kvx", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                export_bundle(f, caches, slots, model=model, token_ids=token_ids)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return final
+
+    def get(self, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+            token_ids: Sequence[int]) -> bool:
+        """Reload the sequence into `caches` at `slots`: True when the store had it, False when not."""
+        p = self.path(model, token_ids)
+        try:
+            f = p.open("rb")
+        except FileNotFoundError:
+            return False
+        with f:
+            import_bundle(f, caches, slots, model=model, token_ids=token_ids)
+        return True
+
+    def remove(self, model: ModelFingerprint, token_ids: Sequence[int]) -> bool:
+        """Delete the entry of `token_ids` (True when there was one)."""
+        try:
+            self.path(model, token_ids).unlink()
+        except FileNotFoundError:
+            return False
+        return True
