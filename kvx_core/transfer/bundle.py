@@ -182,22 +182,23 @@ class BundleReader:
         self.num_layers, self.tokens, self.specs = parse_specs(self.header)
 
     def _take(self, n: int, what: str) -> bytes:
-        b = self.src.read(n)
-        if len(b) != n:
-            raise _bad(f"truncated in {what} (offset {self.offset + len(b)})")
-        self.offset += n
-        return b
+        return bytes(self._take_into(n, what))
 
     def _take_into(self, n: int, what: str) -> bytearray:
-        """`n` bytes read straight into a new buffer (the tensors of the chunk are views of it)."""
+        """Exactly `n` bytes read into a new buffer (the chunk's tensors become views of it), over as many reads as
+        the stream needs (pipes and sockets return short reads); fewer before end of stream is a truncation."""
         buf = bytearray(n)
-        got = self.src.readinto(buf) if hasattr(self.src, "readinto") else None
-        if got is None:
-            data = self.src.read(n)
-            got = len(data)
-            buf[:got] = data
-        if got != n:
-            raise _bad(f"truncated in {what} (offset {self.offset + got})")
+        view, got = memoryview(buf), 0
+        while got < n:
+            if hasattr(self.src, "readinto"):
+                k = self.src.readinto(view[got:])
+            else:
+                data = self.src.read(n - got)
+                k = len(data)
+                view[got:got + k] = data
+            if not k:
+                raise _bad(f"truncated in {what} (offset {self.offset + got})")
+            got += k
         self.offset += n
         return buf
 

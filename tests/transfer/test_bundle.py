@@ -302,3 +302,28 @@ def test_convert_equals_importing_into_the_target_format(src_fmt, dst_fmt, tmp_p
     bad.write_bytes(blob[:-1])
     assert main(["bundle", "convert", str(bad), str(tmp_path / "c.kvx"), "--format", dst_fmt]) == 2
     assert not (tmp_path / "c.kvx").exists()
+
+
+class _Trickle(io.RawIOBase):
+    """A pipe-like stream: every read returns at most 7 bytes."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(7, len(b), len(self.data) - self.pos)
+        b[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def test_short_reads_of_a_stream_are_not_truncation(small):
+    """Pipes and sockets return short reads: the reader keeps reading until a part is complete or the stream ends."""
+    blob, _ = small
+    layers = BundleReader(_Trickle(blob)).read_all()
+    assert [sorted(x) for x in layers] == [sorted(x) for x in BundleReader(io.BytesIO(blob)).read_all()]
+    with pytest.raises(KvxError, match="truncated"):
+        BundleReader(_Trickle(blob[:-5])).read_all()
