@@ -25,7 +25,7 @@ from ..formats import CacheFormat, get_format, rotate
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import BundleReader, BundleWriter, TensorSpec
-from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows, row_shapes
+from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,15 @@ def fingerprint_from_files(config_json: str, tokenizer_json: str) -> ModelFinger
                             int(head_dim), rope, hashlib.sha256(raw).hexdigest(), tok)
 
 
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as u32 little-endian (what `tokens.ids_sha256` and store keys hash); KvxError outside u32."""
+    ids = [int(t) for t in token_ids]
+    require(all(0 <= t < 2**32 for t in ids), Status.INVALID_ARGUMENT, "token ids must lie in [0, 2**32)")
+    return b"".join(t.to_bytes(4, "little") for t in ids)
+
+
 def _token_hash(token_ids: Sequence[int]) -> str:
-    return hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in token_ids)).hexdigest()
+    return hashlib.sha256(token_bytes(token_ids)).hexdigest()
 
 
 def _head_range(kv_heads, model: ModelFingerprint, what: str) -> tuple[int, int]:
@@ -84,8 +91,8 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
             f"the model are {b - a} x {model.head_dim}")
     require(token_ids is None or len(token_ids) == slots.numel(), Status.INVALID_ARGUMENT,
             f"export_bundle: {len(token_ids or [])} token ids for {slots.numel()} slots")
-    shapes = row_shapes(first)
-    specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in shapes.items()]
+    geometry = (first.num_kv_heads, first.head_dim)
+    specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in format_specs(fmt, *geometry).items()]
     header = {"model": asdict(model),
               "tokens": {"count": int(slots.numel()),
                          "ids": None if token_ids is None else [int(t) for t in token_ids],
@@ -95,7 +102,7 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
               "tensors": [s.to_json() for s in specs], "created_by": "kvx"}
     w = BundleWriter(out, header)
     for i, cache in enumerate(caches):
-        require(format_of(cache) == fmt and row_shapes(cache) == shapes, Status.INVALID_ARGUMENT,
+        require(format_of(cache) == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
                 f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
         w.add_layer(read_rows(cache, slots))
     w.close()

@@ -13,8 +13,6 @@ from ..errors import Status, require
 from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
 
-ROW_TENSORS = ("k_data", "v_data", "k_scales", "v_scales")
-"""Per-token tensors of a layer, in bundle order (scales only for formats with a scale pool)."""
 LAYER_TENSORS = ("k_global", "v_global")
 """Per-layer FP32 [H] global scales (formats with one)."""
 
@@ -49,23 +47,9 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def row_shapes(cache: CacheDesc) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """`{name: (dtype, per-token row shape or per-layer shape)}` of the tensors `read_rows` returns."""
-    fmt = format_of(cache)
-    out = {}
-    for which in ("k", "v"):
-        p = side_pools(cache, fmt, which)
-        out[f"{which}_data"] = (p.data.dtype, (p.data.shape[2], p.data.shape[3] * p.data.shape[4]))
-        if p.scales is not None:
-            out[f"{which}_scales"] = (torch.uint8, (p.scales.shape[2], p.scales.shape[3] * p.scales.shape[4]))
-        if (fmt.k if which == "k" else fmt.v).uses_global_scale:
-            out[f"{which}_global"] = (torch.float32, (cache.num_kv_heads,))
-    return out
-
-
 def format_specs(fmt, num_kv_heads: int, head_dim: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The tensors a cache of format `fmt` stores for `num_kv_heads` x `head_dim`, as `row_shapes` names them
-    (what a bundle of that format must declare)."""
+    """`{name: (dtype, per-token row shape or per-layer shape)}` of what a cache of format `fmt` stores for
+    `num_kv_heads` x `head_dim`: the tensors `read_rows` returns and a bundle of that format declares."""
     out = {}
     for which, tf in (("k", fmt.k), ("v", fmt.v)):
         out[f"{which}_data"] = (tf.torch_data_dtype, (num_kv_heads, tf.payload_dim(head_dim)))
@@ -90,8 +74,7 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
     cache.validate()
     fmt = format_of(cache)
     blk, off = check_slots(cache, slots)
-    shapes = row_shapes(cache)
-    for name, (dtype, shape) in shapes.items():
+    for name, (dtype, shape) in format_specs(fmt, cache.num_kv_heads, cache.head_dim).items():
         if name in LAYER_TENSORS:
             continue
         t = rows.get(name)

@@ -21,7 +21,7 @@ import torch
 
 from ..descriptors import CacheDesc
 from ..errors import KvxError, Status, require
-from .handoff import ModelFingerprint, export_bundle, import_bundle
+from .handoff import ModelFingerprint, export_bundle, import_bundle, token_bytes
 
 MARKER = "kvx_bundle_store.json"
 
@@ -48,7 +48,7 @@ class BundleStore:
     def key(model: ModelFingerprint, token_ids: Sequence[int]) -> str:
         """The entry name of a token sequence under a model."""
         h = hashlib.sha256(json.dumps(asdict(model), sort_keys=True).encode())
-        h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids))
+        h.update(token_bytes(token_ids))
         return h.hexdigest()
 
     def path(self, model: ModelFingerprint, token_ids: Sequence[int]) -> Path:

@@ -327,3 +327,12 @@ def test_short_reads_of_a_stream_are_not_truncation(small):
     assert [sorted(x) for x in layers] == [sorted(x) for x in BundleReader(io.BytesIO(blob)).read_all()]
     with pytest.raises(KvxError, match="truncated"):
         BundleReader(_Trickle(blob[:-5])).read_all()
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32])
+def test_token_ids_outside_u32_are_refused_before_writing(bad):
+    src, slots = _cache("int8", 16, 4, tokens=3)
+    out = io.BytesIO()
+    with pytest.raises(KvxError, match=r"token ids must lie in \[0, 2\*\*32\)") as e:
+        export_bundle(out, _descs(src), slots, model=MODEL, token_ids=[1, bad, 2])
+    assert e.value.status == Status.INVALID_ARGUMENT and out.getvalue() == b""
