@@ -212,12 +212,14 @@ def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slo
 
 def import_bundle(src: BinaryIO | Sequence[BinaryIO], caches: Sequence[CacheDesc], slots: torch.Tensor, *,
                   model: ModelFingerprint, token_ids: Sequence[int] | None = None,
-                  kv_heads: tuple[int, int] | None = None) -> list[dict]:
+                  kv_heads: tuple[int, int] | None = None, token_range: tuple[int, int] | None = None) -> list[dict]:
     """Read, verify and store bundles into `caches` (layer i -> `caches[i]`) at `slots` (one per bundled token, in
     order). `src`: one bundle, or the shards of several tensor-parallel ranks; the destination holds the model's
     KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards hold them (resharding: split,
-    merge or both). All or nothing: every check, every bundle's checksums and every layer's conversion happen
-    before the first byte is stored. Returns the bundle headers."""
+    merge or both). `token_range` = `[start, stop)` stores only those bundled tokens (`slots` then has one entry
+    per token of the range): what an engine loads beside a prefix it already holds. All or nothing: every check,
+    every bundle's checksums and every layer's conversion happen before the first byte is stored. Returns the
+    bundle headers."""
     readers = [BundleReader(s) for s in ([src] if hasattr(src, "read") else list(src))]
     require(len(readers) > 0, Status.INVALID_ARGUMENT, "import_bundle: no bundle given")
     a, b = _head_range(kv_heads, model, "import_bundle")
@@ -237,10 +239,15 @@ def import_bundle(src: BinaryIO | Sequence[BinaryIO], caches: Sequence[CacheDesc
         require((c.num_kv_heads, c.head_dim) == (b - a, model.head_dim), Status.INCOMPATIBLE,
                 f"layer {i}: destination cache has {c.num_kv_heads} KV heads x {c.head_dim}, KV heads [{a}, {b}) "
                 f"are {b - a} x {model.head_dim}")
-    require(isinstance(slots, torch.Tensor) and slots.numel() == readers[0].tokens, Status.INVALID_ARGUMENT,
-            f"import_bundle: slots must be a tensor of {readers[0].tokens} entries (one per bundled token)")
+    rng = (0, readers[0].tokens) if token_range is None else token_range
+    require(isinstance(rng, (tuple, list)) and len(rng) == 2 and all(type(t) is int for t in rng)
+            and 0 <= rng[0] < rng[1] <= readers[0].tokens, Status.INVALID_ARGUMENT, f"import_bundle: token_range must be [start, stop) within the bundle's "
+                                     f"{readers[0].tokens} tokens, got {token_range!r}")
+    t0, t1 = rng
+    require(isinstance(slots, torch.Tensor) and slots.numel() == t1 - t0, Status.INVALID_ARGUMENT,
+            f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
     shards = [(lo, hi, r.read_all()) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
-    rows = _assemble(shards, a, b)
+    rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
     fmt = first["cache"]["format"]
     stores = [_prepare(layer_rows, fmt, cache, slots) for layer_rows, cache in zip(rows, caches)]
     for store in stores:

@@ -21,6 +21,7 @@ import torch
 
 from ..descriptors import CacheDesc
 from ..errors import KvxError, Status, require
+from .bundle import BundleReader
 from .handoff import ModelFingerprint, export_bundle, import_bundle, token_bytes
 
 MARKER = "kvx_bundle_store.json"
@@ -73,16 +74,26 @@ class BundleStore:
             raise
         return final
 
+    def header(self, model: ModelFingerprint, token_ids: Sequence[int]) -> dict | None:
+        """The header of the entry of `token_ids` (checked, hash included; chunks not read), None when absent."""
+        try:
+            f = self.path(model, token_ids).open("rb")
+        except FileNotFoundError:
+            return None
+        with f:
+            return BundleReader(f).header
+
     def get(self, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
-            token_ids: Sequence[int]) -> bool:
-        """Reload the sequence into `caches` at `slots`: True when the store had it, False when not."""
+            token_ids: Sequence[int], token_range: tuple[int, int] | None = None) -> bool:
+        """Reload the sequence (or its tokens `token_range`, see `import_bundle`) into `caches` at `slots`: True
+        when the store had it, False when not."""
         p = self.path(model, token_ids)
         try:
             f = p.open("rb")
         except FileNotFoundError:
             return False
         with f:
-            import_bundle(f, caches, slots, model=model, token_ids=token_ids)
+            import_bundle(f, caches, slots, model=model, token_ids=token_ids, token_range=token_range)
         return True
 
     def remove(self, model: ModelFingerprint, token_ids: Sequence[int]) -> bool:

@@ -336,3 +336,25 @@ def test_token_ids_outside_u32_are_refused_before_writing(bad):
     with pytest.raises(KvxError, match=r"token ids must lie in \[0, 2\*\*32\)") as e:
         export_bundle(out, _descs(src), slots, model=MODEL, token_ids=[1, bad, 2])
     assert e.value.status == Status.INVALID_ARGUMENT and out.getvalue() == b""
+
+
+def test_token_range_stores_only_those_tokens_bit_identically(small):
+    """`token_range` imports a slice of the bundled tokens (an engine loading beside a prefix it holds): exactly the
+    rows of those tokens land at the given slots, no other slot changes; bad ranges are refused, nothing written."""
+    blob, src, slots = _bundle("nvfp4", tokens=37)
+    dst, _ = _cache("nvfp4", 16, 4)
+    for layer in range(LAYERS):
+        dst.set_global_scales(layer, src.layers[layer].k_global, src.layers[layer].v_global)
+    before = _snapshot(dst)
+    for bad in [(0, 38), (5, 5), (-1, 3), (3, 2), (0.0, 3), (1, 2, 3), "0:3"]:
+        _refused(blob, dst, torch.arange(3), token_range=bad)
+    _refused(blob, dst, torch.arange(4), token_range=(10, 13))  # slots of another length than the range
+    assert _unchanged(dst, before)
+    import_bundle(io.BytesIO(blob), _descs(dst), torch.arange(40, 59), model=MODEL, token_range=(18, 37))
+    for layer in range(LAYERS):
+        a, b = read_rows(src.descriptor(layer), slots[18:37]), read_rows(dst.descriptor(layer), torch.arange(40, 59))
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+        rest = read_rows(dst.descriptor(layer), torch.arange(40))
+        empty = read_rows(PagedKVCache("nvfp4", num_layers=1, num_blocks=4, block_size=16, num_kv_heads=HEADS,
+                                       head_dim=DIM).descriptor(0), torch.arange(40))
+        assert all(torch.equal(rest[n], empty[n]) for n in rest if n not in ("k_global", "v_global"))

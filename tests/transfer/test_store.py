@@ -85,3 +85,18 @@ def test_a_foreign_directory_is_never_taken_over(tmp_path):
     empty.mkdir()
     BundleStore(empty)
     assert (empty / MARKER).is_file()
+
+
+def test_header_and_partial_reload(tmp_path):
+    """`header` reads an entry's checked header without its chunks; `get(token_range=...)` reloads a slice."""
+    src = _cache(fill=True)
+    store = BundleStore(tmp_path / "kv")
+    assert store.header(MODEL, IDS) is None
+    store.put(_descs(src), torch.arange(T), model=MODEL, token_ids=IDS)
+    h = store.header(MODEL, IDS)
+    assert h["tokens"]["count"] == T and h["tokens"]["ids"] == IDS and h["cache"]["format"] == "nvfp4"
+    dst = _cache()
+    assert store.get(_descs(dst), torch.arange(10, 20), model=MODEL, token_ids=IDS, token_range=(10, 20))
+    for layer in range(LAYERS):
+        a, b = read_rows(src.descriptor(layer), torch.arange(10, 20)), read_rows(dst.descriptor(layer), torch.arange(10, 20))
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
