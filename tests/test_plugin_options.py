@@ -90,3 +90,23 @@ def test_format_names():
     for bad in ("fp8", "KVX_NVFP4", None, ["kvx_nvfp4"]):
         with pytest.raises(ValueError, match="is not a KVX cache dtype"):
             format_name(bad, False)
+
+
+def _run_config(kv_transfer_config):
+    return SimpleNamespace(
+        additional_config=None, kv_transfer_config=kv_transfer_config, speculative_config=None,
+        cache_config=SimpleNamespace(kv_cache_dtype_skip_layers=None, cache_dtype="kvx_nvfp4"),
+        parallel_config=SimpleNamespace(), model_config=None)
+
+
+@pytest.mark.parametrize("transfer", [{"kv_connector": "KvxConnector"},
+                                      {"kv_connector": "Anything", "kv_connector_module_path": "kvx_vllm.connector"}])
+def test_kvx_connector_is_accepted_with_kvx_dtypes(transfer):
+    assert options.check_config(_run_config(SimpleNamespace(**transfer))) == "nvfp4"
+
+
+@pytest.mark.parametrize("name", ["NixlConnector", "ExampleConnector", "LMCacheConnectorV1"])
+def test_other_connectors_are_refused_with_kvx_dtypes(name):
+    """vLLM's own connectors move raw pages and check dtypes by name or byte size; they are refused, naming ours."""
+    with pytest.raises(ValueError, match="KvxConnector"):
+        options.check_config(_run_config(SimpleNamespace(kv_connector=name, kv_connector_module_path=None)))

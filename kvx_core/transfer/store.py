@@ -13,9 +13,10 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -61,11 +62,17 @@ class BundleStore:
     def put(self, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
             token_ids: Sequence[int]) -> Path:
         """Offload the sequence `token_ids` (its KV at `slots` of `caches`); replaces an older entry atomically."""
+        return self.write_entry(model, token_ids,
+                                lambda f: export_bundle(f, caches, slots, model=model, token_ids=token_ids))
+
+    def write_entry(self, model: ModelFingerprint, token_ids: Sequence[int], write: Callable[[BinaryIO], object]) -> Path:
+        """Publish the bundle `write(file)` writes as the entry of `token_ids`: into a temporary file, synced, then
+        renamed into place (a failure leaves no file and the older entry, if any)."""
         final = self.path(model, token_ids)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kvx", dir=self.root)
         try:
             with os.fdopen(fd, "wb") as f:
-                export_bundle(f, caches, slots, model=model, token_ids=token_ids)
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
@@ -74,11 +81,17 @@ class BundleStore:
             raise
         return final
 
+    def open_entry(self, model: ModelFingerprint, token_ids: Sequence[int]) -> BinaryIO | None:
+        """The entry of `token_ids` opened for reading (the caller closes it), None when absent."""
+        try:
+            return self.path(model, token_ids).open("rb")
+        except FileNotFoundError:
+            return None
+
     def header(self, model: ModelFingerprint, token_ids: Sequence[int]) -> dict | None:
         """The header of the entry of `token_ids` (checked, hash included; chunks not read), None when absent."""
-        try:
-            f = self.path(model, token_ids).open("rb")
-        except FileNotFoundError:
+        f = self.open_entry(model, token_ids)
+        if f is None:
             return None
         with f:
             return BundleReader(f).header
@@ -87,10 +100,8 @@ class BundleStore:
             token_ids: Sequence[int], token_range: tuple[int, int] | None = None) -> bool:
         """Reload the sequence (or its tokens `token_range`, see `import_bundle`) into `caches` at `slots`: True
         when the store had it, False when not."""
-        p = self.path(model, token_ids)
-        try:
-            f = p.open("rb")
-        except FileNotFoundError:
+        f = self.open_entry(model, token_ids)
+        if f is None:
             return False
         with f:
             import_bundle(f, caches, slots, model=model, token_ids=token_ids, token_range=token_range)

@@ -5,7 +5,7 @@ engine core, workers) before arguments are parsed, possibly more than once, so i
 it checks the vLLM version (0.26 on CUDA, 0.32 on CPU; their differences live in `compat`), adds the
 `kvx_*` cache dtypes to vLLM's `CacheDType`, installs the version's page-size hook and registers the KVX
 attention backend (as `CUSTOM`, and behind the platform's default backend path, `CPU_ATTN` / `FLASH_ATTN`,
-which then delegates to vLLM's own backend for every non-KVX dtype).
+which then delegates to vLLM's own backend for every non-KVX dtype) and the `KvxConnector` KV connector.
 """
 from __future__ import annotations
 
@@ -29,11 +29,22 @@ def register() -> None:
     add_cache_dtypes()
     install_version_hooks()
     register_backends()
+    _register_connector()
     _registered = True
     from vllm.logger import init_logger
 
     init_logger("vllm.plugins.kvx").info("KVX plugin registered in pid %d: kv cache dtypes %s", os.getpid(),
                                ", ".join(KVX_CACHE_DTYPES))
+
+
+def _register_connector() -> None:
+    """`--kv-transfer-config '{"kv_connector": "KvxConnector", ...}'` (see `connector`)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from .options import CONNECTOR
+
+    if CONNECTOR[0] not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(*CONNECTOR)
 
 
 __all__ = ["KVX_CACHE_DTYPES", "register"]

@@ -229,7 +229,7 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
             self._globals = tuple(None if g is None else g.reshape(1).to(device) for g in (k, v))
         return self._globals
 
-    def _cache(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> CacheDesc:
+    def cache_desc(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> CacheDesc:
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
         if self._desc is None or self._desc[0] != key:
             kg, vg = self._global_scales(layer, kv_cache.device)
@@ -242,7 +242,7 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         """Quantize new K/V `[T, Hkv, D]` into the pages at `slot_mapping` (-1 = padding, skipped)."""
         n = min(key.shape[0], slot_mapping.numel())
         write = WriteDesc(KvIoDesc(key[:n], value[:n]), slot_mapping_from_vllm(slot_mapping, n))
-        write_kv(self._cache(layer, kv_cache), write, check=False)
+        write_kv(self.cache_desc(layer, kv_cache), write, check=False)
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KvxMetadata | None, output: torch.Tensor,
@@ -257,7 +257,7 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         n = m.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)
         if isinstance(m.plan, SplitPrefill):
-            m.plan.run(query[:n], key[:n], value[:n], self._cache(layer, kv_cache), out)
+            m.plan.run(query[:n], key[:n], value[:n], self.cache_desc(layer, kv_cache), out)
         else:
-            m.plan.run(query[:n], self._cache(layer, kv_cache), out=out)
+            m.plan.run(query[:n], self.cache_desc(layer, kv_cache), out=out)
         return output

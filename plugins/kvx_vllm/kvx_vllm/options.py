@@ -23,6 +23,8 @@ from typing import Any
 from .dtypes import format_name
 
 _KNOWN = {"rotate", "prefill"}
+CONNECTOR = ("KvxConnector", "kvx_vllm.connector", "KvxConnector")
+"""(name for --kv-transfer-config, module, class) of the KVX KV connector."""
 PREFILL_ROUTES = ("split", "cache")
 
 
@@ -75,9 +77,9 @@ def refusals(vllm_config: Any) -> list[str]:
     out = []
     if cache.kv_cache_dtype_skip_layers:
         out.append("--kv-cache-dtype-skip-layers: every attention layer must use the KVX page layout")
-    if vllm_config.kv_transfer_config is not None:
-        out.append("--kv-transfer-config: vLLM connectors copy raw pages and refuse mixed dtypes; "
-                   "KVX's own connector is not part of this plugin yet")
+    if vllm_config.kv_transfer_config is not None and not _is_kvx_connector(vllm_config.kv_transfer_config):
+        out.append("--kv-transfer-config: vLLM's other connectors copy raw pages and refuse mixed dtypes; "
+                   'use {"kv_connector": "KvxConnector", ...} (kvx_vllm.connector)')
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: not verified with KVX pages")
     if getattr(par, "decode_context_parallel_size", 1) > 1 or getattr(par, "prefill_context_parallel_size", 1) > 1:
@@ -86,6 +88,12 @@ def refusals(vllm_config: Any) -> list[str]:
     if model is not None and model.use_mla:
         out.append("MLA models: KVX formats are defined for K/V heads, not MLA latents")
     return out
+
+
+def _is_kvx_connector(kv_transfer_config: Any) -> bool:
+    """True when `--kv-transfer-config` names the KVX connector (by name or module path)."""
+    return (getattr(kv_transfer_config, "kv_connector", None) == CONNECTOR[0]
+            or getattr(kv_transfer_config, "kv_connector_module_path", None) == CONNECTOR[1])
 
 
 def check_config(vllm_config: Any) -> str:

