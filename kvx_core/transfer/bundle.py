@@ -104,20 +104,82 @@ def parse_specs(header: dict) -> tuple[int, int, list[TensorSpec]]:
     return layers, count, specs
 
 
+def bundle_prefix(header: dict) -> tuple[bytes, int]:
+    """(the bundle's bytes up to its first chunk, the header hash that seeds every chunk checksum)."""
+    head = canonical_json(header)
+    require(len(head) <= MAX_HEADER_BYTES, Status.INVALID_ARGUMENT,
+            f"bundle header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    prefix = MAGIC + struct.pack("<HHI", *VERSION, len(head)) + head
+    seed = _xxh64(prefix)  # the header hash covers magic, version and length too: every byte is checked
+    return prefix + struct.pack("<Q", seed), seed
+
+
+def chunk_head(layer: int, nbytes: int) -> bytes:
+    return CHUNK_TAG + struct.pack("<IQ", layer, nbytes)
+
+
+def chunk_checksum(layer: int, payload, seed: int) -> int:
+    """xxh64 of the layer index and the payload (any buffer), seeded with the header hash."""
+    return _xxh64(struct.pack("<I", layer), payload, seed=seed)
+
+
+def trailer(sums: list[int], offset: int, seed: int) -> bytes:
+    digest = _xxh64(b"".join(struct.pack("<Q", c) for c in sums), seed=seed)
+    return TRAILER_TAG + struct.pack("<IQQ", len(sums), offset, digest)
+
+
+def check_chunk_head(raw: bytes, layer: int, size: int) -> None:
+    """The 16-byte head of chunk `layer`, whose payload must be `size` bytes."""
+    tag, idx, n = struct.unpack("<4sIQ", raw)
+    if tag != CHUNK_TAG:
+        raise _bad(f"chunk {layer}: bad tag (expected a chunk, found {tag!r})")
+    if idx != layer:
+        raise _bad(f"chunk {layer}: holds layer {idx} (chunks reordered, duplicated or missing)")
+    if n != size:
+        raise _bad(f"chunk {layer}: payload of {n} bytes, the header gives {size}")
+
+
+def check_chunk_sum(layer: int, computed: int, raw: bytes) -> int:
+    (checksum,) = struct.unpack("<Q", raw)
+    if computed != checksum:
+        raise _bad(f"chunk {layer}: checksum mismatch (corrupted payload)")
+    return checksum
+
+
+def check_trailer(raw: bytes, num_layers: int, start: int, sums: list[int], seed: int) -> None:
+    """The 24-byte trailer found at offset `start` after `num_layers` chunks with checksums `sums`."""
+    tag, count, at, digest = struct.unpack("<4sIQQ", raw)
+    if tag != TRAILER_TAG:
+        raise _bad(f"expected the trailer after {num_layers} chunks, found {tag!r} (extra chunks?)")
+    if count != num_layers or at != start:
+        raise _bad(f"trailer declares {count} chunks at offset {at}, found {num_layers} at {start}")
+    if raw != trailer(sums, start, seed):
+        raise _bad("trailer digest mismatch")
+
+
+def split_payload(payload: torch.Tensor, specs: list[TensorSpec], tokens: int) -> dict[str, torch.Tensor]:
+    """A chunk's tensors as views of its uint8 payload (a copy only where a tensor's offset is not aligned)."""
+    out, pos = {}, 0
+    for s in specs:
+        n = s.nbytes(tokens)
+        shape = (tokens, *s.shape) if s.per_token else s.shape
+        raw = payload[pos:pos + n]
+        size = torch.empty((), dtype=s.dtype).element_size()
+        out[s.name] = (raw if raw.storage_offset() % size == 0 else raw.clone()).view(s.dtype).reshape(shape)
+        pos += n
+    return out
+
+
 class BundleWriter:
     """Streams a bundle: the header, then `add_layer` once per layer in order, then `close` (the trailer)."""
 
     def __init__(self, out: BinaryIO, header: dict):
         self.out = out
         self.num_layers, self.tokens, self.specs = parse_specs(header)
-        self.head = canonical_json(header)
-        require(len(self.head) <= MAX_HEADER_BYTES, Status.INVALID_ARGUMENT,
-                f"bundle header of {len(self.head)} bytes exceeds {MAX_HEADER_BYTES}")
-        prefix = MAGIC + struct.pack("<HHI", *VERSION, len(self.head)) + self.head
-        self.seed = _xxh64(prefix)  # the header hash covers magic, version and length too: every byte is checked
+        prefix, self.seed = bundle_prefix(header)
         self.sums: list[int] = []
         self.offset = 0
-        self._put(prefix + struct.pack("<Q", self.seed))
+        self._put(prefix)
 
     def _put(self, b) -> None:
         self.out.write(b)
@@ -134,10 +196,9 @@ class BundleWriter:
             require(isinstance(t, torch.Tensor) and t.dtype == s.dtype and tuple(t.shape) == tuple(want),
                     Status.INVALID_ARGUMENT, f"layer {layer} tensor {s.name} must be {s.dtype} {tuple(want)}")
             parts.append(memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
-        layer_b = struct.pack("<I", layer)
         h = _hasher(self.seed)
-        h.update(layer_b)
-        self._put(CHUNK_TAG + layer_b + struct.pack("<Q", sum(p.nbytes for p in parts)))
+        h.update(struct.pack("<I", layer))
+        self._put(chunk_head(layer, sum(p.nbytes for p in parts)))
         for p in parts:  # streamed: each tensor's bytes go out as they are, no joined copy
             h.update(p)
             self._put(p)
@@ -148,8 +209,7 @@ class BundleWriter:
     def close(self) -> None:
         require(len(self.sums) == self.num_layers, Status.INVALID_ARGUMENT,
                 f"bundle has {len(self.sums)} of its {self.num_layers} layers")
-        digest = _xxh64(b"".join(struct.pack("<Q", c) for c in self.sums), seed=self.seed)
-        self._put(TRAILER_TAG + struct.pack("<IQQ", len(self.sums), self.offset, digest))
+        self._put(trailer(self.sums, self.offset, self.seed))
 
 
 class BundleReader:
@@ -207,43 +267,18 @@ class BundleReader:
         size = sum(s.nbytes(self.tokens) for s in self.specs)
         sums = []
         for layer in range(self.num_layers):
-            tag, idx, n = struct.unpack("<4sIQ", self._take(16, f"chunk {layer}"))
-            if tag != CHUNK_TAG:
-                raise _bad(f"chunk {layer}: bad tag (expected a chunk, found {tag!r})")
-            if idx != layer:
-                raise _bad(f"chunk {layer}: holds layer {idx} (chunks reordered, duplicated or missing)")
-            if n != size:
-                raise _bad(f"chunk {layer}: payload of {n} bytes, the header gives {size}")
-            payload = self._take_into(n, f"chunk {layer}'s payload")
-            (checksum,) = struct.unpack("<Q", self._take(8, f"chunk {layer}'s checksum"))
-            if _xxh64(struct.pack("<I", layer), payload, seed=self.seed) != checksum:
-                raise _bad(f"chunk {layer}: checksum mismatch (corrupted payload)")
-            sums.append(checksum)
-            yield self._split(payload)
+            check_chunk_head(self._take(16, f"chunk {layer}"), layer, size)
+            payload = self._take_into(size, f"chunk {layer}'s payload")
+            sums.append(check_chunk_sum(layer, chunk_checksum(layer, payload, self.seed),
+                                        self._take(8, f"chunk {layer}'s checksum")))
+            yield split_payload(torch.frombuffer(payload, dtype=torch.uint8) if payload else
+                                torch.empty(0, dtype=torch.uint8), self.specs, self.tokens)
         start = self.offset
-        tag, count, at, digest = struct.unpack("<4sIQQ", self._take(24, "the trailer"))
-        if tag != TRAILER_TAG:
-            raise _bad(f"expected the trailer after {self.num_layers} chunks, found {tag!r} (extra chunks?)")
-        if count != self.num_layers or at != start:
-            raise _bad(f"trailer declares {count} chunks at offset {at}, found {self.num_layers} at {start}")
-        if _xxh64(b"".join(struct.pack("<Q", c) for c in sums), seed=self.seed) != digest:
-            raise _bad("trailer digest mismatch")
+        check_trailer(self._take(24, "the trailer"), self.num_layers, start, sums, self.seed)
         if self.src.read(1):
             raise _bad(f"bytes after the trailer (the bundle is larger than declared: {start + 24} bytes)")
 
-    def _split(self, payload: bytearray) -> dict[str, torch.Tensor]:
-        """The chunk's tensors as views of its buffer (a copy only where a tensor's offset is not aligned)."""
-        out, pos = {}, 0
-        buf = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-        for s in self.specs:
-            n = s.nbytes(self.tokens)
-            shape = (self.tokens, *s.shape) if s.per_token else s.shape
-            raw = buf[pos:pos + n]
-            size = torch.empty((), dtype=s.dtype).element_size()
-            out[s.name] = (raw if pos % size == 0 else raw.clone()).view(s.dtype).reshape(shape)
-            pos += n
-        return out
-
-    def read_all(self) -> list[dict[str, torch.Tensor]]:
-        """Every layer, after the whole bundle (trailer and end included) checked."""
-        return list(self.layers())
+    def read_all(self, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
+        """Every layer (moved to `device` when given), after the whole bundle (trailer and end included) checked."""
+        layers = list(self.layers())
+        return layers if device is None else [{k: v.to(device) for k, v in t.items()} for t in layers]

@@ -76,11 +76,9 @@ def _head_range(kv_heads, model: ModelFingerprint, what: str) -> tuple[int, int]
     return a, b
 
 
-def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
                   token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None) -> dict:
-    """Write the bundle of one sequence: `caches[i]` is layer i's cache, `slots` the sequence's token slots in
-    order (shared by every layer). A tensor-parallel rank exports its shard: `kv_heads` = the model's KV heads its
-    caches hold, `[start, stop)`. Returns the header. Streams layer by layer."""
+    """The header of the bundle of one sequence (`export_bundle`'s arguments), after checking every layer agrees."""
     require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
             f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
     first = caches[0]
@@ -92,18 +90,27 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     require(token_ids is None or len(token_ids) == slots.numel(), Status.INVALID_ARGUMENT,
             f"export_bundle: {len(token_ids or [])} token ids for {slots.numel()} slots")
     geometry = (first.num_kv_heads, first.head_dim)
-    specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in format_specs(fmt, *geometry).items()]
-    header = {"model": asdict(model),
-              "tokens": {"count": int(slots.numel()),
-                         "ids": None if token_ids is None else [int(t) for t in token_ids],
-                         "ids_sha256": None if token_ids is None else _token_hash(token_ids)},
-              "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
-                        "head_dim": first.head_dim, "kv_heads": [a, b]},
-              "tensors": [s.to_json() for s in specs], "created_by": "kvx"}
-    w = BundleWriter(out, header)
     for i, cache in enumerate(caches):
         require(format_of(cache) == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
                 f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
+    specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in format_specs(fmt, *geometry).items()]
+    return {"model": asdict(model),
+            "tokens": {"count": int(slots.numel()),
+                       "ids": None if token_ids is None else [int(t) for t in token_ids],
+                       "ids_sha256": None if token_ids is None else _token_hash(token_ids)},
+            "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
+                      "head_dim": first.head_dim, "kv_heads": [a, b]},
+            "tensors": [s.to_json() for s in specs], "created_by": "kvx"}
+
+
+def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+                  token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None) -> dict:
+    """Write the bundle of one sequence: `caches[i]` is layer i's cache, `slots` the sequence's token slots in
+    order (shared by every layer). A tensor-parallel rank exports its shard: `kv_heads` = the model's KV heads its
+    caches hold, `[start, stop)`. Returns the header. Streams layer by layer."""
+    header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
+    w = BundleWriter(out, header)
+    for cache in caches:
         w.add_layer(read_rows(cache, slots))
     w.close()
     return header
@@ -158,7 +165,7 @@ def decode_rows(rows: dict[str, torch.Tensor], fmt: CacheFormat) -> list[torch.T
     kv = []
     for which, tf in (("k", fmt.k), ("v", fmt.v)):
         data = rows[f"{which}_data"]
-        scales = rows.get(f"{which}_scales", torch.empty(*data.shape[:2], 0, dtype=torch.uint8))
+        scales = rows.get(f"{which}_scales", torch.empty(*data.shape[:2], 0, dtype=torch.uint8, device=data.device))
         x = tf.decode(data, scales, rows.get(f"{which}_global"))
         kv.append(rotate(x) if fmt.rotate else x)
     return kv
@@ -200,7 +207,7 @@ def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slo
     src, dst = get_format(src_name), format_of(cache)
     if src == dst:
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
-        if all(g is None or torch.equal(g.cpu(), rows[n]) for n, g in (("k_global", kg), ("v_global", vg))):
+        if all(g is None or torch.equal(g, rows[n].to(g.device)) for n, g in (("k_global", kg), ("v_global", vg))):
             return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS})
     kv = decode_rows(rows, src)
     dev = cache.k.tensor.device
@@ -210,17 +217,21 @@ def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slo
     return lambda: write_kv(cache, write)
 
 
-def import_bundle(src: BinaryIO | Sequence[BinaryIO], caches: Sequence[CacheDesc], slots: torch.Tensor, *,
-                  model: ModelFingerprint, token_ids: Sequence[int] | None = None,
+def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tensor], caches: Sequence[CacheDesc],
+                  slots: torch.Tensor, *, model: ModelFingerprint, token_ids: Sequence[int] | None = None,
                   kv_heads: tuple[int, int] | None = None, token_range: tuple[int, int] | None = None) -> list[dict]:
     """Read, verify and store bundles into `caches` (layer i -> `caches[i]`) at `slots` (one per bundled token, in
-    order). `src`: one bundle, or the shards of several tensor-parallel ranks; the destination holds the model's
-    KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards hold them (resharding: split,
-    merge or both). `token_range` = `[start, stop)` stores only those bundled tokens (`slots` then has one entry
-    per token of the range): what an engine loads beside a prefix it already holds. All or nothing: every check,
-    every bundle's checksums and every layer's conversion happen before the first byte is stored. Returns the
-    bundle headers."""
-    readers = [BundleReader(s) for s in ([src] if hasattr(src, "read") else list(src))]
+    order). `src`: one bundle (a stream, or a uint8 host tensor holding it: `host.HostBundle`, checked in parallel
+    and copied to the caches' device at copy speed), or the shards of several tensor-parallel ranks; the
+    destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards
+    hold them (resharding: split, merge or both). `token_range` = `[start, stop)` stores only those bundled tokens
+    (`slots` then has one entry per token of the range): what an engine loads beside a prefix it already holds.
+    All or nothing: every check, every bundle's checksums and every layer's conversion happen before the first
+    byte is stored. Returns the bundle headers."""
+    from .host import HostBundle  # host.py builds on this module
+
+    srcs = [src] if hasattr(src, "read") or isinstance(src, torch.Tensor) else list(src)
+    readers = [HostBundle(s) if isinstance(s, torch.Tensor) else BundleReader(s) for s in srcs]
     require(len(readers) > 0, Status.INVALID_ARGUMENT, "import_bundle: no bundle given")
     a, b = _head_range(kv_heads, model, "import_bundle")
     ranges = [_check_bundle(r, model, token_ids) for r in readers]
@@ -246,7 +257,8 @@ def import_bundle(src: BinaryIO | Sequence[BinaryIO], caches: Sequence[CacheDesc
     t0, t1 = rng
     require(isinstance(slots, torch.Tensor) and slots.numel() == t1 - t0, Status.INVALID_ARGUMENT,
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
-    shards = [(lo, hi, r.read_all()) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
+    dev = caches[0].k.tensor.device
+    shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
     rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
     fmt = first["cache"]["format"]
     stores = [_prepare(layer_rows, fmt, cache, slots) for layer_rows, cache in zip(rows, caches)]

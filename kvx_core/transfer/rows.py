@@ -29,13 +29,15 @@ def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, to
     return s // cache.block_size, s % cache.block_size
 
 
-def read_rows(cache: CacheDesc, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+def read_rows(cache: CacheDesc, slots: torch.Tensor,
+              where: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The stored rows of `slots` ([T] token slots, in sequence order): `{name: [T, H, X]}` (payload in its stored
     dtype, scales as bytes) plus the layer's global scales `{k_global, v_global: fp32 [H]}` where the format has
-    them. Copies, on the cache's device."""
+    them. Copies, on the cache's device. `where`: `check_slots(cache, slots)` already computed for a cache of the
+    same geometry (layers read without a host sync each)."""
     cache.validate()
     fmt = format_of(cache)
-    blk, off = check_slots(cache, slots)
+    blk, off = check_slots(cache, slots) if where is None else where
     out = {}
     for which in ("k", "v"):
         p = side_pools(cache, fmt, which)

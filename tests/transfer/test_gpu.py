@@ -62,3 +62,32 @@ def test_conversion_on_the_gpu_equals_writing_the_gathered_kv():
         oracle.write(layer, k, v, slots.cuda())
         a, b = read_rows(dst.descriptor(layer), slots), read_rows(oracle.descriptor(layer), slots)
         assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "k8v4"])
+def test_host_path_is_the_stream_bundle_and_round_trips(fmt):
+    """`export_to_host` from CUDA pools (async copies into pinned memory, checksums in threads) writes the stream
+    writer's bytes; `import_bundle(pinned)` stores them bit for bit; a flipped payload byte is refused untouched."""
+    from kvx_core.errors import KvxError
+    from kvx_core.transfer.host import export_to_host
+
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA GPU")
+    src, dst = _cache(fmt, "cuda", fill=True), _cache(fmt, "cuda", bs=8)
+    slots = torch.arange(T, device="cuda")
+    stream = io.BytesIO()
+    export_bundle(stream, _descs(src), slots, model=MODEL, token_ids=list(range(T)))
+    out = torch.empty(len(stream.getvalue()) + 64, dtype=torch.uint8, pin_memory=True)
+    host = export_to_host(_descs(src), slots, model=MODEL, token_ids=list(range(T)), out=out)
+    assert bytes(host.numpy()) == stream.getvalue()
+    back = torch.arange(T, 0, -1, device="cuda") + 100
+    bad = host.clone().pin_memory()
+    bad[host.numel() // 2] ^= 4
+    before = [t.clone() for p in dst.layers for t in (p.k_data, p.v_data)]
+    with pytest.raises(KvxError, match="checksum"):
+        import_bundle(bad, _descs(dst), back, model=MODEL)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for p in dst.layers for t in (p.k_data, p.v_data)]))
+    import_bundle(host, _descs(dst), back, model=MODEL, token_ids=list(range(T)))
+    for layer in range(LAYERS):
+        a, b = read_rows(src.descriptor(layer), slots), read_rows(dst.descriptor(layer), back)
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a if "global" not in n)

@@ -1,0 +1,145 @@
+"""Bundles in host memory at copy speed: export device caches into a (pinned) host buffer, import from one.
+
+The stream writer and reader (`bundle`) move one layer at a time through Python buffers: fine for files and pipes,
+far below a PCIe copy for GPU caches. Here the bundle's layout is computed up front (every size follows from the
+header), so each layer's chunk is gathered on the device, copied asynchronously to its final place in the buffer,
+and checksummed by a thread pool while the next layers copy; import checks every chunk's head and checksum in the
+pool while the payloads copy to the device, and nothing is stored until all of them (and the trailer) passed. The
+bytes are exactly those of `export_bundle`; the buffer can back a file, shared memory or a NIXL registration.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..descriptors import CacheDesc
+from ..errors import Status, require
+from .bundle import (BundleReader, bundle_prefix, check_chunk_head, check_chunk_sum, check_trailer, chunk_checksum,
+                     chunk_head, parse_specs, split_payload, trailer)
+from .handoff import ModelFingerprint, bundle_header
+from .rows import check_slots, read_rows
+
+THREADS = 8
+"""Checksum threads (xxhash releases the GIL: layers hash in parallel, ~10 GB/s each)."""
+
+
+def bundle_size(header: dict) -> tuple[int, int, int]:
+    """(offset of the first chunk, payload bytes per chunk, total bytes) of the bundle of `header`."""
+    layers, tokens, specs = parse_specs(header)
+    first = len(bundle_prefix(header)[0])
+    payload = sum(s.nbytes(tokens) for s in specs)
+    return first, payload, first + layers * (16 + payload + 8) + 24
+
+
+def _host_bytes(buf: torch.Tensor, what: str) -> None:
+    require(isinstance(buf, torch.Tensor) and buf.device.type == "cpu" and buf.dtype == torch.uint8
+            and buf.dim() == 1 and buf.is_contiguous(), Status.INVALID_ARGUMENT,
+            f"{what} must be a contiguous 1-D uint8 CPU tensor (pinned for GPU speed)")
+
+
+def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+                   token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bundle of one sequence (as `export_bundle` writes it) in host memory: `out[:n]` when `out` (a uint8 CPU
+    tensor, pinned for speed, reused across calls) is given and large enough, else a new pinned (on CUDA) tensor."""
+    header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
+    _, tokens, specs = parse_specs(header)
+    prefix, seed = bundle_prefix(header)
+    first, size, total = bundle_size(header)
+    dev = caches[0].k.tensor.device
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    _host_bytes(out, "export_to_host: out")
+    require(out.numel() >= total, Status.OUT_OF_RANGE, f"export_to_host: the bundle needs {total} bytes, out has "
+                                                       f"{out.numel()}")
+    buf = out[:total]
+    mem = buf.numpy()
+    mem[:first] = memoryview(prefix)
+    where = check_slots(caches[0], slots)
+    cuda = dev.type == "cuda"
+    with ThreadPoolExecutor(THREADS) as pool:
+        sums = []
+        for i, cache in enumerate(caches):
+            rows = read_rows(cache, slots, where=where)
+            at = first + i * (size + 24)
+            mem[at:at + 16] = memoryview(chunk_head(i, size))
+            payload = buf[at + 16:at + 16 + size]
+            if size:
+                payload.copy_(torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs]),
+                              non_blocking=cuda)
+            done = torch.cuda.Event() if cuda else None
+            if done is not None:
+                done.record()
+            sums.append(pool.submit(_checksum_after, done, i, mem[at + 16:at + 16 + size], seed))
+        sums = [f.result() for f in sums]
+    for i, c in enumerate(sums):
+        at = first + i * (size + 24) + 16 + size
+        mem[at:at + 8] = memoryview(c.to_bytes(8, "little"))
+    mem[total - 24:] = memoryview(trailer(sums, total - 24, seed))
+    return buf
+
+
+def _checksum_after(done, layer: int, payload, seed: int) -> int:
+    if done is not None:
+        done.synchronize()
+    return chunk_checksum(layer, payload, seed)
+
+
+class _View:
+    """A read-only stream over a uint8 buffer (for `BundleReader`'s header checks)."""
+
+    def __init__(self, mem):
+        self.mem, self.pos = mem, 0
+
+    def readinto(self, b) -> int:
+        n = min(len(b), len(self.mem) - self.pos)
+        b[:n] = self.mem[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.mem) if n < 0 else min(len(self.mem), self.pos + n)
+        out = bytes(self.mem[self.pos:end])
+        self.pos = end
+        return out
+
+
+class HostBundle:
+    """A bundle in host memory, read like a `BundleReader` (`header`, `tokens`, `specs`, `read_all`): the header is
+    checked at once, `read_all(device)` verifies every chunk and the trailer and returns the layers on `device`."""
+
+    def __init__(self, buf: torch.Tensor):
+        _host_bytes(buf, "a host bundle")
+        self.buf, self.mem = buf, buf.numpy()
+        reader = BundleReader(_View(memoryview(self.mem)))
+        self.header, self.version, self.seed = reader.header, reader.version, reader.seed
+        self.num_layers, self.tokens, self.specs = reader.num_layers, reader.tokens, reader.specs
+        self.first, self.size, self.total = reader.offset, *bundle_size(self.header)[1:]
+        require(buf.numel() == self.total, Status.INVALID_ARGUMENT,
+                f"KVX bundle rejected: {buf.numel()} bytes where its header declares {self.total} "
+                f"({'truncated' if buf.numel() < self.total else 'larger than declared'})")
+
+    def read_all(self, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
+        """Every layer's tensors on `device` (default: views of the host buffer), after every check passed."""
+        device = torch.device("cpu" if device is None else device)
+        cuda = device.type == "cuda"
+        staged = torch.empty(self.num_layers * self.size, dtype=torch.uint8, device=device) if cuda else None
+        m, n = self.mem, self.size
+        with ThreadPoolExecutor(THREADS) as pool:
+            sums = []
+            for i in range(self.num_layers):
+                at = self.first + i * (n + 24)
+                check_chunk_head(bytes(m[at:at + 16]), i, n)
+                sums.append(pool.submit(chunk_checksum, i, m[at + 16:at + 16 + n], self.seed))
+                if cuda and n:
+                    staged[i * n:(i + 1) * n].copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
+            sums = [check_chunk_sum(i, f.result(), bytes(m[self.first + i * (n + 24) + 16 + n:][:8]))
+                    for i, f in enumerate(sums)]
+        check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
+        payload = staged if cuda else self.buf[self.first:]
+        step = n if cuda else n + 24
+        skip = 0 if cuda else 16
+        return [split_payload(payload[i * step + skip:i * step + skip + n], self.specs, self.tokens)
+                for i in range(self.num_layers)]
