@@ -1,8 +1,11 @@
 """The KVX bundle: a self-describing, checksummed container of one sequence's KV cache (docs/bundle.md).
 
     MAGIC "KVXBNDL\\0" | u16 major | u16 minor | u32 header_len | header (canonical JSON) | u64 xxh64(all before)
-    CHUNK* : "KVXC" | u32 layer | u64 payload_len | payload | u64 xxh64(layer || payload, seed=header hash)
+    CHUNK* : "KVXC" | u32 layer | u64 payload_len | payload | u64 checksum
     TRAILER: "KVXE" | u32 chunks | u64 offset of the trailer | u64 xxh64(chunk checksums, seed=header hash)
+
+A chunk's checksum is xxh64(u32 layer || the xxh64 of each `segment_bytes` segment of the payload, seed=header
+hash), each segment hashed with seed=header hash: the segments of one payload hash in parallel (`host`).
 
 Little-endian. One chunk per layer, in layer order; a payload is the layer's tensors in the header's order, each
 exactly the size the header gives it. Everything a reader accepts is checked before it is returned: magic,
@@ -25,7 +28,10 @@ from ..errors import KvxError, Status, require
 MAGIC = b"KVXBNDL\0"
 CHUNK_TAG = b"KVXC"
 TRAILER_TAG = b"KVXE"
-VERSION = (1, 0)
+VERSION = (2, 0)
+SEGMENT_BYTES = 1 << 20
+"""Segment size of chunk checksums that writers use (`checksum.segment_bytes` in the header; readers take any
+power of two in [64 KiB, 64 MiB])."""
 MAX_HEADER_BYTES = 64 << 20
 """A header larger than this is refused before it is read (the token ids of a 1M-token sequence take ~8 MB)."""
 
@@ -85,10 +91,15 @@ def _uint(v, what: str, limit: int = 2**63) -> int:
     return v
 
 
-def parse_specs(header: dict) -> tuple[int, int, list[TensorSpec]]:
-    """(num_layers, tokens, tensor specs) of a header, checked."""
+def parse_specs(header: dict) -> tuple[int, int, list[TensorSpec], int]:
+    """(num_layers, tokens, tensor specs, checksum segment bytes) of a header, checked."""
     try:
         cache, tensors, tokens = header["cache"], header["tensors"], header["tokens"]
+        check = header.get("checksum")
+        segment = check.get("segment_bytes") if isinstance(check, dict) else None
+        if (not isinstance(check, dict) or check.get("algorithm") != "xxh64" or type(segment) is not int
+                or not 1 << 16 <= segment <= 1 << 26 or segment & (segment - 1)):
+            raise _bad(f"checksum {check!r}: expected xxh64 over power-of-two segments of 64 KiB to 64 MiB")
         layers = _uint(cache["num_layers"], "cache.num_layers", 1 << 16)
         count = _uint(tokens["count"], "tokens.count", 1 << 31)
         specs = []
@@ -101,7 +112,7 @@ def parse_specs(header: dict) -> tuple[int, int, list[TensorSpec]]:
         raise _bad(f"header misses or mistypes a required field ({e!r})") from None
     require(len({s.name for s in specs}) == len(specs), Status.INVALID_ARGUMENT,
             "KVX bundle rejected: a tensor name repeats in the header")
-    return layers, count, specs
+    return layers, count, specs, segment
 
 
 def bundle_prefix(header: dict) -> tuple[bytes, int]:
@@ -118,9 +129,49 @@ def chunk_head(layer: int, nbytes: int) -> bytes:
     return CHUNK_TAG + struct.pack("<IQ", layer, nbytes)
 
 
-def chunk_checksum(layer: int, payload, seed: int) -> int:
-    """xxh64 of the layer index and the payload (any buffer), seeded with the header hash."""
-    return _xxh64(struct.pack("<I", layer), payload, seed=seed)
+def segment_digest(segment, seed: int) -> int:
+    """xxh64 of one payload segment (any buffer), seeded with the header hash."""
+    return _xxh64(segment, seed=seed)
+
+
+def combine_segments(layer: int, digests: list[int], seed: int) -> int:
+    """A chunk's checksum from its segments' digests in order."""
+    return _xxh64(struct.pack(f"<I{len(digests)}Q", layer, *digests), seed=seed)
+
+
+def segments(nbytes: int, segment: int) -> list[tuple[int, int]]:
+    """[start, stop) byte ranges of a payload's checksum segments."""
+    return [(a, min(a + segment, nbytes)) for a in range(0, nbytes, segment)]
+
+
+def chunk_checksum(layer: int, payload, seed: int, segment: int) -> int:
+    """The checksum of chunk `layer` whose payload is the buffer `payload`, hashed segment by segment here."""
+    mv = memoryview(payload).cast("B")
+    return combine_segments(layer, [segment_digest(mv[a:b], seed) for a, b in segments(len(mv), segment)], seed)
+
+
+class ChunkHasher:
+    """`chunk_checksum` of a payload given in pieces (`update` with any buffers, then `intdigest`)."""
+
+    def __init__(self, layer: int, seed: int, segment: int):
+        self.layer, self.seed, self.segment = layer, seed, segment
+        self.digests: list[int] = []
+        self.cur, self.fill = _hasher(seed), 0
+
+    def update(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            take = min(self.segment - self.fill, len(mv))
+            self.cur.update(mv[:take])
+            self.fill += take
+            mv = mv[take:]
+            if self.fill == self.segment:
+                self.digests.append(self.cur.intdigest())
+                self.cur, self.fill = _hasher(self.seed), 0
+
+    def intdigest(self) -> int:
+        tail = [self.cur.intdigest()] if self.fill else []
+        return combine_segments(self.layer, self.digests + tail, self.seed)
 
 
 def trailer(sums: list[int], offset: int, seed: int) -> bytes:
@@ -175,7 +226,7 @@ class BundleWriter:
 
     def __init__(self, out: BinaryIO, header: dict):
         self.out = out
-        self.num_layers, self.tokens, self.specs = parse_specs(header)
+        self.num_layers, self.tokens, self.specs, self.segment = parse_specs(header)
         prefix, self.seed = bundle_prefix(header)
         self.sums: list[int] = []
         self.offset = 0
@@ -196,8 +247,7 @@ class BundleWriter:
             require(isinstance(t, torch.Tensor) and t.dtype == s.dtype and tuple(t.shape) == tuple(want),
                     Status.INVALID_ARGUMENT, f"layer {layer} tensor {s.name} must be {s.dtype} {tuple(want)}")
             parts.append(memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
-        h = _hasher(self.seed)
-        h.update(struct.pack("<I", layer))
+        h = ChunkHasher(layer, self.seed, self.segment)
         self._put(chunk_head(layer, sum(p.nbytes for p in parts)))
         for p in parts:  # streamed: each tensor's bytes go out as they are, no joined copy
             h.update(p)
@@ -239,7 +289,7 @@ class BundleReader:
             raise _bad("header is not a canonical JSON object")
         self.version = (major, minor)
         self.seed = seed
-        self.num_layers, self.tokens, self.specs = parse_specs(self.header)
+        self.num_layers, self.tokens, self.specs, self.segment = parse_specs(self.header)
 
     def _take(self, n: int, what: str) -> bytes:
         return bytes(self._take_into(n, what))
@@ -269,7 +319,7 @@ class BundleReader:
         for layer in range(self.num_layers):
             check_chunk_head(self._take(16, f"chunk {layer}"), layer, size)
             payload = self._take_into(size, f"chunk {layer}'s payload")
-            sums.append(check_chunk_sum(layer, chunk_checksum(layer, payload, self.seed),
+            sums.append(check_chunk_sum(layer, chunk_checksum(layer, payload, self.seed, self.segment),
                                         self._take(8, f"chunk {layer}'s checksum")))
             yield split_payload(torch.frombuffer(payload, dtype=torch.uint8) if payload else
                                 torch.empty(0, dtype=torch.uint8), self.specs, self.tokens)

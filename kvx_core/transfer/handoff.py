@@ -24,7 +24,7 @@ from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format, rotate
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
-from .bundle import BundleReader, BundleWriter, TensorSpec
+from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec
 from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows
 
 
@@ -100,7 +100,8 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
                        "ids_sha256": None if token_ids is None else _token_hash(token_ids)},
             "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
                       "head_dim": first.head_dim, "kv_heads": [a, b]},
-            "tensors": [s.to_json() for s in specs], "created_by": "kvx"}
+            "tensors": [s.to_json() for s in specs], "created_by": "kvx",
+            "checksum": {"algorithm": "xxh64", "segment_bytes": SEGMENT_BYTES}}
 
 
 def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,

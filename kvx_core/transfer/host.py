@@ -9,6 +9,7 @@ bytes are exactly those of `export_bundle`; the buffer can back a file, shared m
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,18 +17,18 @@ import torch
 
 from ..descriptors import CacheDesc
 from ..errors import Status, require
-from .bundle import (BundleReader, bundle_prefix, check_chunk_head, check_chunk_sum, check_trailer, chunk_checksum,
-                     chunk_head, parse_specs, split_payload, trailer)
+from .bundle import (BundleReader, bundle_prefix, check_chunk_head, check_chunk_sum, check_trailer, chunk_head,
+                     combine_segments, parse_specs, segment_digest, segments, split_payload, trailer)
 from .handoff import ModelFingerprint, bundle_header
 from .rows import check_slots, read_rows
 
-THREADS = 8
-"""Checksum threads (xxhash releases the GIL: layers hash in parallel, ~10 GB/s each)."""
+THREADS = min(16, os.cpu_count() or 1)
+"""Checksum threads: xxhash releases the GIL, so checksum segments hash in parallel (~6-10 GB/s per thread)."""
 
 
 def bundle_size(header: dict) -> tuple[int, int, int]:
     """(offset of the first chunk, payload bytes per chunk, total bytes) of the bundle of `header`."""
-    layers, tokens, specs = parse_specs(header)
+    layers, tokens, specs, _ = parse_specs(header)
     first = len(bundle_prefix(header)[0])
     payload = sum(s.nbytes(tokens) for s in specs)
     return first, payload, first + layers * (16 + payload + 8) + 24
@@ -45,7 +46,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     """The bundle of one sequence (as `export_bundle` writes it) in host memory: `out[:n]` when `out` (a uint8 CPU
     tensor, pinned for speed, reused across calls) is given and large enough, else a new pinned (on CUDA) tensor."""
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
-    _, tokens, specs = parse_specs(header)
+    _, tokens, specs, segment = parse_specs(header)
     prefix, seed = bundle_prefix(header)
     first, size, total = bundle_size(header)
     dev = caches[0].k.tensor.device
@@ -72,8 +73,9 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             done = torch.cuda.Event() if cuda else None
             if done is not None:
                 done.record()
-            sums.append(pool.submit(_checksum_after, done, i, mem[at + 16:at + 16 + size], seed))
-        sums = [f.result() for f in sums]
+            sums.append([pool.submit(_digest_after, done, mem[at + 16 + a:at + 16 + b], seed)
+                         for a, b in segments(size, segment)])
+        sums = [combine_segments(i, [f.result() for f in fs], seed) for i, fs in enumerate(sums)]
     for i, c in enumerate(sums):
         at = first + i * (size + 24) + 16 + size
         mem[at:at + 8] = memoryview(c.to_bytes(8, "little"))
@@ -81,10 +83,10 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     return buf
 
 
-def _checksum_after(done, layer: int, payload, seed: int) -> int:
+def _digest_after(done, segment, seed: int) -> int:
     if done is not None:
         done.synchronize()
-    return chunk_checksum(layer, payload, seed)
+    return segment_digest(segment, seed)
 
 
 class _View:
@@ -116,6 +118,7 @@ class HostBundle:
         reader = BundleReader(_View(memoryview(self.mem)))
         self.header, self.version, self.seed = reader.header, reader.version, reader.seed
         self.num_layers, self.tokens, self.specs = reader.num_layers, reader.tokens, reader.specs
+        self.segment = reader.segment
         self.first, self.size, self.total = reader.offset, *bundle_size(self.header)[1:]
         require(buf.numel() == self.total, Status.INVALID_ARGUMENT,
                 f"KVX bundle rejected: {buf.numel()} bytes where its header declares {self.total} "
@@ -132,11 +135,12 @@ class HostBundle:
             for i in range(self.num_layers):
                 at = self.first + i * (n + 24)
                 check_chunk_head(bytes(m[at:at + 16]), i, n)
-                sums.append(pool.submit(chunk_checksum, i, m[at + 16:at + 16 + n], self.seed))
+                sums.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
+                             for a, b in segments(n, self.segment)])
                 if cuda and n:
                     staged[i * n:(i + 1) * n].copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
-            sums = [check_chunk_sum(i, f.result(), bytes(m[self.first + i * (n + 24) + 16 + n:][:8]))
-                    for i, f in enumerate(sums)]
+            sums = [check_chunk_sum(i, combine_segments(i, [f.result() for f in fs], self.seed),
+                                    bytes(m[self.first + i * (n + 24) + 16 + n:][:8])) for i, fs in enumerate(sums)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
         payload = staged if cuda else self.buf[self.first:]
         step = n if cuda else n + 24

@@ -157,10 +157,32 @@ def test_reordered_duplicated_or_missing_chunks_are_refused(small):
     _refused(head + c0 + c1 + c1 + tail, dst, torch.arange(3), match="expected the trailer")
 
 
-def test_unknown_version_is_unsupported(small):
+@pytest.mark.parametrize("major", [1, 3])
+def test_unknown_version_is_unsupported(small, major):
+    """Another major version is refused as such (1.x: the pre-release format whose chunk checksums were not
+    segmented), never read as a corrupted 2.x bundle."""
     blob, dst = small
-    e = _refused(blob[:8] + struct.pack("<H", 2) + blob[10:], dst, torch.arange(3), match="version 2.0")
+    e = _refused(blob[:8] + struct.pack("<H", major) + blob[10:], dst, torch.arange(3), match=f"version {major}.0")
     assert e.status == Status.UNSUPPORTED
+
+
+def test_checksum_segments_are_declared_and_checked(small):
+    """The chunk checksum covers the payload in `checksum.segment_bytes` segments; a header declaring another
+    algorithm or segment size is refused, and a multi-segment payload's checksum equals the streamed one."""
+    from kvx_core.transfer.bundle import ChunkHasher, chunk_checksum, parse_specs
+
+    blob, _ = small
+    header = BundleReader(io.BytesIO(blob)).header
+    assert header["checksum"] == {"algorithm": "xxh64", "segment_bytes": 1 << 20}
+    for bad in ({"algorithm": "xxh3", "segment_bytes": 1 << 20}, {"algorithm": "xxh64", "segment_bytes": 1000},
+                {"algorithm": "xxh64", "segment_bytes": 1 << 15}, {"algorithm": "xxh64", "segment_bytes": 1 << 27}, {}):
+        with pytest.raises(KvxError, match="checksum"):
+            parse_specs({**header, "checksum": bad})
+    data = bytes(range(256)) * 1000  # 256000 bytes: 4 segments of 64 KiB (the last partial)
+    h = ChunkHasher(3, 99, 1 << 16)
+    for a in range(0, len(data), 7777):
+        h.update(data[a:a + 7777])
+    assert h.intdigest() == chunk_checksum(3, data, 99, 1 << 16) != chunk_checksum(3, data, 99, 1 << 17)
 
 
 def test_bundle_of_another_model_tokens_or_geometry_is_incompatible(small):
