@@ -29,7 +29,7 @@ MAGIC = b"KVXBNDL\0"
 CHUNK_TAG = b"KVXC"
 TRAILER_TAG = b"KVXE"
 VERSION = (2, 0)
-SEGMENT_BYTES = 1 << 20
+SEGMENT_BYTES = 1 << 23
 """Segment size of chunk checksums that writers use (`checksum.segment_bytes` in the header; readers take any
 power of two in [64 KiB, 64 MiB])."""
 MAX_HEADER_BYTES = 64 << 20

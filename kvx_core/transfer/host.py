@@ -24,6 +24,15 @@ from .rows import check_slots, read_rows
 
 THREADS = min(16, os.cpu_count() or 1)
 """Checksum threads: xxhash releases the GIL, so checksum segments hash in parallel (~6-10 GB/s per thread)."""
+_pool: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """One checksum pool per process, started on first use (no thread start-up per bundle)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kvx-bundle-hash")
+    return _pool
 
 
 def bundle_size(header: dict) -> tuple[int, int, int]:
@@ -60,33 +69,29 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     mem[:first] = memoryview(prefix)
     where = check_slots(caches[0], slots)
     cuda = dev.type == "cuda"
-    with ThreadPoolExecutor(THREADS) as pool:
-        sums = []
-        for i, cache in enumerate(caches):
-            rows = read_rows(cache, slots, where=where)
-            at = first + i * (size + 24)
-            mem[at:at + 16] = memoryview(chunk_head(i, size))
-            payload = buf[at + 16:at + 16 + size]
-            if size:
-                payload.copy_(torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs]),
-                              non_blocking=cuda)
-            done = torch.cuda.Event() if cuda else None
-            if done is not None:
-                done.record()
-            sums.append([pool.submit(_digest_after, done, mem[at + 16 + a:at + 16 + b], seed)
-                         for a, b in segments(size, segment)])
-        sums = [combine_segments(i, [f.result() for f in fs], seed) for i, fs in enumerate(sums)]
+    landed = []
+    for i, cache in enumerate(caches):  # queue every layer's gather and copy first: the copies run back to back
+        rows = read_rows(cache, slots, where=where)
+        at = first + i * (size + 24)
+        mem[at:at + 16] = memoryview(chunk_head(i, size))
+        if size:
+            buf[at + 16:at + 16 + size].copy_(torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs]),
+                                              non_blocking=cuda)
+        landed.append(torch.cuda.Event() if cuda else None)
+        if cuda:
+            landed[-1].record()
+    pool, futures = _hash_pool(), []
+    for i, done in enumerate(landed):  # hash each layer's segments in parallel as soon as its copy lands
+        if done is not None:
+            done.synchronize()
+        at = first + i * (size + 24) + 16
+        futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in segments(size, segment)])
+    sums = [combine_segments(i, [f.result() for f in fs], seed) for i, fs in enumerate(futures)]
     for i, c in enumerate(sums):
         at = first + i * (size + 24) + 16 + size
         mem[at:at + 8] = memoryview(c.to_bytes(8, "little"))
     mem[total - 24:] = memoryview(trailer(sums, total - 24, seed))
     return buf
-
-
-def _digest_after(done, segment, seed: int) -> int:
-    if done is not None:
-        done.synchronize()
-    return segment_digest(segment, seed)
 
 
 class _View:
@@ -130,17 +135,16 @@ class HostBundle:
         cuda = device.type == "cuda"
         staged = torch.empty(self.num_layers * self.size, dtype=torch.uint8, device=device) if cuda else None
         m, n = self.mem, self.size
-        with ThreadPoolExecutor(THREADS) as pool:
-            sums = []
-            for i in range(self.num_layers):
-                at = self.first + i * (n + 24)
-                check_chunk_head(bytes(m[at:at + 16]), i, n)
-                sums.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
-                             for a, b in segments(n, self.segment)])
-                if cuda and n:
-                    staged[i * n:(i + 1) * n].copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
-            sums = [check_chunk_sum(i, combine_segments(i, [f.result() for f in fs], self.seed),
-                                    bytes(m[self.first + i * (n + 24) + 16 + n:][:8])) for i, fs in enumerate(sums)]
+        pool, sums = _hash_pool(), []
+        for i in range(self.num_layers):
+            at = self.first + i * (n + 24)
+            check_chunk_head(bytes(m[at:at + 16]), i, n)
+            sums.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
+                         for a, b in segments(n, self.segment)])
+            if cuda and n:
+                staged[i * n:(i + 1) * n].copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
+        sums = [check_chunk_sum(i, combine_segments(i, [f.result() for f in fs], self.seed),
+                                bytes(m[self.first + i * (n + 24) + 16 + n:][:8])) for i, fs in enumerate(sums)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
         payload = staged if cuda else self.buf[self.first:]
         step = n if cuda else n + 24

@@ -173,7 +173,7 @@ def test_checksum_segments_are_declared_and_checked(small):
 
     blob, _ = small
     header = BundleReader(io.BytesIO(blob)).header
-    assert header["checksum"] == {"algorithm": "xxh64", "segment_bytes": 1 << 20}
+    assert header["checksum"] == {"algorithm": "xxh64", "segment_bytes": 1 << 23}
     for bad in ({"algorithm": "xxh3", "segment_bytes": 1 << 20}, {"algorithm": "xxh64", "segment_bytes": 1000},
                 {"algorithm": "xxh64", "segment_bytes": 1 << 15}, {"algorithm": "xxh64", "segment_bytes": 1 << 27}, {}):
         with pytest.raises(KvxError, match="checksum"):
