@@ -202,14 +202,18 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     return new
 
 
-def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slots: torch.Tensor):
+def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slots: torch.Tensor, wheres: dict):
     """The store of one layer's bundled `rows` (source format `src_name`) into `cache` at `slots`, checked and
-    converted now; the returned callable only stores."""
+    converted now; the returned callable only stores. `wheres` caches `check_slots` per cache geometry."""
     src, dst = get_format(src_name), format_of(cache)
     if src == dst:
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
         if all(g is None or torch.equal(g, rows[n].to(g.device)) for n, g in (("k_global", kg), ("v_global", vg))):
-            return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS})
+            key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
+            if key not in wheres:
+                wheres[key] = check_slots(cache, slots)
+            return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
+                                      where=wheres[key])
     kv = decode_rows(rows, src)
     dev = cache.k.tensor.device
     check_slots(cache, slots)
@@ -262,7 +266,8 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
     rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
     fmt = first["cache"]["format"]
-    stores = [_prepare(layer_rows, fmt, cache, slots) for layer_rows, cache in zip(rows, caches)]
+    wheres: dict = {}
+    stores = [_prepare(layer_rows, fmt, cache, slots, wheres) for layer_rows, cache in zip(rows, caches)]
     for store in stores:
         store()
     return [r.header for r in readers]

@@ -69,8 +69,20 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     mem[:first] = memoryview(prefix)
     where = check_slots(caches[0], slots)
     cuda = dev.type == "cuda"
-    landed = []
-    for i, cache in enumerate(caches):  # queue every layer's gather and copy first: the copies run back to back
+    pool, landed, futures = _hash_pool(), [], []
+
+    def hash_landed(block: bool) -> None:
+        """Submit the checksum segments of every layer whose copy has landed (all of them when `block`)."""
+        while len(futures) < len(landed):
+            i, done = len(futures), landed[len(futures)]
+            if done is not None and not done.query():
+                if not block:
+                    return
+                done.synchronize()
+            at = first + i * (size + 24) + 16
+            futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in segments(size, segment)])
+
+    for i, cache in enumerate(caches):  # queue each layer's gather and copy; hash the layers already landed
         rows = read_rows(cache, slots, where=where)
         at = first + i * (size + 24)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
@@ -80,12 +92,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
         landed.append(torch.cuda.Event() if cuda else None)
         if cuda:
             landed[-1].record()
-    pool, futures = _hash_pool(), []
-    for i, done in enumerate(landed):  # hash each layer's segments in parallel as soon as its copy lands
-        if done is not None:
-            done.synchronize()
-        at = first + i * (size + 24) + 16
-        futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in segments(size, segment)])
+        hash_landed(block=False)
+    hash_landed(block=True)
     sums = [combine_segments(i, [f.result() for f in fs], seed) for i, fs in enumerate(futures)]
     for i, c in enumerate(sums):
         at = first + i * (size + 24) + 16 + size

@@ -71,11 +71,13 @@ def write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tens
     store()
 
 
-def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor]):
-    """Check a `write_rows` call completely and return the store (a callable that cannot fail on its inputs)."""
+def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor],
+                       where: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Check a `write_rows` call completely and return the store (a callable that cannot fail on its inputs).
+    `where`: as for `read_rows`."""
     cache.validate()
     fmt = format_of(cache)
-    blk, off = check_slots(cache, slots)
+    blk, off = check_slots(cache, slots) if where is None else where
     for name, (dtype, shape) in format_specs(fmt, cache.num_kv_heads, cache.head_dim).items():
         if name in LAYER_TENSORS:
             continue
