@@ -1,0 +1,119 @@
+"""The NIXL transport (`kvx_core.transfer.nixl`): real NIXL agents, UCX over TCP loopback, in one process and
+across two; the bundle checks cover what crosses the wire."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+try:
+    import nixl  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):  # scripts/setup_env.sh installs it: missing in CI is a failure, not a skip
+        raise
+    pytest.skip("NIXL not installed: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1", allow_module_level=True)
+
+from kvx_core.errors import KvxError, Status  # noqa: E402
+from kvx_core.transfer import export_bundle, import_bundle  # noqa: E402
+from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
+from kvx_core.transfer.rows import read_rows  # noqa: E402
+
+from .test_bundle import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
+
+UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+@pytest.fixture(autouse=True)
+def _ucx_loopback(monkeypatch):
+    for k, v in UCX.items():
+        monkeypatch.setenv(k, v)
+
+
+def _rows_equal(a, sa, b, sb) -> bool:
+    return all(all(torch.equal(x[n].view(torch.uint8), y[n].view(torch.uint8)) for n in x)
+               for x, y in ((read_rows(a.descriptor(i), sa), read_rows(b.descriptor(i), sb)) for i in range(LAYERS)))
+
+
+def _same_scales(dst, src):
+    """The destination takes the source's global scales, so same-format rows are stored as they are."""
+    for layer in range(LAYERS):
+        if src.layers[layer].k_global is not None:
+            dst.set_global_scales(layer, src.layers[layer].k_global, src.layers[layer].v_global)
+    return dst
+
+
+def test_in_process_handoff_is_bit_identical_and_converts():
+    src, slots = _cache("nvfp4", 16, 4, tokens=40)
+    sender, receiver = NixlPeer("kvx-send", 1 << 20), NixlPeer("kvx-recv", 1 << 20)
+    ids = list(range(40))
+    ticket = sender.publish(_descs(src), slots, model=MODEL, token_ids=ids)
+    assert json.loads(json.dumps(ticket)) == ticket  # travels as JSON
+    dst = _same_scales(_cache("nvfp4", 8, 8)[0], src)
+    back = torch.arange(63, 23, -1)
+    header = receiver.receive(ticket, _descs(dst), back, model=MODEL, token_ids=ids)
+    assert header["cache"]["format"] == "nvfp4" and _rows_equal(src, slots, dst, back)
+    into_bf16, oracle = _cache("bf16", 8, 8)[0], _cache("bf16", 8, 8)[0]
+    receiver.receive(ticket, _descs(into_bf16), back, model=MODEL)
+    import_bundle(receiver.fetch(ticket).clone(), _descs(oracle), back, model=MODEL)
+    assert _rows_equal(into_bf16, back, oracle, back)
+
+
+def test_stale_ticket_bad_ticket_and_small_buffer_are_refused_untouched():
+    a, slots = _cache("int8", 16, 4, tokens=20)
+    sender, receiver = NixlPeer("kvx-send2", 1 << 20), NixlPeer("kvx-recv2", 4096)
+    ticket = sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))
+    dst, _ = _cache("int8", 16, 4, seed=3, tokens=12)
+    before = _snapshot(dst)
+    with pytest.raises(KvxError) as e:  # 4 KiB cannot hold the bundle
+        receiver.fetch(ticket)
+    assert e.value.status == Status.OUT_OF_RANGE
+    big = NixlPeer("kvx-recv3", 1 << 20)
+    b, _ = _cache("int8", 16, 4, seed=5, tokens=20)
+    sender.publish(_descs(b), slots, model=MODEL, token_ids=list(range(1, 21)))  # overwrites the sender's buffer
+    with pytest.raises(KvxError, match="truncated"):  # the new bundle is one byte longer than the ticket says
+        big.receive(ticket, _descs(dst), torch.arange(20), model=MODEL, token_ids=list(range(20)))
+    sender.publish(_descs(b), slots, model=MODEL, token_ids=list(range(19, -1, -1)))  # same size, other tokens
+    with pytest.raises(KvxError, match="other tokens"):
+        big.receive(ticket, _descs(dst), torch.arange(20), model=MODEL, token_ids=list(range(20)))
+    for bad in ({}, {"nbytes": "x", "metadata": "", "descs": ""}):
+        with pytest.raises(KvxError, match="ticket"):
+            big.fetch(bad)
+    assert _unchanged(dst, before)
+
+
+SENDER = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from tests.transfer.test_bundle import MODEL, _cache, _descs
+    from kvx_core.transfer.nixl import NixlPeer
+    src, slots = _cache("k8v4", 16, 4, tokens=50)
+    peer = NixlPeer("kvx-remote-sender", 1 << 20)
+    print("KVX_TICKET " + json.dumps(peer.publish(_descs(src), slots, model=MODEL, token_ids=list(range(50)))), flush=True)
+    sys.stdin.readline()  # keep the buffer alive until the receiver is done
+""")
+
+
+def test_handoff_between_two_processes_over_tcp_loopback():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.Popen([sys.executable, "-c", SENDER, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, **UCX})
+    try:
+        line = ""
+        while not line.startswith("KVX_TICKET ") and (line or p.poll() is None):
+            line = p.stdout.readline()  # NIXL logs to stdout too
+        assert line.startswith("KVX_TICKET "), p.stderr.read()[-3000:]
+        ticket = json.loads(line.split(" ", 1)[1])
+        src, slots = _cache("k8v4", 16, 4, tokens=50)  # the sender's cache, rebuilt from the same seed
+        dst = _same_scales(_cache("k8v4", 32, 4)[0], src)
+        back = torch.arange(100, 50, -1)
+        NixlPeer("kvx-remote-receiver", 1 << 20).receive(ticket, _descs(dst), back, model=MODEL,
+                                                         token_ids=list(range(50)))
+        assert _rows_equal(src, slots, dst, back)
+    finally:
+        p.communicate("done\n", timeout=60)
+    assert p.returncode == 0
