@@ -6,6 +6,8 @@ Shapes (vllm-project/vllm; layouts in docs/engine_layouts.md §17.1, commits in 
   for NHD and `(0, 1, 3, 2, 4)` for HND (`VLLM_KV_CACHE_LAYOUT`).
 - `vllm/v1/attention/backends/flashinfer.py` `FlashInferBackend.get_kv_cache_shape` ->
   `(num_blocks, 2, block_size, num_kv_heads, head_size)`, same stride orders.
+- vLLM 0.26 packs K and V into the content dim instead: both backends' `get_kv_cache_shape` ->
+  `(num_blocks, num_kv_heads, block_size, 2 * head_size)` (`from_vllm_packed_kv_cache`).
 - `vllm/v1/worker/gpu_model_runner.py` allocates raw bytes, views them in the physical (stride-ordered)
   shape and exposes `.permute(*inv_order)`: the tensor a layer sees always has the *logical* shape
   above with the physical strides (and, with padded pages or the cross-layer layout, a larger block
@@ -66,6 +68,27 @@ def from_vllm_kv_cache(kv_cache: torch.Tensor, *, backend: str = "flash_attn", n
     _check_geometry(f"vLLM {backend}", {"num_kv_heads": h, "head_dim": d, "block_size": b},
                     num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
     (kl, kt), (vl, vt) = _name_layout(k), _name_layout(v)
+    return _describe(kt, kl, vt, vl, block_size=b, num_kv_heads=h, head_dim=d)
+
+
+def from_vllm_packed_kv_cache(kv_cache: torch.Tensor, *, num_kv_heads: int | None = None,
+                              head_dim: int | None = None, block_size: int | None = None,
+                              cache_dtype: torch.dtype | None = None) -> CacheDesc:
+    """Describe one layer's cache of vLLM 0.26's FlashAttention backend (zero-copy).
+
+    vLLM 0.26 `flash_attn.py` `get_kv_cache_shape` -> `(num_blocks, num_kv_heads, block_size, 2 * head_size)`:
+    "K and V are packed into the content dim" (K the first `head_size` values of a token's row, V the rest);
+    `get_kv_cache_stride_order` keeps that order for HND and puts the block's tokens first for NHD
+    (`(0, 2, 1, 3)`). The layout is read from the strides, as in `from_vllm_kv_cache`.
+    """
+    t = _tensor(kv_cache, "vLLM packed kv_cache", 4)
+    t = _as_cache_dtype(t, cache_dtype, "vLLM packed kv_cache")
+    n, h, b, c = t.shape
+    require(c % 2 == 0, Status.INVALID_ARGUMENT, f"vLLM packed kv_cache: content dim {c} is not 2 x head_size")
+    d = c // 2
+    _check_geometry("vLLM packed flash_attn", {"num_kv_heads": h, "head_dim": d, "block_size": b},
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    (kl, kt), (vl, vt) = (_name_layout(x.permute(0, 2, 1, 3)) for x in (t[..., :d], t[..., d:]))
     return _describe(kt, kl, vt, vl, block_size=b, num_kv_heads=h, head_dim=d)
 
 

@@ -218,3 +218,29 @@ def test_zero_length_sequences():
     out = _gather(vllm.from_vllm_kv_cache(kv), vllm.block_table_from_vllm(wl.table), wl.lens)
     assert out.num_tokens == 22
     assert torch.equal(out.key, wl.expected()[0])
+
+
+@pytest.mark.parametrize("order", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_packed_flash_cache_of_vllm_026(order, dtype):
+    """vLLM 0.26's FlashAttention / FlashInfer cache `(blocks, heads, block_size, 2 * head_size)`, K then V in each
+    token's row, in both stride orders: KVX writes where vLLM's reader looks (hand-made index oracle) and gathers
+    what vLLM wrote; fp8 byte caches need `cache_dtype`."""
+    n, h, b, d = 6, 3, 16, 64
+    shape = (n, h, b, 2 * d) if order == "HND" else (n, b, h, 2 * d)
+    raw = torch.zeros(shape, dtype=torch.uint8 if dtype != torch.bfloat16 else dtype)
+    kv = raw if order == "HND" else raw.permute(0, 2, 1, 3)
+    cache = vllm.from_vllm_packed_kv_cache(kv, cache_dtype=dtype if dtype != torch.bfloat16 else None,
+                                           num_kv_heads=h, head_dim=d, block_size=b)
+    assert cache.k.layout == (Layout.HND if order == "HND" else Layout.NHD)
+    slots = torch.tensor([0, 17, 40, 95, 3])
+    k, v = torch.randn(5, h, d), torch.randn(5, h, d)
+    write_kv(cache, WriteDesc(KvIoDesc(k, v), SlotMapping(slots)))
+    view = kv.view(dtype) if dtype != torch.bfloat16 else kv
+    blk, off = slots // b, slots % b
+    assert torch.equal(view[blk, :, off, :d].float(), k.to(dtype).float())
+    assert torch.equal(view[blk, :, off, d:].float(), v.to(dtype).float())
+    with pytest.raises(KvxError):
+        vllm.from_vllm_packed_kv_cache(kv, num_kv_heads=h + 1)
+    with pytest.raises(KvxError):
+        vllm.from_vllm_packed_kv_cache(torch.zeros(2, 2, 16, 7))

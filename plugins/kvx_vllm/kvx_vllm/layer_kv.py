@@ -3,7 +3,8 @@ bundle (or a slice of its tokens) into the cache, converting format, layout and 
 
 How each layer's cache is reached, by the attention implementation vLLM built for it:
 - KVX pages (`kvx_*` dtypes): the backend's own zero-copy descriptor (`KvxAttentionImpl.cache_desc`).
-- vLLM's FlashAttention / FlashInfer caches (`auto`; `fp8` with unit scales): `kvx_adapters.vllm`.
+- vLLM's FlashAttention / FlashInfer caches (`auto`; `fp8` with unit scales): `kvx_adapters.vllm` (vLLM 0.26 packs
+  K and V into each token's row, `(blocks, heads, block_size, 2 * head_size)`; earlier releases stack them).
 - vLLM CPU's `auto` cache: its K is packed in an ISA-specific tile layout (`cpu_attn_reshape_and_cache`, csrc/cpu),
   so it is not a strided tensor. `CpuPacking` learns the layout from vLLM's own writer (it writes probe tokens whose
   values are their own coordinates and reads back where each landed, checking that every coordinate lands exactly
@@ -119,10 +120,11 @@ class LayerCaches:
         """Zero-copy descriptors of every layer (not for vLLM CPU's packed cache)."""
         if self.kind == "kvx":
             return [layer.impl.cache_desc(layer, kv) for layer, kv in zip(self.layers, self.kv)]
-        from kvx_adapters.vllm import from_vllm_kv_cache
+        from kvx_adapters.vllm import from_vllm_kv_cache, from_vllm_packed_kv_cache
 
-        return [from_vllm_kv_cache(kv, backend=self.kind, cache_dtype=_FP8.get(self.cache_dtype))
-                for kv in self.kv]
+        dtype = _FP8.get(self.cache_dtype)
+        return [from_vllm_packed_kv_cache(kv, cache_dtype=dtype) if kv.dim() == 4  # vLLM 0.26: K|V in the row
+                else from_vllm_kv_cache(kv, backend=self.kind, cache_dtype=dtype) for kv in self.kv]
 
     def export(self, out: BinaryIO, slots: torch.Tensor, *, model: ModelFingerprint,
                token_ids: Sequence[int]) -> dict:
