@@ -8,8 +8,9 @@ disaggregated decode), then again computing everything locally (`skip_reading_pr
 reference with this instance's cache dtype). `--produce NAME`: compute the prompt set NAME (one output token), which
 stores the prompts' KV. `--reload`: offload and reload: generate a new prompt (stored), drop vLLM's prefix cache,
 generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk of the store
-entry of the consumed set's last prompt (a faulty disk); the connector's load-failure policy is "recompute", so
-that request is recomputed instead of failing.
+entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM 0.32 (that
+request is recomputed) and "fail" on 0.26 (it ends with finish_reason "error"; the connector refuses "recompute"
+there).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ GEN = 16
 def _result(req) -> dict:
     o = req.outputs[0]
     return {"prompt_tokens": len(req.prompt_token_ids), "cached": req.num_cached_tokens,
+            "finish_reason": o.finish_reason,
             "tokens": list(o.token_ids),
             "logprobs": [sorted((k, v.logprob) for k, v in lp.items()) for lp in o.logprobs]}
 
@@ -44,15 +46,18 @@ def _damage(llm, store: str, prompt: str) -> None:
 
 def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str | None, produce: str | None,
          reload: bool, damage: bool) -> dict:
+    import vllm
     from vllm import LLM, SamplingParams
 
+    policy = "fail" if vllm.__version__.startswith("0.26") else "recompute"  # the connector refuses it on 0.26
     llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=dtype, block_size=block, max_model_len=1024,
               enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=512, enable_prefix_caching=True, seed=0,
               distributed_executor_backend="uni",
               kv_transfer_config={"kv_connector": "KvxConnector", "kv_role": role,
-                                  "kv_load_failure_policy": "recompute",
+                                  "kv_load_failure_policy": policy,
                                   "kv_connector_extra_config": {"kvx_store": store}})
-    out: dict = {"dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    out: dict = {"dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+                 "failure_policy": policy}
     greedy = dict(temperature=0.0, max_tokens=GEN, logprobs=5, ignore_eos=True)
     if damage:
         _damage(llm, store, PROMPTS[consume][-1])

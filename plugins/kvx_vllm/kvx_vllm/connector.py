@@ -89,6 +89,12 @@ class KvxConnector(KVConnectorBase_V1):
             import xxhash  # noqa: F401  (bundle checksums; a missing package must fail at startup, not per request)
         except ImportError:
             raise ValueError("KVX connector: needs the xxhash package (pip install kvx-vllm pulls kvx[transfer])") from None
+        from .compat import vllm_version
+
+        if vllm_version() == (0, 26) and getattr(cfg, "kv_load_failure_policy", "fail") == "recompute":
+            raise ValueError('KVX connector: kv_load_failure_policy "recompute" is refused on vLLM 0.26: after a '
+                             "refused (damaged) bundle its scheduler decoded from the unloaded blocks instead of "
+                             'recomputing them (H100 run); use "fail" (the default), or vLLM 0.32')
         root = cfg.get_from_extra_config("kvx_store", None)
         if not root:
             raise ValueError('KVX connector: set the store directory, e.g. --kv-transfer-config \'{"kv_connector": '
@@ -113,7 +119,8 @@ class KvxConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Bundled prompt tokens beyond the `num_computed_tokens` held locally, up to the prompt's last token."""
-        if not self.consumer:
+        params = getattr(request, "sampling_params", None)
+        if not self.consumer or getattr(params, "skip_reading_prefix_cache", None):  # 0.26 asks us, 0.32 does not
             return 0, False
         ids = list(request.prompt_token_ids or [])
         try:
