@@ -48,6 +48,11 @@ def _vllm_flashinfer_hnd(bs):
     return vllm.from_vllm_kv_cache(t, backend="flashinfer")
 
 
+def _vllm_026_packed_nhd(bs):
+    """vLLM 0.26 FlashAttention: (blocks, heads, block_size, 2 * head_size), NHD stride order, K|V in each row."""
+    return vllm.from_vllm_packed_kv_cache(torch.zeros(N, bs, H, 2 * D, dtype=torch.bfloat16).permute(0, 2, 1, 3))
+
+
 def _vllm_paged(bs):
     x = 16 // 2
     return vllm.from_vllm_paged(torch.zeros(N, H, D // x, bs, x, dtype=torch.float16), torch.zeros(N, H, D, bs,
@@ -95,6 +100,7 @@ ENGINES = {
     "vllm_flash_attn_fp8": (16, _per_layer(lambda bs: _vllm_flash(bs, dtype=torch.float8_e4m3fn))),
     "vllm_flashinfer_hnd": (16, _per_layer(_vllm_flashinfer_hnd)),
     "vllm_paged_fp16": (16, _per_layer(_vllm_paged)),
+    "vllm_026_flash_packed": (32, _per_layer(_vllm_026_packed_nhd)),
     "tgi_flashinfer": (8, _per_layer(lambda bs: _tgi(bs, "flashinfer"))),
     "trtllm_pool_fp16": (8, _trtllm),
     "flashinfer_hnd": (16, _per_layer(_flashinfer_hnd)),

@@ -19,7 +19,7 @@ except ImportError:
     pytest.skip("NIXL not installed: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1", allow_module_level=True)
 
 from kvx_core.errors import KvxError, Status  # noqa: E402
-from kvx_core.transfer import export_bundle, import_bundle  # noqa: E402
+from kvx_core.transfer import import_bundle  # noqa: E402
 from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
 from kvx_core.transfer.rows import read_rows  # noqa: E402
 
