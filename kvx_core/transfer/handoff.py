@@ -77,8 +77,10 @@ def _head_range(kv_heads, model: ModelFingerprint, what: str) -> tuple[int, int]
 
 
 def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
-                  token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None) -> dict:
-    """The header of the bundle of one sequence (`export_bundle`'s arguments), after checking every layer agrees."""
+                  token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
+                  segment_bytes: int = SEGMENT_BYTES) -> dict:
+    """The header of the bundle of one sequence (`export_bundle`'s arguments), after checking every layer agrees;
+    `segment_bytes`: the checksum segment size it declares."""
     require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
             f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
     first = caches[0]
@@ -101,7 +103,7 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
             "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
                       "head_dim": first.head_dim, "kv_heads": [a, b]},
             "tensors": [s.to_json() for s in specs], "created_by": "kvx",
-            "checksum": {"algorithm": "xxh64", "segment_bytes": SEGMENT_BYTES}}
+            "checksum": {"algorithm": "xxh64", "segment_bytes": segment_bytes}}
 
 
 def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,

@@ -13,15 +13,20 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from ..descriptors import CacheDesc
 from ..errors import Status, require
-from .bundle import (BundleReader, bundle_prefix, check_chunk_head, check_chunk_sum, check_trailer, chunk_head,
+from .bundle import (SEGMENT_BYTES, BundleReader, bundle_prefix, check_chunk_head, check_chunk_sum, check_trailer, chunk_head,
                      combine_segments, parse_specs, segment_digest, segments, split_payload, trailer)
 from .handoff import ModelFingerprint, bundle_header
 from .rows import check_slots, read_rows
 
+GPU_SEGMENT_BYTES = 1 << 16
+"""Checksum segments of bundles exported from CUDA caches: 64 KiB, one GPU program each (thousands per bundle)."""
+GPU_HASH_MAX_SEGMENT = 1 << 20
+"""Import verifies segments up to this size on the GPU; larger ones (few and long) in the host thread pool."""
 THREADS = min(16, os.cpu_count() or 1)
 """Checksum threads: xxhash releases the GIL, so checksum segments hash in parallel (~6-10 GB/s per thread)."""
 _pool: ThreadPoolExecutor | None = None
@@ -33,6 +38,13 @@ def _hash_pool() -> ThreadPoolExecutor:
     if _pool is None:
         _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kvx-bundle-hash")
     return _pool
+
+
+def gpu_segment_digests(buf: torch.Tensor, segment: int, seed: int) -> torch.Tensor:
+    """`gpu_hash.segment_digests` (imported on first use: Triton is needed only for CUDA caches)."""
+    from .gpu_hash import segment_digests
+
+    return segment_digests(buf, segment, seed)
 
 
 def bundle_size(header: dict) -> tuple[int, int, int]:
@@ -53,14 +65,16 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
                    token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The bundle of one sequence (as `export_bundle` writes it) in host memory: `out[:n]` when `out` (a uint8 CPU
-    tensor, pinned for speed, reused across calls) is given and large enough, else a new pinned (on CUDA) tensor."""
-    header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
+    tensor, pinned for speed, reused across calls) is given and large enough, else a new pinned (on CUDA) tensor.
+    From CUDA caches the checksum segments are 64 KiB and hashed on the GPU before each chunk is copied out."""
+    cuda = caches[0].k.tensor.device.type == "cuda" if caches else False
+    header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,
+                           segment_bytes=GPU_SEGMENT_BYTES if cuda else SEGMENT_BYTES)
     _, tokens, specs, segment = parse_specs(header)
     prefix, seed = bundle_prefix(header)
     first, size, total = bundle_size(header)
-    dev = caches[0].k.tensor.device
     if out is None:
-        out = torch.empty(total, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        out = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     _host_bytes(out, "export_to_host: out")
     require(out.numel() >= total, Status.OUT_OF_RANGE, f"export_to_host: the bundle needs {total} bytes, out has "
                                                        f"{out.numel()}")
@@ -68,11 +82,11 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     mem = buf.numpy()
     mem[:first] = memoryview(prefix)
     where = check_slots(caches[0], slots)
-    cuda = dev.type == "cuda"
-    pool, landed, futures = _hash_pool(), [], []
+    whole = size // segment * segment  # hashed on the GPU; the tail segment (if any) on the host
+    pool, landed, futures, on_gpu = _hash_pool(), [], [], []
 
     def hash_landed(block: bool) -> None:
-        """Submit the checksum segments of every layer whose copy has landed (all of them when `block`)."""
+        """Submit the host-side checksum segments of every layer whose copy has landed (all when `block`)."""
         while len(futures) < len(landed):
             i, done = len(futures), landed[len(futures)]
             if done is not None and not done.query():
@@ -80,21 +94,26 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
                     return
                 done.synchronize()
             at = first + i * (size + 24) + 16
-            futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in segments(size, segment)])
+            host = segments(size, segment) if not cuda else ([(whole, size)] if whole < size else [])
+            futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
     for i, cache in enumerate(caches):  # queue each layer's gather and copy; hash the layers already landed
         rows = read_rows(cache, slots, where=where)
         at = first + i * (size + 24)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if size:
-            buf[at + 16:at + 16 + size].copy_(torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs]),
-                                              non_blocking=cuda)
+            chunk = torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
+            if cuda:
+                on_gpu.append(gpu_segment_digests(chunk, segment, seed))
+            buf[at + 16:at + 16 + size].copy_(chunk, non_blocking=cuda)
         landed.append(torch.cuda.Event() if cuda else None)
         if cuda:
             landed[-1].record()
         hash_landed(block=False)
     hash_landed(block=True)
-    sums = [combine_segments(i, [f.result() for f in fs], seed) for i, fs in enumerate(futures)]
+    gpu = torch.stack(on_gpu).cpu().numpy().view(np.uint64).tolist() if on_gpu else [[] for _ in caches]
+    sums = [combine_segments(i, [int(d) for d in (gpu[i] if cuda else [])] + [f.result() for f in fs], seed)
+            for i, fs in enumerate(futures)]
     for i, c in enumerate(sums):
         at = first + i * (size + 24) + 16 + size
         mem[at:at + 8] = memoryview(c.to_bytes(8, "little"))
@@ -138,24 +157,33 @@ class HostBundle:
                 f"({'truncated' if buf.numel() < self.total else 'larger than declared'})")
 
     def read_all(self, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
-        """Every layer's tensors on `device` (default: views of the host buffer), after every check passed."""
+        """Every layer's tensors on `device` (default: views of the host buffer), after every check passed. Onto a
+        GPU, small checksum segments are verified there after the copy; otherwise in the host thread pool."""
         device = torch.device("cpu" if device is None else device)
         cuda = device.type == "cuda"
-        staged = torch.empty(self.num_layers * self.size, dtype=torch.uint8, device=device) if cuda else None
         m, n = self.mem, self.size
-        pool, sums = _hash_pool(), []
+        on_gpu = cuda and n and self.segment <= GPU_HASH_MAX_SEGMENT
+        stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
+        staged = torch.empty(self.num_layers * stride, dtype=torch.uint8, device=device) if cuda else None
+        whole = n // self.segment * self.segment if on_gpu else 0
+        pool, futures, gpu = _hash_pool(), [], []
         for i in range(self.num_layers):
             at = self.first + i * (n + 24)
             check_chunk_head(bytes(m[at:at + 16]), i, n)
-            sums.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
-                         for a, b in segments(n, self.segment)])
+            futures.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
+                            for a, b in segments(n, self.segment) if a >= whole])
             if cuda and n:
-                staged[i * n:(i + 1) * n].copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
-        sums = [check_chunk_sum(i, combine_segments(i, [f.result() for f in fs], self.seed),
-                                bytes(m[self.first + i * (n + 24) + 16 + n:][:8])) for i, fs in enumerate(sums)]
+                dst = staged[i * stride:i * stride + n]
+                dst.copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
+                if on_gpu:
+                    gpu.append(gpu_segment_digests(dst, self.segment, self.seed))
+        gpu_sums = torch.stack(gpu).cpu().numpy().view(np.uint64).tolist() if gpu else [[] for _ in futures]
+        sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in gpu_sums[i]] + [f.result() for f in fs],
+                                                    self.seed),
+                                bytes(m[self.first + i * (n + 24) + 16 + n:][:8])) for i, fs in enumerate(futures)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
-        payload = staged if cuda else self.buf[self.first:]
-        step = n if cuda else n + 24
-        skip = 0 if cuda else 16
-        return [split_payload(payload[i * step + skip:i * step + skip + n], self.specs, self.tokens)
+        if cuda:
+            return [split_payload(staged[i * stride:i * stride + n], self.specs, self.tokens)
+                    for i in range(self.num_layers)]
+        return [split_payload(self.buf[self.first + i * (n + 24) + 16:][:n], self.specs, self.tokens)
                 for i in range(self.num_layers)]

@@ -66,8 +66,10 @@ def test_conversion_on_the_gpu_equals_writing_the_gathered_kv():
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "k8v4"])
 def test_host_path_is_the_stream_bundle_and_round_trips(fmt):
-    """`export_to_host` from CUDA pools (async copies into pinned memory, checksums in threads) writes the stream
-    writer's bytes; `import_bundle(pinned)` stores them bit for bit; a flipped payload byte is refused untouched."""
+    """`export_to_host` from CUDA pools (64 KiB checksum segments hashed on the GPU, async copies into pinned
+    memory) writes a bundle the stream reader (CPU xxhash: the oracle of the GPU hash) accepts, with the stream
+    writer's header and layers; `import_bundle(pinned)` (segments verified on the GPU) stores them bit for bit; a
+    flipped payload byte is refused untouched."""
     from kvx_core.errors import KvxError
     from kvx_core.transfer.host import export_to_host
 
@@ -79,7 +81,13 @@ def test_host_path_is_the_stream_bundle_and_round_trips(fmt):
     export_bundle(stream, _descs(src), slots, model=MODEL, token_ids=list(range(T)))
     out = torch.empty(len(stream.getvalue()) + 64, dtype=torch.uint8, pin_memory=True)
     host = export_to_host(_descs(src), slots, model=MODEL, token_ids=list(range(T)), out=out)
-    assert bytes(host.numpy()) == stream.getvalue()
+    from kvx_core.transfer.bundle import BundleReader
+
+    mine, theirs = BundleReader(io.BytesIO(bytes(host.numpy()))), BundleReader(io.BytesIO(stream.getvalue()))
+    assert mine.header["checksum"]["segment_bytes"] == 1 << 16
+    assert {**mine.header, "checksum": None} == {**theirs.header, "checksum": None}
+    for a, b in zip(mine.read_all(), theirs.read_all(), strict=True):
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
     back = torch.arange(T, 0, -1, device="cuda") + 100
     bad = host.clone().pin_memory()
     bad[host.numel() // 2] ^= 4

@@ -1,0 +1,78 @@
+"""xxh64 of many equal segments of a device buffer, one Triton program per segment: bundle checksums on the GPU.
+
+A bundle chunk's checksum combines the xxh64 digests of its `checksum.segment_bytes` segments (`bundle.py`), so
+with small segments (64 KiB) the digests are thousands of independent hashes that the GPU computes while the data
+is still in device memory; the host then only combines 8-byte digests. Each program runs xxh64's four lanes over
+its segment's 32-byte stripes (the segment length is a multiple of 32 here: the caller hashes a shorter tail
+segment on the host) and finishes with xxh64's merge and avalanche. Reference: the `xxhash` package
+(`tests/transfer/test_gpu_hash.py`, run under TRITON_INTERPRET=1 on CPU and compiled on the GPU machine).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import Status, require
+
+P1 = 11400714785074694791
+P2 = 14029467366897019727
+P3 = 1609587929392839161
+P4 = 9650029242287828579
+P5 = 2870177450012600261
+
+
+@triton.jit
+def _rotl(x, r: tl.constexpr):
+    return (x << r) | (x >> (64 - r))
+
+
+@triton.jit
+def _round(acc, lane, p1, p2):
+    return _rotl(acc + lane * p2, 31) * p1
+
+
+@triton.jit
+def _xxh64_segments(buf, out, seed, SEG_WORDS: tl.constexpr):
+    """out[s] = xxh64 (seeded) of the s-th segment of SEG_WORDS 8-byte words (a multiple of 4: whole stripes)."""
+    s = tl.program_id(0)
+    p1 = tl.full([4], P1, tl.uint64)
+    p2 = tl.full([4], P2, tl.uint64)
+    lane = tl.arange(0, 4)
+    sd = tl.full([4], 0, tl.uint64) + seed.to(tl.uint64)
+    init = tl.where(lane == 0, sd + p1 + p2, tl.where(lane == 1, sd + p2, tl.where(lane == 2, sd, sd - p1)))
+    acc = init
+    base = buf + s.to(tl.int64) * SEG_WORDS
+    for i in tl.range(0, SEG_WORDS // 4, num_stages=4):
+        acc = _round(acc, tl.load(base + i * 4 + lane).to(tl.uint64, bitcast=True), p1, p2)
+    rot = tl.where(lane == 0, _rotl(acc, 1), tl.where(lane == 1, _rotl(acc, 7),
+                                                       tl.where(lane == 2, _rotl(acc, 12), _rotl(acc, 18))))
+    h = tl.sum(rot, axis=0)
+    q1 = tl.full([], P1, tl.uint64)
+    q4 = tl.full([], P4, tl.uint64)
+    zero = tl.full([4], 0, tl.uint64)
+    merged = _round(zero, acc, p1, p2)
+    for j in tl.static_range(4):
+        h = (h ^ tl.sum(tl.where(lane == j, merged, zero), axis=0)) * q1 + q4
+    h = h + tl.full([], SEG_WORDS * 8, tl.uint64)
+    h = h ^ (h >> 33)
+    h = h * tl.full([], P2, tl.uint64)
+    h = h ^ (h >> 29)
+    h = h * tl.full([], P3, tl.uint64)
+    h = h ^ (h >> 32)
+    tl.store(out + s, h.to(tl.int64, bitcast=True))
+
+
+def segment_digests(buf: torch.Tensor, segment: int, seed: int) -> torch.Tensor:
+    """`[len(buf) // segment]` xxh64 digests (seeded; int64 holding the uint64 bits) of the whole segments of a
+    uint8 device buffer; `segment` a multiple of 32. The tail after the last whole segment is the caller's."""
+    require(isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+            and buf.data_ptr() % 8 == 0, Status.INVALID_ARGUMENT,
+            "segment_digests: a contiguous, 8-byte aligned 1-D uint8 buffer")
+    require(segment >= 32 and segment % 32 == 0, Status.INVALID_ARGUMENT, "segment must be a multiple of 32 bytes")
+    n = buf.numel() // segment
+    out = torch.empty(n, dtype=torch.int64, device=buf.device)
+    if n:
+        words = buf[:n * segment].view(torch.int64)
+        _xxh64_segments[(n,)](words, out, seed & (2**64 - 1), SEG_WORDS=segment // 8, num_warps=1)
+    return out
