@@ -47,6 +47,17 @@ def gpu_segment_digests(buf: torch.Tensor, segment: int, seed: int) -> torch.Ten
     return segment_digests(buf, segment, seed)
 
 
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for bundle copies (created on first use)."""
+    device = torch.device(device)
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
+
 def bundle_size(header: dict) -> tuple[int, int, int]:
     """(offset of the first chunk, payload bytes per chunk, total bytes) of the bundle of `header`."""
     layers, tokens, specs, _ = parse_specs(header)
@@ -103,12 +114,22 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if size:
             chunk = torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
-            if cuda:
+        if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
+            side, ready, done = _copy_stream(chunk.device), torch.cuda.Event(), torch.cuda.Event()
+            ready.record()
+            with torch.cuda.stream(side):
+                side.wait_event(ready)
+                if size:
+                    buf[at + 16:at + 16 + size].copy_(chunk, non_blocking=True)
+                done.record(side)
+            if size:
+                chunk.record_stream(side)
                 on_gpu.append(gpu_segment_digests(chunk, segment, seed))
-            buf[at + 16:at + 16 + size].copy_(chunk, non_blocking=cuda)
-        landed.append(torch.cuda.Event() if cuda else None)
-        if cuda:
-            landed[-1].record()
+            landed.append(done)
+        else:
+            if size:
+                buf[at + 16:at + 16 + size].copy_(chunk)
+            landed.append(None)
         hash_landed(block=False)
     hash_landed(block=True)
     gpu = torch.stack(on_gpu).cpu().numpy().view(np.uint64).tolist() if on_gpu else [[] for _ in caches]
@@ -172,9 +193,12 @@ class HostBundle:
             check_chunk_head(bytes(m[at:at + 16]), i, n)
             futures.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
                             for a, b in segments(n, self.segment) if a >= whole])
-            if cuda and n:
-                dst = staged[i * stride:i * stride + n]
-                dst.copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
+            if cuda and n:  # copies on a side stream; each chunk's GPU hash waits for its copy only
+                dst, side, done = staged[i * stride:i * stride + n], _copy_stream(device), torch.cuda.Event()
+                with torch.cuda.stream(side):
+                    dst.copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
+                    done.record(side)
+                torch.cuda.current_stream(device).wait_event(done)
                 if on_gpu:
                     gpu.append(gpu_segment_digests(dst, self.segment, self.seed))
         gpu_sums = torch.stack(gpu).cpu().numpy().view(np.uint64).tolist() if gpu else [[] for _ in futures]
