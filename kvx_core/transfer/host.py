@@ -115,7 +115,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
         if size:
             chunk = torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
-            side, ready, done = _copy_stream(chunk.device), torch.cuda.Event(), torch.cuda.Event()
+            side, ready, done = _copy_stream(caches[0].k.tensor.device), torch.cuda.Event(), torch.cuda.Event()
             ready.record()
             with torch.cuda.stream(side):
                 side.wait_event(ready)
