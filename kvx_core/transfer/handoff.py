@@ -207,18 +207,17 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
 def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slots: torch.Tensor, wheres: dict):
     """The store of one layer's bundled `rows` (source format `src_name`) into `cache` at `slots`, checked and
     converted now; the returned callable only stores. `wheres` caches `check_slots` per cache geometry."""
+    key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
+    if key not in wheres:
+        wheres[key] = check_slots(cache, slots)
     src, dst = get_format(src_name), format_of(cache)
     if src == dst:
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
         if all(g is None or torch.equal(g, rows[n].to(g.device)) for n, g in (("k_global", kg), ("v_global", vg))):
-            key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
-            if key not in wheres:
-                wheres[key] = check_slots(cache, slots)
             return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
                                       where=wheres[key])
     kv = decode_rows(rows, src)
     dev = cache.k.tensor.device
-    check_slots(cache, slots)
     write = WriteDesc(KvIoDesc(kv[0].to(dev), kv[1].to(dev)), SlotMapping(slots.to(dev)))
     check_write(cache, write)  # write_kv checks again; this one runs before any layer stores
     return lambda: write_kv(cache, write)
@@ -257,11 +256,13 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
         require((c.num_kv_heads, c.head_dim) == (b - a, model.head_dim), Status.INCOMPATIBLE,
                 f"layer {i}: destination cache has {c.num_kv_heads} KV heads x {c.head_dim}, KV heads [{a}, {b}) "
                 f"are {b - a} x {model.head_dim}")
-    rng = (0, readers[0].tokens) if token_range is None else token_range
-    require(isinstance(rng, (tuple, list)) and len(rng) == 2 and all(type(t) is int for t in rng)
-            and 0 <= rng[0] < rng[1] <= readers[0].tokens, Status.INVALID_ARGUMENT, f"import_bundle: token_range must be [start, stop) within the bundle's "
-                                     f"{readers[0].tokens} tokens, got {token_range!r}")
-    t0, t1 = rng
+    count = readers[0].tokens
+    require(token_range is None or (isinstance(token_range, (tuple, list)) and len(token_range) == 2
+                                    and all(type(t) is int for t in token_range)
+                                    and 0 <= token_range[0] < token_range[1] <= count),
+            Status.INVALID_ARGUMENT,
+            f"import_bundle: token_range must be [start, stop) within the bundle's {count} tokens, got {token_range!r}")
+    t0, t1 = (0, count) if token_range is None else token_range
     require(isinstance(slots, torch.Tensor) and slots.numel() == t1 - t0, Status.INVALID_ARGUMENT,
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
     dev = caches[0].k.tensor.device

@@ -380,3 +380,12 @@ def test_token_range_stores_only_those_tokens_bit_identically(small):
         empty = read_rows(PagedKVCache("nvfp4", num_layers=1, num_blocks=4, block_size=16, num_kv_heads=HEADS,
                                        head_dim=DIM).descriptor(0), torch.arange(40))
         assert all(torch.equal(rest[n], empty[n]) for n in rest if n not in ("k_global", "v_global"))
+
+
+def test_an_empty_sequence_round_trips():
+    """A bundle of zero tokens imports with zero slots (the default token range is the whole, empty, bundle)."""
+    blob, _, _ = _bundle("int8", tokens=0)
+    dst, _ = _cache("int8", 16, 4, seed=2, tokens=5)
+    before = _snapshot(dst)
+    (header,) = import_bundle(io.BytesIO(blob), _descs(dst), torch.empty(0, dtype=torch.int64), model=MODEL)
+    assert header["tokens"]["count"] == 0 and _unchanged(dst, before)
