@@ -62,8 +62,18 @@ def bundle_size(header: dict) -> tuple[int, int, int]:
     """(offset of the first chunk, payload bytes per chunk, total bytes) of the bundle of `header`."""
     layers, tokens, specs, _ = parse_specs(header)
     first = len(bundle_prefix(header)[0])
+    return first, *_layout(layers, tokens, specs, first)
+
+
+def _layout(layers: int, tokens: int, specs, first: int) -> tuple[int, int]:
+    """(payload bytes per chunk, total bytes) of a bundle whose first chunk starts at `first`."""
     payload = sum(s.nbytes(tokens) for s in specs)
-    return first, payload, first + layers * (16 + payload + 8) + 24
+    return payload, _chunk_at(first, payload, layers) + 24
+
+
+def _chunk_at(first: int, payload: int, layer: int) -> int:
+    """Offset of chunk `layer`'s 16-byte head (its payload follows, then its 8-byte checksum)."""
+    return first + layer * (16 + payload + 8)
 
 
 def _host_bytes(buf: torch.Tensor, what: str) -> None:
@@ -81,9 +91,10 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     cuda = caches[0].k.tensor.device.type == "cuda" if caches else False
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,
                            segment_bytes=GPU_SEGMENT_BYTES if cuda else SEGMENT_BYTES)
-    _, tokens, specs, segment = parse_specs(header)
+    layers, tokens, specs, segment = parse_specs(header)
     prefix, seed = bundle_prefix(header)
-    first, size, total = bundle_size(header)
+    first = len(prefix)
+    size, total = _layout(layers, tokens, specs, first)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     _host_bytes(out, "export_to_host: out")
@@ -104,18 +115,19 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
                 if not block:
                     return
                 done.synchronize()
-            at = first + i * (size + 24) + 16
+            at = _chunk_at(first, size, i) + 16
             host = segments(size, segment) if not cuda else ([(whole, size)] if whole < size else [])
             futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
+    dev = caches[0].k.tensor.device
     for i, cache in enumerate(caches):  # queue each layer's gather and copy; hash the layers already landed
         rows = read_rows(cache, slots, where=where)
-        at = first + i * (size + 24)
+        at = _chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if size:
             chunk = torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
-            side, ready, done = _copy_stream(caches[0].k.tensor.device), torch.cuda.Event(), torch.cuda.Event()
+            side, ready, done = _copy_stream(dev), torch.cuda.Event(), torch.cuda.Event()
             ready.record()
             with torch.cuda.stream(side):
                 side.wait_event(ready)
@@ -136,7 +148,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     sums = [combine_segments(i, [int(d) for d in (gpu[i] if cuda else [])] + [f.result() for f in fs], seed)
             for i, fs in enumerate(futures)]
     for i, c in enumerate(sums):
-        at = first + i * (size + 24) + 16 + size
+        at = _chunk_at(first, size, i) + 16 + size
         mem[at:at + 8] = memoryview(c.to_bytes(8, "little"))
     mem[total - 24:] = memoryview(trailer(sums, total - 24, seed))
     return buf
@@ -172,7 +184,8 @@ class HostBundle:
         self.header, self.version, self.seed = reader.header, reader.version, reader.seed
         self.num_layers, self.tokens, self.specs = reader.num_layers, reader.tokens, reader.specs
         self.segment = reader.segment
-        self.first, self.size, self.total = reader.offset, *bundle_size(self.header)[1:]
+        self.first = reader.offset
+        self.size, self.total = _layout(self.num_layers, self.tokens, self.specs, self.first)
         require(buf.numel() == self.total, Status.INVALID_ARGUMENT,
                 f"KVX bundle rejected: {buf.numel()} bytes where its header declares {self.total} "
                 f"({'truncated' if buf.numel() < self.total else 'larger than declared'})")
@@ -189,7 +202,7 @@ class HostBundle:
         whole = n // self.segment * self.segment if on_gpu else 0
         pool, futures, gpu = _hash_pool(), [], []
         for i in range(self.num_layers):
-            at = self.first + i * (n + 24)
+            at = _chunk_at(self.first, n, i)
             check_chunk_head(bytes(m[at:at + 16]), i, n)
             futures.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
                             for a, b in segments(n, self.segment) if a >= whole])
@@ -204,10 +217,10 @@ class HostBundle:
         gpu_sums = torch.stack(gpu).cpu().numpy().view(np.uint64).tolist() if gpu else [[] for _ in futures]
         sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in gpu_sums[i]] + [f.result() for f in fs],
                                                     self.seed),
-                                bytes(m[self.first + i * (n + 24) + 16 + n:][:8])) for i, fs in enumerate(futures)]
+                                bytes(m[_chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
         if cuda:
             return [split_payload(staged[i * stride:i * stride + n], self.specs, self.tokens)
                     for i in range(self.num_layers)]
-        return [split_payload(self.buf[self.first + i * (n + 24) + 16:][:n], self.specs, self.tokens)
+        return [split_payload(self.buf[_chunk_at(self.first, n, i) + 16:][:n], self.specs, self.tokens)
                 for i in range(self.num_layers)]
