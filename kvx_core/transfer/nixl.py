@@ -8,7 +8,8 @@ into its own and imports it with every check of `import_bundle`: the bundle's ch
 stale or overwritten remote buffer is refused (other tokens / checksum), and nothing is written unless all passes.
 One buffer per peer: a ticket is valid until that peer's next `publish`.
 
-Needs `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` (the `nixl` extra). Without RDMA hardware UCX runs over
+Needs `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` (`scripts/setup_env.sh` installs it; --no-deps because
+its declared dependencies pull CUDA builds). Without RDMA hardware UCX runs over
 TCP (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo` on one machine; the CPU CI does this).
 """
 from __future__ import annotations
@@ -41,9 +42,9 @@ class NixlPeer:
     available, so GPU caches export and import through it at copy speed)."""
 
     def __init__(self, name: str, capacity: int):
-        agent, config = _agent_class()
         require(isinstance(capacity, int) and capacity > 0, Status.INVALID_ARGUMENT,
                 f"NixlPeer capacity must be a positive byte count, got {capacity!r}")
+        agent, config = _agent_class()
         self.name = name
         self.agent = agent(name, config(backends=["UCX"]))
         require("UCX" in self.agent.backends, Status.UNSUPPORTED, "NIXL has no UCX backend on this machine")
