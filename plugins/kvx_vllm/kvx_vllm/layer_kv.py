@@ -21,6 +21,7 @@ import torch
 
 from kvx_core.descriptors import CacheDesc
 from kvx_core.enums import Layout
+from kvx_core.errors import Status, require
 from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
 
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -31,8 +32,8 @@ _PROBE_MAX = 256
 def _dense(k: torch.Tensor, v: torch.Tensor) -> CacheDesc:
     """A one-block HND staging cache over `k`, `v` `[1, H, T, D]`."""
     _, h, t, d = k.shape
-    return CacheDesc.from_torch(k.contiguous(), v.contiguous(), block_size=t, num_kv_heads=h, head_dim=d, k_layout=Layout.HND,
-                                v_layout=Layout.HND)
+    return CacheDesc.from_torch(k.contiguous(), v.contiguous(), block_size=t, num_kv_heads=h, head_dim=d,
+                                k_layout=Layout.HND, v_layout=Layout.HND)
 
 
 class CpuPacking:
@@ -109,6 +110,7 @@ class LayerCaches:
         self.cache_dtype = cache_dtype
         self.kind = _kind(self.layers[0], cache_dtype)
         self._packing: CpuPacking | None = None
+        self._descs: list[CacheDesc] | None = None
 
     def packing(self) -> CpuPacking:
         if self._packing is None:
@@ -117,14 +119,18 @@ class LayerCaches:
         return self._packing
 
     def descs(self) -> list[CacheDesc]:
-        """Zero-copy descriptors of every layer (not for vLLM CPU's packed cache)."""
-        if self.kind == "kvx":
-            return [layer.impl.cache_desc(layer, kv) for layer, kv in zip(self.layers, self.kv)]
-        from kvx_adapters.vllm import from_vllm_kv_cache, from_vllm_packed_kv_cache
+        """Zero-copy descriptors of every layer (not for vLLM CPU's packed cache), built on first use: the cache
+        tensors vLLM registered never move."""
+        if self._descs is None:
+            if self.kind == "kvx":
+                self._descs = [layer.impl.cache_desc(layer, kv) for layer, kv in zip(self.layers, self.kv)]
+            else:
+                from kvx_adapters.vllm import from_vllm_kv_cache, from_vllm_packed_kv_cache
 
-        dtype = _FP8.get(self.cache_dtype)
-        return [from_vllm_packed_kv_cache(kv, cache_dtype=dtype) if kv.dim() == 4  # vLLM 0.26: K|V in the row
-                else from_vllm_kv_cache(kv, backend=self.kind, cache_dtype=dtype) for kv in self.kv]
+                dtype = _FP8.get(self.cache_dtype)
+                self._descs = [from_vllm_packed_kv_cache(kv, cache_dtype=dtype) if kv.dim() == 4  # 0.26: K|V rows
+                               else from_vllm_kv_cache(kv, backend=self.kind, cache_dtype=dtype) for kv in self.kv]
+        return self._descs
 
     def export(self, out: BinaryIO, slots: torch.Tensor, *, model: ModelFingerprint,
                token_ids: Sequence[int]) -> dict:
@@ -145,8 +151,11 @@ class LayerCaches:
             import_bundle(src, self.descs(), slots, model=model, token_ids=token_ids, token_range=token_range)
             return
         p = self.packing()
-        h, _, d = p.shape
+        h, b, d = p.shape
         t = slots.numel()
+        capacity = self.kv[0].shape[0] * b  # vLLM's writer is not bounds-checked: slots are, before anything runs
+        require(t == 0 or (int(slots.min()) >= 0 and int(slots.max()) < capacity), Status.OUT_OF_RANGE,
+                f"KVX connector: slots must lie in [0, {capacity})")
         staged = [_dense(torch.zeros(1, h, t, d, dtype=p.dtype), torch.zeros(1, h, t, d, dtype=p.dtype))
                   for _ in self.kv]
         import_bundle(src, staged, torch.arange(t), model=model, token_ids=token_ids, token_range=token_range)
