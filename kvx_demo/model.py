@@ -148,10 +148,13 @@ def _require_buildable(target: Path) -> None:
 def _load_from_gguf(gguf: Path) -> tuple[Any, Any]:
     """Model (float32, eval) and tokenizer straight from the GGUF file (slow: ~25 s)."""
     _require_transformers()
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # transformers 5 renamed `torch_dtype` to `dtype` (4.x is TGI's pin: tests/tgi build the checkpoint there)
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **{dtype_kw: torch.float32})
     return model, tokenizer
 
 

@@ -1,0 +1,144 @@
+"""TGI's `KVCache` with KVX storage: one layer's dual data + scale pools in the run's KVX format.
+
+Installed as `text_generation_server.layers.attention.kv_cache` (and re-exported by the attention module),
+so TGI's `FlashCausalLM.init_kv_cache` builds these, one per layer, with its own arguments. TGI's model
+files call `store(key=, value=, slots=, kv_scales=)` before attention; the K/V are quantized into the pools
+by `kvx_core.ops.dispatch.write_kv` (the fused Triton write on CUDA, the torch reference on CPU).
+
+Checkpoint KV scales: TGI's `get_kv_scales` reads `{prefix}.k_scale` / `v_scale` (FP8 convention
+`amax / 448`, as vLLM and ModelOpt write them). Formats with a per-tensor global scale (fp8_*, nvfp4, k8v4)
+take `global_scale_for_amax(amax)` from them; 1.0 / 1.0 means "no scales" (TGI's own `can_scale` rule) and
+keeps the format's default global scale of 1.0. Formats with per-block scales only (int8, int4, mxfp4) find
+their scales in the data and ignore checkpoint scales (logged once).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from loguru import logger
+
+from kvx_adapters.tgi import slots_from_tgi
+from kvx_core.cache import PagedKVCache
+from kvx_core.calibration import global_scale_for_amax
+from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
+from kvx_core.ops.dispatch import write_kv
+
+from . import config
+
+_CKPT_FP8_MAX = 448.0  # checkpoint k_scale / v_scale are amax / 448
+_LIVE: "weakref.WeakSet[KVCache]" = weakref.WeakSet()
+_SERIAL = itertools.count()
+
+
+@dataclass
+class KVScales:
+    """A layer's checkpoint KV scales: the fields TGI's model files and attention functions read
+    (`key_scale`/`value_scale` on the device, `*_cpu` floats for host-side decisions)."""
+
+    key_scale: torch.Tensor
+    value_scale: torch.Tensor
+    key_scale_cpu: float = field(init=False)
+    value_scale_cpu: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.key_scale.numel() != 1 or self.value_scale.numel() != 1:
+            raise ValueError("KVX TGI backend: checkpoint k_scale / v_scale must be scalars (per-tensor scales)")
+        self.key_scale_cpu = float(self.key_scale.item())
+        self.value_scale_cpu = float(self.value_scale.item())
+
+
+def get_kv_scales(weights, prefix: str) -> KVScales:
+    """The layer's `{prefix}.k_scale` / `v_scale` (or the older shared `kv_scale`), 1.0 when absent:
+    the checkpoint names TGI reads."""
+    one = torch.tensor(1.0, dtype=torch.float32, device=weights.device)
+    if weights.has_tensor(f"{prefix}.k_scale") and weights.has_tensor(f"{prefix}.v_scale"):
+        k = weights.get_tensor(f"{prefix}.k_scale", to_dtype=False).float()
+        v = weights.get_tensor(f"{prefix}.v_scale", to_dtype=False).float()
+        return KVScales(k, v)
+    if weights.has_tensor(f"{prefix}.kv_scale"):
+        kv = weights.get_tensor(f"{prefix}.kv_scale").float()
+        return KVScales(kv, kv)
+    return KVScales(one, one)
+
+
+class KVCache:
+    """One layer's KV cache in TGI's interface (`store`, `dtype`, `can_scale`) over a KVX `PagedKVCache`.
+
+    TGI passes `dtype` = its cache dtype (the model dtype unless `--kv-cache-dtype`); the KVX format of the
+    run (`kvx_tgi.install`) decides the storage. `key`/`value` are the KVX data pools `[blocks, H, B, X]`
+    (HND): they are not TGI's layouts, and TGI's own kernels never see them (this backend replaces all of
+    TGI's attention functions).
+    """
+
+    def __init__(self, *, num_blocks: int, num_heads: int, head_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        run = config.current()
+        run.check_cache_dtype(dtype)
+        self.format = run.format
+        self.format.check_head_dim(head_size)
+        self.tgi_dtype = dtype
+        self.cache = PagedKVCache(self.format, num_layers=1, num_blocks=num_blocks, block_size=run.block_size,
+                                  num_kv_heads=num_heads, head_dim=head_size, device=device)
+        self._scales: tuple[float, float] | None = None
+        self.desc: CacheDesc = self.cache.descriptor(0)
+        self.serial = next(_SERIAL)
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------ TGI interface
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype TGI asked for (TGI compares it with FP8 dtypes only)."""
+        return self.tgi_dtype
+
+    @property
+    def key(self) -> torch.Tensor:
+        return self.cache.layers[0].k_data
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.cache.layers[0].v_data
+
+    @property
+    def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key, self.value
+
+    def can_scale(self, kv_scales: KVScales) -> bool:
+        """Whether this layer's checkpoint scales set the format's global scales (TGI's meaning)."""
+        uses = self.format.k.uses_global_scale or self.format.v.uses_global_scale
+        return uses and (kv_scales.key_scale_cpu, kv_scales.value_scale_cpu) != (1.0, 1.0)
+
+    def store(self, *, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, kv_scales: KVScales) -> None:
+        """Quantize `[T, H, D]` K/V into the pools at TGI's int64 `slots` (one per token)."""
+        self._apply_scales(kv_scales)
+        write_kv(self.desc, WriteDesc(KvIoDesc(key, value), slots_from_tgi(slots)), check=False)
+
+    # ------------------------------------------------------------ scales
+    def _apply_scales(self, kv_scales: KVScales) -> None:
+        """Set the pools' global scales from the checkpoint's once (before the first write; `fill_` with host
+        floats, so a CUDA-graph capture may record it)."""
+        want = (kv_scales.key_scale_cpu, kv_scales.value_scale_cpu)
+        if self._scales == want:
+            return
+        if self._scales is not None:
+            raise ValueError(f"KVX TGI backend: this layer's KV scales changed from {self._scales} to {want} "
+                             "after K/V were written with the old ones")
+        self._scales = want
+        if want == (1.0, 1.0):
+            return
+        pools = self.cache.layers[0]
+        fmt = self.format
+        if not (fmt.k.uses_global_scale or fmt.v.uses_global_scale):
+            logger.info(f"KVX {fmt.name}: checkpoint k_scale/v_scale ignored (the format keeps per-block scales)")
+            return
+        for tf, g, s in ((fmt.k, pools.k_global, want[0]), (fmt.v, pools.v_global, want[1])):
+            scale = global_scale_for_amax(tf, torch.tensor([s * _CKPT_FP8_MAX]))
+            if scale is not None:
+                g.fill_(float(scale[0]))
+
+
+def live_caches() -> list[KVCache]:
+    """The KVX caches alive in this process (TGI holds one per layer on its model), oldest first."""
+    return sorted(_LIVE, key=lambda c: c.serial)
