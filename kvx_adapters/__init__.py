@@ -163,14 +163,15 @@ def _packed_rows(table: BlockTable, block_size: int | None, what: str) -> torch.
     return rows
 
 
-def _seq_lens(lengths: object, what: str, count: int | None = None) -> SeqLens:
-    """Wrap a 1-D S32/S64 lengths tensor (optionally its first `count` entries) as SeqLens."""
+def _seq_lens(lengths: object, what: str, count: int | None = None, check: bool = True) -> SeqLens:
+    """Wrap a 1-D S32/S64 lengths tensor (optionally its first `count` entries) as SeqLens; `check=False` skips
+    the value check (a host sync) for lengths the engine owns, e.g. while a CUDA graph is captured."""
     t = _index_tensor(lengths, what, 1)
     if count is not None:
         require(0 <= count <= t.numel(), Status.INVALID_ARGUMENT,
                 f"{what} has {t.numel()} entries, {count} requested")
         t = t[:count]
-    require(not t.numel() or int(t.min()) >= 0, Status.INVALID_ARGUMENT, f"{what} must be >= 0")
+    require(not check or not t.numel() or int(t.min()) >= 0, Status.INVALID_ARGUMENT, f"{what} must be >= 0")
     return SeqLens(t)
 
 

@@ -106,13 +106,14 @@ def block_tables_from_tgi(block_tables_tensor: torch.Tensor) -> BlockTable:
     return BlockTable.packed(_index_tensor(block_tables_tensor, "TGI block_tables_tensor", 2))
 
 
-def seq_lens_from_tgi(input_lengths: torch.Tensor, cache_lengths: torch.Tensor) -> SeqLens:
-    """KV tokens per sequence, `input_lengths + cache_lengths` as in `Seqlen.cu_seqlen_k` (a new tensor)."""
+def seq_lens_from_tgi(input_lengths: torch.Tensor, cache_lengths: torch.Tensor, *, check: bool = True) -> SeqLens:
+    """KV tokens per sequence, `input_lengths + cache_lengths` as in `Seqlen.cu_seqlen_k` (a new tensor).
+    `check=False` skips the sign check (a host sync): TGI's decode runs under CUDA graph capture."""
     il = _index_tensor(input_lengths, "TGI input_lengths", 1)
     cl = _index_tensor(cache_lengths, "TGI cache_lengths", 1)
     require(il.shape == cl.shape, Status.INVALID_ARGUMENT,
             f"input_lengths {tuple(il.shape)} and cache_lengths {tuple(cl.shape)} differ in length")
-    return _seq_lens(il.to(torch.int64) + cl.to(torch.int64), "TGI input_lengths + cache_lengths")
+    return _seq_lens(il.to(torch.int64) + cl.to(torch.int64), "TGI input_lengths + cache_lengths", check=check)
 
 
 def block_tables_ragged_from_tgi(block_tables_ragged: torch.Tensor, input_lengths: torch.Tensor,

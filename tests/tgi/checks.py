@@ -43,14 +43,15 @@ class StoreSpy:
 
     def wrap(self, original):
         def store(cache, *, key, value, slots, kv_scales):
-            self.calls[id(cache)].append((slots.detach().cpu().clone(), key.detach().cpu().float().clone(),
-                                          value.detach().cpu().float().clone()))
+            # in the model's dtype: the write rotates (the _rot formats) and encodes from it
+            self.calls[id(cache)].append((slots.detach().cpu().clone(), key.detach().cpu().clone(),
+                                          value.detach().cpu().clone()))
             return original(cache, key=key, value=value, slots=slots, kv_scales=kv_scales)
 
         return store
 
     def stored(self, cache, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last K/V written to each of `slots` in `cache`: `[T, H, D]` fp32 each."""
+        """The last K/V written to each of `slots` in `cache`: `[T, H, D]` each, as TGI passed them."""
         rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for s, k, v in self.calls[id(cache)]:
             for i, slot in enumerate(s.tolist()):
@@ -80,8 +81,8 @@ def cache_mismatches(caches, spy: StoreSpy, blocks: list[int], n: int) -> list[s
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt.name)
         if dtype is not None:  # identity formats store the activations in their dtype
             k, v = k.to(dtype), v.to(dtype)
-        want_k = fmt.decode_k(*fmt.encode_k(k, gk), gk)
-        want_v = fmt.decode_v(*fmt.encode_v(v, gv), gv)
+        want_k = fmt.unrotate_output(fmt.decode_k(*fmt.encode_k(k, gk), gk))  # gather returns the model's domain
+        want_v = fmt.decode_v(*fmt.encode_v(v, gv), gv, unrotate=True)
         if not (torch.equal(got.key.cpu().float(), want_k.float()) and
                 torch.equal(got.value.cpu().float(), want_v.float())):
             bad.append(f"layer {i}")

