@@ -30,17 +30,23 @@ def pytest_collection_modifyitems(items):
 
 
 def _tgi_readable(src: str, dst) -> str:
-    """`src` (a checkpoint written by transformers 5, which keeps RoPE in `rope_parameters`) as a directory TGI's
-    transformers 4.51 reads: files linked, config.json with `rope_theta` spelled at the top level."""
+    """`src` (a checkpoint written by transformers 5) as a directory TGI's transformers 4.51 reads: files linked;
+    config.json with `rope_theta` at the top level (5.x keeps it in `rope_parameters`); tokenizer_config.json
+    naming the fast tokenizer class 4.x knows (5.x writes `TokenizersBackend`; both load tokenizer.json)."""
     import json
 
+    rewritten = {"config.json", "tokenizer_config.json"}
     for name in os.listdir(src):
-        if name != "config.json":
+        if name not in rewritten:
             os.symlink(os.path.join(src, name), dst / name)
     cfg = json.load(open(os.path.join(src, "config.json")))
     if "rope_theta" not in cfg and "rope_parameters" in cfg:
         cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok = json.load(open(os.path.join(src, "tokenizer_config.json")))
+    if tok.get("tokenizer_class") == "TokenizersBackend":
+        tok["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (dst / "tokenizer_config.json").write_text(json.dumps(tok, indent=2))
     return str(dst)
 
 

@@ -41,6 +41,12 @@ class InProcessServer:
 
         from text_generation_server.models.globals import set_adapter_to_index
 
+        if torch.cuda.is_available():
+            # TGI captures every CUDA graph of its process into one pool made at import; a test process serves
+            # several models in turn, so each gets the fresh pool its own TGI process would have
+            from text_generation_server.models import flash_causal_lm
+
+            flash_causal_lm.MEM_POOL = torch.cuda.graph_pool_handle()
         adapters: dict[str, int] = {}
         self.model = get_model_with_lora_adapters(model_id, [], None, False, None, None, dtype, None, False,
                                                   None, adapters)
