@@ -14,6 +14,7 @@ and for bf16: greedy generation equals transformers (bf16) token for token, up t
 from __future__ import annotations
 
 import gc
+import json
 import os
 from contextlib import contextmanager
 
@@ -101,6 +102,11 @@ def test_format_serves_chunked_prefill(fmt, smol_dir, demo_ids, bf16_ppl, tmp_pa
         assert seq.prompt_ids == ids and len(seq.tokens) == 2
         assert cache_mismatches(model.kv_cache, spy, seq.blocks, len(ids) + 1, required=len(ids)) == []
     ppl = perplexity(seq.prompt_logprobs)
+    if os.environ.get("KVX_TGI_RESULTS"):  # one JSON line per format, for benchmarks/results
+        with open(os.environ["KVX_TGI_RESULTS"], "a") as f:
+            f.write(json.dumps({"format": fmt, "device": str(model.device), "cache_bytes": cap, "blocks": want,
+                                "block_size": BLOCK, "perplexity": round(ppl, 4), "bf16_perplexity": round(bf16_ppl, 4),
+                                "tokens": len(ids), "chunk": CHUNK}) + "\n")
     assert ppl <= bf16_ppl * (1 + PPL_BOUND[fmt]) + 1e-9, f"{fmt}: perplexity {ppl:.3f} vs bf16 {bf16_ppl:.3f}"
     if fmt == "bf16":
         assert bf16_ppl == pytest.approx(17.54, rel=0.01)  # the demo's float32 reference over these tokens: 17.5395
