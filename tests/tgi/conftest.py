@@ -81,3 +81,23 @@ def tiny_dir(tmp_path_factory, smol_dir) -> str:
         if os.path.exists(os.path.join(smol_dir, name)):
             shutil.copy(os.path.join(smol_dir, name), out / name)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_scaled_dir(tmp_path_factory, tiny_dir) -> str:
+    """The small Llama with checkpoint KV scales (`model.layers.{i}.self_attn.k_scale` = 0.05, `v_scale` = 0.02,
+    FP8 convention amax / 448), the names TGI's `get_kv_scales` reads."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("tiny-llama-scaled")
+    for name in os.listdir(tiny_dir):
+        shutil.copy(os.path.join(tiny_dir, name), out / name)
+    weights = load_file(str(out / "model.safetensors"))
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.02)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)

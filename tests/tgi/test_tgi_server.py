@@ -208,3 +208,47 @@ def test_prefix_reuse_and_join_while_filtering(smol_dir, demo_ids, tmp_path, mon
             router.run_to_end(router.prefill([r]))
             solo[p] = s.tokens
     assert e.tokens == solo[PROMPTS[2]] and f.tokens == solo[PROMPTS[1]]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4", "mxfp4_rot"])
+def test_small_local_llama_batched(fmt, tiny_dir, tmp_path, monkeypatch):
+    """The Llama made here (2 layers, 4 query / 2 KV heads): warmup capacity at its geometry; three prompts of
+    different lengths prefilled in one batch and decoded together; each request's cache equals its stored K/V."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    spy = StoreSpy()
+    with serving(tiny_dir, fmt, tmp_path, spy, monkeypatch) as (srv, router):
+        cap = parse_bytes(os.environ["KVX_KV_CACHE_MEMORY"])
+        assert router.num_blocks == expected_blocks(get_format(fmt), cap, 2, BLOCK, 2, 64)
+        reqs, seqs = zip(*(router.request(p, max_new_tokens=n, prompt_len=32) for p, n in zip(PROMPTS, (5, 9, 7))))
+        router.run_to_end(router.prefill(list(reqs)))
+        for seq, n in zip(seqs, (5, 9, 7)):
+            prompt = len(tok(seq.text, add_special_tokens=False).input_ids)
+            assert len(seq.tokens) == n and seq.finished
+            assert cache_mismatches(srv.model.kv_cache, spy, seq.blocks, prompt + n - 1,
+                                    required=prompt if GRAPHS else prompt + n - 1) == []
+
+
+@pytest.mark.parametrize("fmt, k_global, v_global", [("nvfp4", 0.05 * 448 / (6 * 448), 0.02 * 448 / (6 * 448)),
+                                                     ("fp8_e4m3", 0.05, 0.02), ("int8", None, None)])
+def test_checkpoint_kv_scales_set_global_scales(fmt, k_global, v_global, tiny_scaled_dir, tmp_path, monkeypatch):
+    """Checkpoint k_scale/v_scale (amax / 448) become the global scales of the formats that have one (FP8: amax /
+    448, NVFP4: amax / (6 * 448)); per-block formats keep none. Writes use them (the cache check decodes with the
+    pools' global scales)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_scaled_dir)
+    spy = StoreSpy()
+    with serving(tiny_scaled_dir, fmt, tmp_path, spy, monkeypatch) as (srv, router):
+        req, seq = router.request(PROMPTS[2], max_new_tokens=3, prompt_len=32)
+        router.run_to_end(router.prefill([req]))
+        for cache in srv.model.kv_cache:
+            pools = cache.cache.layers[0]
+            if k_global is None:
+                assert pools.k_global is None and pools.v_global is None
+            else:
+                assert float(pools.k_global[0]) == pytest.approx(k_global, rel=1e-6)
+                assert float(pools.v_global[0]) == pytest.approx(v_global, rel=1e-6)
+        prompt = len(tok(PROMPTS[2], add_special_tokens=False).input_ids)
+        assert cache_mismatches(srv.model.kv_cache, spy, seq.blocks, prompt) == []
