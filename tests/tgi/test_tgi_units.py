@@ -122,3 +122,20 @@ def test_cpu_rms_norm_adds_the_residual_first():
     assert torch.allclose(y.float(), torch.full((3, 8), 2.0), atol=1e-2)
     y0, res0 = rms_norm_forward(Norm(), x)
     assert res0 is x and math.isclose(float(y0[0, 0]), 2.0, rel_tol=1e-2)
+
+
+@pytest.mark.parametrize("k, v", [(0.0, 1.0), (-0.5, 1.0), (float("nan"), 1.0), (1.0, float("inf"))])
+def test_bad_checkpoint_kv_scales_are_refused(k, v):
+    from kvx_tgi.kv_cache import KVScales
+
+    with pytest.raises(KvxError) as e:
+        KVScales(torch.tensor(k), torch.tensor(v))
+    assert e.value.status == Status.INVALID_ARGUMENT and "finite and > 0" in e.value.message
+
+
+def test_per_head_checkpoint_kv_scales_are_refused():
+    from kvx_tgi.kv_cache import KVScales
+
+    with pytest.raises(KvxError) as e:
+        KVScales(torch.ones(2), torch.ones(2))
+    assert e.value.status == Status.UNSUPPORTED

@@ -106,7 +106,7 @@ def paged_attention(query: torch.Tensor, kv_cache: KVCache, kv_head_mapping: tor
     return out
 
 
-__all__ = ["SUPPORTS_WINDOWING", "KVCache", "KVScales", "attention", "get_kv_scales", "paged_attention", "Seqlen"]
+__all__ = ["SUPPORTS_WINDOWING", "KVCache", "KVScales", "attention", "get_kv_scales", "paged_attention"]  # + Seqlen (install)
 
 
 def __getattr__(name: str):

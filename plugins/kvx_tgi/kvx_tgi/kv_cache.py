@@ -14,6 +14,7 @@ their scales in the data and ignore checkpoint scales (logged once).
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from kvx_adapters.tgi import slots_from_tgi
 from kvx_core.cache import PagedKVCache
 from kvx_core.calibration import global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
+from kvx_core.errors import Status, require
 from kvx_core.ops.dispatch import write_kv
 
 from . import config
@@ -44,10 +46,13 @@ class KVScales:
     value_scale_cpu: float = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.key_scale.numel() != 1 or self.value_scale.numel() != 1:
-            raise ValueError("KVX TGI backend: checkpoint k_scale / v_scale must be scalars (per-tensor scales)")
+        require(self.key_scale.numel() == 1 and self.value_scale.numel() == 1, Status.UNSUPPORTED,
+                "checkpoint k_scale / v_scale must be scalars: the KVX TGI backend takes per-tensor KV scales")
         self.key_scale_cpu = float(self.key_scale.item())
         self.value_scale_cpu = float(self.value_scale.item())
+        for name, v in (("k_scale", self.key_scale_cpu), ("v_scale", self.value_scale_cpu)):
+            require(math.isfinite(v) and v > 0, Status.INVALID_ARGUMENT,
+                    f"checkpoint {name} = {v}: KV scales must be finite and > 0 (amax / 448)")
 
 
 def get_kv_scales(weights, prefix: str) -> KVScales:
@@ -122,9 +127,8 @@ class KVCache:
         want = (kv_scales.key_scale_cpu, kv_scales.value_scale_cpu)
         if self._scales == want:
             return
-        if self._scales is not None:
-            raise ValueError(f"KVX TGI backend: this layer's KV scales changed from {self._scales} to {want} "
-                             "after K/V were written with the old ones")
+        require(self._scales is None, Status.INVALID_ARGUMENT,
+                f"this layer's KV scales changed from {self._scales} to {want} after K/V were written with the old ones")
         self._scales = want
         if want == (1.0, 1.0):
             return
