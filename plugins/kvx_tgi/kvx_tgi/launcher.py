@@ -3,8 +3,10 @@
     ATTENTION=flashdecoding PREFIX_CACHING=1 KVX_FORMAT=nvfp4 kvx-tgi-server serve MODEL --uds-path /tmp/tgi
 
 Takes exactly TGI's server CLI (`serve`, `download-weights`, ...): it installs the backend (`kvx_tgi.install`,
-format from `KVX_FORMAT`), then hands the arguments to TGI's own Typer app. Point TGI's Rust launcher at it
-(`--server-...`) or run it under the router as `text-generation-server` would be. Refusals (a bad or missing
+format from `KVX_FORMAT`), then hands the arguments to TGI's own Typer app. TGI's Rust launcher starts the
+server as `text-generation-server serve ...` from PATH; under it, a `text-generation-server` script that runs
+`exec kvx-tgi-server "$@"` placed first on PATH does the swap (not run here: no Rust launcher on these
+machines; the tests drive the gRPC service as the router does). Refusals (a bad or missing
 `KVX_FORMAT`, `ATTENTION=flashinfer`, `--kv-cache-dtype`, `--speculate`, `--sharded`) exit with status 2 and
 one line on stderr before anything loads.
 """
