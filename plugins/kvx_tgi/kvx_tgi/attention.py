@@ -61,11 +61,12 @@ def _plan(kind: str, query: torch.Tensor, kv_cache: KVCache, block_tables: torch
           softmax_scale: float, softcap: float | None, max_s: int | None) -> AttentionPlan:
     """This step's plan: made by the step's first layer, reused by the others."""
     global _step
-    params = (kind, float(softmax_scale), softcap, query.shape[1], query.dtype, query.device, kv_cache.format.name)
+    desc = kv_cache.desc
+    params = (kind, float(softmax_scale), softcap, query.shape[1], query.dtype, query.device, kv_cache.format.name,
+              desc.num_kv_heads, desc.head_dim, desc.block_size)  # layers of other geometry get their own plan
     s = _step
     if s is not None and s.seqlen is seqlen and s.block_tables is block_tables and s.params == params:
         return s.plan
-    desc = kv_cache.desc
     table = block_tables_from_tgi(block_tables)
     check = query.device.type != "cuda"  # CUDA: TGI owns its tables, and decode may be under graph capture
     lens = seq_lens_from_tgi(seqlen.input_lengths, seqlen.cache_lengths, check=check)

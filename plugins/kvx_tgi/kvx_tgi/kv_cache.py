@@ -13,9 +13,7 @@ their scales in the data and ignore checkpoint scales (logged once).
 """
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -31,8 +29,6 @@ from kvx_core.ops.dispatch import write_kv
 from . import config
 
 _CKPT_FP8_MAX = 448.0  # checkpoint k_scale / v_scale are amax / 448
-_LIVE: "weakref.WeakSet[KVCache]" = weakref.WeakSet()
-_SERIAL = itertools.count()
 
 
 @dataclass
@@ -89,8 +85,6 @@ class KVCache:
                                   num_kv_heads=num_heads, head_dim=head_size, device=device)
         self._scales: tuple[float, float] | None = None
         self.desc: CacheDesc = self.cache.descriptor(0)
-        self.serial = next(_SERIAL)
-        _LIVE.add(self)
 
     # ------------------------------------------------------------ TGI interface
     @property
@@ -142,7 +136,3 @@ class KVCache:
             if scale is not None:
                 g.fill_(float(scale[0]))
 
-
-def live_caches() -> list[KVCache]:
-    """The KVX caches alive in this process (TGI holds one per layer on its model), oldest first."""
-    return sorted(_LIVE, key=lambda c: c.serial)
