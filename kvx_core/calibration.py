@@ -37,6 +37,11 @@ def global_scale_for_amax(tf: TensorFormat, amax: torch.Tensor) -> torch.Tensor 
     return torch.where(a > 0, a / rng, torch.ones_like(a))
 
 
+def amax_from_kv_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Amax (flattened fp32) from a checkpoint's `k_scale` / `v_scale`, FP8 convention `amax / 448`."""
+    return scale.detach().float().reshape(-1) * _CKPT_FP8_MAX
+
+
 class AmaxObserver:
     """Running per-layer amax of K and V (per tensor, or per KV head) over calibration tokens."""
 
@@ -95,7 +100,7 @@ def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int
                     f"checkpoint key {key!r} names a layer beyond the model's {num_layers}")
             require(isinstance(t, torch.Tensor) and t.is_floating_point(), Status.INVALID_ARGUMENT,
                     f"checkpoint {key!r} must be a float tensor, got {type(t).__name__}")
-            found[(int(m.group(1)), 0 if m.group(2) == "k" else 1)] = t.detach().float().reshape(-1) * _CKPT_FP8_MAX
+            found[(int(m.group(1)), 0 if m.group(2) == "k" else 1)] = amax_from_kv_scale(t)
     if not found:
         return None
     missing = [(i, "kv"[j]) for i in range(num_layers) for j in range(2) if (i, j) not in found]

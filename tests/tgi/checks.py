@@ -67,6 +67,7 @@ class StoreSpy:
 
 
 def slots_of(blocks: list[int], block_size: int, n: int) -> list[int]:
+    """The slot of each of a request's first `n` tokens over its blocks (the router's rule)."""
     return [blocks[t // block_size] * block_size + t % block_size for t in range(n)]
 
 

@@ -26,6 +26,8 @@ import torch
 from text_generation_server.pb import generate_pb2 as pb
 from text_generation_server.pb import generate_pb2_grpc as pb_grpc
 
+from .checks import slots_of
+
 
 class InProcessServer:
     """TGI's service for `model_id` (KVX `fmt`) on `unix://{uds}`, in this process."""
@@ -146,9 +148,6 @@ class Router:
     def release(self, seq: Seq, keep: int = 0) -> None:
         self.free.extend(seq.blocks[keep:])
 
-    def slots(self, blocks: list[int], start: int, count: int) -> list[int]:
-        return [blocks[t // self.block_size] * self.block_size + t % self.block_size for t in range(start, start + count)]
-
     # ------------------------------------------------------------ requests
     @staticmethod
     def _request(rid: int, text: str, max_new_tokens: int, ignore_eos: bool, **fields) -> pb.Request:
@@ -181,7 +180,7 @@ class Router:
         seq = Seq(rid, text, max_new_tokens, blocks)
         self.seqs[rid] = seq
         req = self._request(rid, text, max_new_tokens, ignore_eos, prefill_logprobs=prefill_logprobs, blocks=blocks,
-                            slots=self.slots(blocks, 0, need * self.block_size), cache_len=cache_len)
+                            slots=slots_of(blocks, self.block_size, need * self.block_size), cache_len=cache_len)
         if chunk_len is not None:
             req.chunk_len = chunk_len
         return req, seq

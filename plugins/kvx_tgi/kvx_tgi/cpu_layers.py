@@ -17,13 +17,25 @@ import torch
 from torch import nn
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place: halves `(x1, x2)` of the first `2 * rot` dims -> `(x1 cos - x2 sin, x2 cos + x1 sin)`."""
-    r = cos.shape[-1]
-    x1, x2 = x[..., :r], x[..., r:2 * r]
+def rotated_halves(x1: torch.Tensor, x2: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX rotation of the halves `(x1, x2)` in fp32: `(x1 cos - x2 sin, x2 cos + x1 sin)` (new tensors)."""
     c, s = cos.float(), sin.float()
     f1, f2 = x1.float(), x2.float()
-    y1, y2 = f1 * c - f2 * s, f2 * c + f1 * s
+    return f1 * c - f2 * s, f2 * c + f1 * s
+
+
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / sqrt(mean(x^2) + eps)` over the last dim, in fp32."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: the halves of the first `2 * rot` dims of `x` (`rot = cos.shape[-1]`) rotated."""
+    r = cos.shape[-1]
+    x1, x2 = x[..., :r], x[..., r:2 * r]
+    y1, y2 = rotated_halves(x1, x2, cos, sin)
     x1.copy_(y1)
     x2.copy_(y2)
 
@@ -41,9 +53,7 @@ def _add_residual(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
 def rms_norm_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
     """`FastRMSNorm.forward` for CPU: `(weight * rmsnorm(x + residual), x + residual)`."""
     x = _add_residual(hidden_states, residual)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return self.weight * h.to(self.weight.dtype), x
+    return self.weight * rms_normalized(x, self.variance_epsilon).to(self.weight.dtype), x
 
 
 class CpuFastLayerNorm(nn.LayerNorm):

@@ -7,7 +7,7 @@ by `kvx_core.ops.dispatch.write_kv` (the fused Triton write on CUDA, the torch r
 
 Checkpoint KV scales: TGI's `get_kv_scales` reads `{prefix}.k_scale` / `v_scale` (FP8 convention
 `amax / 448`, as vLLM and ModelOpt write them). Formats with a per-tensor global scale (fp8_*, nvfp4, k8v4)
-take `global_scale_for_amax(amax)` from them; 1.0 / 1.0 means "no scales" (TGI's own `can_scale` rule) and
+take `global_scale_for_amax(amax)` from them; 1.0 / 1.0 means "no scales" (TGI's own rule) and
 keeps the format's default global scale of 1.0. Formats with per-block scales only (int8, int4, mxfp4) find
 their scales in the data and ignore checkpoint scales (logged once).
 """
@@ -18,18 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 from loguru import logger
+from text_generation_server.utils.log import log_once
 
 from kvx_adapters.tgi import slots_from_tgi
 from kvx_core.cache import PagedKVCache
-from kvx_core.calibration import global_scale_for_amax
+from kvx_core.calibration import amax_from_kv_scale, global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.errors import Status, require
 from kvx_core.ops.dispatch import write_kv
 
 from . import config
-
-_CKPT_FP8_MAX = 448.0  # checkpoint k_scale / v_scale are amax / 448
-
 
 @dataclass
 class KVScales:
@@ -66,12 +64,13 @@ def get_kv_scales(weights, prefix: str) -> KVScales:
 
 
 class KVCache:
-    """One layer's KV cache in TGI's interface (`store`, `dtype`, `can_scale`) over a KVX `PagedKVCache`.
+    """One layer's KV cache over a KVX `PagedKVCache` (`cache`, its descriptor `desc`).
 
-    TGI passes `dtype` = its cache dtype (the model dtype unless `--kv-cache-dtype`); the KVX format of the
-    run (`kvx_tgi.install`) decides the storage. `key`/`value` are the KVX data pools `[blocks, H, B, X]`
-    (HND): they are not TGI's layouts, and TGI's own kernels never see them (this backend replaces all of
-    TGI's attention functions).
+    TGI constructs it with its own arguments (`dtype` = its cache dtype: the model dtype unless
+    `--kv-cache-dtype`, which is refused) and calls only `store`; the KVX format of the run (`kvx_tgi.install`)
+    decides the storage, and this backend's attention functions read it through `desc`. TGI's other
+    `KVCache` members (`key`, `value`, `can_scale`, ...) serve its own attention kernels, which this backend
+    replaces, so they are not provided.
     """
 
     def __init__(self, *, num_blocks: int, num_heads: int, head_size: int, dtype: torch.dtype,
@@ -80,34 +79,10 @@ class KVCache:
         run.check_cache_dtype(dtype)
         self.format = run.format
         self.format.check_head_dim(head_size)
-        self.tgi_dtype = dtype
         self.cache = PagedKVCache(self.format, num_layers=1, num_blocks=num_blocks, block_size=run.block_size,
                                   num_kv_heads=num_heads, head_dim=head_size, device=device)
         self._scales: tuple[float, float] | None = None
         self.desc: CacheDesc = self.cache.descriptor(0)
-
-    # ------------------------------------------------------------ TGI interface
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype TGI asked for (TGI compares it with FP8 dtypes only)."""
-        return self.tgi_dtype
-
-    @property
-    def key(self) -> torch.Tensor:
-        return self.cache.layers[0].k_data
-
-    @property
-    def value(self) -> torch.Tensor:
-        return self.cache.layers[0].v_data
-
-    @property
-    def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.key, self.value
-
-    def can_scale(self, kv_scales: KVScales) -> bool:
-        """Whether this layer's checkpoint scales set the format's global scales (TGI's meaning)."""
-        uses = self.format.k.uses_global_scale or self.format.v.uses_global_scale
-        return uses and (kv_scales.key_scale_cpu, kv_scales.value_scale_cpu) != (1.0, 1.0)
 
     def store(self, *, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, kv_scales: KVScales) -> None:
         """Quantize `[T, H, D]` K/V into the pools at TGI's int64 `slots` (one per token)."""
@@ -129,10 +104,11 @@ class KVCache:
         pools = self.cache.layers[0]
         fmt = self.format
         if not (fmt.k.uses_global_scale or fmt.v.uses_global_scale):
-            logger.info(f"KVX {fmt.name}: checkpoint k_scale/v_scale ignored (the format keeps per-block scales)")
+            log_once(logger.info, f"KVX {fmt.name}: checkpoint k_scale/v_scale ignored (the format keeps per-block "
+                                  "scales)")
             return
         for tf, g, s in ((fmt.k, pools.k_global, want[0]), (fmt.v, pools.v_global, want[1])):
-            scale = global_scale_for_amax(tf, torch.tensor([s * _CKPT_FP8_MAX]))
+            scale = global_scale_for_amax(tf, amax_from_kv_scale(torch.tensor([s])))
             if scale is not None:
                 g.fill_(float(scale[0]))
 
