@@ -107,7 +107,8 @@ def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
     # capped to the C field's range: a longer sequence is then refused by the gather as OUT_OF_RANGE
     max_len = min(int(seq_lens.lengths.max()), UINT32_MAX) if seq_lens.seq_count else 0
     io = gather_kv(cache, GatherDesc(table, seq_lens, max_len))
-    lens = seq_lens.lengths.to(torch.int64).tolist()
+    # KV_OFFSETS beams are sequences of their own, in (sequence, beam) order (what the gather yields)
+    lens = seq_lens.lengths.to(torch.int64).repeat_interleave(table.beam_width).tolist()
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
@@ -117,13 +118,16 @@ def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
 def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
                  sm_scale: float | None = None, softcap: float | None = None,
                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query token per sequence (`query [B, Hq, D]`) attending over its whole cached sequence.
+    """One query token per sequence (`query [B, Hq, D]`) attending over its whole cached sequence (a KV_OFFSETS
+    table with beams: one query per (sequence, beam) row, in that order, `B = seqs * beam_width`).
 
     Returns `(out [B, Hq, D] in query.dtype, lse [B, Hq] FP32)`; empty sequences give 0 and -inf.
     """
     check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap, window=window)
-    require(query.shape[0] == seq_lens.seq_count, Status.INVALID_ARGUMENT,
-            f"paged_decode: {query.shape[0]} queries for {seq_lens.seq_count} sequences")
+    rows = seq_lens.seq_count * table.beam_width
+    require(query.shape[0] == rows, Status.INVALID_ARGUMENT,
+            f"paged_decode: {query.shape[0]} queries for {seq_lens.seq_count} sequences"
+            + (f" x {table.beam_width} beams" if table.beam_width > 1 else ""))
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
     io, lens, starts = _gather_all(cache, table, seq_lens)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
@@ -147,6 +151,8 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
     the queries (a chunk's attention over its cached prefix only).
     """
     check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap, window=window)
+    require(table.beam_width == 1, Status.UNSUPPORTED,
+            f"paged_prefill: a table of {table.beam_width} beams (prefill runs before beams fork: one beam)")
     ip = check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), query.shape[0],
                          queries_cached(causal, window))
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)

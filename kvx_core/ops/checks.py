@@ -360,3 +360,27 @@ def kernel_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
     if check:
         check_block_ids(bt, lens, cache.block_size, cache.num_blocks)
     return bt.to(torch.int32).contiguous(), narrow_int32(lens, "seq_lens", check=check)
+
+
+def offsets_kernel_table(table: BlockTable, seq_lens: SeqLens, block_size: int, device: torch.device, *,
+                         check: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A KV_OFFSETS table (TRT-LLM's KVCacheIndex offsets) as the attention kernels read it: (int32 rows of its K
+    plane `[seqs * beams, max_blocks]`, int32 lengths per row), or None when the kernels cannot read it.
+
+    TRT-LLM's offsets name a layer's K block `e` and its V block `e + 1` in one block array (`(mem_idx * layers) *
+    2 + kv`), so the kernels read K through the K plane and V through the same entries over the block array
+    shifted by one block (`v_shifted_pools`): TRT-LLM's own offsets, no block-id conversion. With `check` (one host
+    sync) every entry a sequence uses must be a primary-pool block (not null, not bit 31) whose V entry is its K
+    entry + 1, else None (the reference serves the call). Without `check` the caller vouches for that layout,
+    which is how TRT-LLM's KV cache manager writes its tables."""
+    s, w, m = table.seq_count, table.beam_width, table.max_blocks_per_seq
+    o = table.indices.reshape(s, w, 2, m).to(device)
+    k = o[:, :, 0].reshape(s * w, m)
+    lens = seq_lens.lengths.to(device).to(torch.int64).repeat_interleave(w)
+    if check:
+        used = torch.arange(m, device=device)[None, :] * block_size < lens[:, None]
+        v = o[:, :, 1].reshape(s * w, m)
+        if not bool((~used | ((k >= 0) & (v.to(torch.int64) == k.to(torch.int64) + 1))).all()):
+            return None
+    return k.to(torch.int32).contiguous(), narrow_int32(lens, "seq_lens", check=check)
+

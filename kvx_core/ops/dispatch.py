@@ -3,8 +3,10 @@ the pools are CUDA tensors the kernels can address, the torch reference otherwis
 results as `ops.reference` / `ops.attention` (write and gather bit-identical; attention equal up to float
 accumulation order), so callers switch by importing this module instead.
 
+KV_OFFSETS tables (TRT-LLM) run on the kernels over their K plane, V read one block further (`checks.offsets_kernel_table`).
 The reference remains the path for: CPU pools, v1.0 FP8 caches (per-write scale descriptors),
-HND_PACKED layouts with pack > 1, RAGGED / KV_OFFSETS block tables and secondary (host) pools.
+HND_PACKED layouts with pack > 1, RAGGED tables, KV_OFFSETS tables that name host blocks or break TRT-LLM's
+K/V block pairing (checked), and caches with a secondary (host) pool.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format
 from ..layouts import block_view
 from . import attention, reference
-from .checks import (INT32_MAX, cache_global_scales, check_gather, check_table_types, check_write, kernel_table,
+from .checks import (INT32_MAX, cache_global_scales, check_block_ids, check_gather, check_table_types, check_write,
+                     kernel_table, offsets_kernel_table,
                      narrow_int32, require_type)
 from .kernel_format import kernel_format
 
@@ -106,16 +109,25 @@ def write_kv(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> None:
 def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
               out_dtype: torch.dtype | None = None, k_scale: ScaleDesc | None = None,
               v_scale: ScaleDesc | None = None) -> KvIoDesc:
-    """`reference.gather_kv`, on the Triton gather kernel when possible (PACKED tables, primary pool)."""
+    """`reference.gather_kv`, on the Triton gather kernel when possible (PACKED or KV_OFFSETS tables, primary
+    pool)."""
     pools = _kernel_pools(cache)
-    if pools is None or not isinstance(gather, GatherDesc) or not _packed(gather.block_table) \
+    table = gather.block_table if isinstance(gather, GatherDesc) else None
+    if pools is not None and _offsets(table):
+        pools = _shift_v(pools, cache)
+    if pools is None or not (_packed(table) or _offsets(table)) \
             or (cache.pool is not None and cache.pool.secondary is not None):
         return reference.gather_kv(cache, gather, out, out_dtype, k_scale, v_scale)
     plan = check_gather(cache, gather, out, out_dtype, k_scale, v_scale)
     kd, ks, vd, vs, fmt = pools
-    table = gather.block_table
-    bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(kd.device).contiguous()
-    lens = gather.seq_lens.lengths.to(kd.device)
+    if _offsets(table):
+        rows = offsets_kernel_table(table, gather.seq_lens, cache.block_size, kd.device, check=True)
+        if rows is None:  # host blocks or another K/V pairing: the reference reads them
+            return reference.gather_kv(cache, gather, out, out_dtype, k_scale, v_scale)
+        bt, lens = rows
+    else:  # the caller's dtype: the kernel launcher checks the used ids before narrowing
+        bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(kd.device).contiguous()
+        lens = gather.seq_lens.lengths.to(kd.device)
     from .triton import gather_kv as triton_gather
     k, v = triton_gather(kd, ks, vd, vs, bt, lens, fmt, plan.k_gs, plan.v_gs, max_seq_len=plan.max_seq_len,
                          out_dtype=out_dtype,
@@ -124,17 +136,49 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
 
 
 def _packed(table: BlockTable) -> bool:
-    """The kernels read PACKED tables; anything else (including a malformed table) goes to the reference."""
+    """PACKED tables: the kernels read them as they are."""
     return isinstance(table, BlockTable) and table.format == BlockTableFormat.PACKED
+
+
+def _offsets(table: BlockTable) -> bool:
+    """KV_OFFSETS tables: the kernels read their K plane (`checks.offsets_kernel_table`)."""
+    return isinstance(table, BlockTable) and table.format == BlockTableFormat.KV_OFFSETS
+
+
+def _kernel_table(table: BlockTable, seq_lens: SeqLens, block_size: int, device: torch.device, check: bool):
+    """(int32 block rows, int32 lengths per row) the kernels read for this table, or None (the reference serves
+    it). PACKED ids past a sequence's length may be stale and are never read, so they are narrowed unchecked;
+    used ids are checked against each layer's cache in `run` (check) or owned by the engine."""
+    if _offsets(table):
+        return offsets_kernel_table(table, seq_lens, block_size, device, check=check)
+    if not _packed(table):
+        return None
+    bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(device).to(torch.int32).contiguous()
+    return bt, narrow_int32(seq_lens.lengths.to(device), "seq_lens", check=check)
+
+
+def _shift_v(pools, cache: CacheDesc):
+    """For a KV_OFFSETS table: the pools with V read one block after K (`checks.offsets_kernel_table`), or None when
+    K and V are not one block array (the pairing `V = K + 1` would not name this cache's V blocks)."""
+    kd, ks, vd, vs, fmt = pools
+    if kd.data_ptr() != vd.data_ptr() or kd.stride() != vd.stride() or (ks is None) != (vs is None) \
+            or (ks is not None and ks.data_ptr() != vs.data_ptr()) or kd.shape[0] < 2:
+        return None
+    # K blocks [0, n-1), V blocks [1, n): one block count for both, and K entry e < n - 1 names V block e + 1
+    return kd[:-1], None if ks is None else ks[:-1], vd[1:], None if vs is None else vs[1:], fmt
 
 
 def _kernel_args(cache: CacheDesc, table: BlockTable, check: bool):
     """(k_data, k_scales, v_data, v_scales, k_global, v_global) for the attention kernels, or None (the
-    reference serves the call): PACKED tables over kernel-addressable primary pools."""
+    reference serves the call): PACKED or KV_OFFSETS tables over kernel-addressable primary pools."""
     pools = _kernel_pools(cache)
-    if pools is None or not _packed(table) or cache.num_blocks > INT32_MAX + 1 \
+    if pools is None or not (_packed(table) or _offsets(table)) or cache.num_blocks > INT32_MAX + 1 \
             or (cache.pool is not None and cache.pool.secondary is not None):
         return None
+    if _offsets(table):
+        pools = _shift_v(pools, cache)
+        if pools is None:
+            return None
     kd, ks, vd, vs, fmt = pools
     kg, vg = cache_global_scales(cache, fmt, None, None, "attention", check_values=check)
     return kd, ks, vd, vs, kg, vg
@@ -168,7 +212,12 @@ class AttentionPlan:
                 f"{self.what}: the cache is {fmt.name}, the plan was made for {self.fmt.name}")
         if self.check and self.block_table is not None:  # the reference's gather validation, on this layer's cache
             cache.validate()
-            kernel_table(cache, self.table, self.seq_lens, check=True)
+            if _offsets(self.table):
+                self.table.validate(cache)
+                self.seq_lens.validate(self.table, cache.block_size)
+                check_block_ids(self.block_table, self.lens, cache.block_size, cache.num_blocks - 1)  # V = K + 1
+            else:
+                kernel_table(cache, self.table, self.seq_lens, check=True)
         args = None if self.kernel is None else _kernel_args(cache, self.table, self.check)
         if args is None:
             return self._reference(query, cache, out, lse)
@@ -191,20 +240,16 @@ class AttentionPlan:
         return o, l
 
 
-def _plan_tables(what: str, fmt, table: BlockTable, seq_lens: SeqLens, options: dict, device, check: bool):
+def _plan_tables(what: str, fmt, table: BlockTable, seq_lens: SeqLens, options: dict, device, check: bool,
+                 block_size: int):
     """Checked options and (device, int32 block table, int32 lens) for the kernels (None, None, None off CUDA)."""
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     require_type(fmt, CacheFormat, f"{what}: fmt")
     check_table_types(table, seq_lens)
     attention.check_options(what, **options)
     device = torch.device(device) if device is not None else table.indices.device
-    if not (_kernel_device(device) and _packed(table)):
-        return fmt, device, None, None
-    bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(device)
-    # used ids are checked against each layer's cache in `run` (check) or owned by the engine; ids past a
-    # sequence's length may be stale and are never read, so they are narrowed unchecked
-    bt = bt.to(torch.int32).contiguous()
-    return fmt, device, bt, narrow_int32(seq_lens.lengths.to(device), "seq_lens", check=check)
+    rows = _kernel_table(table, seq_lens, block_size, device, check) if _kernel_device(device) else None
+    return (fmt, device, None, None) if rows is None else (fmt, device, *rows)
 
 
 def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str, num_qo_heads: int,
@@ -218,13 +263,13 @@ def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
     under CUDA graphs (with a persistent `workspace`: `ops.decode.workspace_size`, and `split_batch`: the graph
     bucket, see `ops.decode.plan_decode`)."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
-    fmt, device, bt, lens = _plan_tables("paged_decode", fmt, table, seq_lens, options, device, check)
+    fmt, device, bt, lens = _plan_tables("paged_decode", fmt, table, seq_lens, options, device, check, block_size)
     kernel = None
     if bt is not None:
         if max_seq_len is None:
             max_seq_len = int(lens.max().item()) if lens.numel() else 0
         from . import decode as decode_kernel
-        kernel = decode_kernel.plan_decode(fmt, batch=seq_lens.seq_count, num_qo_heads=num_qo_heads,
+        kernel = decode_kernel.plan_decode(fmt, batch=int(bt.shape[0]), num_qo_heads=num_qo_heads,
                                            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                                            q_dtype=q_dtype, device=device, max_seq_len=max_seq_len,
                                            workspace=workspace, split_batch=split_batch, **options)
@@ -239,7 +284,9 @@ def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, 
     list reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync). `causal=False` without a
     window attends every query to all of its sequence's cached tokens (`attention.paged_prefill`)."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
-    fmt, device, bt, lens = _plan_tables("paged_prefill", fmt, table, seq_lens, options, device, check)
+    fmt, device, bt, lens = _plan_tables("paged_prefill", fmt, table, seq_lens, options, device, check, block_size)
+    if bt is not None and bt.shape[0] != seq_lens.seq_count:  # beams: one query range per request, rows per beam
+        bt = lens = None
     if check:  # on the caller's dtype, before narrowing
         attention.check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), None,
                                   attention.queries_cached(causal, window))
