@@ -1,0 +1,118 @@
+"""`kvx kvtc calibrate OUT`, `kvx kvtc compress CAL BUNDLE OUT`, `kvx kvtc inspect FILE`: KVTC transform coding
+of KV caches (kvx_core.kvtc) from the command line. Every output is a new file (an existing one is refused)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from kvx_core.errors import KvxError, Status
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kvtc", help="KVTC: calibrate, compress KV bundles, inspect compressed buffers",
+                       description="calibrate: run the demo model (or --model) over calibration text and write the "
+                                   "KVTC calibration OUT (safetensors); compress: a KVX bundle's KV -> a KVTC buffer "
+                                   "OUT with calibration CAL; inspect: print a KVTC buffer's header (checksum "
+                                   "checked). Exit 2 with one line when an input is refused.")
+    p.add_argument("action", choices=("calibrate", "compress", "inspect"))
+    p.add_argument("paths", nargs="+", help="calibrate: OUT; compress: CAL BUNDLE OUT; inspect: FILE")
+    p.add_argument("--model", default=None, help="calibrate: a checkpoint directory (default: the demo's SmolLM2)")
+    p.add_argument("--windows", type=int, default=4, help="calibrate: windows of calibration text (default 4)")
+    p.add_argument("--window-len", type=int, default=1024, help="calibrate: tokens per window (default 1024)")
+    p.add_argument("--ratio", type=float, default=16.0, help="calibrate: target ratio vs BF16 of coded tokens")
+    p.add_argument("--layers-per-group", type=int, default=6)
+    p.add_argument("--range-size", type=int, default=16)
+    p.add_argument("--sink", type=int, default=4, help="calibrate: first tokens kept raw (attention sinks)")
+    p.add_argument("--recent", type=int, default=64, help="calibrate: last tokens of a buffer kept raw")
+    p.add_argument("--deflate", action="store_true", help="compress: DEFLATE the coded body (lossless)")
+    p.add_argument("--json", action="store_true", help="inspect: print JSON")
+    p.set_defaults(run=run)
+
+
+def _paths(args: argparse.Namespace, n: int, usage: str) -> list[str]:
+    if len(args.paths) != n:
+        raise KvxError(Status.INVALID_ARGUMENT, f"kvtc {args.action} takes {usage}")
+    return args.paths
+
+
+def _new_file(path: str) -> None:
+    if os.path.exists(path):
+        raise KvxError(Status.INVALID_ARGUMENT, f"{path} exists; kvx kvtc writes new files only")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    (out,) = _paths(args, 1, "OUT")
+    _new_file(out)
+    from kvx_core.kvtc import calibrate
+    from kvx_core.transfer import fingerprint_from_files
+    from kvx_demo.kvtc_eval import collect_kv
+    from kvx_demo.model import load_model
+    from kvx_demo.text import load_windows
+
+    lm = load_model(args.model)
+    src = lm.source if lm.source.is_dir() else None
+    model = {}
+    if src is not None and (src / "config.json").is_file() and (src / "tokenizer.json").is_file():
+        from dataclasses import asdict
+        model = asdict(fingerprint_from_files(str(src / "config.json"), str(src / "tokenizer.json")))
+    start = time.perf_counter()
+    kv = collect_kv(lm.model, load_windows(lm.tokenizer, args.windows, args.window_len))
+    cal = calibrate(kv, layers_per_group=args.layers_per_group, ratio=args.ratio, range_size=args.range_size,
+                    sink_tokens=args.sink, recent_tokens=args.recent, model=model)
+    ident = cal.save(out)
+    print(f"{out}: KVTC calibration {ident[:16]}... ({cal.num_layers} layers in groups of {cal.layers_per_group}, "
+          f"{args.windows} x {args.window_len} tokens, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _compress(args: argparse.Namespace) -> int:
+    cal_path, bundle, out = _paths(args, 3, "CAL BUNDLE OUT")
+    _new_file(out)
+    from kvx_core.formats import get_format
+    from kvx_core.kvtc import compress, load_calibration
+    from kvx_core.transfer.bundle import BundleReader
+    from kvx_core.transfer.handoff import decode_rows
+
+    cal = load_calibration(cal_path)
+    if not os.path.isfile(bundle):
+        raise KvxError(Status.INVALID_ARGUMENT, f"{bundle}: no such file")
+    with open(bundle, "rb") as f:
+        reader = BundleReader(f)
+        fmt = get_format(reader.header["cache"]["format"])
+        kv = [tuple(x.to(torch.bfloat16) for x in decode_rows(rows, fmt)) for rows in reader.read_all()]
+        model = reader.header.get("model")
+    if cal.model and model and cal.model != model:
+        raise KvxError(Status.INCOMPATIBLE, f"{bundle} holds another model's KV than {cal_path} was calibrated on")
+    buf = compress(kv, cal, model=model, deflate=args.deflate)
+    with open(out, "xb") as f:
+        f.write(buf)
+    raw = sum(k.numel() + v.numel() for k, v in kv) * 2
+    print(f"{out}: {len(kv)} layers x {kv[0][0].shape[0] if kv else 0} tokens, {len(buf)} bytes "
+          f"({raw / len(buf):.2f}x vs BF16)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    (path,) = _paths(args, 1, "FILE")
+    from kvx_core.kvtc import read_header
+
+    if not os.path.isfile(path):
+        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: no such file")
+    with open(path, "rb") as f:
+        hdr = read_header(f.read())
+    d = hdr.to_json()
+    if args.json:
+        print(json.dumps(d, indent=1, sort_keys=True))
+    else:
+        w = max(len(k) for k in d)
+        for k, v in d.items():
+            print(f"{k:<{w}}  {v}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"calibrate": _calibrate, "compress": _compress, "inspect": _inspect}[args.action](args)

@@ -1,0 +1,216 @@
+"""KVTC calibration: per layer group, for K and for V, a mean, a PCA basis and a bit allocation over component ranges.
+
+A token's feature vector for a group is its K (or V) across the group's layers and KV heads, `[layers_per_group *
+num_kv_heads * head_dim]`. Calibration fits, on K/V collected from the model over calibration text (attention-sink
+tokens left out: they are stored raw and their outliers would tilt the basis), the mean and the PCA basis (float64
+eigendecomposition of the covariance, components by decreasing variance), then allocates bits to ranges of
+`range_size` consecutive components by dynamic programming: each range gets one of `KINDS` (dropped, 2/4/8-bit
+integers with a per-row fp16 min and step, or FP8 E4M3 with a per-component scale), minimising the reconstruction
+error measured on the calibration data itself (the basis is orthonormal, so component-space error is feature-space
+error) under a byte budget per token (`bytes_per_token = features * 2 / ratio`, the same ratio for K and V of every
+group). Saved as a safetensors file whose metadata holds the JSON parameters and an identity hash over everything.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import KvxError, Status, require
+from .quant import KINDS, RangeKind, dequantize_range, fp8_scales, quantize_range, range_bytes
+
+VERSION = 1
+SIDES = ("k", "v")
+
+
+@dataclass(frozen=True)
+class SideCalibration:
+    """One group's K or V: mean `[F]`, basis `[F, C]` (orthonormal columns, decreasing variance), variances `[C]`,
+    FP8 scales `[C]` and the component ranges `(start, stop, kind)` that are kept (ranges past the last are dropped)."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor
+    variance: torch.Tensor
+    fp8_scale: torch.Tensor
+    ranges: tuple[tuple[int, int, str], ...]
+
+    @property
+    def kept(self) -> int:
+        """Components the codec projects onto (the end of the last kept range)."""
+        return max((b for _, b, _ in self.ranges), default=0)
+
+    def bytes_per_token(self) -> int:
+        return sum(range_bytes(RangeKind.parse(kind), b - a) for a, b, kind in self.ranges)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The whole model's KVTC parameters (see the module doc)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layers_per_group: int
+    sink_tokens: int
+    recent_tokens: int
+    ratio: float
+    range_size: int
+    model: dict  # the model fingerprint (kvx_core.transfer.ModelFingerprint as a dict) or {}
+    groups: tuple[dict[str, SideCalibration], ...]  # per group: {"k": ..., "v": ...}
+
+    @property
+    def features(self) -> int:
+        return self.layers_per_group * self.num_kv_heads * self.head_dim
+
+    def params(self) -> dict:
+        """The JSON parameters (everything but the tensors)."""
+        return {"version": VERSION, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "layers_per_group": self.layers_per_group,
+                "sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens, "ratio": self.ratio,
+                "range_size": self.range_size, "model": self.model,
+                "ranges": [{s: [list(r) for r in g[s].ranges] for s in SIDES} for g in self.groups]}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, g in enumerate(self.groups):
+            for s in SIDES:
+                c = g[s]
+                for name in ("mean", "basis", "variance", "fp8_scale"):
+                    out[f"g{i}.{s}.{name}"] = getattr(c, name).contiguous()
+        return out
+
+    @property
+    def identity(self) -> str:
+        """sha256 over the parameters and every tensor's bytes: what a compressed buffer names its calibration by."""
+        h = hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode())
+        for name, t in sorted(self.tensors().items()):
+            h.update(name.encode())
+            h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def save(self, path: str) -> str:
+        """Write the safetensors file (no pickle); returns the identity. Refuses to overwrite an existing file."""
+        from safetensors.torch import save_file
+
+        require(not os.path.exists(path), Status.INVALID_ARGUMENT, f"{path} exists; KVTC never overwrites a file")
+        ident = self.identity
+        save_file({k: v.cpu() for k, v in self.tensors().items()}, path,
+                  metadata={"kvx_kvtc": json.dumps(self.params()), "identity": ident})
+        return ident
+
+
+def load_calibration(path: str) -> Calibration:
+    """Read a calibration file (KvxError INVALID_ARGUMENT / INCOMPATIBLE for foreign, damaged or newer files)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for foreign or damaged files
+        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: not a readable safetensors file ({e})") from None
+    require("kvx_kvtc" in meta, Status.INVALID_ARGUMENT, f"{path}: not a KVX KVTC calibration (no kvx_kvtc metadata)")
+    p = json.loads(meta["kvx_kvtc"])
+    require(p.get("version") == VERSION, Status.INCOMPATIBLE,
+            f"{path}: calibration version {p.get('version')}, this KVX reads version {VERSION}")
+    groups = []
+    for i, rg in enumerate(p["ranges"]):
+        g = {}
+        for s in SIDES:
+            t = {n: tensors.get(f"g{i}.{s}.{n}") for n in ("mean", "basis", "variance", "fp8_scale")}
+            require(all(v is not None for v in t.values()), Status.INVALID_ARGUMENT, f"{path}: group {i} {s} incomplete")
+            g[s] = SideCalibration(**t, ranges=tuple((int(a), int(b), str(k)) for a, b, k in rg[s]))
+        groups.append(g)
+    cal = Calibration(p["num_layers"], p["num_kv_heads"], p["head_dim"], p["layers_per_group"], p["sink_tokens"],
+                      p["recent_tokens"], p["ratio"], p["range_size"], p["model"], tuple(groups))
+    require(cal.identity == meta.get("identity"), Status.INVALID_ARGUMENT,
+            f"{path}: the identity hash does not match the contents (damaged or edited)")
+    return cal
+
+
+def group_features(kv: Sequence[torch.Tensor], group: int, layers_per_group: int) -> torch.Tensor:
+    """`[tokens, F]` features of one group from per-layer `[tokens, H, D]` tensors (layer-major, then head, dim)."""
+    layers = kv[group * layers_per_group:(group + 1) * layers_per_group]
+    return torch.cat([x.reshape(x.shape[0], -1) for x in layers], dim=1)
+
+
+def _allocate(y: torch.Tensor, scale: torch.Tensor, range_size: int, budget: int) -> tuple[tuple[int, int, str], ...]:
+    """Kinds for ranges of `range_size` components minimising the measured squared error of the calibration
+    projections `y [M, C]` within `budget` bytes per token (dynamic programming over ranges x bytes)."""
+    c = y.shape[1]
+    bounds = [(a, min(a + range_size, c)) for a in range(0, c, range_size)]
+    costs, errs = [], []
+    for a, b in bounds:
+        seg = y[:, a:b]
+        row_c, row_e = [], []
+        for kind in KINDS:
+            row_c.append(range_bytes(kind, b - a))
+            if kind.bits == 0:
+                row_e.append(float((seg.double() ** 2).sum()))
+            else:
+                packed = quantize_range(seg, kind, scale[a:b])
+                row_e.append(float(((dequantize_range(packed, kind, b - a, scale[a:b]) - seg).double() ** 2).sum()))
+        costs.append(row_c)
+        errs.append(row_e)
+    inf = math.inf
+    best = [0.0] + [inf] * budget  # best[spent] after the ranges so far
+    choice: list[list[int]] = []
+    for rc, re_ in zip(costs, errs):
+        nxt = [inf] * (budget + 1)
+        pick = [-1] * (budget + 1)
+        for spent, e in enumerate(best):
+            if e == inf:
+                continue
+            for ki, (cost, err) in enumerate(zip(rc, re_)):
+                s2 = spent + cost
+                if s2 <= budget and e + err < nxt[s2]:
+                    nxt[s2], pick[s2] = e + err, ki * (budget + 1) + spent
+        best = nxt
+        choice.append(pick)
+    spent = min(range(budget + 1), key=lambda s: best[s])
+    kinds = []
+    for pick in reversed(choice):
+        ki, spent = divmod(pick[spent], budget + 1)
+        kinds.append(ki)
+    kinds.reverse()
+    return tuple((a, b, str(KINDS[k])) for (a, b), k in zip(bounds, kinds) if KINDS[k].bits > 0)
+
+
+def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *, layers_per_group: int = 1,
+              ratio: float = 16.0, range_size: int = 16, sink_tokens: int = 4, recent_tokens: int = 64,
+              model: dict | None = None) -> Calibration:
+    """Fit the calibration from `windows[w][layer] = (K, V)`, each `[tokens, H, D]` (one forward of the model over a
+    window of calibration text; the first `sink_tokens` of each window are left out of the fit)."""
+    require(len(windows) > 0 and len(windows[0]) > 0, Status.INVALID_ARGUMENT, "calibrate: no K/V given")
+    num_layers = len(windows[0])
+    require(layers_per_group >= 1 and num_layers % layers_per_group == 0, Status.INVALID_ARGUMENT,
+            f"layers_per_group {layers_per_group} must divide the {num_layers} layers")
+    require(ratio >= 1.0 and range_size >= 4 and range_size % 4 == 0, Status.INVALID_ARGUMENT,
+            f"ratio must be >= 1 and range_size a multiple of 4, got {ratio}, {range_size}")
+    _, h, d = windows[0][0][0].shape
+    per_side = [[torch.cat([w[layer][i][sink_tokens:].float() for w in windows]) for layer in range(num_layers)]
+                for i in range(2)]
+    groups = []
+    for g in range(num_layers // layers_per_group):
+        sides = {}
+        for s, kv in zip(SIDES, per_side):
+            x = group_features(kv, g, layers_per_group).double()
+            require(x.shape[0] >= 2, Status.INVALID_ARGUMENT, "calibrate: fewer than 2 tokens after the sinks")
+            mean = x.mean(0)
+            cov = (x - mean).T @ (x - mean) / (x.shape[0] - 1)
+            var, vec = torch.linalg.eigh(cov)
+            order = torch.argsort(var, descending=True)
+            var, basis = var[order].clamp_min(0), vec[:, order]
+            y = ((x - mean) @ basis).float()
+            scale = fp8_scales(y)
+            budget = int(x.shape[1] * 2 / ratio)
+            ranges = _allocate(y, scale, range_size, budget)
+            sides[s] = SideCalibration(mean.float(), basis.float(), var.float(), scale, ranges)
+        groups.append(sides)
+    return Calibration(num_layers, h, d, layers_per_group, sink_tokens, recent_tokens, float(ratio), range_size,
+                       dict(model or {}), tuple(groups))

@@ -1,0 +1,218 @@
+"""KVTC codec: one sequence's K/V (every layer) <-> a self-describing compressed buffer.
+
+Tokens at absolute positions below the calibration's `sink_tokens` and the last `recent_tokens` of the range are
+stored raw (attention sinks and the window the next steps attend most, as the paper keeps them); the others are
+projected per layer group onto the calibrated PCA basis (mean subtracted) and quantized range by range
+(`quant.py`). Decompression inverts it: dequantize, project back, add the mean. Torch ops only: the same code runs
+on the CPU (CI) and on a GPU (matmuls on the device).
+
+Buffer (little-endian): a fixed header (`HEADER`: magic `KVTC`, version, flags (bit 0: the body is DEFLATE
+compressed), the calibration identity (sha256), the model fingerprint hash (sha256, zeros when none), geometry,
+token range, raw head / tail token counts, raw dtype, body sizes), the body, and a 16-byte BLAKE2b checksum of header
+and body. The body: the raw head tokens, then the raw tail tokens (per layer, K then V, `[tokens, H, D]` in the raw
+dtype), then per group, K then V, per kept range a 40-byte range header (`i32 quant_type (0 FP8, 1 IntX), i32
+int_bits, u64 start, u64 end, u64 packed_data_bytes, u64 metadata_bytes`), the ranges' metadata (IntX: fp16 min and
+step per row) and packed data (rows in token order).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, is_dataclass
+
+import torch
+
+from ..errors import KvxError, Status, require
+from .calibration import SIDES, Calibration, group_features
+from .quant import RangeKind, dequantize_range, quantize_range, range_bytes
+
+MAGIC = b"KVTC"
+VERSION = 1
+FLAG_DEFLATE = 1
+HEADER = struct.Struct("<4sHH32s32sIIIIQQIIB3xQQ")
+RANGE = struct.Struct("<iiQQQQ")
+CHECKSUM_BYTES = 16
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def model_hash(model) -> bytes:
+    """sha256 of a model fingerprint (a ModelFingerprint or its dict) as canonical JSON; zeros for none."""
+    if not model:
+        return bytes(32)
+    d = asdict(model) if is_dataclass(model) else dict(model)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).digest()
+
+
+@dataclass(frozen=True)
+class KvtcHeader:
+    flags: int
+    calibration: str
+    model: bytes
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layers_per_group: int
+    token_start: int
+    token_count: int
+    raw_head: int
+    raw_tail: int
+    dtype: torch.dtype
+    body_bytes: int
+    raw_body_bytes: int
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["model"], d["dtype"] = self.model.hex(), str(self.dtype).removeprefix("torch.")
+        d["deflate"] = bool(self.flags & FLAG_DEFLATE)
+        return d
+
+
+def _checksum(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def _split(n: int, start: int, cal: Calibration) -> tuple[int, int]:
+    """(raw head, raw tail) token counts of `n` tokens starting at absolute position `start`."""
+    head = min(max(cal.sink_tokens - start, 0), n)
+    tail = min(cal.recent_tokens, n - head)
+    return head, tail
+
+
+def _raw(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], a: int, b: int) -> bytes:
+    return b"".join(x[a:b].contiguous().cpu().view(torch.uint8).numpy().tobytes() for pair in kv for x in pair)
+
+
+def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, *, model=None, token_start: int = 0,
+             deflate: bool = False) -> bytes:
+    """One sequence's tokens `[token_start, token_start + n)`: `kv[layer] = (K, V)`, each `[n, H, D]` bf16 / fp16 /
+    fp32 on any device -> the compressed buffer. KvxError for a geometry other than the calibration's or
+    non-finite values (nothing is clamped silently)."""
+    require(len(kv) == cal.num_layers, Status.INVALID_ARGUMENT,
+            f"KVTC: {len(kv)} layers given, the calibration has {cal.num_layers}")
+    n, h, d = kv[0][0].shape
+    dtype = kv[0][0].dtype
+    require(dtype in _DTYPES and (h, d) == (cal.num_kv_heads, cal.head_dim), Status.INVALID_ARGUMENT,
+            f"KVTC: K/V must be [tokens, {cal.num_kv_heads}, {cal.head_dim}] bf16/fp16/fp32, got "
+            f"{tuple(kv[0][0].shape)} {dtype}")
+    for layer, pair in enumerate(kv):
+        for x in pair:
+            require(tuple(x.shape) == (n, h, d) and x.dtype == dtype, Status.INVALID_ARGUMENT,
+                    f"KVTC: layer {layer} K/V is {tuple(x.shape)} {x.dtype}, expected {(n, h, d)} {dtype}")
+            require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
+                    f"KVTC: layer {layer} holds non-finite K/V values; KVTC codes finite values only")
+    require(token_start >= 0, Status.INVALID_ARGUMENT, f"KVTC: token_start must be >= 0, got {token_start}")
+    head, tail = _split(n, token_start, cal)
+    a, b = head, n - tail
+    body = [_raw(kv, 0, head), _raw(kv, b, n)]
+    if b > a:
+        sides = [[x[a:b] for x, _ in kv], [v[a:b] for _, v in kv]]
+        for g, gc in enumerate(cal.groups):
+            for s, rows in zip(SIDES, sides):
+                c = gc[s]
+                x = group_features(rows, g, cal.layers_per_group).float()
+                y = (x - c.mean.to(x.device)) @ c.basis[:, :c.kept].to(x.device)
+                for lo, hi, name in c.ranges:
+                    kind = RangeKind.parse(name)
+                    q = quantize_range(y[:, lo:hi].contiguous(), kind, c.fp8_scale[lo:hi]).cpu()
+                    meta, packed = (q[:, :4], q[:, 4:]) if kind.is_int else (q[:, :0], q)
+                    body.append(RANGE.pack(1 if kind.is_int else 0, kind.bits if kind.is_int else 0, lo, hi,
+                                           packed.numel(), meta.numel()))
+                    body.append(meta.contiguous().numpy().tobytes() + packed.contiguous().numpy().tobytes())
+    raw_body = b"".join(body)
+    stored = zlib.compress(raw_body, 6) if deflate else raw_body
+    header = HEADER.pack(MAGIC, VERSION, FLAG_DEFLATE if deflate else 0, bytes.fromhex(cal.identity),
+                         model_hash(model), cal.num_layers, h, d, cal.layers_per_group, token_start, n, head, tail,
+                         _DTYPES.index(dtype), len(stored), len(raw_body))
+    return header + stored + _checksum(header, stored)
+
+
+def read_header(buf: bytes) -> KvtcHeader:
+    """The header of a buffer, checked for magic, version, length and checksum (no calibration needed)."""
+    require(isinstance(buf, (bytes, bytearray, memoryview)), Status.INVALID_ARGUMENT, "KVTC: a buffer is bytes")
+    buf = bytes(buf)
+    require(len(buf) >= HEADER.size + CHECKSUM_BYTES and buf[:4] == MAGIC, Status.INVALID_ARGUMENT,
+            "KVTC: not a KVTC buffer (bad magic or shorter than a header)")
+    f = HEADER.unpack_from(buf)
+    require(f[1] == VERSION, Status.INCOMPATIBLE, f"KVTC: buffer version {f[1]}, this KVX reads version {VERSION}")
+    require(f[13] < len(_DTYPES) and f[2] & ~FLAG_DEFLATE == 0, Status.INVALID_ARGUMENT,
+            "KVTC: unknown dtype or flags in the header")
+    hdr = KvtcHeader(f[2], f[3].hex(), f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], _DTYPES[f[13]],
+                     f[14], f[15])
+    end = HEADER.size + hdr.body_bytes
+    require(len(buf) == end + CHECKSUM_BYTES, Status.INVALID_ARGUMENT,
+            f"KVTC: buffer is {len(buf)} bytes, its header says {end + CHECKSUM_BYTES} (truncated or padded)")
+    require(_checksum(buf[:HEADER.size], buf[HEADER.size:end]) == buf[end:], Status.INVALID_ARGUMENT,
+            "KVTC: checksum mismatch (the buffer is damaged)")
+    return hdr
+
+
+def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device | str | None = None,
+               ) -> tuple[KvtcHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A buffer -> (its header, `kv[layer] = (K, V)` `[token_count, H, D]` in the raw dtype on `device`). KvxError
+    (INCOMPATIBLE) for a buffer of another calibration or model; INVALID_ARGUMENT when damaged or truncated."""
+    hdr = read_header(buf)
+    require(hdr.calibration == cal.identity, Status.INCOMPATIBLE,
+            f"KVTC: the buffer was compressed with calibration {hdr.calibration[:12]}..., this one is "
+            f"{cal.identity[:12]}...")
+    if model is not None:
+        require(hdr.model == model_hash(model), Status.INCOMPATIBLE, "KVTC: the buffer belongs to another model")
+    require((hdr.num_layers, hdr.num_kv_heads, hdr.head_dim, hdr.layers_per_group) ==
+            (cal.num_layers, cal.num_kv_heads, cal.head_dim, cal.layers_per_group), Status.INVALID_ARGUMENT,
+            "KVTC: the header's geometry disagrees with its calibration")
+    body = bytes(buf[HEADER.size:HEADER.size + hdr.body_bytes])
+    if hdr.flags & FLAG_DEFLATE:
+        try:
+            body = zlib.decompress(body)
+        except zlib.error as e:
+            raise KvxError(Status.INVALID_ARGUMENT, f"KVTC: the DEFLATE body does not decode ({e})") from None
+    require(len(body) == hdr.raw_body_bytes, Status.INVALID_ARGUMENT, "KVTC: body size disagrees with the header")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    n, h, d, L = hdr.token_count, hdr.num_kv_heads, hdr.head_dim, hdr.num_layers
+    es = torch.empty((), dtype=hdr.dtype).element_size()
+    out = [[torch.empty(n, h, d, dtype=hdr.dtype, device=dev) for _ in range(2)] for _ in range(L)]
+    at = 0
+
+    def take(nbytes: int) -> torch.Tensor:
+        """The next `nbytes` of the body as uint8."""
+        nonlocal at
+        require(at + nbytes <= len(body), Status.INVALID_ARGUMENT, "KVTC: body ends inside a section")
+        chunk = torch.frombuffer(bytearray(body[at:at + nbytes]), dtype=torch.uint8) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        at += nbytes
+        return chunk
+
+    for lo_tok, count in ((0, hdr.raw_head), (n - hdr.raw_tail, hdr.raw_tail)):
+        for layer in range(L):
+            for i in range(2):
+                raw = take(count * h * d * es)
+                out[layer][i][lo_tok:lo_tok + count] = raw.view(hdr.dtype).view(count, h, d).to(dev)
+    a, b = hdr.raw_head, n - hdr.raw_tail
+    m = b - a
+    if m > 0:
+        for g, gc in enumerate(cal.groups):
+            for i, s in enumerate(SIDES):
+                c = gc[s]
+                y = torch.zeros(m, c.kept, dtype=torch.float32, device=dev)
+                for lo, hi, name in c.ranges:
+                    kind = RangeKind.parse(name)
+                    qt, bits, start, stop, packed_n, meta_n = RANGE.unpack(take(RANGE.size).numpy().tobytes())
+                    want = range_bytes(kind, hi - lo) * m
+                    expect = (int(kind.is_int), kind.bits if kind.is_int else 0, lo, hi)
+                    require((qt, bits, start, stop) == expect and packed_n + meta_n == want, Status.INVALID_ARGUMENT,
+                            f"KVTC: range header ({start}, {stop}) disagrees with the calibration's ({lo}, {hi}, {name})")
+                    meta = take(meta_n).view(m, meta_n // m)
+                    packed = take(packed_n).view(m, packed_n // m)
+                    q = torch.cat([meta, packed], dim=1).to(dev)
+                    y[:, lo:hi] = dequantize_range(q, kind, hi - lo, c.fp8_scale[lo:hi].to(dev))
+                x = y @ c.basis[:, :c.kept].to(dev).T + c.mean.to(dev)
+                per_layer = x.view(m, cal.layers_per_group, h, d)
+                for j in range(cal.layers_per_group):
+                    out[g * cal.layers_per_group + j][i][a:b] = per_layer[:, j].to(hdr.dtype)
+    require(at == len(body), Status.INVALID_ARGUMENT, "KVTC: bytes left after the last section")
+    return hdr, [(k, v) for k, v in out]

@@ -1,0 +1,108 @@
+"""KVTC range quantizers: the byte layout of one range of PCA components for a batch of token rows.
+
+- `int2` / `int4` / `int8`: per row, fp16 `min` and fp16 `step = (max - min) / (2^bits - 1)` (4 bytes, the values
+  the decoder uses: the codes are computed against the fp16-rounded pair), then the codes `round((y - min) / step)`
+  packed LSB-first (element i of a byte at bits `bits * (i % per_byte)`); a constant row has step 0 and codes 0.
+- `fp8`: E4M3 codes of `y / scale` (a per-component scale from calibration: the component's calibration amax / 448;
+  values beyond it saturate to +-448), no per-row metadata.
+- `drop`: nothing stored, decoded as 0.
+Torch ops only, so the same code runs on the CPU (reference) and on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import KvxError, Status
+
+F16_MAX = 65504.0
+E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class RangeKind:
+    name: str
+    bits: int  # 0: dropped
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_int(self) -> bool:
+        return self.name.startswith("int")
+
+    @staticmethod
+    def parse(name: str) -> RangeKind:
+        for k in KINDS:
+            if k.name == name:
+                return k
+        raise KvxError(Status.INVALID_ARGUMENT, f"unknown KVTC range kind {name!r} (one of {', '.join(map(str, KINDS))})")
+
+
+KINDS = (RangeKind("drop", 0), RangeKind("int2", 2), RangeKind("int4", 4), RangeKind("int8", 8), RangeKind("fp8", 8))
+
+
+def range_bytes(kind: RangeKind, n: int) -> int:
+    """Bytes one token row of an n-component range takes."""
+    if kind.bits == 0:
+        return 0
+    if kind.is_int:
+        return 4 + (n * kind.bits + 7) // 8
+    return n
+
+
+def fp8_scales(y: torch.Tensor) -> torch.Tensor:
+    """Per-component FP8 scales `amax / 448` of calibration projections `y [M, C]` (1 for all-zero components)."""
+    amax = y.abs().amax(0).float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`[M, n]` codes < 2^bits -> `[M, n * bits / 8]` bytes, LSB-first."""
+    per = 8 // bits
+    m, n = codes.shape
+    c = codes.to(torch.int32).view(m, n // per, per)
+    shifts = (torch.arange(per, device=codes.device, dtype=torch.int32) * bits).view(1, 1, per)
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = (torch.arange(per, device=data.device, dtype=torch.int32) * bits).view(1, 1, per)
+    return ((data.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(data.shape[0], -1)[:, :n]
+
+
+def quantize_range(y: torch.Tensor, kind: RangeKind, scale: torch.Tensor) -> torch.Tensor:
+    """Rows `y [M, n]` (float32, finite) of one range -> `[M, range_bytes(kind, n)]` uint8."""
+    m, n = y.shape
+    if kind.bits == 0:
+        return torch.empty(m, 0, dtype=torch.uint8, device=y.device)
+    if not kind.is_int:
+        q = (y / scale.to(y.device)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return q.view(torch.uint8)
+    if bool((y.abs() > F16_MAX).any()):
+        raise KvxError(Status.OUT_OF_RANGE, "a KVTC component exceeds the fp16 range of its row min / step")
+    levels = (1 << kind.bits) - 1
+    mn = y.amin(1).to(torch.float16)
+    step = ((y.amax(1) - mn.float()) / levels).to(torch.float16)
+    s = step.float()
+    codes = torch.where(s[:, None] > 0, torch.round((y - mn.float()[:, None]) / torch.where(s > 0, s, 1.0)[:, None]),
+                        torch.zeros_like(y)).clamp(0, levels)
+    meta = torch.stack([mn, step], dim=1).view(torch.uint8)  # [M, 4]: fp16 min, fp16 step (little-endian)
+    pad = (-n) % (8 // kind.bits)
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(m, pad)], dim=1)
+    return torch.cat([meta, _pack(codes, kind.bits)], dim=1)
+
+
+def dequantize_range(data: torch.Tensor, kind: RangeKind, n: int, scale: torch.Tensor) -> torch.Tensor:
+    """`quantize_range`'s bytes -> float32 rows `[M, n]`."""
+    m = data.shape[0]
+    if kind.bits == 0:
+        return torch.zeros(m, n, dtype=torch.float32, device=data.device)
+    if not kind.is_int:
+        return data.contiguous().view(torch.float8_e4m3fn).float() * scale.to(data.device)
+    meta = data[:, :4].contiguous().view(torch.float16).float()  # [M, 2]
+    codes = _unpack(data[:, 4:], kind.bits, n).float()
+    return meta[:, :1] + codes * meta[:, 1:2]

@@ -1,0 +1,193 @@
+"""KVTC: range quantizers against hand-made vectors and torch casts, the bit allocation against brute force, the
+calibration file, and the codec's round trip, raw tokens and refusals (another calibration or model, damage,
+truncation, versions, non-finite input)."""
+from __future__ import annotations
+
+import itertools
+import struct
+
+import pytest
+import torch
+
+from kvx_core.errors import KvxError, Status
+from kvx_core.kvtc import calibrate, compress, decompress, load_calibration, read_header
+from kvx_core.kvtc import calibration as calib_mod
+from kvx_core.kvtc.codec import HEADER
+from kvx_core.kvtc.quant import KINDS, RangeKind, dequantize_range, quantize_range, range_bytes
+
+L, H, D = 4, 2, 16
+
+
+def _kv(n: int, seed: int, bases, noise=0.05):
+    """K/V of L layers with rank-8 structure per layer (fixed `bases`) plus noise, bf16."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for bk, bv in bases:
+        k = torch.randn(n, 8, generator=g) @ bk + noise * torch.randn(n, H * D, generator=g)
+        v = torch.randn(n, 8, generator=g) @ bv + noise * torch.randn(n, H * D, generator=g)
+        out.append((k.view(n, H, D).bfloat16(), v.view(n, H, D).bfloat16()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bases():
+    g = torch.Generator().manual_seed(123)
+    return [(torch.randn(8, H * D, generator=g), torch.randn(8, H * D, generator=g)) for _ in range(L)]
+
+
+@pytest.fixture(scope="module")
+def cal(bases):
+    return calibrate([_kv(300, s, bases) for s in range(3)], layers_per_group=2, ratio=6, range_size=8,
+                     sink_tokens=4, recent_tokens=16, model={"name": "shim"})
+
+
+def _rel(a, b):
+    return float(sum(((x.float() - y.float()) ** 2).sum() for p, q in zip(a, b) for x, y in zip(p, q))
+                 / sum((x.float() ** 2).sum() for p in a for x in p))
+
+
+# ------------------------------------------------------------------ quantizers
+def test_int_codes_pack_lsb_first_with_fp16_min_and_step():
+    y = torch.tensor([[0.0, 1.0, 2.0, 3.0], [5.0, 5.0, 5.0, 5.0]])
+    q = quantize_range(y, RangeKind.parse("int2"), torch.ones(4))
+    assert q.shape == (2, range_bytes(RangeKind.parse("int2"), 4)) == (2, 5)
+    mn, step = q[0, :4].clone().view(torch.float16).tolist()
+    assert (mn, step) == (0.0, 1.0) and int(q[0, 4]) == 0b11_10_01_00  # element i at bits 2i
+    assert q[1, :4].clone().view(torch.float16).tolist() == [5.0, 0.0] and int(q[1, 4]) == 0  # constant row: step 0
+    assert torch.equal(dequantize_range(q, RangeKind.parse("int2"), 4, torch.ones(4)), y)
+    q4 = quantize_range(torch.tensor([[0.0, 15.0, 7.0, 8.0]]), RangeKind.parse("int4"), torch.ones(4))
+    assert q4[0, 4:].tolist() == [0xF0, 0x87]
+
+
+def test_fp8_ranges_are_the_torch_cast_of_the_scaled_values():
+    y = torch.tensor([[1.0, -300.0, 1e-3, 900.0]])
+    scale = torch.tensor([0.5, 1.0, 1.0, 1.0])
+    q = quantize_range(y, RangeKind.parse("fp8"), scale)
+    want = torch.tensor([[2.0, -300.0, 1e-3, 448.0]]).to(torch.float8_e4m3fn)  # 900 saturates to 448
+    assert torch.equal(q, want.view(torch.uint8))
+    assert torch.equal(dequantize_range(q, RangeKind.parse("fp8"), 4, scale), want.float() * scale)
+
+
+def test_int_ranges_refuse_values_beyond_fp16():
+    with pytest.raises(KvxError) as e:
+        quantize_range(torch.tensor([[0.0, 1e6, 0.0, 0.0]]), RangeKind.parse("int4"), torch.ones(4))
+    assert e.value.status == Status.OUT_OF_RANGE
+
+
+# ------------------------------------------------------------------ calibration
+def test_allocation_is_the_best_within_the_budget():
+    """Dynamic programming == brute force over every kind per range, on measured errors."""
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(64, 12, generator=g) * torch.tensor([9.0] * 4 + [3.0] * 4 + [0.5] * 4)
+    scale = y.abs().amax(0) / 448
+    for budget in (6, 14, 25):
+        got = calib_mod._allocate(y, scale, 4, budget)
+        err = {}
+        for combo in itertools.product(KINDS, repeat=3):
+            cost = sum(range_bytes(k, 4) for k in combo)
+            if cost > budget:
+                continue
+            e = 0.0
+            for r, k in enumerate(combo):
+                seg = y[:, 4 * r:4 * r + 4]
+                rec = dequantize_range(quantize_range(seg, k, scale[4 * r:4 * r + 4]), k, 4, scale[4 * r:4 * r + 4]) \
+                    if k.bits else torch.zeros_like(seg)
+                e += float(((rec - seg).double() ** 2).sum())
+            err[combo] = e
+        best = min(err.values())
+        chosen = {a // 4: RangeKind.parse(k) for a, _, k in got}
+        combo = tuple(chosen.get(r, KINDS[0]) for r in range(3))
+        assert err[combo] == pytest.approx(best, rel=1e-9), budget
+
+
+def test_calibration_basis_and_budget(cal):
+    for gc in cal.groups:
+        for s in ("k", "v"):
+            c = gc[s]
+            f = cal.features
+            assert c.basis.shape == (f, f) and torch.allclose(c.basis.T @ c.basis, torch.eye(f), atol=1e-4)
+            assert bool((c.variance[:-1] >= c.variance[1:]).all())
+            assert c.bytes_per_token() <= int(f * 2 / cal.ratio)
+
+
+def test_calibration_file_round_trip_and_damage(cal, tmp_path):
+    p = str(tmp_path / "cal.safetensors")
+    ident = cal.save(p)
+    back = load_calibration(p)
+    assert back.identity == ident == cal.identity and back.params() == cal.params()
+    from safetensors import safe_open  # a standard safetensors file
+    with safe_open(p, framework="pt") as f:
+        assert "g0.k.basis" in f.keys() and f.metadata()["identity"] == ident
+    with pytest.raises(KvxError, match="never overwrites"):
+        cal.save(p)
+    raw = bytearray(open(p, "rb").read())
+    raw[-5] ^= 0x01  # a tensor byte
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(KvxError, match="identity"):
+        load_calibration(str(bad))
+    (tmp_path / "junk").write_bytes(b"not safetensors")
+    with pytest.raises(KvxError):
+        load_calibration(str(tmp_path / "junk"))
+
+
+# ------------------------------------------------------------------ codec
+def test_round_trip_keeps_raw_tokens_exact_and_codes_the_rest(cal, bases):
+    kv = _kv(100, 9, bases)
+    buf = compress(kv, cal, model={"name": "shim"}, token_start=2)
+    hdr, out = decompress(buf, cal, model={"name": "shim"})
+    assert (hdr.token_start, hdr.token_count, hdr.raw_head, hdr.raw_tail) == (2, 100, 2, 16)  # sinks: positions < 4
+    for (k, v), (k2, v2) in zip(kv, out):
+        for a, b in ((k, k2), (v, v2)):
+            assert torch.equal(a[:2], b[:2]) and torch.equal(a[-16:], b[-16:])
+    middle = [(k[2:-16], v[2:-16]) for k, v in kv]
+    assert _rel(middle, [(k[2:-16], v[2:-16]) for k, v in out]) < 5e-3  # rank-8 data, noise 0.05
+    assert len(buf) < 100 * L * 2 * H * D * 2 / 2.5
+    d = compress(kv, cal, model={"name": "shim"}, token_start=2, deflate=True)
+    assert len(d) < len(buf) and read_header(d).flags == 1
+    _, out2 = decompress(d, cal)
+    assert all(torch.equal(a, b) for p, q in zip(out, out2) for a, b in zip(p, q))
+
+
+def test_all_raw_and_empty_sequences(cal, bases):
+    for n in (0, 3, 20):
+        kv = _kv(n, 1, bases)
+        hdr, out = decompress(compress(kv, cal), cal)
+        assert hdr.token_count == n
+        if n <= 20:  # every token is a sink or recent
+            assert all(torch.equal(a, b) for p, q in zip(kv, out) for a, b in zip(p, q))
+
+
+def test_foreign_damaged_and_truncated_buffers_are_refused(cal, bases):
+    kv = _kv(60, 2, bases)
+    buf = compress(kv, cal, model={"name": "shim"})
+    other = calibrate([_kv(300, 7, bases)], layers_per_group=2, ratio=6, range_size=8, sink_tokens=4,
+                      recent_tokens=16)
+    cases = {
+        "another calibration": (lambda: decompress(buf, other), Status.INCOMPATIBLE),
+        "another model": (lambda: decompress(buf, cal, model={"name": "other"}), Status.INCOMPATIBLE),
+        "truncated": (lambda: decompress(buf[:-7], cal), Status.INVALID_ARGUMENT),
+        "damaged": (lambda: decompress(buf[:200] + bytes([buf[200] ^ 1]) + buf[201:], cal), Status.INVALID_ARGUMENT),
+        "bad magic": (lambda: decompress(b"XXXX" + buf[4:], cal), Status.INVALID_ARGUMENT),
+        "newer version": (lambda: decompress(buf[:4] + struct.pack("<H", 2) + buf[6:], cal), Status.INCOMPATIBLE),
+        "not bytes": (lambda: decompress("text", cal), Status.INVALID_ARGUMENT),
+    }
+    for name, (fn, status) in cases.items():
+        with pytest.raises(KvxError) as e:
+            fn()
+        assert e.value.status == status, name
+    assert HEADER.size + 16 < len(buf)
+
+
+def test_bad_input_is_refused(cal, bases):
+    kv = _kv(30, 3, bases)
+    bad = [(k.clone(), v) for k, v in kv]
+    bad[1][0][5, 0, 0] = float("nan")
+    for fn in (lambda: compress(bad, cal), lambda: compress(kv[:3], cal),
+               lambda: compress([(k[:, :1], v[:, :1]) for k, v in kv], cal),
+               lambda: compress(kv, cal, token_start=-1)):
+        with pytest.raises(KvxError) as e:
+            fn()
+        assert e.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(KvxError, match="divide"):
+        calibrate([kv], layers_per_group=3)
