@@ -5,7 +5,7 @@ num_kv_heads * head_dim]`. Calibration fits, on K/V collected from the model ove
 tokens left out: they are stored raw and their outliers would tilt the basis), the mean and the PCA basis (float64
 eigendecomposition of the covariance, components by decreasing variance), then allocates bits to ranges of
 `range_size` consecutive components by dynamic programming: each range gets one of `KINDS` (dropped, 2/4/8-bit
-integers with a per-row fp16 min and step, or FP8 E4M3 with a per-component scale), minimising the reconstruction
+integers with a per-component fp16 min and step, or FP8 E4M3 with a per-component scale), minimising the reconstruction
 error measured on the calibration data itself (the basis is orthonormal, so component-space error is feature-space
 error) under a byte budget per token (`bytes_per_token = features * 2 / ratio`, the same ratio for K and V of every
 group). Saved as a safetensors file whose metadata holds the JSON parameters and an identity hash over everything.
@@ -153,8 +153,9 @@ def _allocate(y: torch.Tensor, scale: torch.Tensor, range_size: int, budget: int
             if kind.bits == 0:
                 row_e.append(float((seg.double() ** 2).sum()))
             else:
-                packed = quantize_range(seg, kind, scale[a:b])
-                row_e.append(float(((dequantize_range(packed, kind, b - a, scale[a:b]) - seg).double() ** 2).sum()))
+                meta, packed = quantize_range(seg, kind, scale[a:b])
+                rec = dequantize_range(meta, packed, kind, b - a, scale[a:b])
+                row_e.append(float(((rec - seg).double() ** 2).sum()))
         costs.append(row_c)
         errs.append(row_e)
     inf = math.inf

@@ -11,8 +11,8 @@ compressed), the calibration identity (sha256), the model fingerprint hash (sha2
 token range, raw head / tail token counts, raw dtype, body sizes), the body, and a 16-byte BLAKE2b checksum of header
 and body. The body: the raw head tokens, then the raw tail tokens (per layer, K then V, `[tokens, H, D]` in the raw
 dtype), then per group, K then V, per kept range a 40-byte range header (`i32 quant_type (0 FP8, 1 IntX), i32
-int_bits, u64 start, u64 end, u64 packed_data_bytes, u64 metadata_bytes`), the ranges' metadata (IntX: fp16 min and
-step per row) and packed data (rows in token order).
+int_bits, u64 start, u64 end, u64 packed_data_bytes, u64 metadata_bytes`), the range's metadata (IntX: fp16 min and
+step per component) and packed data (rows in token order).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 
 from ..errors import KvxError, Status, require
 from .calibration import SIDES, Calibration, group_features
-from .quant import RangeKind, dequantize_range, quantize_range, range_bytes
+from .quant import RangeKind, dequantize_range, meta_bytes, quantize_range, range_bytes
 
 MAGIC = b"KVTC"
 VERSION = 1
@@ -119,8 +119,8 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
                 y = (x - c.mean.to(x.device)) @ c.basis[:, :c.kept].to(x.device)
                 for lo, hi, name in c.ranges:
                     kind = RangeKind.parse(name)
-                    q = quantize_range(y[:, lo:hi].contiguous(), kind, c.fp8_scale[lo:hi]).cpu()
-                    meta, packed = (q[:, :4], q[:, 4:]) if kind.is_int else (q[:, :0], q)
+                    meta, packed = (t.cpu() for t in quantize_range(y[:, lo:hi].contiguous(), kind,
+                                                                     c.fp8_scale[lo:hi]))
                     body.append(RANGE.pack(1 if kind.is_int else 0, kind.bits if kind.is_int else 0, lo, hi,
                                            packed.numel(), meta.numel()))
                     body.append(meta.contiguous().numpy().tobytes() + packed.contiguous().numpy().tobytes())
@@ -202,14 +202,13 @@ def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device
                 for lo, hi, name in c.ranges:
                     kind = RangeKind.parse(name)
                     qt, bits, start, stop, packed_n, meta_n = RANGE.unpack(take(RANGE.size).numpy().tobytes())
-                    want = range_bytes(kind, hi - lo) * m
-                    expect = (int(kind.is_int), kind.bits if kind.is_int else 0, lo, hi)
-                    require((qt, bits, start, stop) == expect and packed_n + meta_n == want, Status.INVALID_ARGUMENT,
+                    expect = (int(kind.is_int), kind.bits if kind.is_int else 0, lo, hi,
+                              range_bytes(kind, hi - lo) * m, meta_bytes(kind, hi - lo))
+                    require((qt, bits, start, stop, packed_n, meta_n) == expect, Status.INVALID_ARGUMENT,
                             f"KVTC: range header ({start}, {stop}) disagrees with the calibration's ({lo}, {hi}, {name})")
-                    meta = take(meta_n).view(m, meta_n // m)
-                    packed = take(packed_n).view(m, packed_n // m)
-                    q = torch.cat([meta, packed], dim=1).to(dev)
-                    y[:, lo:hi] = dequantize_range(q, kind, hi - lo, c.fp8_scale[lo:hi].to(dev))
+                    meta = take(meta_n).to(dev)
+                    packed = take(packed_n).view(m, packed_n // m).to(dev)
+                    y[:, lo:hi] = dequantize_range(meta, packed, kind, hi - lo, c.fp8_scale[lo:hi].to(dev))
                 x = y @ c.basis[:, :c.kept].to(dev).T + c.mean.to(dev)
                 per_layer = x.view(m, cal.layers_per_group, h, d)
                 for j in range(cal.layers_per_group):

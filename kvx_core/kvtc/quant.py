@@ -1,8 +1,10 @@
 """KVTC range quantizers: the byte layout of one range of PCA components for a batch of token rows.
 
-- `int2` / `int4` / `int8`: per row, fp16 `min` and fp16 `step = (max - min) / (2^bits - 1)` (4 bytes, the values
-  the decoder uses: the codes are computed against the fp16-rounded pair), then the codes `round((y - min) / step)`
-  packed LSB-first (element i of a byte at bits `bits * (i % per_byte)`); a constant row has step 0 and codes 0.
+- `int2` / `int4` / `int8`: per component (column) over the buffer's token rows, fp16 `min` and fp16 `step = (max -
+  min) / (2^bits - 1)` (the range's metadata: `n` fp16 mins then `n` fp16 steps, once per buffer; the codes are
+  computed against the fp16-rounded values the decoder uses), then per row the codes `round((y - min) / step)`
+  packed LSB-first (element i of a byte at bits `bits * (i % per_byte)`); a constant column has step 0 and codes 0.
+  Per-column metadata costs 4 bytes per component per buffer instead of 4 bytes per row per range.
 - `fp8`: E4M3 codes of `y / scale` (a per-component scale from calibration: the component's calibration amax / 448;
   values beyond it saturate to +-448), no per-row metadata.
 - `drop`: nothing stored, decoded as 0.
@@ -44,12 +46,13 @@ KINDS = (RangeKind("drop", 0), RangeKind("int2", 2), RangeKind("int4", 4), Range
 
 
 def range_bytes(kind: RangeKind, n: int) -> int:
-    """Bytes one token row of an n-component range takes."""
-    if kind.bits == 0:
-        return 0
-    if kind.is_int:
-        return 4 + (n * kind.bits + 7) // 8
-    return n
+    """Bytes one token row of an n-component range takes (IntX metadata, once per buffer, not counted)."""
+    return (n * kind.bits + 7) // 8
+
+
+def meta_bytes(kind: RangeKind, n: int) -> int:
+    """Bytes of a range's per-buffer metadata (IntX: fp16 min and step per component)."""
+    return 4 * n if kind.is_int else 0
 
 
 def fp8_scales(y: torch.Tensor) -> torch.Tensor:
@@ -73,36 +76,41 @@ def _unpack(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return ((data.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(data.shape[0], -1)[:, :n]
 
 
-def quantize_range(y: torch.Tensor, kind: RangeKind, scale: torch.Tensor) -> torch.Tensor:
-    """Rows `y [M, n]` (float32, finite) of one range -> `[M, range_bytes(kind, n)]` uint8."""
+def quantize_range(y: torch.Tensor, kind: RangeKind, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `y [M, n]` (float32, finite) of one range -> (metadata `[meta_bytes]` uint8, packed rows
+    `[M, range_bytes(kind, n)]` uint8)."""
     m, n = y.shape
+    none = torch.empty(0, dtype=torch.uint8, device=y.device)
     if kind.bits == 0:
-        return torch.empty(m, 0, dtype=torch.uint8, device=y.device)
+        return none, torch.empty(m, 0, dtype=torch.uint8, device=y.device)
     if not kind.is_int:
         q = (y / scale.to(y.device)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        return q.view(torch.uint8)
+        return none, q.view(torch.uint8)
     if bool((y.abs() > F16_MAX).any()):
-        raise KvxError(Status.OUT_OF_RANGE, "a KVTC component exceeds the fp16 range of its row min / step")
+        raise KvxError(Status.OUT_OF_RANGE, "a KVTC component exceeds the fp16 range of its min / step")
     levels = (1 << kind.bits) - 1
-    mn = y.amin(1).to(torch.float16)
-    step = ((y.amax(1) - mn.float()) / levels).to(torch.float16)
+    if m == 0:
+        mn = step = torch.zeros(n, dtype=torch.float16, device=y.device)
+    else:
+        mn = y.amin(0).to(torch.float16)
+        step = ((y.amax(0) - mn.float()) / levels).to(torch.float16)
     s = step.float()
-    codes = torch.where(s[:, None] > 0, torch.round((y - mn.float()[:, None]) / torch.where(s > 0, s, 1.0)[:, None]),
+    codes = torch.where(s > 0, torch.round((y - mn.float()) / torch.where(s > 0, s, 1.0)),
                         torch.zeros_like(y)).clamp(0, levels)
-    meta = torch.stack([mn, step], dim=1).view(torch.uint8)  # [M, 4]: fp16 min, fp16 step (little-endian)
     pad = (-n) % (8 // kind.bits)
     if pad:
         codes = torch.cat([codes, codes.new_zeros(m, pad)], dim=1)
-    return torch.cat([meta, _pack(codes, kind.bits)], dim=1)
+    return torch.cat([mn, step]).view(torch.uint8), _pack(codes, kind.bits)
 
 
-def dequantize_range(data: torch.Tensor, kind: RangeKind, n: int, scale: torch.Tensor) -> torch.Tensor:
-    """`quantize_range`'s bytes -> float32 rows `[M, n]`."""
+def dequantize_range(meta: torch.Tensor, data: torch.Tensor, kind: RangeKind, n: int,
+                     scale: torch.Tensor) -> torch.Tensor:
+    """`quantize_range`'s (metadata, packed rows) -> float32 rows `[M, n]`."""
     m = data.shape[0]
     if kind.bits == 0:
         return torch.zeros(m, n, dtype=torch.float32, device=data.device)
     if not kind.is_int:
         return data.contiguous().view(torch.float8_e4m3fn).float() * scale.to(data.device)
-    meta = data[:, :4].contiguous().view(torch.float16).float()  # [M, 2]
-    codes = _unpack(data[:, 4:], kind.bits, n).float()
-    return meta[:, :1] + codes * meta[:, 1:2]
+    mn_step = meta.contiguous().view(torch.float16).float().view(2, n)
+    codes = _unpack(data, kind.bits, n).float()
+    return mn_step[0] + codes * mn_step[1]

@@ -47,25 +47,26 @@ def _rel(a, b):
 
 
 # ------------------------------------------------------------------ quantizers
-def test_int_codes_pack_lsb_first_with_fp16_min_and_step():
-    y = torch.tensor([[0.0, 1.0, 2.0, 3.0], [5.0, 5.0, 5.0, 5.0]])
-    q = quantize_range(y, RangeKind.parse("int2"), torch.ones(4))
-    assert q.shape == (2, range_bytes(RangeKind.parse("int2"), 4)) == (2, 5)
-    mn, step = q[0, :4].clone().view(torch.float16).tolist()
-    assert (mn, step) == (0.0, 1.0) and int(q[0, 4]) == 0b11_10_01_00  # element i at bits 2i
-    assert q[1, :4].clone().view(torch.float16).tolist() == [5.0, 0.0] and int(q[1, 4]) == 0  # constant row: step 0
-    assert torch.equal(dequantize_range(q, RangeKind.parse("int2"), 4, torch.ones(4)), y)
-    q4 = quantize_range(torch.tensor([[0.0, 15.0, 7.0, 8.0]]), RangeKind.parse("int4"), torch.ones(4))
-    assert q4[0, 4:].tolist() == [0xF0, 0x87]
+def test_int_codes_pack_lsb_first_with_fp16_min_and_step_per_component():
+    y = torch.tensor([[0.0, 1.0, 5.0, 3.0], [3.0, 1.0, 5.0, 0.0]])  # columns: 0..3, constant 1, constant 5, 3..0
+    meta, q = quantize_range(y, RangeKind.parse("int2"), torch.ones(4))
+    assert q.shape == (2, range_bytes(RangeKind.parse("int2"), 4)) == (2, 1)
+    mn, step = meta.view(torch.float16).view(2, 4).tolist()
+    assert mn == [0.0, 1.0, 5.0, 0.0] and step == [1.0, 0.0, 0.0, 1.0]  # constant columns: step 0, codes 0
+    assert int(q[0, 0]) == 0b11_00_00_00 and int(q[1, 0]) == 0b00_00_00_11  # element i at bits 2i
+    assert torch.equal(dequantize_range(meta, q, RangeKind.parse("int2"), 4, torch.ones(4)), y)
+    _, q4 = quantize_range(torch.tensor([[0.0, 15.0, 7.0, 8.0], [15.0, 0.0, 0.0, 0.0]]), RangeKind.parse("int4"),
+                           torch.ones(4))
+    assert q4[0].tolist() == [0xF0, 0xFF] and q4[1].tolist() == [0x0F, 0x00]  # each column its own min..max
 
 
 def test_fp8_ranges_are_the_torch_cast_of_the_scaled_values():
     y = torch.tensor([[1.0, -300.0, 1e-3, 900.0]])
     scale = torch.tensor([0.5, 1.0, 1.0, 1.0])
-    q = quantize_range(y, RangeKind.parse("fp8"), scale)
+    meta, q = quantize_range(y, RangeKind.parse("fp8"), scale)
     want = torch.tensor([[2.0, -300.0, 1e-3, 448.0]]).to(torch.float8_e4m3fn)  # 900 saturates to 448
-    assert torch.equal(q, want.view(torch.uint8))
-    assert torch.equal(dequantize_range(q, RangeKind.parse("fp8"), 4, scale), want.float() * scale)
+    assert meta.numel() == 0 and torch.equal(q, want.view(torch.uint8))
+    assert torch.equal(dequantize_range(meta, q, RangeKind.parse("fp8"), 4, scale), want.float() * scale)
 
 
 def test_int_ranges_refuse_values_beyond_fp16():
@@ -90,8 +91,8 @@ def test_allocation_is_the_best_within_the_budget():
             e = 0.0
             for r, k in enumerate(combo):
                 seg = y[:, 4 * r:4 * r + 4]
-                rec = dequantize_range(quantize_range(seg, k, scale[4 * r:4 * r + 4]), k, 4, scale[4 * r:4 * r + 4]) \
-                    if k.bits else torch.zeros_like(seg)
+                sc = scale[4 * r:4 * r + 4]
+                rec = dequantize_range(*quantize_range(seg, k, sc), k, 4, sc) if k.bits else torch.zeros_like(seg)
                 e += float(((rec - seg).double() ** 2).sum())
             err[combo] = e
         best = min(err.values())
