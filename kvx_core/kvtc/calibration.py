@@ -23,6 +23,7 @@ import torch
 
 from ..errors import KvxError, Status, require
 from .quant import KINDS, RangeKind, dequantize_range, fp8_scales, quantize_range, range_bytes
+from .rope import rotate
 
 VERSION = 1
 SIDES = ("k", "v")
@@ -61,6 +62,7 @@ class Calibration:
     ratio: float
     range_size: int
     model: dict  # the model fingerprint (kvx_core.transfer.ModelFingerprint as a dict) or {}
+    rope_theta: float | None  # keys are coded with this RoPE removed (`rope.py`); None: as stored
     groups: tuple[dict[str, SideCalibration], ...]  # per group: {"k": ..., "v": ...}
 
     @property
@@ -72,7 +74,7 @@ class Calibration:
         return {"version": VERSION, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "layers_per_group": self.layers_per_group,
                 "sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens, "ratio": self.ratio,
-                "range_size": self.range_size, "model": self.model,
+                "range_size": self.range_size, "model": self.model, "rope_theta": self.rope_theta,
                 "ranges": [{s: [list(r) for r in g[s].ranges] for s in SIDES} for g in self.groups]}
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -127,7 +129,7 @@ def load_calibration(path: str) -> Calibration:
             g[s] = SideCalibration(**t, ranges=tuple((int(a), int(b), str(k)) for a, b, k in rg[s]))
         groups.append(g)
     cal = Calibration(p["num_layers"], p["num_kv_heads"], p["head_dim"], p["layers_per_group"], p["sink_tokens"],
-                      p["recent_tokens"], p["ratio"], p["range_size"], p["model"], tuple(groups))
+                      p["recent_tokens"], p["ratio"], p["range_size"], p["model"], p["rope_theta"], tuple(groups))
     require(cal.identity == meta.get("identity"), Status.INVALID_ARGUMENT,
             f"{path}: the identity hash does not match the contents (damaged or edited)")
     return cal
@@ -184,9 +186,10 @@ def _allocate(y: torch.Tensor, scale: torch.Tensor, range_size: int, budget: int
 
 def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *, layers_per_group: int = 1,
               ratio: float = 16.0, range_size: int = 16, sink_tokens: int = 4, recent_tokens: int = 64,
-              model: dict | None = None) -> Calibration:
+              model: dict | None = None, rope_theta: float | None = None) -> Calibration:
     """Fit the calibration from `windows[w][layer] = (K, V)`, each `[tokens, H, D]` (one forward of the model over a
-    window of calibration text; the first `sink_tokens` of each window are left out of the fit)."""
+    window of calibration text, token i at position i; the first `sink_tokens` of each window are left out of the
+    fit). `rope_theta`: remove the model's (default, full-width) RoPE from keys before coding them."""
     require(len(windows) > 0 and len(windows[0]) > 0, Status.INVALID_ARGUMENT, "calibrate: no K/V given")
     num_layers = len(windows[0])
     require(layers_per_group >= 1 and num_layers % layers_per_group == 0, Status.INVALID_ARGUMENT,
@@ -194,7 +197,12 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
     require(ratio >= 1.0 and range_size >= 4 and range_size % 4 == 0, Status.INVALID_ARGUMENT,
             f"ratio must be >= 1 and range_size a multiple of 4, got {ratio}, {range_size}")
     _, h, d = windows[0][0][0].shape
-    per_side = [[torch.cat([w[layer][i][sink_tokens:].float() for w in windows]) for layer in range(num_layers)]
+    def prepared(x: torch.Tensor, side: int) -> torch.Tensor:
+        pos = torch.arange(sink_tokens, x.shape[0])
+        x = x[sink_tokens:].float()
+        return rotate(x, pos, rope_theta, inverse=True) if side == 0 and rope_theta else x
+
+    per_side = [[torch.cat([prepared(w[layer][i], i) for w in windows]) for layer in range(num_layers)]
                 for i in range(2)]
     groups = []
     for g in range(num_layers // layers_per_group):
@@ -214,4 +222,4 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
             sides[s] = SideCalibration(mean.float(), basis.float(), var.float(), scale, ranges)
         groups.append(sides)
     return Calibration(num_layers, h, d, layers_per_group, sink_tokens, recent_tokens, float(ratio), range_size,
-                       dict(model or {}), tuple(groups))
+                       dict(model or {}), None if rope_theta is None else float(rope_theta), tuple(groups))

@@ -28,6 +28,7 @@ import torch
 from ..errors import KvxError, Status, require
 from .calibration import SIDES, Calibration, group_features
 from .quant import RangeKind, dequantize_range, meta_bytes, quantize_range, range_bytes
+from .rope import rotate
 
 MAGIC = b"KVTC"
 VERSION = 1
@@ -111,7 +112,11 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
     a, b = head, n - tail
     body = [_raw(kv, 0, head), _raw(kv, b, n)]
     if b > a:
-        sides = [[x[a:b] for x, _ in kv], [v[a:b] for _, v in kv]]
+        keys = [x[a:b] for x, _ in kv]
+        if cal.rope_theta:
+            pos = torch.arange(token_start + a, token_start + b, device=kv[0][0].device)
+            keys = [rotate(x, pos, cal.rope_theta, inverse=True) for x in keys]
+        sides = [keys, [v[a:b] for _, v in kv]]
         for g, gc in enumerate(cal.groups):
             for s, rows in zip(SIDES, sides):
                 c = gc[s]
@@ -212,6 +217,10 @@ def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device
                 x = y @ c.basis[:, :c.kept].to(dev).T + c.mean.to(dev)
                 per_layer = x.view(m, cal.layers_per_group, h, d)
                 for j in range(cal.layers_per_group):
-                    out[g * cal.layers_per_group + j][i][a:b] = per_layer[:, j].to(hdr.dtype)
+                    rows = per_layer[:, j]
+                    if i == 0 and cal.rope_theta:
+                        pos = torch.arange(hdr.token_start + a, hdr.token_start + b, device=dev)
+                        rows = rotate(rows, pos, cal.rope_theta)
+                    out[g * cal.layers_per_group + j][i][a:b] = rows.to(hdr.dtype)
     require(at == len(body), Status.INVALID_ARGUMENT, "KVTC: bytes left after the last section")
     return hdr, [(k, v) for k, v in out]

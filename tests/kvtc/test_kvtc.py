@@ -192,3 +192,41 @@ def test_bad_input_is_refused(cal, bases):
         assert e.value.status == Status.INVALID_ARGUMENT
     with pytest.raises(KvxError, match="divide"):
         calibrate([kv], layers_per_group=3)
+
+
+def test_rope_removal_matches_transformers_and_round_trips():
+    """`rope.rotate` == transformers' Llama RoPE (apply_rotary_pos_emb) on the same positions; inverse undoes it."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from kvx_core.kvtc.rope import rotate, rope_theta_of
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+    k = torch.randn(1, 2, 37, 16, generator=torch.Generator().manual_seed(0))  # [B, H, T, D]
+    pos = torch.arange(5, 42)[None]
+    cos, sin = LlamaRotaryEmbedding(cfg)(k, pos)
+    want, _ = apply_rotary_pos_emb(k, k, cos, sin)
+    got = rotate(k[0].transpose(0, 1), pos[0], rope_theta_of(cfg))
+    torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotate(got, pos[0], 10000.0, inverse=True), k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    cfg.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert rope_theta_of(cfg) is None  # scaled RoPE: coded without removal
+
+
+def test_rope_removal_codes_rotated_keys_better(bases):
+    """Keys that are low-rank before RoPE (as a model's are) code far better with the rotation removed."""
+    from kvx_core.kvtc.rope import rotate
+
+    def roped(n, seed, start=0):
+        return [(rotate(k.float(), torch.arange(start, start + n), 10000.0).bfloat16(), v)
+                for k, v in _kv(n, seed, bases)]
+
+    err = {}
+    for theta in (None, 10000.0):
+        c = calibrate([roped(300, s) for s in range(3)], layers_per_group=2, ratio=6, range_size=8,
+                      sink_tokens=4, recent_tokens=16, rope_theta=theta)
+        kv = roped(80, 11, start=100)
+        hdr, out = decompress(compress(kv, c, token_start=100), c)
+        assert all(torch.equal(a[-16:], b[-16:]) for p, q in zip(kv, out) for a, b in zip(p, q))
+        err[theta] = _rel([(k[:-16], k[:-16]) for k, _ in kv], [(k[:-16], k[:-16]) for k, _ in out])
+    assert err[10000.0] < 5e-3 < err[None]
