@@ -16,10 +16,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kvtc", help="KVTC: calibrate, compress KV bundles, inspect compressed buffers",
                        description="calibrate: run the demo model (or --model) over calibration text and write the "
                                    "KVTC calibration OUT (safetensors); compress: a KVX bundle's KV -> a KVTC buffer "
-                                   "OUT with calibration CAL; inspect: print a KVTC buffer's header (checksum "
-                                   "checked). Exit 2 with one line when an input is refused.")
-    p.add_argument("action", choices=("calibrate", "compress", "inspect"))
-    p.add_argument("paths", nargs="+", help="calibrate: OUT; compress: CAL BUNDLE OUT; inspect: FILE")
+                                   "OUT with calibration CAL; decompress: a KVTC buffer -> a BF16 KVX bundle any "
+                                   "engine imports; inspect: print a KVTC buffer's header (checksum checked). Exit 2 "
+                                   "with one line when an input is refused.")
+    p.add_argument("action", choices=("calibrate", "compress", "decompress", "inspect"))
+    p.add_argument("paths", nargs="+",
+                   help="calibrate: OUT; compress: CAL BUNDLE OUT; decompress: CAL FILE OUT_BUNDLE; inspect: FILE")
     p.add_argument("--model", default=None, help="calibrate: a checkpoint directory (default: the demo's SmolLM2)")
     p.add_argument("--windows", type=int, default=4, help="calibrate: windows of calibration text (default 4)")
     p.add_argument("--window-len", type=int, default=1024, help="calibrate: tokens per window (default 1024)")
@@ -89,14 +91,42 @@ def _compress(args: argparse.Namespace) -> int:
         fmt = get_format(reader.header["cache"]["format"])
         kv = [tuple(x.to(torch.bfloat16) for x in decode_rows(rows, fmt)) for rows in reader.read_all()]
         model = reader.header.get("model")
+        ids = reader.header["tokens"].get("ids")
     if cal.model and model and cal.model != model:
         raise KvxError(Status.INCOMPATIBLE, f"{bundle} holds another model's KV than {cal_path} was calibrated on")
-    buf = compress(kv, cal, model=model, deflate=args.deflate)
+    buf = compress(kv, cal, model=model, deflate=args.deflate, token_ids=ids)
     with open(out, "xb") as f:
         f.write(buf)
     raw = sum(k.numel() + v.numel() for k, v in kv) * 2
     print(f"{out}: {len(kv)} layers x {kv[0][0].shape[0] if kv else 0} tokens, {len(buf)} bytes "
           f"({raw / len(buf):.2f}x vs BF16)")
+    return 0
+
+
+def _decompress(args: argparse.Namespace) -> int:
+    cal_path, path, out = _paths(args, 3, "CAL FILE OUT_BUNDLE")
+    _new_file(out)
+    from kvx_core.cache import PagedKVCache
+    from kvx_core.kvtc import decompress, load_calibration
+    from kvx_core.transfer import ModelFingerprint, export_bundle
+
+    cal = load_calibration(cal_path)
+    if not cal.model:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{cal_path} names no model fingerprint; a bundle needs one")
+    model = ModelFingerprint(**cal.model)
+    if not os.path.isfile(path):
+        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: no such file")
+    with open(path, "rb") as f:
+        hdr, kv, ids = decompress(f.read(), cal, model=model)
+    n, bs = hdr.token_count, 16
+    cache = PagedKVCache("bf16", num_layers=cal.num_layers, num_blocks=max(1, -(-n // bs)), block_size=bs,
+                         num_kv_heads=cal.num_kv_heads, head_dim=cal.head_dim)
+    slots = torch.arange(n)
+    for layer, (k, v) in enumerate(kv):
+        cache.write(layer, k.to(torch.bfloat16), v.to(torch.bfloat16), slots)
+    with open(out, "xb") as f:
+        export_bundle(f, [cache.descriptor(i) for i in range(cal.num_layers)], slots, model=model, token_ids=ids)
+    print(f"{out}: bf16 bundle of {cal.num_layers} layers x {n} tokens" + (" (token ids included)" if ids else ""))
     return 0
 
 
@@ -119,4 +149,5 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"calibrate": _calibrate, "compress": _compress, "inspect": _inspect}[args.action](args)
+    return {"calibrate": _calibrate, "compress": _compress, "decompress": _decompress,
+            "inspect": _inspect}[args.action](args)

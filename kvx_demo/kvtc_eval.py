@@ -87,7 +87,7 @@ def evaluate_kvtc(model: Any, windows: torch.Tensor, cal: Calibration, *, prefix
             t0 = time.perf_counter()
             buf = compress(kv, cal, model=model_fp, deflate=deflate)
             t1 = time.perf_counter()
-            _, back = decompress(buf, cal, model=model_fp)
+            _, back, _ = decompress(buf, cal, model=model_fp)
             t2 = time.perf_counter()
             t_c, t_d = t_c + t1 - t0, t_d + t2 - t1
             raw_bytes += sum(k.numel() * 2 + v.numel() * 2 for k, v in kv)

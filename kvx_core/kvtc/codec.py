@@ -7,7 +7,7 @@ projected per layer group onto the calibrated PCA basis (mean subtracted) and qu
 on the CPU (CI) and on a GPU (matmuls on the device).
 
 Buffer (little-endian): a fixed header (`HEADER`: magic `KVTC`, version, flags (bit 0: the body is DEFLATE
-compressed), the calibration identity (sha256), the model fingerprint hash (sha256, zeros when none), geometry,
+compressed; bit 1: the body starts with the tokens' ids, u32 each), the calibration identity (sha256), the model fingerprint hash (sha256, zeros when none), geometry,
 token range, raw head / tail token counts, raw dtype, body sizes), the body, and a 16-byte BLAKE2b checksum of header
 and body. The body: the raw head tokens, then the raw tail tokens (per layer, K then V, `[tokens, H, D]` in the raw
 dtype), then per group, K then V, per kept range a 40-byte range header (`i32 quant_type (0 FP8, 1 IntX), i32
@@ -22,6 +22,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, is_dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,7 @@ from .rope import rotate
 MAGIC = b"KVTC"
 VERSION = 1
 FLAG_DEFLATE = 1
+FLAG_TOKEN_IDS = 2
 HEADER = struct.Struct("<4sHH32s32sIIIIQQIIB3xQQ")
 RANGE = struct.Struct("<iiQQQQ")
 CHECKSUM_BYTES = 16
@@ -68,6 +70,7 @@ class KvtcHeader:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["model"], d["dtype"] = self.model.hex(), str(self.dtype).removeprefix("torch.")
         d["deflate"] = bool(self.flags & FLAG_DEFLATE)
+        d["token_ids"] = bool(self.flags & FLAG_TOKEN_IDS)
         return d
 
 
@@ -90,10 +93,10 @@ def _raw(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], a: int, b: int) -> byt
 
 
 def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, *, model=None, token_start: int = 0,
-             deflate: bool = False) -> bytes:
+             deflate: bool = False, token_ids: Sequence[int] | None = None) -> bytes:
     """One sequence's tokens `[token_start, token_start + n)`: `kv[layer] = (K, V)`, each `[n, H, D]` bf16 / fp16 /
-    fp32 on any device -> the compressed buffer. KvxError for a geometry other than the calibration's or
-    non-finite values (nothing is clamped silently)."""
+    fp32 on any device (and optionally their token ids, carried along) -> the compressed buffer. KvxError for a
+    geometry other than the calibration's or non-finite values (nothing is clamped silently)."""
     require(len(kv) == cal.num_layers, Status.INVALID_ARGUMENT,
             f"KVTC: {len(kv)} layers given, the calibration has {cal.num_layers}")
     n, h, d = kv[0][0].shape
@@ -108,9 +111,14 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
             require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
                     f"KVTC: layer {layer} holds non-finite K/V values; KVTC codes finite values only")
     require(token_start >= 0, Status.INVALID_ARGUMENT, f"KVTC: token_start must be >= 0, got {token_start}")
+    ids = b""
+    if token_ids is not None:
+        require(len(token_ids) == n and all(0 <= int(t) < 2**32 for t in token_ids), Status.INVALID_ARGUMENT,
+                f"KVTC: {len(token_ids)} token ids for {n} tokens (u32 each)")
+        ids = struct.pack(f"<{n}I", *(int(t) for t in token_ids))
     head, tail = _split(n, token_start, cal)
     a, b = head, n - tail
-    body = [_raw(kv, 0, head), _raw(kv, b, n)]
+    body = [ids, _raw(kv, 0, head), _raw(kv, b, n)]
     if b > a:
         keys = [x[a:b] for x, _ in kv]
         if cal.rope_theta:
@@ -131,7 +139,8 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
                     body.append(meta.contiguous().numpy().tobytes() + packed.contiguous().numpy().tobytes())
     raw_body = b"".join(body)
     stored = zlib.compress(raw_body, 6) if deflate else raw_body
-    header = HEADER.pack(MAGIC, VERSION, FLAG_DEFLATE if deflate else 0, bytes.fromhex(cal.identity),
+    flags = (FLAG_DEFLATE if deflate else 0) | (FLAG_TOKEN_IDS if token_ids is not None else 0)
+    header = HEADER.pack(MAGIC, VERSION, flags, bytes.fromhex(cal.identity),
                          model_hash(model), cal.num_layers, h, d, cal.layers_per_group, token_start, n, head, tail,
                          _DTYPES.index(dtype), len(stored), len(raw_body))
     return header + stored + _checksum(header, stored)
@@ -145,7 +154,7 @@ def read_header(buf: bytes) -> KvtcHeader:
             "KVTC: not a KVTC buffer (bad magic or shorter than a header)")
     f = HEADER.unpack_from(buf)
     require(f[1] == VERSION, Status.INCOMPATIBLE, f"KVTC: buffer version {f[1]}, this KVX reads version {VERSION}")
-    require(f[13] < len(_DTYPES) and f[2] & ~FLAG_DEFLATE == 0, Status.INVALID_ARGUMENT,
+    require(f[13] < len(_DTYPES) and f[2] & ~(FLAG_DEFLATE | FLAG_TOKEN_IDS) == 0, Status.INVALID_ARGUMENT,
             "KVTC: unknown dtype or flags in the header")
     hdr = KvtcHeader(f[2], f[3].hex(), f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], _DTYPES[f[13]],
                      f[14], f[15])
@@ -157,10 +166,15 @@ def read_header(buf: bytes) -> KvtcHeader:
     return hdr
 
 
-def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device | str | None = None,
-               ) -> tuple[KvtcHeader, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A buffer -> (its header, `kv[layer] = (K, V)` `[token_count, H, D]` in the raw dtype on `device`). KvxError
-    (INCOMPATIBLE) for a buffer of another calibration or model; INVALID_ARGUMENT when damaged or truncated."""
+class KvtcDecoded(NamedTuple):
+    header: KvtcHeader
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) `[token_count, H, D]` in the raw dtype
+    token_ids: list[int] | None
+
+
+def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device | str | None = None) -> KvtcDecoded:
+    """A buffer -> its header, K/V per layer on `device` and token ids (when carried). KvxError (INCOMPATIBLE) for a
+    buffer of another calibration or model; INVALID_ARGUMENT when damaged or truncated."""
     hdr = read_header(buf)
     require(hdr.calibration == cal.identity, Status.INCOMPATIBLE,
             f"KVTC: the buffer was compressed with calibration {hdr.calibration[:12]}..., this one is "
@@ -192,6 +206,7 @@ def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device
         at += nbytes
         return chunk
 
+    ids = take(4 * n).numpy().view("<u4").tolist() if hdr.flags & FLAG_TOKEN_IDS else None
     for lo_tok, count in ((0, hdr.raw_head), (n - hdr.raw_tail, hdr.raw_tail)):
         for layer in range(L):
             for i in range(2):
@@ -223,4 +238,4 @@ def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device
                         rows = rotate(rows, pos, cal.rope_theta)
                     out[g * cal.layers_per_group + j][i][a:b] = rows.to(hdr.dtype)
     require(at == len(body), Status.INVALID_ARGUMENT, "KVTC: bytes left after the last section")
-    return hdr, [(k, v) for k, v in out]
+    return KvtcDecoded(hdr, [(k, v) for k, v in out], ids)

@@ -136,7 +136,7 @@ def test_calibration_file_round_trip_and_damage(cal, tmp_path):
 def test_round_trip_keeps_raw_tokens_exact_and_codes_the_rest(cal, bases):
     kv = _kv(100, 9, bases)
     buf = compress(kv, cal, model={"name": "shim"}, token_start=2)
-    hdr, out = decompress(buf, cal, model={"name": "shim"})
+    hdr, out, _ = decompress(buf, cal, model={"name": "shim"})
     assert (hdr.token_start, hdr.token_count, hdr.raw_head, hdr.raw_tail) == (2, 100, 2, 16)  # sinks: positions < 4
     for (k, v), (k2, v2) in zip(kv, out):
         for a, b in ((k, k2), (v, v2)):
@@ -146,14 +146,14 @@ def test_round_trip_keeps_raw_tokens_exact_and_codes_the_rest(cal, bases):
     assert len(buf) < 100 * L * 2 * H * D * 2 / 2.5
     d = compress(kv, cal, model={"name": "shim"}, token_start=2, deflate=True)
     assert len(d) < len(buf) and read_header(d).flags == 1
-    _, out2 = decompress(d, cal)
+    _, out2, _ = decompress(d, cal)
     assert all(torch.equal(a, b) for p, q in zip(out, out2) for a, b in zip(p, q))
 
 
 def test_all_raw_and_empty_sequences(cal, bases):
     for n in (0, 3, 20):
         kv = _kv(n, 1, bases)
-        hdr, out = decompress(compress(kv, cal), cal)
+        hdr, out, _ = decompress(compress(kv, cal), cal)
         assert hdr.token_count == n
         if n <= 20:  # every token is a sink or recent
             assert all(torch.equal(a, b) for p, q in zip(kv, out) for a, b in zip(p, q))
@@ -226,7 +226,7 @@ def test_rope_removal_codes_rotated_keys_better(bases):
         c = calibrate([roped(300, s) for s in range(3)], layers_per_group=2, ratio=6, range_size=8,
                       sink_tokens=4, recent_tokens=16, rope_theta=theta)
         kv = roped(80, 11, start=100)
-        hdr, out = decompress(compress(kv, c, token_start=100), c)
+        hdr, out, _ = decompress(compress(kv, c, token_start=100), c)
         assert all(torch.equal(a[-16:], b[-16:]) for p, q in zip(kv, out) for a, b in zip(p, q))
         err[theta] = _rel([(k[:-16], k[:-16]) for k, _ in kv], [(k[:-16], k[:-16]) for k, _ in out])
     assert err[10000.0] < 5e-3 < err[None]

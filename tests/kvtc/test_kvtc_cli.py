@@ -11,7 +11,7 @@ import torch
 from kvx_cli.main import main
 from kvx_core.cache import PagedKVCache
 from kvx_core.kvtc import decompress, load_calibration
-from kvx_core.transfer import export_bundle, fingerprint_from_files
+from kvx_core.transfer import export_bundle, fingerprint_from_files, import_bundle
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +52,32 @@ def test_calibrate_compress_inspect(tiny, tmp_path, capsys):
     for i, (k, v) in enumerate(kv):
         cache.write(i, k, v, slots)
     bundle = tmp_path / "seq.kvxb"
+    ids = list(range(100, 140))
     with open(bundle, "wb") as f:
-        export_bundle(f, [cache.descriptor(i) for i in range(2)], slots, model=model)
+        export_bundle(f, [cache.descriptor(i) for i in range(2)], slots, model=model, token_ids=ids)
     out = tmp_path / "seq.kvtc"
     assert main(["kvtc", "compress", str(cal), str(bundle), str(out), "--deflate"]) == 0
-    hdr, back = decompress(out.read_bytes(), c, model=model)
-    assert hdr.token_count == 40 and hdr.flags == 1
+    hdr, back, _ = decompress(out.read_bytes(), c, model=model)
+    assert hdr.token_count == 40 and hdr.flags == 3  # DEFLATE, token ids carried
     for (k, v), (k2, v2) in zip(kv, back):  # raw sinks and recent tokens exact
         assert torch.equal(k[:4], k2[:4]) and torch.equal(v[-8:], v2[-8:])
     capsys.readouterr()
     assert main(["kvtc", "inspect", str(out), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["token_count"] == 40 and shown["calibration"] == c.identity and shown["deflate"] is True
+    assert shown["token_ids"] is True
+
+    # back to a bundle any engine imports: same model and token ids, raw tokens exact
+    again = tmp_path / "again.kvxb"
+    assert main(["kvtc", "decompress", str(cal), str(out), str(again)]) == 0
+    dest = PagedKVCache("bf16", num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2,
+                        head_dim=16)
+    with open(again, "rb") as f:
+        import_bundle(f, [dest.descriptor(i) for i in range(2)], slots, model=model, token_ids=ids)
+    for layer, (k, v) in enumerate(back):
+        got = dest.gather(layer, torch.tensor([[0, 1, 2]]), torch.tensor([40]), out_dtype=torch.bfloat16)
+        assert torch.equal(got[0], k) and torch.equal(got[1], v)
+    assert main(["kvtc", "decompress", str(cal), str(out), str(again)]) == 2  # never overwritten
 
 
 @pytest.mark.parametrize("argv,words", [
