@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--range-size", type=int, default=16)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--recent", type=int, default=64)
+    ap.add_argument("--joint", action="store_true", help="K and V of a group share one byte budget")
     ap.add_argument("--no-rope-removal", action="store_true", help="code keys with their RoPE (as stored)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -49,12 +50,12 @@ def main() -> None:
     for ratio in (float(r) for r in a.ratios.split(",")):
         t0 = time.perf_counter()
         cal = calibrate(kv, layers_per_group=a.layers_per_group, ratio=ratio, range_size=a.range_size,
-                        sink_tokens=a.sink, recent_tokens=a.recent, rope_theta=theta)
+                        sink_tokens=a.sink, recent_tokens=a.recent, rope_theta=theta, joint=a.joint)
         cal_s = time.perf_counter() - t0
         for deflate in (False, True):
             row = {"model": "SmolLM2-135M", "device": "cpu", "threads": torch.get_num_threads(), "target_ratio": ratio,
                    "deflate": deflate, "layers_per_group": a.layers_per_group, "range_size": a.range_size,
-                   "sink": a.sink, "recent": a.recent, "rope_removed": theta is not None, "prefix": a.prefix, "window_len": a.window_len,
+                   "sink": a.sink, "recent": a.recent, "rope_removed": theta is not None, "joint": a.joint, "prefix": a.prefix, "window_len": a.window_len,
                    "calibration_s": round(collect_s + cal_s, 1),
                    "calibration_tokens": a.cal_windows * a.window_len}
             for name, windows in (("demo_text", w[a.cal_windows:]), ("second_text", w2)):

@@ -32,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recent", type=int, default=64, help="calibrate: last tokens of a buffer kept raw")
     p.add_argument("--no-rope-removal", action="store_true",
                    help="calibrate: code keys with their RoPE (default: removed when the model's RoPE is the default form)")
+    p.add_argument("--joint", action="store_true", help="calibrate: K and V of a group share one byte budget")
     p.add_argument("--deflate", action="store_true", help="compress: DEFLATE the coded body (lossless)")
     p.add_argument("--json", action="store_true", help="inspect: print JSON")
     p.set_defaults(run=run)
@@ -68,7 +69,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     kv = collect_kv(lm.model, load_windows(lm.tokenizer, args.windows, args.window_len))
     cal = calibrate(kv, layers_per_group=args.layers_per_group, ratio=args.ratio, range_size=args.range_size,
                     sink_tokens=args.sink, recent_tokens=args.recent, model=model,
-                    rope_theta=None if args.no_rope_removal else rope_theta_of(lm.config))
+                    rope_theta=None if args.no_rope_removal else rope_theta_of(lm.config), joint=args.joint)
     ident = cal.save(out)
     print(f"{out}: KVTC calibration {ident[:16]}... ({cal.num_layers} layers in groups of {cal.layers_per_group}, "
           f"{args.windows} x {args.window_len} tokens, {time.perf_counter() - start:.1f} s)")

@@ -141,29 +141,37 @@ def group_features(kv: Sequence[torch.Tensor], group: int, layers_per_group: int
     return torch.cat([x.reshape(x.shape[0], -1) for x in layers], dim=1)
 
 
-def _allocate(y: torch.Tensor, scale: torch.Tensor, range_size: int, budget: int) -> tuple[tuple[int, int, str], ...]:
-    """Kinds for ranges of `range_size` components minimising the measured squared error of the calibration
-    projections `y [M, C]` within `budget` bytes per token (dynamic programming over ranges x bytes)."""
+def _range_table(y: torch.Tensor, scale: torch.Tensor, range_size: int) -> list[tuple[int, int, list[int], list[float]]]:
+    """Per range of `range_size` components of the calibration projections `y [M, C]`: (start, stop, bytes per token
+    of each kind, the kind's measured squared error over the calibration rows)."""
     c = y.shape[1]
-    bounds = [(a, min(a + range_size, c)) for a in range(0, c, range_size)]
-    costs, errs = [], []
-    for a, b in bounds:
+    table = []
+    for a in range(0, c, range_size):
+        b = min(a + range_size, c)
         seg = y[:, a:b]
-        row_c, row_e = [], []
+        costs, errs = [], []
         for kind in KINDS:
-            row_c.append(range_bytes(kind, b - a))
+            costs.append(range_bytes(kind, b - a))
             if kind.bits == 0:
-                row_e.append(float((seg.double() ** 2).sum()))
+                errs.append(float((seg.double() ** 2).sum()))
             else:
                 meta, packed = quantize_range(seg, kind, scale[a:b])
                 rec = dequantize_range(meta, packed, kind, b - a, scale[a:b])
-                row_e.append(float(((rec - seg).double() ** 2).sum()))
-        costs.append(row_c)
-        errs.append(row_e)
+                errs.append(float(((rec - seg).double() ** 2).sum()))
+        table.append((a, b, costs, errs))
+    return table
+
+
+def _allocate(projections: Sequence[tuple[torch.Tensor, torch.Tensor]], range_size: int,
+              budget: int) -> list[tuple[tuple[int, int, str], ...]]:
+    """Kinds for the ranges of every `(y, scale)` projection (K and V of a group) minimising their summed measured
+    squared error within one `budget` of bytes per token (dynamic programming over ranges x bytes)."""
+    tables = [_range_table(y, scale, range_size) for y, scale in projections]
+    flat = [row for t in tables for row in t]
     inf = math.inf
     best = [0.0] + [inf] * budget  # best[spent] after the ranges so far
     choice: list[list[int]] = []
-    for rc, re_ in zip(costs, errs):
+    for _, _, rc, re_ in flat:
         nxt = [inf] * (budget + 1)
         pick = [-1] * (budget + 1)
         for spent, e in enumerate(best):
@@ -181,15 +189,21 @@ def _allocate(y: torch.Tensor, scale: torch.Tensor, range_size: int, budget: int
         ki, spent = divmod(pick[spent], budget + 1)
         kinds.append(ki)
     kinds.reverse()
-    return tuple((a, b, str(KINDS[k])) for (a, b), k in zip(bounds, kinds) if KINDS[k].bits > 0)
+    out, at = [], 0
+    for t in tables:
+        ks = kinds[at:at + len(t)]
+        at += len(t)
+        out.append(tuple((a, b, str(KINDS[k])) for (a, b, _, _), k in zip(t, ks) if KINDS[k].bits > 0))
+    return out
 
 
 def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *, layers_per_group: int = 1,
               ratio: float = 16.0, range_size: int = 16, sink_tokens: int = 4, recent_tokens: int = 64,
-              model: dict | None = None, rope_theta: float | None = None) -> Calibration:
+              model: dict | None = None, rope_theta: float | None = None, joint: bool = False) -> Calibration:
     """Fit the calibration from `windows[w][layer] = (K, V)`, each `[tokens, H, D]` (one forward of the model over a
     window of calibration text, token i at position i; the first `sink_tokens` of each window are left out of the
-    fit). `rope_theta`: remove the model's (default, full-width) RoPE from keys before coding them."""
+    fit). `rope_theta`: remove the model's (default, full-width) RoPE from keys before coding them. `joint`: K and V
+    of a group share one byte budget (twice the per-side one) instead of one budget each."""
     require(len(windows) > 0 and len(windows[0]) > 0, Status.INVALID_ARGUMENT, "calibrate: no K/V given")
     num_layers = len(windows[0])
     require(layers_per_group >= 1 and num_layers % layers_per_group == 0, Status.INVALID_ARGUMENT,
@@ -206,7 +220,7 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
                 for i in range(2)]
     groups = []
     for g in range(num_layers // layers_per_group):
-        sides = {}
+        fits = {}
         for s, kv in zip(SIDES, per_side):
             x = group_features(kv, g, layers_per_group).double()
             require(x.shape[0] >= 2, Status.INVALID_ARGUMENT, "calibrate: fewer than 2 tokens after the sinks")
@@ -216,10 +230,13 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
             order = torch.argsort(var, descending=True)
             var, basis = var[order].clamp_min(0), vec[:, order]
             y = ((x - mean) @ basis).float()
-            scale = fp8_scales(y)
-            budget = int(x.shape[1] * 2 / ratio)
-            ranges = _allocate(y, scale, range_size, budget)
-            sides[s] = SideCalibration(mean.float(), basis.float(), var.float(), scale, ranges)
-        groups.append(sides)
+            fits[s] = (mean, basis, var, y, fp8_scales(y))
+        features = fits["k"][0].numel()
+        if joint:  # K and V of the group share one budget
+            ranges = _allocate([(fits[s][3], fits[s][4]) for s in SIDES], range_size, int(2 * features * 2 / ratio))
+        else:
+            ranges = [_allocate([(fits[s][3], fits[s][4])], range_size, int(features * 2 / ratio))[0] for s in SIDES]
+        groups.append({s: SideCalibration(fits[s][0].float(), fits[s][1].float(), fits[s][2].float(), fits[s][4], r)
+                       for s, r in zip(SIDES, ranges)})
     return Calibration(num_layers, h, d, layers_per_group, sink_tokens, recent_tokens, float(ratio), range_size,
                        dict(model or {}), None if rope_theta is None else float(rope_theta), tuple(groups))

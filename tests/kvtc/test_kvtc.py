@@ -4,6 +4,7 @@ truncation, versions, non-finite input)."""
 from __future__ import annotations
 
 import itertools
+import math
 import struct
 
 import pytest
@@ -76,29 +77,45 @@ def test_int_ranges_refuse_values_beyond_fp16():
 
 
 # ------------------------------------------------------------------ calibration
+def _brute_force(segments, budget):
+    """The least summed error over every kind per range (`segments`: (y, scale) ranges) within `budget`."""
+    best = math.inf
+    for combo in itertools.product(KINDS, repeat=len(segments)):
+        if sum(range_bytes(k, seg.shape[1]) for k, (seg, _) in zip(combo, segments)) > budget:
+            continue
+        e = 0.0
+        for k, (seg, sc) in zip(combo, segments):
+            rec = dequantize_range(*quantize_range(seg, k, sc), k, seg.shape[1], sc) if k.bits else torch.zeros_like(seg)
+            e += float(((rec - seg).double() ** 2).sum())
+        best = min(best, e)
+    return best
+
+
+def _error(y, scale, ranges):
+    e = float((y.double() ** 2).sum())
+    for a, b, name in ranges:
+        k = RangeKind.parse(name)
+        seg = y[:, a:b]
+        rec = dequantize_range(*quantize_range(seg, k, scale[a:b]), k, b - a, scale[a:b])
+        e += float(((rec - seg).double() ** 2).sum()) - float((seg.double() ** 2).sum())
+    return e
+
+
 def test_allocation_is_the_best_within_the_budget():
-    """Dynamic programming == brute force over every kind per range, on measured errors."""
+    """Dynamic programming == brute force over every kind per range, on measured errors (one projection, and K
+    and V sharing a budget)."""
     g = torch.Generator().manual_seed(5)
     y = torch.randn(64, 12, generator=g) * torch.tensor([9.0] * 4 + [3.0] * 4 + [0.5] * 4)
-    scale = y.abs().amax(0) / 448
-    for budget in (6, 14, 25):
-        got = calib_mod._allocate(y, scale, 4, budget)
-        err = {}
-        for combo in itertools.product(KINDS, repeat=3):
-            cost = sum(range_bytes(k, 4) for k in combo)
-            if cost > budget:
-                continue
-            e = 0.0
-            for r, k in enumerate(combo):
-                seg = y[:, 4 * r:4 * r + 4]
-                sc = scale[4 * r:4 * r + 4]
-                rec = dequantize_range(*quantize_range(seg, k, sc), k, 4, sc) if k.bits else torch.zeros_like(seg)
-                e += float(((rec - seg).double() ** 2).sum())
-            err[combo] = e
-        best = min(err.values())
-        chosen = {a // 4: RangeKind.parse(k) for a, _, k in got}
-        combo = tuple(chosen.get(r, KINDS[0]) for r in range(3))
-        assert err[combo] == pytest.approx(best, rel=1e-9), budget
+    y2 = torch.randn(64, 8, generator=g) * torch.tensor([4.0] * 4 + [0.2] * 4)
+    scale, scale2 = y.abs().amax(0) / 448, y2.abs().amax(0) / 448
+    segs = [(y[:, a:a + 4], scale[a:a + 4]) for a in (0, 4, 8)]
+    segs2 = [(y2[:, a:a + 4], scale2[a:a + 4]) for a in (0, 4)]
+    for budget in (3, 7, 12):
+        (got,) = calib_mod._allocate([(y, scale)], 4, budget)
+        assert _error(y, scale, got) == pytest.approx(_brute_force(segs, budget), rel=1e-9), budget
+        got_k, got_v = calib_mod._allocate([(y, scale), (y2, scale2)], 4, budget)
+        joint = _error(y, scale, got_k) + _error(y2, scale2, got_v)
+        assert joint == pytest.approx(_brute_force(segs + segs2, budget), rel=1e-9), budget
 
 
 def test_calibration_basis_and_budget(cal):
