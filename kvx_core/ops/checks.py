@@ -373,6 +373,7 @@ def offsets_kernel_table(table: BlockTable, seq_lens: SeqLens, block_size: int, 
     sync) every entry a sequence uses must be a primary-pool block (not null, not bit 31) whose V entry is its K
     entry + 1, else None (the reference serves the call). Without `check` the caller vouches for that layout,
     which is how TRT-LLM's KV cache manager writes its tables."""
+    check_table_shape(table)  # host metadata only: a malformed table is a KvxError, not a reshape error
     s, w, m = table.seq_count, table.beam_width, table.max_blocks_per_seq
     o = table.indices.reshape(s, w, 2, m).to(device)
     k = o[:, :, 0].reshape(s * w, m)

@@ -7,6 +7,7 @@ import torch
 
 from kvx_adapters.trtllm import kv_offsets_from_packed
 from kvx_core.descriptors import BlockTable, GatherDesc, SeqLens
+from kvx_core.errors import KvxError, Status
 from kvx_core.ops import attention, dispatch, reference
 from kvx_trtllm import describe_trtllm_cache
 
@@ -98,3 +99,15 @@ def test_tables_the_kernels_cannot_read_go_to_the_reference(damage, device, monk
         got = dispatch.paged_decode(q, layer.cache, table, lens)
         _close(got, real(q, layer.cache, table, lens))
     assert ran  # the reference served the call
+
+
+def test_malformed_offsets_are_a_kvx_error_on_the_kernel_path(device, monkeypatch):
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    layer, lens, offsets = _trtllm(device, torch.bfloat16, seed=9)
+    bad = BlockTable(layer.table.format, offsets.reshape(3, 1, -1)[:, :, :5].contiguous(), 3,
+                     layer.table.max_blocks_per_seq, beam_width=1, flags=layer.table.flags)
+    q = torch.randn(3, 4, D).to(torch.bfloat16).to(device)
+    with pytest.raises(KvxError) as e:
+        dispatch.paged_decode(q, layer.cache, bad, lens)
+    assert e.value.status == Status.INVALID_ARGUMENT
+
