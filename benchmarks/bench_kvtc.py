@@ -9,14 +9,15 @@ windows of the demo text and as many of a second text (`kvx_demo.kvtc_eval.secon
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import emit, env_info  # noqa: E402
 
 from kvx_core.kvtc import calibrate  # noqa: E402
 from kvx_core.kvtc.rope import rope_theta_of  # noqa: E402
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--no-rope-removal", action="store_true", help="code keys with their RoPE (as stored)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    env = env_info()
     lm = load_model()
     theta = None if a.no_rope_removal else rope_theta_of(lm.config)
     w = load_windows(lm.tokenizer, a.cal_windows + a.eval_windows, a.window_len)
@@ -53,7 +55,7 @@ def main() -> None:
                         sink_tokens=a.sink, recent_tokens=a.recent, rope_theta=theta, joint=a.joint)
         cal_s = time.perf_counter() - t0
         for deflate in (False, True):
-            row = {"model": "SmolLM2-135M", "device": "cpu", "threads": torch.get_num_threads(), "target_ratio": ratio,
+            row = {**env, "bench": "kvtc", "model": "SmolLM2-135M", "device": "cpu", "target_ratio": ratio,
                    "deflate": deflate, "layers_per_group": a.layers_per_group, "range_size": a.range_size,
                    "sink": a.sink, "recent": a.recent, "rope_removed": theta is not None, "joint": a.joint, "prefix": a.prefix, "window_len": a.window_len,
                    "calibration_s": round(collect_s + cal_s, 1),
@@ -61,11 +63,7 @@ def main() -> None:
             for name, windows in (("demo_text", w[a.cal_windows:]), ("second_text", w2)):
                 r = evaluate_kvtc(lm.model, windows, cal, prefix=a.prefix, deflate=deflate)
                 row[name] = {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
-            line = json.dumps(row)
-            print(line, flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(line + "\n")
+            emit(a.out, row)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 import time
@@ -26,6 +25,8 @@ from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
 from kvx_core.transfer.host import export_to_host
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import emit, env_info  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -51,14 +52,6 @@ def _cache(fmt: str, a) -> PagedKVCache:
                         device=a.device)
 
 
-def _env(device: str) -> dict:
-    if device == "cuda":
-        from common import env_info  # noqa: PLC0415
-
-        return env_info()
-    return {"gpu": None, "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "commit": os.environ.get("KVX_COMMIT", "unknown"), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -71,7 +64,7 @@ def main() -> None:
     a = ap.parse_args()
     model = ModelFingerprint("bench", a.layers, 8, 128, {}, "0" * 64, "0" * 64)
     slots = torch.arange(a.tokens)
-    env = {**_env(a.device), "bench": "transfer", "device": a.device, "layers": a.layers, "tokens": a.tokens}
+    env = {**env_info(), "bench": "transfer", "device": a.device, "layers": a.layers, "tokens": a.tokens}
     g = torch.Generator().manual_seed(0)
     for src_fmt, dst_fmt in (("bf16", "bf16"), ("nvfp4", "nvfp4"), ("bf16", "nvfp4")):
         src, dst = _cache(src_fmt, a), _cache(dst_fmt, a)
@@ -99,11 +92,7 @@ def main() -> None:
                    "export_gbps": round(gb / t_exp, 3), "import_gbps": round(gb / t_imp, 3),
                    "copy_d2h_gbps": round(gb / t_d2h, 3), "copy_h2d_gbps": round(gb / t_h2d, 3),
                    "export_x_copy": round(t_d2h / t_exp, 3), "import_x_copy": round(t_h2d / t_imp, 3)}
-            line = json.dumps(rec, sort_keys=True)
-            print(line, flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(line + "\n")
+            emit(a.out, rec)
 
 
 if __name__ == "__main__":

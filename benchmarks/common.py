@@ -63,6 +63,8 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 
 def env_info() -> dict:
+    """What every JSON line records: the GPU (None on a CPU-only machine, with the CPU threads), torch / triton /
+    flashinfer versions, the commit and the time."""
     # KVX_COMMIT: the commit of a copied working tree whose .git is not the source's (the GPU machine's copy)
     commit = os.environ.get("KVX_COMMIT")
     try:
@@ -70,6 +72,9 @@ def env_info() -> dict:
                                          stderr=subprocess.DEVNULL).strip()
     except Exception:  # noqa: BLE001
         commit = "unknown"
+    if not torch.cuda.is_available():
+        return {"gpu": None, "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     p = torch.cuda.get_device_properties(0)
     import triton
     info = {"gpu": p.name, "sms": p.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,

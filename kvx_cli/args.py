@@ -1,4 +1,4 @@
-"""argparse pieces shared by the `kvx` subcommands: bounded integers and one-line usage errors.
+"""argparse pieces shared by the `kvx` subcommands: bounded integers, one-line usage errors, input files.
 
 Every numeric option is checked by its `type=` while the command line is parsed, so a bad value
 is refused before any work (no allocation, no model load) with one line and exit code 2.
@@ -6,7 +6,10 @@ is refused before any work (no allocation, no model load) with one line and exit
 from __future__ import annotations
 
 import argparse
-from typing import Callable, NoReturn
+import os
+from typing import BinaryIO, Callable, NoReturn
+
+from kvx_core.errors import KvxError, Status
 
 UINT32_MAX = 2**32 - 1  # the C ABI's sizes (num_blocks, block_size, num_kv_heads, head_dim) are uint32
 
@@ -39,3 +42,10 @@ def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
 
     parse.__name__ = f"integer in [{lo}, {hi}]"
     return parse
+
+
+def open_input(path: str) -> BinaryIO:
+    """An input file opened for binary reading; KvxError (exit 2, one line) when there is no such file."""
+    if not os.path.isfile(path):
+        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: no such file")
+    return open(path, "rb")

@@ -11,6 +11,8 @@ from kvx_core.formats import list_formats
 from kvx_core.transfer.bundle import BundleReader
 from kvx_core.transfer.handoff import convert_bundle
 
+from .args import open_input
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bundle", help="inspect or verify a KVX KV bundle (cross-engine handoff file)",
@@ -27,16 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _open(path: str):
-    if not os.path.isfile(path):
-        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: no such file")
-    return open(path, "rb")
-
-
 def _convert(args: argparse.Namespace) -> int:
     if not args.out or not args.format:
         raise KvxError(Status.INVALID_ARGUMENT, "convert needs FILE OUT --format FORMAT")
-    with _open(args.file) as f:
+    with open_input(args.file) as f:
         try:
             out = open(args.out, "xb")  # noqa: SIM115  (exclusive: an existing file is never overwritten)
         except FileExistsError:
@@ -56,7 +52,7 @@ def _convert(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.action == "convert":
         return _convert(args)
-    with _open(args.file) as f:
+    with open_input(args.file) as f:
         reader = BundleReader(f)
         h = reader.header
         if args.action == "verify":

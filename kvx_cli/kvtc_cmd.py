@@ -11,6 +11,8 @@ import torch
 
 from kvx_core.errors import KvxError, Status
 
+from .args import open_input
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kvtc", help="KVTC: calibrate, compress KV bundles, inspect compressed buffers",
@@ -85,9 +87,7 @@ def _compress(args: argparse.Namespace) -> int:
     from kvx_core.transfer.handoff import decode_rows
 
     cal = load_calibration(cal_path)
-    if not os.path.isfile(bundle):
-        raise KvxError(Status.INVALID_ARGUMENT, f"{bundle}: no such file")
-    with open(bundle, "rb") as f:
+    with open_input(bundle) as f:
         reader = BundleReader(f)
         fmt = get_format(reader.header["cache"]["format"])
         kv = [tuple(x.to(torch.bfloat16) for x in decode_rows(rows, fmt)) for rows in reader.read_all()]
@@ -115,9 +115,7 @@ def _decompress(args: argparse.Namespace) -> int:
     if not cal.model:
         raise KvxError(Status.INVALID_ARGUMENT, f"{cal_path} names no model fingerprint; a bundle needs one")
     model = ModelFingerprint(**cal.model)
-    if not os.path.isfile(path):
-        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: no such file")
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         hdr, kv, ids = decompress(f.read(), cal, model=model)
     n, bs = hdr.token_count, 16
     cache = PagedKVCache("bf16", num_layers=cal.num_layers, num_blocks=max(1, -(-n // bs)), block_size=bs,
@@ -135,9 +133,7 @@ def _inspect(args: argparse.Namespace) -> int:
     (path,) = _paths(args, 1, "FILE")
     from kvx_core.kvtc import read_header
 
-    if not os.path.isfile(path):
-        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: no such file")
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         hdr = read_header(f.read())
     d = hdr.to_json()
     if args.json:
