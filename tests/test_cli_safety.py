@@ -28,6 +28,8 @@ from kvx_cli.main import main
 from kvx_demo import model as demo_model
 from kvx_core.errors import KvxError, Status
 
+from .tiny_llama import save_tiny_llama
+
 REPO = Path(__file__).resolve().parents[1]
 INSPECT = ["inspect", "--engine", "vllm", "--num-blocks", "4", "--block-size", "16", "--kv-heads", "2",
            "--head-dim", "64"]
@@ -262,23 +264,11 @@ def test_model_shape_of_a_config_without_kv_fields_is_a_kvx_error():
         demo.model_shape(SimpleNamespace(**vars(cfg), num_key_value_heads=0))
 
 
-# A tiny random Llama with a character tokenizer: a real, loadable HF checkpoint built offline.
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {c: i for i, c in enumerate(["[UNK]"] + [chr(c) for c in range(32, 127)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-    LlamaForCausalLM(config).save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), hidden_size=32, num_attention_heads=2,
+                           num_key_value_heads=1, max_position_embeddings=128)
     (path / "README.md").write_text("the user's model card\n")
     return path
 

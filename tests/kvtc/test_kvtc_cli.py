@@ -13,24 +13,15 @@ from kvx_core.cache import PagedKVCache
 from kvx_core.kvtc import decompress, load_calibration
 from kvx_core.transfer import export_bundle, fingerprint_from_files, import_bundle
 
+from ..tiny_llama import save_tiny_llama
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random Llama (2 layers, 2 KV heads x 16) with a character tokenizer, saved offline."""
+    """A tiny random Llama (2 layers, 2 KV heads x 16)."""
     pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-kvtc")
-    vocab = {c: i for i, c in enumerate(["[UNK]"] + [chr(c) for c in range(32, 127)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-kvtc"), hidden_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256)
 
 
 def test_calibrate_compress_inspect(tiny, tmp_path, capsys):
