@@ -114,7 +114,7 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
     pools = _kernel_pools(cache)
     table = gather.block_table if isinstance(gather, GatherDesc) else None
     if pools is not None and _offsets(table):
-        pools = _shift_v(pools, cache)
+        pools = _shift_v(pools)
     if pools is None or not (_packed(table) or _offsets(table)) \
             or (cache.pool is not None and cache.pool.secondary is not None):
         return reference.gather_kv(cache, gather, out, out_dtype, k_scale, v_scale)
@@ -157,7 +157,7 @@ def _kernel_table(table: BlockTable, seq_lens: SeqLens, block_size: int, device:
     return bt, narrow_int32(seq_lens.lengths.to(device), "seq_lens", check=check)
 
 
-def _shift_v(pools, cache: CacheDesc):
+def _shift_v(pools):
     """For a KV_OFFSETS table: the pools with V read one block after K (`checks.offsets_kernel_table`), or None when
     K and V are not one block array (the pairing `V = K + 1` would not name this cache's V blocks)."""
     kd, ks, vd, vs, fmt = pools
@@ -176,7 +176,7 @@ def _kernel_args(cache: CacheDesc, table: BlockTable, check: bool):
             or (cache.pool is not None and cache.pool.secondary is not None):
         return None
     if _offsets(table):
-        pools = _shift_v(pools, cache)
+        pools = _shift_v(pools)
         if pools is None:
             return None
     kd, ks, vd, vs, fmt = pools

@@ -138,10 +138,9 @@ def _slots(blocks: list[int], start: int, stop: int, tpb: int) -> list[int]:
     """Pool slots of tokens `[start, stop)` (ValueError on a missing or released (-1) block)."""
     if stop > len(blocks) * tpb:
         raise ValueError(f"tokens up to {stop} need {-(-stop // tpb)} blocks, {len(blocks)} are allocated")
-    slots = [blocks[t // tpb] * tpb + t % tpb for t in range(start, stop)]
-    if any(blocks[t // tpb] < 0 for t in range(start, stop)):
+    if stop > start and any(b < 0 for b in blocks[start // tpb:-(-stop // tpb)]):
         raise ValueError("a block of the range was released (-1)")
-    return slots
+    return [blocks[t // tpb] * tpb + t % tpb for t in range(start, stop)]
 
 
 class KvxConnectorScheduler(_SchedulerBase):
@@ -150,7 +149,6 @@ class KvxConnectorScheduler(_SchedulerBase):
     def __init__(self, llm_args: Any):
         if _SchedulerBase is not object:
             super().__init__(llm_args)
-        self._llm_args = llm_args
         self.config = connector_config(llm_args)
         self._prompts: dict[int, list[int]] = {}
         self._blocks: dict[int, list[int]] = {}
@@ -231,7 +229,6 @@ class KvxConnectorWorker(_WorkerBase):
     def __init__(self, llm_args: Any):
         if _WorkerBase is not object:
             super().__init__(llm_args)
-        self._llm_args = llm_args
         self._metadata: KvxConnectorMetadata | None = None
         self.config = connector_config(llm_args)
         self.pool: torch.Tensor | None = None
