@@ -74,6 +74,11 @@ class KvtcHeader:
         return d
 
 
+def _range_type(kind: RangeKind) -> tuple[int, int]:
+    """A range header's `(quant_type, int_bits)`: (0, 0) for FP8, (1, bits) for IntX."""
+    return (1, kind.bits) if kind.is_int else (0, 0)
+
+
 def _checksum(*parts: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
     for p in parts:
@@ -134,8 +139,7 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
                     kind = RangeKind.parse(name)
                     meta, packed = (t.cpu() for t in quantize_range(y[:, lo:hi].contiguous(), kind,
                                                                      c.fp8_scale[lo:hi]))
-                    body.append(RANGE.pack(1 if kind.is_int else 0, kind.bits if kind.is_int else 0, lo, hi,
-                                           packed.numel(), meta.numel()))
+                    body.append(RANGE.pack(*_range_type(kind), lo, hi, packed.numel(), meta.numel()))
                     body.append(meta.contiguous().numpy().tobytes() + packed.contiguous().numpy().tobytes())
     raw_body = b"".join(body)
     stored = zlib.compress(raw_body, 6) if deflate else raw_body
@@ -222,8 +226,7 @@ def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device
                 for lo, hi, name in c.ranges:
                     kind = RangeKind.parse(name)
                     qt, bits, start, stop, packed_n, meta_n = RANGE.unpack(take(RANGE.size).numpy().tobytes())
-                    expect = (int(kind.is_int), kind.bits if kind.is_int else 0, lo, hi,
-                              range_bytes(kind, hi - lo) * m, meta_bytes(kind, hi - lo))
+                    expect = (*_range_type(kind), lo, hi, range_bytes(kind, hi - lo) * m, meta_bytes(kind, hi - lo))
                     require((qt, bits, start, stop, packed_n, meta_n) == expect, Status.INVALID_ARGUMENT,
                             f"KVTC: range header ({start}, {stop}) disagrees with the calibration's ({lo}, {hi}, {name})")
                     meta = take(meta_n).to(dev)
