@@ -369,10 +369,10 @@ def offsets_kernel_table(table: BlockTable, seq_lens: SeqLens, block_size: int, 
 
     TRT-LLM's offsets name a layer's K block `e` and its V block `e + 1` in one block array (`(mem_idx * layers) *
     2 + kv`), so the kernels read K through the K plane and V through the same entries over the block array
-    shifted by one block (`v_shifted_pools`): TRT-LLM's own offsets, no block-id conversion. With `check` (one host
-    sync) every entry a sequence uses must be a primary-pool block (not null, not bit 31) whose V entry is its K
-    entry + 1, else None (the reference serves the call). Without `check` the caller vouches for that layout,
-    which is how TRT-LLM's KV cache manager writes its tables."""
+    shifted by one block (`ops.dispatch._shift_v`): TRT-LLM's own offsets, no block-id conversion. With `check`
+    (one host sync) every entry a sequence uses must be a primary-pool block (not null, not bit 31) whose V entry
+    is its K entry + 1, else None (the reference serves the call). Without `check` the caller vouches for that
+    layout, which is how TRT-LLM's KV cache manager writes its tables."""
     check_table_shape(table)  # host metadata only: a malformed table is a KvxError, not a reshape error
     s, w, m = table.seq_count, table.beam_width, table.max_blocks_per_seq
     o = table.indices.reshape(s, w, 2, m).to(device)
