@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvx_core.errors import KvxError
-from kvx_core.transfer import BundleStore, ModelFingerprint, export_bundle, fingerprint_from_files, import_bundle
+from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
 
 from .cache import layer_views
 
@@ -270,17 +270,15 @@ class KvxConnectorWorker(_WorkerBase):
         meta, cfg = self._meta(), self.config
         with torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext():
             for t in meta.loads:
-                f = cfg.store.open_entry(cfg.model, t.token_ids)
-                if f is None:
-                    raise RuntimeError(f"KVX connector: request {t.request_id}: its bundle left the store between "
-                                       "scheduling and loading; nothing was written")
                 try:
-                    with f:
-                        import_bundle(f, self.caches, torch.tensor(t.slots, dtype=torch.int64), model=cfg.model,
-                                      token_ids=t.token_ids, token_range=t.token_range)
+                    found = cfg.store.get(self.caches, torch.tensor(t.slots, dtype=torch.int64), model=cfg.model,
+                                          token_ids=t.token_ids, token_range=t.token_range)
                 except KvxError as e:
                     raise RuntimeError(f"KVX connector: request {t.request_id}: loading {len(t.slots)} bundled tokens "
                                        f"failed, nothing written: {e}") from e
+                if not found:
+                    raise RuntimeError(f"KVX connector: request {t.request_id}: its bundle left the store between "
+                                       "scheduling and loading; nothing was written")
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         return  # loads finish in start_load_kv
@@ -295,10 +293,9 @@ class KvxConnectorWorker(_WorkerBase):
         if stream is not None:
             stream.synchronize()  # the forward that wrote the prompt's KV ran on this stream
         for t in meta.saves:
-            slots = torch.tensor(t.slots, dtype=torch.int64)
             try:
-                cfg.store.write_entry(cfg.model, t.token_ids, lambda f: export_bundle(
-                    f, self.caches, slots, model=cfg.model, token_ids=t.token_ids))
+                cfg.store.put(self.caches, torch.tensor(t.slots, dtype=torch.int64), model=cfg.model,
+                              token_ids=t.token_ids)
             except (KvxError, OSError) as e:
                 logger.error("KVX connector: request %s: saving its %d prompt tokens failed: %s", t.request_id,
                              len(t.slots), e)
