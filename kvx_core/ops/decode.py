@@ -78,7 +78,7 @@ def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torc
     if backend == "triton" or (backend == "auto" and (interpreting() or device.type != "cuda")):
         return "triton"
     why = cuda_decode.plan_reason(fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, head_dim, block_size)
-    if why is None and backend == "auto" and kernel_format(fmt.k).code == FormatCode.FP8 \
+    if why is None and backend == "auto" and kernel_format(fmt.k).code == kernel_format(fmt.v).code == FormatCode.FP8 \
             and batch * num_kv_heads < sm_count(device) // 8:
         # FP8 with very few (sequence, KV head) pairs: Triton measured faster
         # (H200, benchmarks/results/decode_int8_fp8_cuda_vs_triton_h200.jsonl, B=1 32k: 44 us vs 50 us); from B=16

@@ -14,14 +14,15 @@ import torch
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
 from kvx_core.ops.cuda import SOURCE, build, nvcc_path
-from kvx_core.ops.cuda.decode import DecodeParams, supports
+from kvx_core.ops.cuda.decode import MIXED, DecodeParams, supports
 from kvx_core.ops.decode import paged_decode
 from kvx_core.ops.graphs import capture
 from kvx_core.ops.kernel_format import CudaCode, FormatCode, kernel_format
 
 from .oracle import make_pools, make_table, ref_decode
 
-CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2"]
+CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2",
+                "k8v4", "k8v4_rot"]
 
 
 def _gs(fmt, hkv, seed, k):
@@ -82,8 +83,9 @@ def test_cuda_codes_derive_from_the_kernel_format(name):
     kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
     want = {"nvfp4": CudaCode.NVFP4, "mxfp4": CudaCode.MXFP4, "mxfp4_32": CudaCode.MXFP4, "int4": CudaCode.INT4,
             "int8": CudaCode.INT8, "fp8_e4m3": CudaCode.E4M3, "fp8_e5m2": CudaCode.E5M2}.get(name.removesuffix("_rot"))
-    if name == "k8v4":
-        assert kk != kv
+    if name.startswith("k8v4"):  # a mixed pair the kernel is instantiated for
+        assert kk != kv and (kk.cuda_code, kv.cuda_code) == (CudaCode.E4M3, CudaCode.NVFP4)
+        assert (kk.cuda_code, kv.cuda_code) in MIXED
     else:
         assert kk == kv and kk.cuda_code == want
     assert kk.e5m2 == (fmt.k.torch_data_dtype == torch.float8_e5m2)
@@ -95,8 +97,8 @@ def test_supports_names_the_reason():
     kd = torch.zeros(2, 1, 16, 64, dtype=torch.uint8)
     ks = torch.zeros(2, 1, 16, 8, dtype=torch.uint8)
     assert "CUDA" in supports(q, get_format("nvfp4"), kd, ks, kd, ks)  # a CPU tensor
-    assert "format k8v4" in supports(q, get_format("k8v4"), kd, ks, kd, ks)
-    assert "format" in supports(q, get_format("k8v4"), kd, ks, kd, ks)
+    assert "format bf16" in supports(q, get_format("bf16"), kd, ks, kd, ks)
+    assert supports(q, get_format("k8v4"), kd, ks, kd, ks) == "not a CUDA tensor"  # k8v4 is served
 
 
 # ------------------------------------------------------------------ GPU: every served case vs the oracle
@@ -111,7 +113,7 @@ def test_cuda_decode_formats_head_dims(name, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2", "k8v4"])
 def test_cuda_decode_fp16_queries(name):
     o, lse, ro, rl = _run(name, [77, 513, 16], q_dtype=torch.float16, splits=2)
     _check(o, lse, ro, rl)
@@ -119,7 +121,7 @@ def test_cuda_decode_fp16_queries(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qh,hkv", [(1, 4), (2, 2), (5, 1), (8, 2), (16, 1)])
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_32", "int4", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_32", "int4", "int8", "fp8_e4m3", "k8v4"])
 def test_cuda_decode_gqa(qh, hkv, name):
     o, lse, ro, rl = _run(name, [20, 333], hkv=hkv, qh=qh, splits=2)
     _check(o, lse, ro, rl)
@@ -127,14 +129,14 @@ def test_cuda_decode_gqa(qh, hkv, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [16, 32, 48, 128, 256])
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "int8", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "int8", "fp8_e5m2", "k8v4"])
 def test_cuda_decode_block_sizes(bs, name):
     o, lse, ro, rl = _run(name, [bs * 3 + 5, 2 * bs - 1, 7], bs=bs, splits=2, seed=bs)
     _check(o, lse, ro, rl)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4", "int8", "fp8_e4m3", "k8v4"])
 def test_cuda_decode_softcap_window(name):
     o, lse, ro, rl = _run(name, [50, 3, 400, 129], softcap=5.0, window=37, splits=2)
     _check(o, lse, ro, rl)
@@ -148,6 +150,8 @@ def test_cuda_decode_softcap_window(name):
     ("fp8_e5m2", 1.0, 1e-5),    # E5M2 subnormal payloads
     ("fp8_e4m3", 1.0, 300.0),   # saturated payloads
     ("int8", 1e6, 1.0),         # bf16 queries far outside the f16 range (int8 also runs f16 operands)
+    ("k8v4", 1e6, 1.0),         # the same for k8v4's FP8 keys; its NVFP4 values run f16 operands too
+    ("k8v4", 1.0, 1e-3),        # E4M3 subnormal keys, tiny NVFP4 values
 ])
 def test_cuda_decode_fp8_ranges(name, q_scale, kv_scale):
     o, lse, ro, rl = _run(name, [300, 17], q_scale=q_scale, kv_scale=kv_scale, splits=2)

@@ -1,7 +1,7 @@
 """Launcher of the CUDA paged decode (`paged_decode_mma.cu`): which calls it serves, and the launch.
 
 It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries), INT4, INT8 and FP8 E4M3/E5M2 (f16/bf16)
-caches whose K and V use the same format (rotated variants too), head_dim 64/128/256, 1..16 query heads
+caches whose K and V use the same format, and k8v4 (FP8 E4M3 keys, NVFP4 values) (rotated variants too), head_dim 64/128/256, 1..16 query heads
 per KV head, block sizes that are multiples of 16, dense token rows aligned for word loads; 4 warps/CTA. Anything else goes to the
 Triton kernel (`supports` says why). The kernel writes per-split partial outputs that the Triton split merge
 (`ops/triton/merge.py`) merges, exactly as the Triton decode kernel does.
@@ -14,7 +14,7 @@ import torch
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
-from ..kernel_format import FormatCode, KernelFormat, kernel_format
+from ..kernel_format import CudaCode, FormatCode, KernelFormat, kernel_format
 from . import cuda_error_name, library
 
 WARPS = 4  # warps per CTA of the CUDA kernel (its tiles are 16 tokens per warp)
@@ -44,7 +44,7 @@ def kernel_library(device) -> ctypes.CDLL:
     lib = library(device)
     if not getattr(lib, "_kvx_checked", False):
         lib.kvx_paged_decode.restype = ctypes.c_int
-        lib.kvx_paged_decode.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+        lib.kvx_paged_decode.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 8 + [ctypes.c_void_p]
         lib.kvx_decode_params_size.restype = ctypes.c_int
         if lib.kvx_decode_params_size() != ctypes.sizeof(DecodeParams):
             raise KvxError(Status.INTERNAL_ERROR, "DecodeParams ctypes mirror does not match paged_decode_mma.cu")
@@ -52,14 +52,20 @@ def kernel_library(device) -> ctypes.CDLL:
     return lib
 
 
-def _served(fmt: CacheFormat) -> KernelFormat | None:
-    """The kernel format of K and V when they share one the CUDA kernel decodes (`KernelFormat.cuda_code`),
-    else None."""
+# K / V format pairs of different formats that the kernel is instantiated for (`kvx_paged_decode`)
+MIXED = {(CudaCode.E4M3, CudaCode.NVFP4)}  # k8v4
+
+
+def _served(fmt: CacheFormat) -> tuple[KernelFormat, KernelFormat] | None:
+    """The kernel formats (K, V) when the CUDA kernel decodes the pair (`KernelFormat.cuda_code`: one format for
+    both, or a `MIXED` pair), else None."""
     try:
         kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
     except KvxError:
         return None
-    return kk if kk == kv and kk.cuda_code is not None else None
+    if kk.cuda_code is None or kv.cuda_code is None:
+        return None
+    return (kk, kv) if kk == kv or (kk.cuda_code, kv.cuda_code) in MIXED else None
 
 
 def _aligned(t: torch.Tensor, width: int) -> bool:
@@ -70,14 +76,15 @@ def plan_reason(fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, ba
                 num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
     """None when the CUDA kernel can serve a step of this geometry (the pools are checked by `pool_reason` at
     launch), else the reason it cannot."""
-    kf = _served(fmt)
-    if kf is None:
-        return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 / int8 / fp8 (same format for K and V)"
+    served = _served(fmt)
+    if served is None:
+        return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 / int8 / fp8 / k8v4"
     if device.type != "cuda":
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(device) < (8, 9):
         return "needs compute capability >= 8.9"
-    if q_dtype not in (torch.float16, torch.bfloat16) or (kf.code == FormatCode.MXFP4 and q_dtype != torch.bfloat16):
+    mx = any(kf.code == FormatCode.MXFP4 for kf in served)
+    if q_dtype not in (torch.float16, torch.bfloat16) or (mx and q_dtype != torch.bfloat16):
         return f"{q_dtype} queries (MXFP4 needs bf16, the others f16 or bf16)"
     if head_dim not in (64, 128, 256):
         return f"head_dim {head_dim} (64/128/256)"
@@ -92,24 +99,22 @@ def plan_reason(fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, ba
 
 def pool_reason(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
     """None when the kernel can address these tensors (dense, word-aligned rows), else the reason it cannot."""
-    kf = _served(fmt)
     d = q.shape[2]
-    row = d // 2 if kf.packed else d  # payload bytes per token row
-    if not (_aligned(k_data, min(16, row // 4)) and _aligned(v_data, min(16, row // 8))):
-        return "payload rows not aligned for word loads"
-    for name, t in (("K", k_data), ("V", v_data)):
-        if t.stride(2) != row:
-            return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {row} bytes)"
-    if kf.has_scales:
-        affine = kf.affine
-        ksb = 4 if affine else max(1, (d // 4) // kf.group)
-        vsb = 4 if affine else max(1, (d // 8) // kf.group)
-        if not (_aligned(k_scales, ksb) and _aligned(v_scales, vsb)):
-            return "scale rows not aligned"
-        srow = 4 if affine else d // kf.group
-        for name, t in (("K scale", k_scales), ("V scale", v_scales)):
-            if t.stride(2) != srow:
-                return f"{name} rows of a page are not dense (token stride {t.stride(2)} != {srow} bytes)"
+    # a thread loads a quarter K row and an eighth V row per token, and the scale bytes of those
+    kk, kv = _served(fmt)
+    for name, kf, data, scales, part in (("K", kk, k_data, k_scales, 4), ("V", kv, v_data, v_scales, 8)):
+        row = d // 2 if kf.packed else d  # payload bytes per token row
+        if not _aligned(data, min(16, row // part)):
+            return f"{name} payload rows not aligned for word loads"
+        if data.stride(2) != row:
+            return f"{name} rows of a page are not dense (token stride {data.stride(2)} != {row} bytes)"
+        if kf.has_scales:
+            width = 4 if kf.affine else max(1, (d // part) // kf.group)  # INT: fp16 scale | min words
+            if not _aligned(scales, width):
+                return f"{name} scale rows not aligned"
+            srow = 4 if kf.affine else d // kf.group
+            if scales.stride(2) != srow:
+                return f"{name} scale rows of a page are not dense (token stride {scales.stride(2)} != {srow} bytes)"
     if q.stride(2) != 1:
         return "query last dim not contiguous"
     return None
@@ -128,7 +133,7 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
            window: int | None) -> None:
     """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`
     (rotated formats: `q` and the partials are in the rotated domain)."""
-    kf = _served(fmt)
+    kk, kv = _served(fmt)
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
     p = DecodeParams()
@@ -139,9 +144,9 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
         for suf, i in (("b", 0), ("h", 1), ("t", 2)):
             setattr(p, f"{pre}d_s{suf}", data.stride(i))
             setattr(p, f"{pre}s_s{suf}", sc.stride(i))
-    scaled = kf.global_scale  # NVFP4, FP8: an FP32 global scale per KV head
-    p.kg = kg.data_ptr() if kg is not None and scaled else None
-    p.vg = vg.data_ptr() if vg is not None and scaled else None
+    # NVFP4, FP8: an FP32 global scale per KV head
+    p.kg = kg.data_ptr() if kg is not None and kk.global_scale else None
+    p.vg = vg.data_ptr() if vg is not None and kv.global_scale else None
     p.bt, p.bt_sb, p.seq = block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr()
     p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
     p.ml, p.ml_sb, p.ml_sh = mid_l.data_ptr(), mid_l.stride(0), mid_l.stride(1)
@@ -152,7 +157,8 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     with torch.cuda.device(q.device):  # the kernel launches into the calling thread's current context
         stream = torch.cuda.current_stream(q.device).cuda_stream
         # group: the FP4 group size (the kernel reads it for NVFP4 / MXFP4 only)
-        err = lib.kvx_paged_decode(ctypes.byref(p), int(kf.cuda_code), int(q.dtype == torch.bfloat16), d,
-                                   kf.group or 16, WARPS, bsz, hkv, stream)
+        err = lib.kvx_paged_decode(ctypes.byref(p), int(kk.cuda_code), int(kv.cuda_code),
+                                   int(q.dtype == torch.bfloat16), d, kk.group or kv.group or 16, WARPS, bsz, hkv,
+                                   stream)
     if err != 0:
         raise KvxError(Status.INTERNAL_ERROR, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")

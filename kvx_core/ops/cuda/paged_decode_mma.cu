@@ -246,12 +246,12 @@ __device__ __forceinline__ uint32_t ld_bytes(const uint8_t* p) {  // N in {1, 2,
 }
 
 // ------------------------------------------------------------------ per-thread tile of raw words
-template <int FMT, int D, int GROUP>
+template <int KF, int VF, int D, int GROUP>
 struct Tile {
-  static constexpr int KW = kByte<FMT> ? D / 16 : D / 32;  // K words per thread per token (a quarter row)
-  static constexpr int VW = kByte<FMT> ? D / 32 : D / 64;  // V words per thread per token (an eighth row)
-  static constexpr int KSB = kAffine<FMT> ? 4 : ((D / 4) >= GROUP ? (D / 4) / GROUP : 1);
-  static constexpr int VSB = kAffine<FMT> ? 1 : ((D / 8) >= GROUP ? (D / 8) / GROUP : 1);
+  static constexpr int KW = kByte<KF> ? D / 16 : D / 32;  // K words per thread per token (a quarter row)
+  static constexpr int VW = kByte<VF> ? D / 32 : D / 64;  // V words per thread per token (an eighth row)
+  static constexpr int KSB = kAffine<KF> ? 4 : ((D / 4) >= GROUP ? (D / 4) / GROUP : 1);
+  static constexpr int VSB = kAffine<VF> ? 1 : ((D / 8) >= GROUP ? (D / 8) / GROUP : 1);
   uint32_t k[2][KW];  // K rows of tokens g, g+8 (quarter t)
   uint32_t v[4][VW];  // V rows of tokens 2t, 2t+1, 2t+8, 2t+9 (eighth g)
   uint32_t ksc[2];    // K scale bytes of tokens g, g+8 (INT4: fp16 sc | mn)
@@ -271,11 +271,12 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {  // 8x8 b16 fragm
 // NH = blocks of 8 query heads (1 when qh <= 8, else 2).
 // QB: the query is bf16 while the operands are f16 (FP8 caches): q is scaled by a power of two that
 // keeps it inside the f16 range (exact for every element >= 2^-14 of the largest) and the scores undo it.
-template <int FMT, typename T, int D, int GROUP, int NH, bool QB>
-__global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ? 3 : 4) : 1)
+template <int KF, int VF, typename TK, typename TV, int D, int GROUP, int NH, bool QB>
+__global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> || kByte<VF> ? 3 : 4) : 1)
     decode_kernel(const DecodeParams p) {
-  constexpr bool BYTE = kByte<FMT>, AFF = kAffine<FMT>, GRP = kGroup<FMT>;
-  using TileT = Tile<FMT, D, GROUP>;
+  constexpr bool KBYTE = kByte<KF>, KAFF = kAffine<KF>, KGRP = kGroup<KF>;
+  constexpr bool VBYTE = kByte<VF>, VAFF = kAffine<VF>, VGRP = kGroup<VF>;
+  using TileT = Tile<KF, VF, D, GROUP>;
   constexpr int KW = TileT::KW, VW = TileT::VW, KSTEPS = D / 16, MT = D / 16;
   constexpr int KSB = TileT::KSB, VSB = TileT::VSB;
   const int sp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -296,8 +297,8 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
   // logical k = 2t -> dim base, 2t+1 -> base+4, 2t+8 -> base+1, 2t+9 -> base+5 (see the K decode)
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(p.q) + (int64_t)b * p.q_sb + (int64_t)h * qh * p.q_sh;
   // 4-bit: k = 2t, 2t+1, 2t+8, 2t+9 -> dims base, base+4, base+1, base+5; 8-bit: base .. base+3
-  constexpr int O1 = BYTE ? 1 : 4, O2 = BYTE ? 2 : 1, O3 = BYTE ? 3 : 5;
-  auto q_base = [&](int kk) { return BYTE ? t * (D / 4) + 4 * kk : t * (D / 4) + 8 * (kk / 2) + 2 * (kk & 1); };
+  constexpr int O1 = KBYTE ? 1 : 4, O2 = KBYTE ? 2 : 1, O3 = KBYTE ? 3 : 5;
+  auto q_base = [&](int kk) { return KBYTE ? t * (D / 4) + 4 * kk : t * (D / 4) + 8 * (kk / 2) + 2 * (kk & 1); };
   float q_mul = 1.f;  // QB: 2^-e with amax(q) * 2^-e < 2^15
   if constexpr (QB) {
     float amax = 0.f;
@@ -338,9 +339,9 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
       }
       qb[nh][kk][0] = e0 | (e1 << 16);
       qb[nh][kk][1] = e2 | (e3 << 16);
-      if constexpr (AFF) own += Op<T>::to_f32(e0) + Op<T>::to_f32(e1) + Op<T>::to_f32(e2) + Op<T>::to_f32(e3);
+      if constexpr (KAFF) own += Op<TK>::to_f32(e0) + Op<TK>::to_f32(e1) + Op<TK>::to_f32(e2) + Op<TK>::to_f32(e3);
     }
-    if constexpr (AFF) {
+    if constexpr (KAFF) {
       own += __shfl_xor_sync(0xffffffffu, own, 1);
       own += __shfl_xor_sync(0xffffffffu, own, 2);  // sum(q) of head 8 nh + g, in every lane of quad g
       qsum[nh][0] = __shfl_sync(0xffffffffu, own, (2 * t) * 4);
@@ -348,29 +349,25 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
     }
   }
 
-  float k_fac = p.sm_scale, v_fac = 1.f;
-  if constexpr (FMT == F_NVFP4) {
-    k_fac *= 128.f * (p.kg ? p.kg[h] : 1.f);
-    v_fac = 128.f * (p.vg ? p.vg[h] : 1.f);
-  }
-  if constexpr (BYTE) {
-    k_fac *= (p.kg ? p.kg[h] : 1.f) / q_mul;
-    v_fac = p.vg ? p.vg[h] : 1.f;
-  }
+  float k_fac = p.sm_scale / q_mul, v_fac = 1.f;  // NVFP4: the 2^7 of the scale operands; FP8: global scales
+  if constexpr (KF == F_NVFP4) k_fac *= 128.f * (p.kg ? p.kg[h] : 1.f);
+  if constexpr (KBYTE) k_fac *= p.kg ? p.kg[h] : 1.f;
+  if constexpr (VF == F_NVFP4) v_fac = 128.f * (p.vg ? p.vg[h] : 1.f);
+  if constexpr (VBYTE) v_fac = p.vg ? p.vg[h] : 1.f;
   const bool softcap = p.softcap > 0.f;
   if (softcap) k_fac /= p.softcap; else k_fac *= LOG2E;  // scores go to the log2 domain
   const float cap_log2 = p.softcap * LOG2E;
 
   // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so a thread's
   // loads are its per-CTA base + page offset + compile-time row offsets.
-  constexpr int KROW = BYTE ? D : D / 2, VROW = KROW;
-  constexpr int KSROW = AFF ? 4 : D / GROUP, VSROW = KSROW;
+  constexpr int KROW = KBYTE ? D : D / 2, VROW = VBYTE ? D : D / 2;
+  constexpr int KSROW = KAFF ? 4 : D / GROUP, VSROW = VAFF ? 4 : D / GROUP;
   const int32_t* bt = p.bt + (int64_t)b * p.bt_sb;
   const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (KROW / 4);
   const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (VROW / 8);
-  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (AFF ? 0 : (t * (D / 4)) / GROUP);
+  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (KAFF ? 0 : (t * (D / 4)) / GROUP);
   const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh +
-                          (AFF ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
+                          (VAFF ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
   const int bs_log2 = (p.bs & (p.bs - 1)) == 0 ? __ffs(p.bs) - 1 : -1;
 
   auto load_tile = [&](TileT& x, int start) {
@@ -386,8 +383,8 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // K rows (and INT4 V scale rows) of tokens g + 8j
       ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
-      if constexpr (GRP || AFF) x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
-      if constexpr (AFF) {
+      if constexpr (KGRP || KAFF) x.ksc[j] = ld_bytes<KSB>(ksp + 8 * j * KSROW);
+      if constexpr (VAFF) {
         x.vint[j] = ld_bytes<4>(vsp + 8 * j * VSROW);
         const int tok = start + g + 8 * j;
         if (edge && (tok < lo || tok >= hi)) x.vint[j] = 0u;  // masked token: finite zeros (p = 0)
@@ -397,7 +394,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
     for (int i = 0; i < 4; ++i) {  // V rows of tokens 2t + (i & 1) + 8 (i >> 1)
       const int r = (i & 1) + 8 * (i >> 1);
       ld_words<VW>(vp + r * VROW, x.v[i]);
-      if constexpr (GRP) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
+      if constexpr (VGRP) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
       const int tok = start + 2 * t + r;
       if (edge && (tok < lo || tok >= hi)) {
 #pragma unroll
@@ -420,14 +417,14 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
 
   auto compute_tile = [&](const TileT& x, int start) {
     // ---- S^T = K Q^T: C(token g | g+8, head 2t | 2t+1)
-    uint32_t ks2[2][GRP ? KSB : 1];
-    if constexpr (GRP) {
+    uint32_t ks2[2][KGRP ? KSB : 1];
+    if constexpr (KGRP) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < KSB; ++e) {
           const uint32_t byte = (x.ksc[j] >> (8 * e)) & 0xFFu;
-          ks2[j][e] = scale2<FMT, T>(byte | (byte << 8));
+          ks2[j][e] = scale2<KF, TK>(byte | (byte << 8));
         }
     }
     float s[NH][4];
@@ -437,22 +434,22 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
     for (int kk = 0; kk < KSTEPS; ++kk) {
       const int wi = kk / 2, r0 = 2 * (kk & 1);
       uint32_t a[4];
-      if constexpr (BYTE) {  // word kk: its low half is k = 2t, 2t+1, its high half 2t+8, 2t+9
-        a[0] = byte_pair<FMT>(x.k[0][kk], 0); a[1] = byte_pair<FMT>(x.k[1][kk], 0);
-        a[2] = byte_pair<FMT>(x.k[0][kk], 1); a[3] = byte_pair<FMT>(x.k[1][kk], 1);
+      if constexpr (KBYTE) {  // word kk: its low half is k = 2t, 2t+1, its high half 2t+8, 2t+9
+        a[0] = byte_pair<KF>(x.k[0][kk], 0); a[1] = byte_pair<KF>(x.k[1][kk], 0);
+        a[2] = byte_pair<KF>(x.k[0][kk], 1); a[3] = byte_pair<KF>(x.k[1][kk], 1);
       } else {
-        a[0] = code_pair_r<FMT, T>(x.k[0][wi], r0); a[1] = code_pair_r<FMT, T>(x.k[1][wi], r0);
-        a[2] = code_pair_r<FMT, T>(x.k[0][wi], r0 + 1); a[3] = code_pair_r<FMT, T>(x.k[1][wi], r0 + 1);
+        a[0] = code_pair_r<KF, TK>(x.k[0][wi], r0); a[1] = code_pair_r<KF, TK>(x.k[1][wi], r0);
+        a[2] = code_pair_r<KF, TK>(x.k[0][wi], r0 + 1); a[3] = code_pair_r<KF, TK>(x.k[1][wi], r0 + 1);
       }
-      if constexpr (GRP) {
+      if constexpr (KGRP) {
         const int gi = (D / 4) >= GROUP ? (8 * wi) / GROUP : 0;
-        a[0] = apply_scale<FMT, T>(a[0], ks2[0][gi]);
-        a[1] = apply_scale<FMT, T>(a[1], ks2[1][gi]);
-        a[2] = apply_scale<FMT, T>(a[2], ks2[0][gi]);
-        a[3] = apply_scale<FMT, T>(a[3], ks2[1][gi]);
+        a[0] = apply_scale<KF, TK>(a[0], ks2[0][gi]);
+        a[1] = apply_scale<KF, TK>(a[1], ks2[1][gi]);
+        a[2] = apply_scale<KF, TK>(a[2], ks2[0][gi]);
+        a[3] = apply_scale<KF, TK>(a[3], ks2[1][gi]);
       }
 #pragma unroll
-      for (int nh = 0; nh < NH; ++nh) Op<T>::mma(s[nh], a, qb[nh][kk][0], qb[nh][kk][1]);
+      for (int nh = 0; nh < NH; ++nh) Op<TK>::mma(s[nh], a, qb[nh][kk][0], qb[nh][kk][1]);
     }
     // ---- scores (log2 domain): INT4 affine, scale, soft-cap; tokens outside [lo, hi) -> -inf
     const bool interior = start >= lo && start + 16 <= hi;
@@ -461,7 +458,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float v = s[nh][e];
-        if constexpr (AFF) {
+        if constexpr (KAFF) {
           const uint32_t sm = x.ksc[e >> 1];
           v = v * Op<__half>::to_f32(sm & 0xFFFFu) + qsum[nh][e & 1] * Op<__half>::to_f32(sm >> 16);
         }
@@ -509,7 +506,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
     uint32_t pb[NH][2];
 #pragma unroll
     for (int nh = 0; nh < NH; ++nh) {
-      if constexpr (AFF) {
+      if constexpr (VAFF) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const float sc = Op<__half>::to_f32(x.vint[j] & 0xFFFFu), mn = Op<__half>::to_f32(x.vint[j] >> 16);
@@ -519,46 +516,46 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
           s[nh][2 * j + 1] *= sc;
         }
       }
-      pb[nh][0] = transpose8x8(Op<T>::pack(s[nh][0], s[nh][1]));  // (head g, tokens 2t, 2t+1)
-      pb[nh][1] = transpose8x8(Op<T>::pack(s[nh][2], s[nh][3]));  // (head g, tokens 2t+8, 2t+9)
+      pb[nh][0] = transpose8x8(Op<TV>::pack(s[nh][0], s[nh][1]));  // (head g, tokens 2t, 2t+1)
+      pb[nh][1] = transpose8x8(Op<TV>::pack(s[nh][2], s[nh][3]));  // (head g, tokens 2t+8, 2t+9)
     }
     // ---- O^T += V^T P^T: m-tile i rows g / g+8 = this thread's dims 2i / 2i+1 of its eighth
     uint32_t vs01[VSB], vs23[VSB];
-    if constexpr (GRP) {
+    if constexpr (VGRP) {
 #pragma unroll
       for (int e = 0; e < VSB; ++e) {
         const uint32_t sh = 8 * e;
-        vs01[e] = scale2<FMT, T>(((x.vsc[0] >> sh) & 0xFFu) | (((x.vsc[1] >> sh) & 0xFFu) << 8));
-        vs23[e] = scale2<FMT, T>(((x.vsc[2] >> sh) & 0xFFu) | (((x.vsc[3] >> sh) & 0xFFu) << 8));
+        vs01[e] = scale2<VF, TV>(((x.vsc[0] >> sh) & 0xFFu) | (((x.vsc[1] >> sh) & 0xFFu) << 8));
+        vs23[e] = scale2<VF, TV>(((x.vsc[2] >> sh) & 0xFFu) | (((x.vsc[3] >> sh) & 0xFFu) << 8));
       }
     }
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
       uint32_t a[4];
-      const int wi = BYTE ? i / 2 : i / 4;
-      if constexpr (BYTE) {  // dims 2i, 2i+1 = bytes b, b+1 of word wi; halves pair tokens (2t, 2t+1)
+      const int wi = VBYTE ? i / 2 : i / 4;
+      if constexpr (VBYTE) {  // dims 2i, 2i+1 = bytes b, b+1 of word wi; halves pair tokens (2t, 2t+1)
         const uint32_t sel = (2 * i) % 4 == 0 ? 0x5140u : 0x7362u;
         const uint32_t u01 = __byte_perm(x.v[0][wi], x.v[1][wi], sel);
         const uint32_t u23 = __byte_perm(x.v[2][wi], x.v[3][wi], sel);
-        a[0] = byte_pair<FMT>(u01, 0); a[1] = byte_pair<FMT>(u01, 1);
-        a[2] = byte_pair<FMT>(u23, 0); a[3] = byte_pair<FMT>(u23, 1);
+        a[0] = byte_pair<VF>(u01, 0); a[1] = byte_pair<VF>(u01, 1);
+        a[2] = byte_pair<VF>(u23, 0); a[3] = byte_pair<VF>(u23, 1);
       } else {  // dims 2i, 2i+1 = nibbles nib, nib+1 of word wi; halves pair tokens (2t, 2t+1)
         const int nib = (2 * i) % 8;
         const uint32_t sel = nib < 4 ? 0x5410u : 0x7632u;
         const uint32_t u01 = __byte_perm(x.v[0][wi], x.v[1][wi], sel);
         const uint32_t u23 = __byte_perm(x.v[2][wi], x.v[3][wi], sel);
-        a[0] = code_pair_r<FMT, T>(u01, nib & 3); a[1] = code_pair_r<FMT, T>(u01, (nib & 3) + 1);
-        a[2] = code_pair_r<FMT, T>(u23, nib & 3); a[3] = code_pair_r<FMT, T>(u23, (nib & 3) + 1);
+        a[0] = code_pair_r<VF, TV>(u01, nib & 3); a[1] = code_pair_r<VF, TV>(u01, (nib & 3) + 1);
+        a[2] = code_pair_r<VF, TV>(u23, nib & 3); a[3] = code_pair_r<VF, TV>(u23, (nib & 3) + 1);
       }
-      if constexpr (GRP) {
+      if constexpr (VGRP) {
         const int gi = (D / 8) >= GROUP ? (8 * wi) / GROUP : 0;
-        a[0] = apply_scale<FMT, T>(a[0], vs01[gi]);
-        a[1] = apply_scale<FMT, T>(a[1], vs01[gi]);
-        a[2] = apply_scale<FMT, T>(a[2], vs23[gi]);
-        a[3] = apply_scale<FMT, T>(a[3], vs23[gi]);
+        a[0] = apply_scale<VF, TV>(a[0], vs01[gi]);
+        a[1] = apply_scale<VF, TV>(a[1], vs01[gi]);
+        a[2] = apply_scale<VF, TV>(a[2], vs23[gi]);
+        a[3] = apply_scale<VF, TV>(a[3], vs23[gi]);
       }
 #pragma unroll
-      for (int nh = 0; nh < NH; ++nh) Op<T>::mma(o[nh][i], a, pb[nh][0], pb[nh][1]);
+      for (int nh = 0; nh < NH; ++nh) Op<TV>::mma(o[nh][i], a, pb[nh][0], pb[nh][1]);
     }
   };
 
@@ -627,10 +624,10 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<FMT> ?
   }
 }
 
-template <int FMT, typename T, int D, int GROUP, bool QB>
+template <int KF, int VF, typename TK, typename TV, int D, int GROUP, bool QB>
 cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
   const size_t smem = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
-  auto kern = p.qh > 8 ? decode_kernel<FMT, T, D, GROUP, 2, QB> : decode_kernel<FMT, T, D, GROUP, 1, QB>;
+  auto kern = p.qh > 8 ? decode_kernel<KF, VF, TK, TV, D, GROUP, 2, QB> : decode_kernel<KF, VF, TK, TV, D, GROUP, 1, QB>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
@@ -639,14 +636,21 @@ cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t strea
   return cudaGetLastError();
 }
 
-template <int FMT, typename T, int GROUP, bool QB = false>
+// KF / VF: K and V formats; TK / TV: the operand types of the QK^T and PV products.
+template <int KF, int VF, typename TK, typename TV, int GROUP, bool QB = false>
 cudaError_t by_dim(const DecodeParams& p, int d, int batch, int hkv, cudaStream_t s) {
   switch (d) {
-    case 64: return launch<FMT, T, 64, GROUP, QB>(p, batch, hkv, s);
-    case 128: return launch<FMT, T, 128, GROUP, QB>(p, batch, hkv, s);
-    case 256: return launch<FMT, T, 256, GROUP, QB>(p, batch, hkv, s);
+    case 64: return launch<KF, VF, TK, TV, 64, GROUP, QB>(p, batch, hkv, s);
+    case 128: return launch<KF, VF, TK, TV, 128, GROUP, QB>(p, batch, hkv, s);
+    case 256: return launch<KF, VF, TK, TV, 256, GROUP, QB>(p, batch, hkv, s);
     default: return cudaErrorInvalidValue;
   }
+}
+
+// One format for K and V, operands of type T.
+template <int FMT, typename T, int GROUP, bool QB = false>
+cudaError_t same(const DecodeParams& p, int d, int batch, int hkv, cudaStream_t s) {
+  return by_dim<FMT, FMT, T, T, GROUP, QB>(p, d, batch, hkv, s);
 }
 
 }  // namespace kvx
@@ -656,27 +660,33 @@ extern "C" {
 // Size of DecodeParams, for the ctypes mirror to check itself against.
 int kvx_decode_params_size(void) { return (int)sizeof(kvx::DecodeParams); }
 
-// fmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4, 3 FP8 E4M3, 4 FP8 E5M2, 5 INT8;
-// bf16: the query dtype is bf16 (else f16). 4 warps per CTA. Returns a cudaError_t (0 = launched);
-// cudaErrorInvalidValue for an unsupported combination.
-int kvx_paged_decode(const kvx::DecodeParams* p, int fmt, int bf16, int head_dim, int group, int num_warps,
-                      int batch, int num_kv_heads, void* stream) {
+// kfmt / vfmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4, 3 FP8 E4M3, 4 FP8 E5M2,
+// 5 INT8; K and V share a format, or K is E4M3 and V NVFP4 (k8v4). bf16: the query dtype is bf16 (else f16).
+// 4 warps per CTA. Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
+int kvx_paged_decode(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, int head_dim, int group,
+                     int num_warps, int batch, int num_kv_heads, void* stream) {
   using namespace kvx;
+  using bf = __nv_bfloat16;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || num_warps != kvx::NW) return (int)cudaErrorInvalidValue;
   const int d = head_dim, b = batch, hkv = num_kv_heads;
+  if (kfmt == F_E4M3 && vfmt == F_NVFP4 && group == 16)  // k8v4: f16 operands for both products
+    return bf16 ? (int)by_dim<F_E4M3, F_NVFP4, __half, __half, 16, true>(*p, d, b, hkv, s)
+                : (int)by_dim<F_E4M3, F_NVFP4, __half, __half, 16>(*p, d, b, hkv, s);
+  if (kfmt != vfmt) return (int)cudaErrorInvalidValue;
+  const int fmt = kfmt;
   if (fmt == F_NVFP4 && group == 16)
-    return bf16 ? (int)by_dim<F_NVFP4, __nv_bfloat16, 16>(*p, d, b, hkv, s) : (int)by_dim<F_NVFP4, __half, 16>(*p, d, b, hkv, s);
-  if (fmt == F_MXFP4 && bf16 && group == 16) return (int)by_dim<F_MXFP4, __nv_bfloat16, 16>(*p, d, b, hkv, s);
-  if (fmt == F_MXFP4 && bf16 && group == 32) return (int)by_dim<F_MXFP4, __nv_bfloat16, 32>(*p, d, b, hkv, s);
+    return bf16 ? (int)same<F_NVFP4, bf, 16>(*p, d, b, hkv, s) : (int)same<F_NVFP4, __half, 16>(*p, d, b, hkv, s);
+  if (fmt == F_MXFP4 && bf16 && group == 16) return (int)same<F_MXFP4, bf, 16>(*p, d, b, hkv, s);
+  if (fmt == F_MXFP4 && bf16 && group == 32) return (int)same<F_MXFP4, bf, 32>(*p, d, b, hkv, s);
   if (fmt == F_INT4)
-    return bf16 ? (int)by_dim<F_INT4, __nv_bfloat16, 16>(*p, d, b, hkv, s) : (int)by_dim<F_INT4, __half, 16>(*p, d, b, hkv, s);
+    return bf16 ? (int)same<F_INT4, bf, 16>(*p, d, b, hkv, s) : (int)same<F_INT4, __half, 16>(*p, d, b, hkv, s);
   if (fmt == F_INT8)
-    return bf16 ? (int)by_dim<F_INT8, __half, 16, true>(*p, d, b, hkv, s) : (int)by_dim<F_INT8, __half, 16>(*p, d, b, hkv, s);
+    return bf16 ? (int)same<F_INT8, __half, 16, true>(*p, d, b, hkv, s) : (int)same<F_INT8, __half, 16>(*p, d, b, hkv, s);
   if (fmt == F_E4M3)
-    return bf16 ? (int)by_dim<F_E4M3, __half, 16, true>(*p, d, b, hkv, s) : (int)by_dim<F_E4M3, __half, 16>(*p, d, b, hkv, s);
+    return bf16 ? (int)same<F_E4M3, __half, 16, true>(*p, d, b, hkv, s) : (int)same<F_E4M3, __half, 16>(*p, d, b, hkv, s);
   if (fmt == F_E5M2)
-    return bf16 ? (int)by_dim<F_E5M2, __half, 16, true>(*p, d, b, hkv, s) : (int)by_dim<F_E5M2, __half, 16>(*p, d, b, hkv, s);
+    return bf16 ? (int)same<F_E5M2, __half, 16, true>(*p, d, b, hkv, s) : (int)same<F_E5M2, __half, 16>(*p, d, b, hkv, s);
   return (int)cudaErrorInvalidValue;
 }
 
