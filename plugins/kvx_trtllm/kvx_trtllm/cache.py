@@ -125,6 +125,15 @@ def _check_pointers(pool_pointers, pools: list[torch.Tensor], secondary: list[to
                 f"kv_cache_pool_pointers[{p}] = {got} are not the given pools' base addresses {want}")
 
 
+def _with_fp8_scale(c: CacheDesc, fmt_name: str, s: torch.Tensor) -> CacheDesc:
+    """`c` (FP8 K/V views) with TRT-LLM's per-layer `kv_scale_quant_orig` `s` as the KVX per-head global scale of K
+    and V (x = fp8 * s for both)."""
+    g = s.expand(c.num_kv_heads).to(c.k.tensor.device).contiguous()
+    q = quant_desc(get_format(fmt_name), c.head_dim, None, None, g, g.clone())
+    return CacheDesc.from_torch(c.k.tensor, c.v.tensor, block_size=c.block_size, num_kv_heads=c.num_kv_heads,
+                                head_dim=c.head_dim, k_layout=c.k.layout, v_layout=c.v.layout, pool=c.pool, quant=q)
+
+
 def _byte_blocks(pool: torch.Tensor, layer_in_pool: int, tokens_per_block: int, heads: int,
                  row_bytes: int) -> torch.Tensor:
     """The `[n, H, T, row_bytes]` uint8 blocks at a byte pool's layer pointer (`from_trtllm_pool` addresses
@@ -215,13 +224,7 @@ def describe_trtllm_cache(pools: torch.Tensor | Sequence[torch.Tensor], offsets:
             continue
         c = from_trtllm_pool(prim[p], tokens_per_block=tokens_per_block, num_kv_heads=heads[p], head_dim=head_dim,
                              layer=li, kv_factor=kv_factor, secondary_pool=sec[p])
-        if fp8:
-            g = scales[layer, 0].expand(heads[p]).to(prim[p].device).contiguous()
-            q = quant_desc(get_format(fp8), head_dim, None, None, g, g.clone())
-            c = CacheDesc.from_torch(c.k.tensor, c.v.tensor, block_size=c.block_size, num_kv_heads=c.num_kv_heads,
-                                     head_dim=head_dim, k_layout=c.k.layout, v_layout=c.v.layout, pool=c.pool,
-                                     quant=q)
-        layers.append(TrtllmLayer(c, tables[p], p, li))
+        layers.append(TrtllmLayer(_with_fp8_scale(c, fp8, scales[layer, 0]) if fp8 else c, tables[p], p, li))
     return layers
 
 
@@ -251,16 +254,27 @@ def _nvfp4_scale_pools(scale_pools, prim: list[torch.Tensor], sec: list[torch.Te
     return out
 
 
-def layer_views(pool: torch.Tensor, *, tokens_per_block: int, num_kv_heads: int, head_dim: int) -> list[CacheDesc]:
+def layer_views(pool: torch.Tensor, *, tokens_per_block: int, num_kv_heads: int, head_dim: int,
+                kv_scale_quant_orig: torch.Tensor | Sequence[float] | None = None) -> list[CacheDesc]:
     """Each layer of one primary pool `[num_blocks, num_layers, 2, H*T*D]` as strided HND K/V views (zero copy):
     block ids are memory-pool block indices and slot = block * tokens_per_block + position, as vLLM's (what the
-    bundle handoff reads and writes). bf16 / fp16 / fp32 pools (an FP8 pool's scales are not part of the pool)."""
+    bundle handoff reads and writes). bf16 / fp16 / fp32 pools, and FP8 pools with their per-layer
+    `kv_scale_quant_orig` (the layers' KVX global scales). NVFP4 pools are refused: their block scales live in
+    another pool."""
     require(isinstance(pool, torch.Tensor) and pool.dim() == 4, Status.INVALID_ARGUMENT,
             f"a TRT-LLM primary pool is [num_blocks, num_layers, kv_factor, H*T*D], got "
             f"{tuple(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__}")
-    if pool.dtype not in _PLAIN:
-        raise KvxError(Status.UNSUPPORTED, f"pool dtype {pool.dtype}: per-layer views serve bf16 / fp16 / fp32 pools")
+    fp8 = _FP8.get(pool.dtype)
+    if pool.dtype not in _PLAIN and not fp8:
+        raise KvxError(Status.UNSUPPORTED, f"pool dtype {pool.dtype}: per-layer views serve bf16 / fp16 / fp32 / fp8 "
+                       "pools (an NVFP4 pool's block scales are in a block-scale pool: use describe_trtllm_cache)")
     require(pool.shape[2] == 2, Status.UNSUPPORTED,
             f"kv_factor {pool.shape[2]}: K-only / MLA TRT-LLM caches hold no separate V")
-    return [from_trtllm_layer(pool, i, tokens_per_block=tokens_per_block, num_kv_heads=num_kv_heads,
-                              head_dim=head_dim) for i in range(pool.shape[1])]
+    require(fp8 is not None or kv_scale_quant_orig is None, Status.INVALID_ARGUMENT,
+            f"kv_scale_quant_orig is for FP8 pools; this pool holds {pool.dtype}")
+    views = [from_trtllm_layer(pool, i, tokens_per_block=tokens_per_block, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim) for i in range(pool.shape[1])]
+    if not fp8:
+        return views
+    scales = _layer_scales(kv_scale_quant_orig, None, len(views), 1, slice(0, 1))
+    return [_with_fp8_scale(c, fp8, scales[i, 0]) for i, c in enumerate(views)]
