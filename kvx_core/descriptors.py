@@ -360,7 +360,7 @@ class CacheDesc:
             for name_b, b, fb in regions[i + 1:]:
                 if (name_a, name_b) in (("cache.k", "cache.v"), ("quant.k_scales", "quant.v_scales")) \
                         and self.pool is not None and _same_view(a, b):
-                    continue  # TRT-LLM KVBlockArray: one pool (and one block-scale pool), K / V told apart by KV_OFFSETS
+                    continue  # TRT-LLM KVBlockArray: one pool (and block-scale pool), K / V told apart by KV_OFFSETS
                 if fa.overlaps(fb):
                     raise KvxError(Status.INVALID_ARGUMENT, f"{name_a} and {name_b} overlap in memory, so writing "
                                    "one would corrupt the other; give each its own bytes")
