@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from .descriptors import CacheDesc, QuantDesc, TensorDesc
-from .enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, DType, Layout, QuantFormat, torch_dtype
+from .enums import (QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, QUANT_FLAG_V_SCALE_INTERLEAVE4, DType, Layout,
+                    QuantFormat, torch_dtype)
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, get_format
 from .layouts import Geometry, check_shape
+from .scale_layout import check_interleave4
 
 _PLAIN_NAME = {DType.F16: "fp16", DType.BF16: "bf16", DType.F32: "fp32", DType.F8_E4M3: "fp8_e4m3",
                DType.F8_E5M2: "fp8_e5m2"}
@@ -16,7 +18,7 @@ _QUANT_NAME = {QuantFormat.FP8_E4M3: "fp8_e4m3", QuantFormat.FP8_E5M2: "fp8_e5m2
                QuantFormat.INT4: "int4", QuantFormat.NVFP4: "nvfp4", QuantFormat.K8V4: "k8v4"}
 
 
-_KNOWN_FLAGS = QUANT_FLAG_HADAMARD | QUANT_FLAG_MX_SCALE_FLOOR
+_KNOWN_FLAGS = QUANT_FLAG_HADAMARD | QUANT_FLAG_MX_SCALE_FLOOR | QUANT_FLAG_V_SCALE_INTERLEAVE4
 
 
 def format_name(quant: QuantDesc) -> str:
@@ -25,6 +27,8 @@ def format_name(quant: QuantDesc) -> str:
             f"quantization flags {quant.flags:#x} carry bits this KVX version does not know")
     require(quant.format == QuantFormat.MXFP4 or not quant.flags & QUANT_FLAG_MX_SCALE_FLOOR, Status.INVALID_ARGUMENT,
             "KVX_QUANT_FLAG_MX_SCALE_FLOOR is defined for MXFP4 only")
+    require(quant.format == QuantFormat.NVFP4 or not quant.flags & QUANT_FLAG_V_SCALE_INTERLEAVE4,
+            Status.INVALID_ARGUMENT, "KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4 is defined for NVFP4 only")
     if quant.format == QuantFormat.MXFP4:
         require(quant.group_size in (16, 32), Status.UNSUPPORTED,
                 f"MXFP4 group size {quant.group_size} (KVX defines 16 and 32)")
@@ -59,6 +63,8 @@ def format_of(cache: CacheDesc) -> CacheFormat:
         if scales is not None:
             check_shape(scales.layout, scales.shape,
                         Geometry(geom.num_blocks, geom.block_size, geom.num_kv_heads, dim), f"quant.{which}_scales")
+    if q.flags & QUANT_FLAG_V_SCALE_INTERLEAVE4:
+        check_interleave4(q.v_scales, geom.block_size)
     return fmt
 
 
@@ -70,8 +76,9 @@ def group_size_of(fmt: CacheFormat, head_dim: int) -> int:
 
 def quant_desc(fmt: CacheFormat, head_dim: int, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
                k_global: torch.Tensor | None, v_global: torch.Tensor | None,
-               scale_layout: Layout = Layout.HND) -> QuantDesc | None:
-    """The v1.1 quantization descriptor of `fmt` (None for the plain BF16/FP16/FP32 formats)."""
+               scale_layout: Layout = Layout.HND, flags: int = 0) -> QuantDesc | None:
+    """The v1.1 quantization descriptor of `fmt` (None for the plain BF16/FP16/FP32 formats). `flags`: scale-layout
+    flags to add to the format's own (`QUANT_FLAG_V_SCALE_INTERLEAVE4` for TRT-LLM's NVFP4 V scales)."""
     if fmt.quant == QuantFormat.NONE:
         return None
     def desc(t: torch.Tensor | None, dtype: DType | None) -> TensorDesc | None:
@@ -80,4 +87,4 @@ def quant_desc(fmt: CacheFormat, head_dim: int, k_scales: torch.Tensor | None, v
 
     return QuantDesc(fmt.quant, group_size_of(fmt, head_dim), fmt.k.data_dtype, fmt.v.data_dtype,
                      desc(k_scales, fmt.k.scale_dtype), desc(v_scales, fmt.v.scale_dtype), k_global, v_global,
-                     fmt.flags)
+                     fmt.flags | flags)

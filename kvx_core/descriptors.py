@@ -353,12 +353,14 @@ class CacheDesc:
     def _check_disjoint(self) -> None:
         """No byte is shared by two of K data, V data, K scales, V scales (a write to one would corrupt
         another), nor by one of them and a global scale. Exact for interleaved strided views (regions of
-        one page buffer are fine). K and V may be one view only for a pool cache, addressed by KV_OFFSETS."""
+        one page buffer are fine). K and V (and K and V scales) may be one view only for a pool cache, addressed by
+        KV_OFFSETS."""
         regions = [(name, t, footprint(t)) for name, t in self.written_regions().items()]
         for i, (name_a, a, fa) in enumerate(regions):
             for name_b, b, fb in regions[i + 1:]:
-                if (name_a, name_b) == ("cache.k", "cache.v") and self.pool is not None and _same_view(a, b):
-                    continue  # TRT-LLM KVBlockArray: one pool, K and V blocks told apart by KV_OFFSETS
+                if (name_a, name_b) in (("cache.k", "cache.v"), ("quant.k_scales", "quant.v_scales")) \
+                        and self.pool is not None and _same_view(a, b):
+                    continue  # TRT-LLM KVBlockArray: one pool (and block-scale pool), K / V told apart by KV_OFFSETS
                 if fa.overlaps(fb):
                     raise KvxError(Status.INVALID_ARGUMENT, f"{name_a} and {name_b} overlap in memory, so writing "
                                    "one would corrupt the other; give each its own bytes")

@@ -85,6 +85,10 @@ QUANT_FLAG_HADAMARD = 1 << 0
 """`KVX_QUANT_FLAG_HADAMARD`: K, Q and V are rotated by an orthonormal Hadamard matrix along head_dim."""
 QUANT_FLAG_MX_SCALE_FLOOR = 1 << 1
 """`KVX_QUANT_FLAG_MX_SCALE_FLOOR`: MXFP4 scales use the OCP FLOOR rule instead of RCEIL."""
+QUANT_FLAG_V_SCALE_INTERLEAVE4 = 1 << 2
+"""`KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4`: V scale bytes are interleaved by 4 tokens (TRT-LLM's NVFP4 KV for its
+trtllm-gen kernels): in each (block, head) plane, the byte of (token t, group j) is at `(t // 4) * 4 * S + j * 4 +
+t % 4` instead of `t * S + j` (`kvx_core/scale_layout.py`)."""
 
 KVCACHEINDEX_SECONDARY_BIT = 1 << 31
 KVCACHEINDEX_NULL = -1  # all bits set in int32

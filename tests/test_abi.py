@@ -79,6 +79,7 @@ MACROS: dict[str, int] = {
     "KVX_KVCACHEINDEX_NULL": enums.KVCACHEINDEX_NULL,
     "KVX_QUANT_FLAG_HADAMARD": enums.QUANT_FLAG_HADAMARD,
     "KVX_QUANT_FLAG_MX_SCALE_FLOOR": enums.QUANT_FLAG_MX_SCALE_FLOOR,
+    "KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4": enums.QUANT_FLAG_V_SCALE_INTERLEAVE4,
     "KVX_CACHE_DESC_V1_0_SIZE": CACHE_DESC_V1_0_SIZE,
 }
 #: Object-like macros that carry no value (include guard, export attribute).

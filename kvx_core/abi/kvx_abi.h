@@ -151,6 +151,10 @@ typedef enum kvx_quant_format_t {
 #define KVX_QUANT_FLAG_HADAMARD 0x1u
 /** MXFP4 scales were chosen with the OCP FLOOR rule (default RCEIL); decode is the same either way. */
 #define KVX_QUANT_FLAG_MX_SCALE_FLOOR 0x2u
+/** NVFP4 V scale pool interleaved by 4 tokens (TRT-LLM trtllm-gen): in each (block, head) plane of
+ *  block_size x S bytes, (token t, group j) is at (t / 4) * 4 * S + j * 4 + t % 4, not t * S + j.
+ *  Needs block_size % 4 == 0 and an HND V scale pool with contiguous planes. */
+#define KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4 0x4u
 
 /* Enum-typed fields are 4 bytes (see the ABI rules above). C99-compatible
  * static assert: a negative array size fails to compile. */

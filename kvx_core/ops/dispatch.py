@@ -6,7 +6,8 @@ accumulation order), so callers switch by importing this module instead.
 KV_OFFSETS tables (TRT-LLM) run on the kernels over their K plane, V read one block further (`checks.offsets_kernel_table`).
 The reference remains the path for: CPU pools, v1.0 FP8 caches (per-write scale descriptors),
 HND_PACKED layouts with pack > 1, RAGGED tables, KV_OFFSETS tables that name host blocks or break TRT-LLM's
-K/V block pairing (checked), and caches with a secondary (host) pool.
+K/V block pairing (checked), caches with a secondary (host) pool, and NVFP4 caches whose V scales are
+interleaved by 4 tokens (TRT-LLM's layout, `QUANT_FLAG_V_SCALE_INTERLEAVE4`: the kernels read scale rows by strides).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ..descriptors import (
     SeqLens,
     WriteDesc,
 )
-from ..enums import BlockTableFormat
+from ..enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, BlockTableFormat
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format
 from ..layouts import block_view
@@ -76,6 +77,8 @@ def _kernel_pools(cache: CacheDesc):
     fmt = format_of(cache)
     if q is None and (fmt.k.uses_global_scale or fmt.v.uses_global_scale):
         return None  # v1.0 FP8: the scale comes with each write/gather call
+    if q is not None and q.flags & QUANT_FLAG_V_SCALE_INTERLEAVE4:
+        return None  # the kernels address scale rows by strides; the interleave is no strided view
     try:
         kernel_format(fmt.k), kernel_format(fmt.v)
     except KvxError:

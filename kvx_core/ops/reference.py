@@ -14,10 +14,11 @@ import torch
 
 from ..block_tables import resolve_tokens
 from ..descriptors import CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, WriteDesc
-from ..enums import QuantFormat
+from ..enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, QuantFormat
 from ..errors import Status, require
 from ..formats import CacheFormat, TensorFormat, rotate
 from ..layouts import block_view
+from ..scale_layout import Interleave4Rows
 from .checks import check_gather, check_write
 
 
@@ -27,15 +28,22 @@ class _Pools:
 
     fmt: TensorFormat
     data: torch.Tensor  # [N, B, H, Dp, pack]
-    scales: torch.Tensor | None  # [N, B, H, S, 1]
+    scales: torch.Tensor | Interleave4Rows | None  # [N, B, H, S, 1], indexed [block, offset]
 
 
 def side_pools(cache: CacheDesc, fmt: CacheFormat, which: str) -> _Pools:
-    """K ("k") or V ("v") of `cache`: its tensor format and 5-D data / scale views (raw row access by slot)."""
+    """K ("k") or V ("v") of `cache`: its tensor format and 5-D data / scale views (raw row access by slot);
+    V scales interleaved by 4 tokens (`QUANT_FLAG_V_SCALE_INTERLEAVE4`) are read and written through their rows."""
     desc = cache.k if which == "k" else cache.v
-    scales = getattr(cache.quant, f"{which}_scales") if cache.quant is not None else None
-    return _Pools(fmt.k if which == "k" else fmt.v, block_view(desc.tensor, desc.layout),
-                  block_view(scales.tensor.view(torch.uint8), scales.layout) if scales is not None else None)
+    q = cache.quant
+    scales = getattr(q, f"{which}_scales") if q is not None else None
+    if scales is None:
+        rows = None
+    elif which == "v" and q.flags & QUANT_FLAG_V_SCALE_INTERLEAVE4:
+        rows = Interleave4Rows(scales.tensor.view(torch.uint8))
+    else:
+        rows = block_view(scales.tensor.view(torch.uint8), scales.layout)
+    return _Pools(fmt.k if which == "k" else fmt.v, block_view(desc.tensor, desc.layout), rows)
 
 
 @torch.no_grad()

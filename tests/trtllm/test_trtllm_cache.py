@@ -129,7 +129,7 @@ def test_bad_descriptions_are_refused(kw, status, words):
     assert err.value.status == status and words in str(err.value)
 
 
-def test_fp8_needs_consistent_scales_and_nvfp4_bytes_are_refused():
+def test_fp8_needs_consistent_scales():
     e = TwoPools(dtype=torch.float8_e4m3fn, secondary=False)
     with pytest.raises(KvxError, match="kv_scale_quant_orig"):
         e.describe()
@@ -137,11 +137,8 @@ def test_fp8_needs_consistent_scales_and_nvfp4_bytes_are_refused():
         e.describe(kv_scale_quant_orig=[1.0, 1.0, 1.0], kv_scale_orig_quant=[1.0, 0.5, 1.0])
     with pytest.raises(KvxError, match="finite and positive"):
         e.describe(kv_scale_quant_orig=[1.0, 0.0, 1.0])
-    raw = [p.view(torch.uint8) for p in e.pools]
-    with pytest.raises(KvxError) as err:
-        describe_trtllm_cache(raw, e.offsets, tokens_per_block=T, num_kv_heads=e.heads, head_dim=D,
-                              pool_mapping=e.mapping, beam_width=2)
-    assert err.value.status == Status.UNSUPPORTED and "NVFP4" in str(err.value)
+    with pytest.raises(KvxError, match="scale_pools are NVFP4"):
+        e.describe(kv_scale_quant_orig=[1.0] * 3, scale_pools=e.pools)
 
 
 def test_layer_views_are_the_pool_memory():

@@ -1,7 +1,8 @@
 """The KVX TensorRT-LLM connector driven through a contract shim of TRT-LLM's connector interface
 (`trtllm_contract.py`: TRT-LLM's method names, data classes and call order; NOT TensorRT-LLM, which cannot be
 installed here): a producer saves prompts computed in chunks, a consumer with another block size loads them, bundles
-cross to vLLM-shaped pages and to a KVX NVFP4 cache and back, released (-1) blocks and damaged bundles are refused."""
+cross to vLLM-shaped pages and to a KVX NVFP4 cache and back, FP8 caches travel with their per-layer scales
+(`KVX_KV_SCALES`), released (-1) blocks and damaged bundles are refused."""
 from __future__ import annotations
 
 import inspect
@@ -14,6 +15,7 @@ import torch
 
 from kvx_adapters.vllm import from_vllm_kv_cache
 from kvx_core.cache import PagedKVCache
+from kvx_core.formats import get_format
 from kvx_core.transfer import import_bundle
 from kvx_trtllm.connector import KvxConnectorScheduler, KvxConnectorWorker
 
@@ -56,6 +58,18 @@ def _engine(model: str, t: int, *, chunk: int, blocks: int = 32) -> ShimExecutor
     a = _args(model, t)
     return ShimExecutor(KvxConnectorScheduler(a), KvxConnectorWorker(a), num_blocks=blocks, num_layers=L, heads=H,
                         head_dim=D, tokens_per_block=t, chunk=chunk)
+
+
+def _fp8_engine(model: str, t: int, scales: list[float], tmp_path, monkeypatch, *, chunk: int = 64) -> ShimExecutor:
+    """An FP8 engine whose connector reads the layers' kv_scale_quant_orig from KVX_KV_SCALES."""
+    f = tmp_path / f"scales{len(list(tmp_path.glob('scales*')))}.json"
+    f.write_text(json.dumps(scales))
+    monkeypatch.setenv("KVX_KV_SCALES", str(f))
+    a = _args(model, t)
+    e = ShimExecutor(KvxConnectorScheduler(a), KvxConnectorWorker(a), num_blocks=32, num_layers=L, heads=H,
+                     head_dim=D, tokens_per_block=t, chunk=chunk, dtype=torch.float8_e4m3fn, kv_scales=scales)
+    monkeypatch.delenv("KVX_KV_SCALES")
+    return e
 
 
 def test_methods_match_trtllm_signatures():
@@ -132,6 +146,57 @@ def test_trtllm_bf16_bundle_into_an_nvfp4_cache_equals_writing_it(checkpoint, st
         assert torch.equal(a.quant.k_scales.tensor, b.quant.k_scales.tensor)
 
 
+FP8_SCALES = [0.25, 0.125]  # powers of two: FP8 * s is exact in bf16 and x / s exact before the FP8 rounding
+
+
+def test_fp8_bundles_keep_the_bytes_and_scales(checkpoint, store, tmp_path, monkeypatch):
+    """FP8 -> FP8 with the same scales is bit for bit; FP8 -> bf16 is the dequantized FP8 exactly."""
+    prompt = list(range(40, 57))  # 17 tokens: consumers with blocks of 8 load 16
+    prod = _fp8_engine(checkpoint, 4, FP8_SCALES, tmp_path, monkeypatch)
+    sent = prod.stored(prod.run(ShimRequest(1, list(prompt))), 16)  # [L, 2, 16, H, D] FP8
+    cfg = prod.sched.config
+    assert cfg.store.header(cfg.model, prompt)["cache"]["format"] == "fp8_e4m3"
+    cons = _fp8_engine(checkpoint, 8, FP8_SCALES, tmp_path, monkeypatch)
+    got = cons.stored(cons.run(ShimRequest(2, list(prompt))), 16)
+    assert torch.equal(got.view(torch.uint8), sent.view(torch.uint8))
+    bf16 = _engine(checkpoint, 8, chunk=64)
+    got = bf16.stored(bf16.run(ShimRequest(3, list(prompt))), 16)
+    want = (sent.float() * torch.tensor(FP8_SCALES).view(L, 1, 1, 1, 1)).to(torch.bfloat16)
+    assert torch.equal(got, want)
+
+
+def test_a_bf16_bundle_loads_into_fp8_with_the_layers_scales(checkpoint, store, tmp_path, monkeypatch):
+    """bf16 -> FP8 stores what encoding the bf16 K/V with each layer's scale gives (KVX's FP8 format, x / s)."""
+    prompt = list(range(60, 77))
+    _engine(checkpoint, 4, chunk=64).run(ShimRequest(1, list(prompt)))
+    scales = [0.5, 0.25]
+    cons = _fp8_engine(checkpoint, 8, scales, tmp_path, monkeypatch)
+    got = cons.stored(cons.run(ShimRequest(2, list(prompt))), 16)
+    x = cons.expected(prompt, 16)  # [L, 2, n, H, D] bf16, what the producer computed
+    fp8 = get_format("fp8_e4m3").k
+    for layer, s in enumerate(scales):
+        want, _ = fp8.encode(x[layer].flatten(0, 1), torch.full((H,), s))
+        assert torch.equal(got[layer].flatten(0, 1).view(torch.uint8), want.view(torch.uint8)), layer
+
+
+@pytest.mark.parametrize("scales,dtype,words", [
+    (None, torch.float8_e4m3fn, "KVX_KV_SCALES"),
+    ([0.5, 0.5, 0.5], torch.float8_e4m3fn, "3 values"),
+    ([0.5, -1.0], torch.float8_e4m3fn, "finite positive"),
+    ("not json", torch.float8_e4m3fn, "JSON"),
+    ([0.5, 0.5], torch.bfloat16, "for FP8 caches"),
+    (None, torch.uint8, "NVFP4"),
+])
+def test_fp8_scales_must_come_with_fp8_caches(checkpoint, store, tmp_path, monkeypatch, scales, dtype, words):
+    if scales is not None:
+        f = tmp_path / "scales.json"
+        f.write_text(scales if isinstance(scales, str) else json.dumps(scales))
+        monkeypatch.setenv("KVX_KV_SCALES", str(f))
+    with pytest.raises(ValueError, match=words):
+        w = KvxConnectorWorker(_args(checkpoint, 4))
+        w.register_kv_caches(torch.zeros(4, L, 2, H * 4 * D, dtype=dtype))
+
+
 def test_released_blocks_are_not_saved_and_cannot_be_loaded_into(checkpoint, store, caplog):
     prompt = list(range(200, 216))
     prod = _engine(checkpoint, 4, chunk=64)
@@ -177,10 +242,8 @@ def test_bad_settings_are_refused_at_startup(checkpoint, store, monkeypatch, cha
         KvxConnectorWorker(a)
 
 
-def test_fp8_and_foreign_pools_are_refused(checkpoint, store):
+def test_foreign_pools_are_refused(checkpoint, store):
     w = KvxConnectorWorker(_args(checkpoint, 4))
-    with pytest.raises(ValueError, match="kv_scale_quant_orig"):
-        w.register_kv_caches(torch.zeros(4, L, 2, H * 4 * D, dtype=torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="num_layers"):
         w.register_kv_caches(torch.zeros(4, L + 1, 2, H * 4 * D, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="K-only"):

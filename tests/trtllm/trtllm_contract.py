@@ -72,13 +72,17 @@ def model_kv(layer: int, positions: torch.Tensor, tokens: torch.Tensor, heads: i
 
 
 class ShimExecutor:
-    """TRT-LLM's executor loop around one connector pair, on a CPU pool `[blocks, layers, 2, H*T*D]`."""
+    """TRT-LLM's executor loop around one connector pair, on a CPU pool `[blocks, layers, 2, H*T*D]` (bf16, or FP8
+    written as TRT-LLM does: `x * kv_scale_orig_quant` cast to FP8, with `kv_scales` = per-layer
+    `kv_scale_quant_orig`)."""
 
     def __init__(self, scheduler, worker, *, num_blocks: int, num_layers: int, heads: int, head_dim: int,
-                 tokens_per_block: int, chunk: int):
+                 tokens_per_block: int, chunk: int, dtype: torch.dtype = torch.bfloat16,
+                 kv_scales: list[float] | None = None):
         self.sched, self.worker = scheduler, worker
         self.t, self.h, self.d, self.L, self.chunk = tokens_per_block, heads, head_dim, num_layers, chunk
-        self.pool = torch.zeros(num_blocks, num_layers, 2, heads * tokens_per_block * head_dim, dtype=torch.bfloat16)
+        self.kv_scales = kv_scales
+        self.pool = torch.zeros(num_blocks, num_layers, 2, heads * tokens_per_block * head_dim, dtype=dtype)
         self.free = list(range(num_blocks - 1, -1, -1))
         self.worker.register_kv_caches(self.pool)
         self.finished: list[tuple[list[int], list[int]]] = []
@@ -138,6 +142,8 @@ class ShimExecutor:
     def _forward_layer(self, layer: int, blocks: list[int], tokens: list[int], pos: int, n: int) -> None:
         p = torch.arange(pos, pos + n)
         kv = model_kv(layer, p, torch.tensor(tokens[pos:pos + n]), self.h, self.d)
+        if self.kv_scales is not None:
+            kv = (kv.float() * (1 / self.kv_scales[layer])).to(self.pool.dtype)
         b = torch.tensor(blocks)[p // self.t]
         self.blocks_view()[b, layer, :, :, p % self.t] = kv.permute(1, 0, 2, 3)  # [n, 2, H, D]
 

@@ -5,6 +5,7 @@
                                                    connector_scheduler_class="KvxConnectorScheduler",
                                                    connector_worker_class="KvxConnectorWorker"))
     # the store directory: KVX_STORE=/dev/shm/kvx (KVX_ROLE=both | producer | consumer, default both)
+    # FP8 caches: KVX_KV_SCALES=/path/scales.json, the per-layer kv_scale_quant_orig TRT-LLM runs with
 
 The scheduler looks every new request's prompt up in a `BundleStore` (bundles keyed by the model fingerprint and
 the token ids, the same store the vLLM connector and `kvx` CLI use); on a hit it reports the bundled tokens beyond
@@ -24,13 +25,19 @@ tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py): both classes are built wi
 rows of that pool, shared by every layer; `SchedulerOutput.new_requests` carry the whole prompt and the blocks
 allocated so far, with `computed_position` excluding the tokens this connector matched; `cached_requests` carry
 the blocks and tokens added since. Served: one rank (no tensor / pipeline parallelism), beam width 1, bf16 / fp16
-/ fp32 caches. FP8 caches are refused: the connector API does not pass TRT-LLM's per-layer `kv_scale_quant_orig`,
-and exporting FP8 bytes under a guessed scale would corrupt the KV in the other engine.
+/ fp32 caches, and FP8 caches when `KVX_KV_SCALES` names a JSON list of one `kv_scale_quant_orig` per layer (x = fp8
+* s): the connector API passes no scales, so they come from the operator, and KVX cannot check they are the ones
+TRT-LLM's attention runs with. FP8 bundles keep the cache's bytes and its scales (a cache of the same scales takes
+them bit for bit; any other cache decodes and re-encodes with its own scales: `kvx_core.transfer.handoff`). Without
+`KVX_KV_SCALES` FP8 caches are refused: bytes under a guessed scale would be wrong KV in the importing engine. NVFP4
+caches are refused: the worker receives no block-scale pool.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +95,7 @@ class ConnectorConfig:
     tokens_per_block: int
     producer: bool
     consumer: bool
+    kv_scales: tuple[float, ...] | None = None  # per-layer kv_scale_quant_orig of an FP8 cache (KVX_KV_SCALES)
 
 
 def _get(obj: Any, *names: str, default: Any = None) -> Any:
@@ -131,7 +139,24 @@ def connector_config(llm_args: Any) -> ConnectorConfig:
         raise ValueError("KVX connector: needs the xxhash package (pip install 'kvx[transfer]')") from None
     except KvxError as e:
         raise ValueError(f"KVX connector: {e}") from None
-    return ConnectorConfig(store, fingerprint_from_files(*paths), int(tpb), role != "consumer", role != "producer")
+    return ConnectorConfig(store, fingerprint_from_files(*paths), int(tpb), role != "consumer", role != "producer",
+                           _kv_scales(os.environ.get("KVX_KV_SCALES")))
+
+
+def _kv_scales(path: str | None) -> tuple[float, ...] | None:
+    """The per-layer FP8 `kv_scale_quant_orig` from the JSON list at `path` (ValueError naming what is wrong)."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"KVX connector: KVX_KV_SCALES={path}: cannot read a JSON list of scales ({e})") from None
+    if not (isinstance(values, list) and values and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                        and math.isfinite(v) and v > 0 for v in values)):
+        raise ValueError(f"KVX connector: KVX_KV_SCALES={path} must hold a JSON list of finite positive numbers, one "
+                         "kv_scale_quant_orig per layer")
+    return tuple(float(v) for v in values)
 
 
 def _slots(blocks: list[int], start: int, stop: int, tpb: int) -> list[int]:
@@ -241,20 +266,26 @@ class KvxConnectorWorker(_WorkerBase):
         return self._metadata
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
-        """The primary pool `[num_blocks, num_layers, kv_factor, H*T*D]` (ValueError for what is not served)."""
+        """The primary pool `[num_blocks, num_layers, kv_factor, H*T*D]` (ValueError for what is not served; FP8
+        pools take their scales from `KVX_KV_SCALES`)."""
         m = self.config.model
         t = kv_cache_tensor
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError("KVX connector: FP8 TRT-LLM caches are refused: the connector API does not pass the "
-                             "per-layer kv_scale_quant_orig, and FP8 bytes under a guessed scale would be wrong KV "
-                             "in the importing engine (bf16 / fp16 caches are served)")
+        fp8 = t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        if fp8 and self.config.kv_scales is None:
+            raise ValueError("KVX connector: an FP8 TRT-LLM cache needs its per-layer kv_scale_quant_orig, which the "
+                             "connector API does not pass: set KVX_KV_SCALES to a JSON list of them (one per layer, "
+                             "the scales TRT-LLM runs with); FP8 bytes under a guessed scale would be wrong KV in the "
+                             "importing engine")
+        if not fp8 and self.config.kv_scales is not None:
+            raise ValueError(f"KVX connector: KVX_KV_SCALES is for FP8 caches; this pool holds {t.dtype}")
         if t.dim() != 4 or t.shape[1] != m.num_layers:
             raise ValueError(f"KVX connector: the pool {tuple(t.shape)} is not [num_blocks, num_layers="
                              f"{m.num_layers}, kv_factor, H*T*D] (one pool for every layer; variable sliding window "
                              "pools are not served)")
         try:
             self.caches = layer_views(t, tokens_per_block=self.config.tokens_per_block,
-                                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+                                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                      kv_scale_quant_orig=self.config.kv_scales)
         except KvxError as e:
             raise ValueError(f"KVX connector: {e}") from None
         self.pool = t
