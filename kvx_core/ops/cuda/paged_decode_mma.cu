@@ -1,4 +1,4 @@
-// KVX paged decode attention over 4-bit and 8-bit KV caches (NVFP4, MXFP4, INT4, INT8, FP8 E4M3/E5M2):
+// KVX paged decode attention over 4-bit and 8-bit KV caches (NVFP4, MXFP4, INT4, INT8, FP8 E4M3/E5M2, K8V4):
 // CUDA, SM89+.
 //
 // Why CUDA and not Triton (benchmarks/results/ncu_decode_triton_b64_32k_h200.txt): Triton's mma-v2 path
@@ -18,6 +18,8 @@
 //          min are applied in fp32: s = sc * (q . c) + mn * sum(q); o = sum_t (p_t sc_t) c_t + sum_t p_t mn_t.
 //   FP8:   cvt.rn.f16x2.e4m3x2 / e5m2x2 (exact). Byte formats run f16 operands; bf16 queries are scaled
 //          by a power of two into the f16 range (QB) and the scores undo it.
+//   K8V4:  K and V are template parameters apart (KF / VF, operand types TK / TV): E4M3 keys as FP8 above,
+//          NVFP4 values on f16 operands (exact: e2m1 * s * 2^-7 >= 2^-17 in steps of 2^-17) with P in f16.
 // One CTA = (split, KV head, sequence). Its warps take 16-token tiles round-robin, each with its own
 // online softmax (a warp's next tile's words are loaded while its current tile is computed), and are merged through
 // shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
