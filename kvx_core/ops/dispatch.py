@@ -95,7 +95,7 @@ def _kernel_pools(cache: CacheDesc):
 
 @torch.no_grad()
 def write_kv(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> None:
-    """`reference.write_kv`, on the fused Triton write kernel when possible. `check` validates the descriptors
+    """`reference.write_kv`, on the fused write kernel (CUDA or Triton, `ops.write`) when possible. `check` validates the descriptors
     and the values the write depends on (slot range and uniqueness, global scales: host syncs); engines that
     own their slot mappings and scales pass False to stay sync-free. Either way nothing is stored unless the
     whole write is accepted."""
@@ -103,7 +103,7 @@ def write_kv(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> None:
     if pools is None:
         return reference.write_kv(cache, write)
     plan = check_write(cache, write, check=check)
-    from .triton.write import launch_write
+    from .write import launch_write
     kd, ks, vd, vs, fmt = pools
     launch_write(write.io.key, write.io.value, plan.args, kd, ks, vd, vs, fmt)
 

@@ -1,8 +1,8 @@
 """CUDA kernels of KVX: the paged decode on tensor cores (`paged_decode_mma.cu`: NVFP4, MXFP4, INT4, INT8 and FP8
-caches), built with nvcc on first use.
+caches) and the fused quantize-and-write (`paged_write.cu`), built with nvcc into one library on first use.
 
 The library is compiled for the current GPU's architecture (SM 8.9+, `sm_90a` on Hopper) into
-`$KVX_CUDA_CACHE` (default `~/.cache/kvx/cuda`), keyed by the source hash, the architecture and the
+`$KVX_CUDA_CACHE` (default `~/.cache/kvx/cuda`), keyed by the sources' hash, the architecture and the
 nvcc version, then loaded with ctypes; kernels run on torch's current CUDA stream (graph capturable).
 `build()` also runs without a GPU (CI compiles the source for `sm_90a`).
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 from ...errors import KvxError, Status
 
 SOURCE = Path(__file__).with_name("paged_decode_mma.cu")
+WRITE_SOURCE = Path(__file__).with_name("paged_write.cu")
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
 
@@ -48,13 +49,15 @@ def arch_of(capability: tuple[int, int]) -> str:
 
 
 def build(arch: str, nvcc: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compile `paged_decode_mma.cu` for `arch` (e.g. '90a') into a shared library; cached by content."""
+    """Compile `paged_decode_mma.cu` and `paged_write.cu` for `arch` (e.g. '90a') into one shared library; cached
+    by content."""
     nvcc = nvcc or nvcc_path()
     if nvcc is None:
         raise KvxError(Status.UNSUPPORTED, "nvcc not found (set CUDA_HOME): KVX builds its CUDA decode kernel "
                                            "on first use; without it the Triton kernels are used")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    sources = (SOURCE, WRITE_SOURCE)
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + arch.encode() + version.encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"kvx_paged_decode_mma-{arch}-{key}.so"
     if lib.exists():
@@ -65,7 +68,7 @@ def build(arch: str, nvcc: str | None = None, out_dir: Path | None = None) -> Pa
         tmp_lib = Path(tmp) / lib.name
         cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
                f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{base},code=compute_{base}",
-               str(SOURCE), "-o", str(tmp_lib)]
+               *(str(s) for s in sources), "-o", str(tmp_lib)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise KvxError(Status.INTERNAL_ERROR, f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")

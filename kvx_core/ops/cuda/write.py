@@ -1,0 +1,137 @@
+"""Launcher of the CUDA fused write (`paged_write.cu`): which calls it serves, and the launch.
+
+It serves FP8 E4M3/E5M2, INT8, INT4, NVFP4 and MXFP4 (16 / 32, RCEIL or floor) caches whose K and V share a format,
+and k8v4 (E4M3 keys, NVFP4 values), rotated variants too (rotated before the kernel, as the Triton write does);
+head_dim 32 / 64 / 128 / 256; fp32 / fp16 / bf16 K/V whose rows are 16-byte aligned; pools whose rows are aligned
+for word stores. Anything else goes to the Triton write (`reason` says why). Both write the bytes of the formats'
+encode (tests/kernels/test_write_kernel.py runs every case on every backend).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ...errors import KvxError, Status
+from ...formats import CacheFormat
+from ..checks import WriteArgs
+from ..kernel_format import FormatCode, KernelFormat, kernel_format
+from . import cuda_error_name, library
+
+_X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_E4M3, _NVFP4 = 3, 0
+
+
+class WriteSide(ctypes.Structure):
+    """ctypes mirror of `kvx_write::Side`."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("x_st", ctypes.c_int64), ("x_sh", ctypes.c_int64),
+        ("pd", ctypes.c_void_p), ("pd_sb", ctypes.c_int64), ("pd_sh", ctypes.c_int64), ("pd_st", ctypes.c_int64),
+        ("ps", ctypes.c_void_p), ("ps_sb", ctypes.c_int64), ("ps_sh", ctypes.c_int64), ("ps_st", ctypes.c_int64),
+        ("g", ctypes.c_void_p),
+    ]
+
+
+class WriteParams(ctypes.Structure):
+    """ctypes mirror of `kvx_write::WriteParams` (checked against the library's sizeof at load)."""
+
+    _fields_ = [
+        ("side", WriteSide * 2), ("slots", ctypes.c_void_p), ("slots_64", ctypes.c_int32),
+        ("tokens", ctypes.c_int32), ("bs", ctypes.c_int32), ("bs_log2", ctypes.c_int32),
+        ("lanes_log2", ctypes.c_int32),
+    ]
+
+
+def kernel_library(device) -> ctypes.CDLL:
+    """The kernel library with `kvx_paged_write`'s signature set and the WriteParams mirror checked."""
+    lib = library(device)
+    if not getattr(lib, "_kvx_write_checked", False):
+        lib.kvx_paged_write.restype = ctypes.c_int
+        lib.kvx_paged_write.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+        lib.kvx_write_params_size.restype = ctypes.c_int
+        if lib.kvx_write_params_size() != ctypes.sizeof(WriteParams):
+            raise KvxError(Status.INTERNAL_ERROR, "WriteParams ctypes mirror does not match paged_write.cu")
+        lib._kvx_write_checked = True
+    return lib
+
+
+def encoder_code(kf: KernelFormat) -> int | None:
+    """The kernel's encoder for a cache tensor format (`enum` of paged_write.cu), None if it has none."""
+    if kf.code == FormatCode.MXFP4:
+        return {(16, True): 1, (32, True): 6, (16, False): 7, (32, False): 8}[(kf.group, kf.rceil)]
+    return None if kf.code == FormatCode.PLAIN else int(kf.cuda_code)
+
+
+def _aligned(t: torch.Tensor, width: int, dims: int) -> bool:
+    """Base address and the first `dims` strides, in bytes, are multiples of `width`."""
+    size = t.element_size()
+    return t.data_ptr() % width == 0 and all((t.stride(i) * size) % width == 0 for i in range(dims))
+
+
+def reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data: torch.Tensor,
+           v_data: torch.Tensor) -> str | None:
+    """None when the CUDA write serves a checked write of this K/V into these pools, else why not."""
+    try:
+        kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    except KvxError:
+        return f"format {fmt.name} has no kernel"
+    ek, ev = encoder_code(kk), encoder_code(kv)
+    if ek is None or ev is None or (ek != ev and (ek, ev) != (_E4M3, _NVFP4)):
+        return f"format {fmt.name}: the CUDA write serves fp8 / int8 / int4 / nvfp4 / mxfp4 / k8v4"
+    if key.device.type != "cuda":
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(key.device) < (8, 9):
+        return "needs compute capability >= 8.9"
+    if key.dtype != value.dtype:
+        return f"K is {key.dtype}, V {value.dtype} (one input dtype per launch)"
+    d = int(key.shape[2])
+    if d not in (32, 64, 128, 256):
+        return f"head_dim {d} (32 / 64 / 128 / 256)"
+    if key.shape[0] >= 2**30 or key.shape[1] > 65535:
+        return "too many tokens or heads for the grid"
+    for kf, data in ((kk, k_data), (kv, v_data)):  # a thread stores 16 elements: 8 or 16 bytes
+        if not _aligned(data, 8 if kf.packed else 16, 3):
+            return "pool rows not aligned for word stores"
+    return None
+
+
+def _x_ok(x: torch.Tensor) -> bool:
+    """Rows contiguous and 16-byte aligned (a thread loads 16-byte words)."""
+    return x.stride(2) == 1 and _aligned(x, 16, 2)
+
+
+def launch(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data, k_scales, v_data, v_scales,
+           fmt: CacheFormat) -> None:
+    """Write `reason`-approved, checked K/V (already rotated for Hadamard formats) into the pools; the pools were
+    checked by the caller (`ops.write.launch_write`)."""
+    _, hkv, bs = (int(n) for n in k_data.shape[:3])
+    key = key if _x_ok(key) else key.contiguous()
+    value = value if _x_ok(value) else value.contiguous()
+    p = WriteParams()
+    codes = []
+    for i, (tf, x, data, scales, gs) in enumerate(((fmt.k, key, k_data, k_scales, args.k_gs),
+                                                   (fmt.v, value, v_data, v_scales, args.v_gs))):
+        kf = kernel_format(tf)
+        codes.append(encoder_code(kf))
+        side = p.side[i]
+        side.x, side.x_st, side.x_sh = x.data_ptr(), x.stride(0), x.stride(1)
+        size = data.element_size()
+        side.pd = data.data_ptr()
+        side.pd_sb, side.pd_sh, side.pd_st = (data.stride(j) * size for j in range(3))
+        if kf.has_scales:
+            side.ps = scales.data_ptr()
+            side.ps_sb, side.ps_sh, side.ps_st = scales.stride(0), scales.stride(1), scales.stride(2)
+        if kf.global_scale:  # check_write_args made it an FP32 [H] contiguous tensor on the K/V device
+            side.g = gs.data_ptr()
+    slots = args.slots.contiguous()
+    p.slots, p.slots_64 = slots.data_ptr(), int(slots.dtype == torch.int64)
+    p.tokens, p.bs = int(key.shape[0]), bs
+    p.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
+    p.lanes_log2 = (int(key.shape[2]) // 16).bit_length() - 1  # 16 elements per thread
+    lib = kernel_library(key.device)
+    with torch.cuda.device(key.device):
+        stream = torch.cuda.current_stream(key.device).cuda_stream
+        err = lib.kvx_paged_write(ctypes.byref(p), codes[0], codes[1], _X_DTYPES[key.dtype], hkv, stream)
+    if err != 0:
+        raise KvxError(Status.INTERNAL_ERROR, f"KVX CUDA write launch failed: {cuda_error_name(err)}")

@@ -1,0 +1,85 @@
+"""Fused quantize-and-write on the GPU kernels: the one place that chooses the backend, the CUDA write
+(`ops/cuda/write.py`) or the Triton write (`ops/triton/write.py`). Both store the bytes of the formats' encode;
+the CUDA kernel runs at 2-3x the Triton kernel's bandwidth (benchmarks/results/write_bandwidth_h100.jsonl).
+
+`ops.dispatch.write_kv` calls `launch_write` for kernel-addressable caches; `write_kv` here takes raw pools
+(the storage contract of `ops/triton`). `backend`: "auto" (CUDA where it serves the call, else Triton),
+"cuda" (refuses what it cannot serve) or "triton"; unset, `$KVX_WRITE_BACKEND` decides, else "auto".
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import KvxError, Status
+from ..formats import CacheFormat, rotate
+from .checks import WriteArgs, check_write_args
+from .cuda import write as cuda_write
+from .kernel_format import kernel_format
+from .triton import write as triton_write
+from .triton.launch import (
+    as_format,
+    check_device,
+    check_pool,
+    interpreting,
+    pool_geometry,
+    scale_args,
+)
+
+BACKENDS = ("auto", "cuda", "triton")
+
+
+def choose_backend(backend: str | None, key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat,
+                   k_data: torch.Tensor, v_data: torch.Tensor) -> str:
+    """"cuda" or "triton" for this write (KvxError UNSUPPORTED when "cuda" is asked for and cannot serve it)."""
+    backend = backend or os.environ.get("KVX_WRITE_BACKEND", "auto")
+    if backend not in BACKENDS:
+        raise KvxError(Status.INVALID_ARGUMENT, f"write backend must be auto, cuda or triton, got {backend!r}")
+    if backend == "triton" or (backend == "auto" and (interpreting() or key.device.type != "cuda")):
+        return "triton"
+    why = cuda_write.reason(key, value, fmt, k_data, v_data)
+    if why is None and backend == "auto":
+        try:
+            cuda_write.kernel_library(key.device)
+        except KvxError as e:
+            if e.status != Status.UNSUPPORTED:
+                raise
+            why = str(e)  # no nvcc here: Triton serves the call
+    if why is not None and backend == "cuda":
+        raise KvxError(Status.UNSUPPORTED, f"CUDA write cannot serve this call: {why}")
+    return "triton" if why is not None else "cuda"
+
+
+def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data: torch.Tensor,
+                 k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
+                 fmt: CacheFormat, *, backend: str | None = None) -> None:
+    """The fused write of arguments `check_write_args` accepted, on the chosen backend; the pools are checked
+    before either kernel launches, so a rejected call stores nothing."""
+    if choose_backend(backend, key, value, fmt, k_data, v_data) == "triton":
+        triton_write.launch_write(key, value, args, k_data, k_scales, v_data, v_scales, fmt)
+        return
+    check_device(key, value, args.slots, k_data, v_data)
+    d = int(key.shape[2])
+    for name, tf, data, scales in (("K", fmt.k, k_data, k_scales), ("V", fmt.v, v_data, v_scales)):
+        kf = kernel_format(tf)
+        check_pool(name, data, kf, d)
+        scale_args(name, scales, data, kf, tf, d)
+    if key.shape[0] == 0:
+        return
+    if fmt.rotate:  # the reference's own rotation, as the Triton write does
+        key, value = rotate(key), rotate(value)
+    cuda_write.launch(key, value, args, k_data, k_scales, v_data, v_scales, fmt)
+
+
+@torch.no_grad()
+def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
+             fmt: CacheFormat | str, k_gs=None, v_gs=None, *, check: bool = True, backend: str | None = None) -> None:
+    """`ops.triton.write_kv` on the chosen backend: quantize `key`/`value [T, H_kv, D]` in `fmt` and scatter
+    them into the HND pools at `slot_mapping [T]` (negative = skip), K and V in one launch."""
+    fmt = as_format(fmt)
+    nb, hkv, bs = pool_geometry(k_data, v_data)
+    args = check_write_args(fmt, key, value, slot_mapping, num_slots=nb * bs, num_kv_heads=hkv, k_gs=k_gs, v_gs=v_gs,
+                            check=check)
+    launch_write(key, value, args, k_data, k_scales, v_data, v_scales, fmt, backend=backend)
