@@ -1,10 +1,11 @@
 // KVX fused quantize-and-write of new K/V tokens into paged pools (FP8 E4M3/E5M2, INT8, INT4, NVFP4, MXFP4 16/32
 // RCEIL or floor, k8v4), K and V in one launch: CUDA, SM89+.
 //
-// Why CUDA and not the Triton write (benchmarks/results/write_bandwidth_h100.jsonl): the Triton kernel spends
-// ~60 thread instructions per element (ncu: NVFP4 126 M warp instructions for 67 M elements, ALU pipe 79%,
-// DRAM 30%): its layouts route rows through shuffles and shared memory, each element pays a full IEEE division
-// and its E2M1 code is a 7-compare ladder. Here a thread reads 16 consecutive elements of a row (two 16-byte
+// Why CUDA and not the Triton write (benchmarks/results/write_bandwidth_h100.jsonl: 1.5-1.8x its bandwidth): the
+// Triton kernel spends ~60 thread instructions per element (benchmarks/results/ncu_write_nvfp4_32k_h200.txt: NVFP4,
+// ALU pipe 78%, DRAM 21%): its layouts route rows through shuffles and shared memory, each element pays a full
+// IEEE division and its E2M1 code is a 7-compare ladder. This kernel: 26-28 per element for the 4-bit formats,
+// 19 for FP8 (ncu_write_cuda_32k_h100.txt). Here a thread reads 16 consecutive elements of a row (two 16-byte
 // words of bf16 / fp16) into registers, so an NVFP4 / MXFP4-16 group is one thread's (MXFP4-32: two lanes, INT
 // rows: D / 16 lanes, reduced by xor shuffles); a thread stores its payload as one 8-byte (4-bit formats) or
 // 16-byte (byte formats) word; a divisor shared by a row or group is inverted once (see `Divider`).
