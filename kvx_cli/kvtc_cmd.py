@@ -7,8 +7,6 @@ import json
 import os
 import time
 
-import torch
-
 from kvx_core.errors import KvxError, Status
 
 from .args import open_input
@@ -81,25 +79,17 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _compress(args: argparse.Namespace) -> int:
     cal_path, bundle, out = _paths(args, 3, "CAL BUNDLE OUT")
     _new_file(out)
-    from kvx_core.formats import get_format
-    from kvx_core.kvtc import compress, load_calibration
-    from kvx_core.transfer.bundle import BundleReader
-    from kvx_core.transfer.handoff import decode_rows
+    from kvx_core.kvtc import load_calibration, read_header
+    from kvx_core.kvtc.bundle import encode_bundle
 
     cal = load_calibration(cal_path)
     with open_input(bundle) as f:
-        reader = BundleReader(f)
-        fmt = get_format(reader.header["cache"]["format"])
-        kv = [tuple(x.to(torch.bfloat16) for x in decode_rows(rows, fmt)) for rows in reader.read_all()]
-        model = reader.header.get("model")
-        ids = reader.header["tokens"].get("ids")
-    if cal.model and model and cal.model != model:
-        raise KvxError(Status.INCOMPATIBLE, f"{bundle} holds another model's KV than {cal_path} was calibrated on")
-    buf = compress(kv, cal, model=model, deflate=args.deflate, token_ids=ids)
+        buf = encode_bundle(f, cal, deflate=args.deflate)
     with open(out, "xb") as f:
         f.write(buf)
-    raw = sum(k.numel() + v.numel() for k, v in kv) * 2
-    print(f"{out}: {len(kv)} layers x {kv[0][0].shape[0] if kv else 0} tokens, {len(buf)} bytes "
+    hdr = read_header(buf)
+    raw = 2 * hdr.num_layers * hdr.token_count * hdr.num_kv_heads * hdr.head_dim * 2
+    print(f"{out}: {hdr.num_layers} layers x {hdr.token_count} tokens, {len(buf)} bytes "
           f"({raw / len(buf):.2f}x vs BF16)")
     return 0
 
@@ -107,25 +97,17 @@ def _compress(args: argparse.Namespace) -> int:
 def _decompress(args: argparse.Namespace) -> int:
     cal_path, path, out = _paths(args, 3, "CAL FILE OUT_BUNDLE")
     _new_file(out)
-    from kvx_core.cache import PagedKVCache
-    from kvx_core.kvtc import decompress, load_calibration
-    from kvx_core.transfer import ModelFingerprint, export_bundle
+    from kvx_core.kvtc import load_calibration
+    from kvx_core.kvtc.bundle import decode_bundle
 
     cal = load_calibration(cal_path)
-    if not cal.model:
-        raise KvxError(Status.INVALID_ARGUMENT, f"{cal_path} names no model fingerprint; a bundle needs one")
-    model = ModelFingerprint(**cal.model)
     with open_input(path) as f:
-        hdr, kv, ids = decompress(f.read(), cal, model=model)
-    n, bs = hdr.token_count, 16
-    cache = PagedKVCache("bf16", num_layers=cal.num_layers, num_blocks=max(1, -(-n // bs)), block_size=bs,
-                         num_kv_heads=cal.num_kv_heads, head_dim=cal.head_dim)
-    slots = torch.arange(n)
-    for layer, (k, v) in enumerate(kv):
-        cache.write(layer, k.to(torch.bfloat16), v.to(torch.bfloat16), slots)
+        buf = f.read()
     with open(out, "xb") as f:
-        export_bundle(f, [cache.descriptor(i) for i in range(cal.num_layers)], slots, model=model, token_ids=ids)
-    print(f"{out}: bf16 bundle of {cal.num_layers} layers x {n} tokens" + (" (token ids included)" if ids else ""))
+        header = decode_bundle(buf, cal, f)
+    n = header["tokens"]["count"]
+    print(f"{out}: bf16 bundle of {cal.num_layers} layers x {n} tokens"
+          + (" (token ids included)" if header["tokens"].get("ids") else ""))
     return 0
 
 

@@ -3,13 +3,16 @@ reload, also across restarts and between processes on one machine.
 
 Each entry is one bundle file named by the sha256 of the model fingerprint and the token ids. `put` writes a
 temporary file in the store and renames it into place (readers never see a partial bundle); `get` imports with
-every check of `import_bundle` (a damaged file is refused and the cache left untouched). The store owns only its
-directory: it creates it with a marker file and refuses a non-empty directory without that marker, and it only
+every check of `import_bundle` (a damaged file is refused and the cache left untouched). With `kvtc=` (a KVTC
+calibration of the model) entries are stored KVTC-coded (`kvx_core.kvtc.bundle`): written bundles are compressed,
+read entries decompressed into BF16 bundles that import into any format; a KVTC entry needs a store opened with its
+calibration. The store owns only its directory: it creates it with a marker file and refuses a non-empty directory without that marker, and it only
 ever writes, renames or deletes its own `*.kvx` / `.tmp-*` files.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -25,14 +28,18 @@ from ..errors import KvxError, Status, require
 from .bundle import BundleReader
 from .handoff import ModelFingerprint, export_bundle, import_bundle, token_bytes
 
+KVTC_MAGIC = b"KVTC"
+
 MARKER = "kvx_bundle_store.json"
 
 
 class BundleStore:
-    """Bundles under `root` (created when missing; an existing directory must be empty or a store)."""
+    """Bundles under `root` (created when missing; an existing directory must be empty or a store); `kvtc`: a
+    `kvx_core.kvtc.Calibration` to store entries KVTC-coded."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, *, kvtc=None):
         self.root = Path(root)
+        self.kvtc = kvtc
         marker = self.root / MARKER
         if self.root.exists():
             require(self.root.is_dir(), Status.INVALID_ARGUMENT, f"bundle store {self.root}: not a directory")
@@ -67,8 +74,15 @@ class BundleStore:
 
     def write_entry(self, model: ModelFingerprint, token_ids: Sequence[int], write: Callable[[BinaryIO], object]) -> Path:
         """Publish the bundle `write(file)` writes as the entry of `token_ids`: into a temporary file, synced, then
-        renamed into place (a failure leaves no file and the older entry, if any)."""
+        renamed into place (a failure leaves no file and the older entry, if any). A KVTC store compresses it first."""
         final = self.path(model, token_ids)
+        if self.kvtc is not None:
+            from ..kvtc.bundle import encode_bundle
+            bundle = io.BytesIO()
+            write(bundle)
+            bundle.seek(0)
+            coded = encode_bundle(bundle, self.kvtc)
+            write = lambda f: f.write(coded)  # noqa: E731
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kvx", dir=self.root)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -81,16 +95,39 @@ class BundleStore:
             raise
         return final
 
-    def open_entry(self, model: ModelFingerprint, token_ids: Sequence[int]) -> BinaryIO | None:
-        """The entry of `token_ids` opened for reading (the caller closes it), None when absent."""
+    def _open(self, model: ModelFingerprint, token_ids: Sequence[int]) -> tuple[BinaryIO | None, bytes | None]:
+        """(the entry's file, None) for a bundle entry, (None, its bytes) for a KVTC entry, (None, None) if absent."""
         try:
-            return self.path(model, token_ids).open("rb")
+            f = self.path(model, token_ids).open("rb")
         except FileNotFoundError:
-            return None
+            return None, None
+        if f.read(len(KVTC_MAGIC)) != KVTC_MAGIC:
+            f.seek(0)
+            return f, None
+        with f:
+            return None, KVTC_MAGIC + f.read()
+
+    def open_entry(self, model: ModelFingerprint, token_ids: Sequence[int]) -> BinaryIO | None:
+        """The entry of `token_ids` as a bundle stream (the caller closes it), None when absent; a KVTC entry is
+        decompressed into a BF16 bundle (KvxError without its calibration, or for another model)."""
+        f, coded = self._open(model, token_ids)
+        if coded is None:
+            return f
+        from ..kvtc.bundle import decode_bundle, entry_header
+        entry_header(coded, self.kvtc, model)
+        out = io.BytesIO()
+        decode_bundle(coded, self.kvtc, out, model=model)
+        out.seek(0)
+        return out
 
     def header(self, model: ModelFingerprint, token_ids: Sequence[int]) -> dict | None:
-        """The header of the entry of `token_ids` (checked, hash included; chunks not read), None when absent."""
-        f = self.open_entry(model, token_ids)
+        """The header of the entry of `token_ids` (checked, hash included; chunks not read), None when absent. A KVTC
+        entry gives, without decoding, the model, token count, cache geometry (BF16) and codec of the bundle it
+        decodes to (`kvtc.bundle.entry_header`)."""
+        f, coded = self._open(model, token_ids)
+        if coded is not None:
+            from ..kvtc.bundle import entry_header
+            return entry_header(coded, self.kvtc, model)[1]
         if f is None:
             return None
         with f:

@@ -259,3 +259,46 @@ def test_consumer_role_never_saves_and_producer_never_loads(checkpoint, store, m
     _engine(checkpoint, 4, chunk=64).run(ShimRequest(1, list(prompt)))
     prod = _engine(checkpoint, 4, chunk=64)
     assert prod.sched.get_num_new_matched_tokens(ShimRequest(2, list(prompt)), 0) == (0, False)
+
+
+def test_kvtc_coded_entries_travel_between_engines(checkpoint, store, tmp_path, monkeypatch):
+    """KVX_KVTC: the producer's entry is a KVTC buffer; a consumer with the same calibration loads exactly what
+    writing the buffer's decompressed K/V gives, with the raw sink and recent tokens bit for bit; a consumer
+    without it computes the prompt; a calibration of another geometry is refused at startup."""
+    from dataclasses import asdict
+
+    from kvx_core.kvtc import calibrate, decompress
+    from kvx_core.transfer import fingerprint_from_files
+
+    fp = fingerprint_from_files(f"{checkpoint}/config.json", f"{checkpoint}/tokenizer.json")
+    g = torch.Generator().manual_seed(0)
+    windows = [[(torch.randn(64, H, D, generator=g).bfloat16(), torch.randn(64, H, D, generator=g).bfloat16())
+                for _ in range(L)] for _ in range(2)]
+    cal = calibrate(windows, layers_per_group=2, ratio=4, range_size=8, sink_tokens=4, recent_tokens=8,
+                    model=asdict(fp))
+    cal.save(str(tmp_path / "cal.safetensors"))
+    monkeypatch.setenv("KVX_KVTC", str(tmp_path / "cal.safetensors"))
+    prompt = list(range(40, 40 + 33))
+    _engine(checkpoint, 4, chunk=16).run(ShimRequest(1, list(prompt)))
+    (entry,) = _entries(store)
+    coded = entry.read_bytes()
+    assert coded[:4] == b"KVTC"
+    cons = _engine(checkpoint, 8, chunk=64)
+    loaded = cons.run(ShimRequest(2, list(prompt)))
+    got = cons.stored(loaded, 32)  # whole blocks of 8, short of the last prompt token
+    _, kv, ids = decompress(coded, cal, model=asdict(fp))
+    assert ids == prompt
+    want = torch.stack([torch.stack([k[:32], v[:32]]) for k, v in kv]).to(got.dtype)
+    assert torch.equal(got, want)
+    exact = cons.expected(prompt, 32)
+    raw = list(range(4)) + list(range(len(prompt) - 8, 32))  # sinks, and the recent window's tokens below 32
+    assert torch.equal(got[:, :, raw], exact[:, :, raw]) and not torch.equal(got, exact)
+    monkeypatch.delenv("KVX_KVTC")
+    plain = _engine(checkpoint, 8, chunk=64)
+    assert plain.sched.get_num_new_matched_tokens(ShimRequest(3, list(prompt)), 0) == (0, False)
+    one_layer = calibrate([w[:1] for w in windows], layers_per_group=1, ratio=4, range_size=8, sink_tokens=4,
+                          recent_tokens=8, model={})  # another geometry
+    one_layer.save(str(tmp_path / "one_layer.safetensors"))
+    monkeypatch.setenv("KVX_KVTC", str(tmp_path / "one_layer.safetensors"))
+    with pytest.raises(ValueError, match="codes 1 layers"):
+        KvxConnectorWorker(_args(checkpoint, 4))

@@ -1,7 +1,7 @@
 """One vLLM instance (CPU, SmolLM2-135M) of a prefill/decode handoff through `KvxConnector`; prints one JSON line.
 
     python tests/vllm/vllm_pd_run.py CKPT CACHE_DTYPE BLOCK_SIZE STORE ROLE [--consume NAME] [--produce NAME]
-                                     [--reload] [--damage]
+                                     [--reload] [--damage] [--kvtc CAL]
 
 ROLE is vLLM's kv_role. `--consume NAME`: generate the prompt set NAME with the prompts' KV loaded from STORE (the
 disaggregated decode), then again computing everything locally (`skip_reading_prefix_cache`: the single-instance
@@ -10,7 +10,7 @@ stores the prompts' KV. `--reload`: offload and reload: generate a new prompt (s
 generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk of the store
 entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM 0.32 (that
 request is recomputed) and "fail" on 0.26 (it ends with finish_reason "error"; the connector refuses "recompute"
-there).
+there). `--kvtc CAL`: the connector's `kvx_kvtc` option (store entries KVTC-coded with calibration CAL).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _damage(llm, store: str, prompt: str) -> None:
 
 
 def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str | None, produce: str | None,
-         reload: bool, damage: bool) -> dict:
+         reload: bool, damage: bool, kvtc: str | None = None) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -55,7 +55,8 @@ def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str 
               distributed_executor_backend="uni",
               kv_transfer_config={"kv_connector": "KvxConnector", "kv_role": role,
                                   "kv_load_failure_policy": policy,
-                                  "kv_connector_extra_config": {"kvx_store": store}})
+                                  "kv_connector_extra_config": {"kvx_store": store,
+                                                                **({"kvx_kvtc": kvtc} if kvtc else {})}})
     out: dict = {"dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
                  "failure_policy": policy}
     greedy = dict(temperature=0.0, max_tokens=GEN, logprobs=5, ignore_eos=True)
@@ -85,5 +86,5 @@ if __name__ == "__main__":
         return args[args.index(name) + 1] if name in args else None
 
     res = main(args[0], args[1], int(args[2]), args[3], args[4], opt("--consume"), opt("--produce"),
-               "--reload" in args, "--damage" in args)
+               "--reload" in args, "--damage" in args, opt("--kvtc"))
     print("KVX_RESULT " + json.dumps(res), flush=True)

@@ -6,6 +6,7 @@
                                                    connector_worker_class="KvxConnectorWorker"))
     # the store directory: KVX_STORE=/dev/shm/kvx (KVX_ROLE=both | producer | consumer, default both)
     # FP8 caches: KVX_KV_SCALES=/path/scales.json, the per-layer kv_scale_quant_orig TRT-LLM runs with
+    # KVTC-coded entries (~16x smaller, lossy): KVX_KVTC=/path/calibration.safetensors (`kvx kvtc calibrate`)
 
 The scheduler looks every new request's prompt up in a `BundleStore` (bundles keyed by the model fingerprint and
 the token ids, the same store the vLLM connector and `kvx` CLI use); on a hit it reports the bundled tokens beyond
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 from kvx_core.errors import KvxError
+from kvx_core.kvtc.bundle import calibration_for
 from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
 
 from .cache import layer_views
@@ -132,14 +134,16 @@ def connector_config(llm_args: Any) -> ConnectorConfig:
     role = os.environ.get("KVX_ROLE", "both")
     if role not in ROLES:
         raise ValueError(f"KVX connector: KVX_ROLE must be one of {', '.join(ROLES)}, got {role!r}")
+    model_fp = fingerprint_from_files(*paths)
+    kvtc = os.environ.get("KVX_KVTC")
     try:
         import xxhash  # noqa: F401  (bundle checksums: a missing package fails at startup, not per request)
-        store = BundleStore(root)
+        store = BundleStore(root, kvtc=calibration_for(kvtc, model_fp) if kvtc else None)
     except ImportError:
         raise ValueError("KVX connector: needs the xxhash package (pip install 'kvx[transfer]')") from None
     except KvxError as e:
         raise ValueError(f"KVX connector: {e}") from None
-    return ConnectorConfig(store, fingerprint_from_files(*paths), int(tpb), role != "consumer", role != "producer",
+    return ConnectorConfig(store, model_fp, int(tpb), role != "consumer", role != "producer",
                            _kv_scales(os.environ.get("KVX_KV_SCALES")))
 
 

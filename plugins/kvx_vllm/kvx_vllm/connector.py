@@ -3,6 +3,7 @@ between instances that differ in cache dtype and block size, and for offload / r
 
     --kv-transfer-config '{"kv_connector": "KvxConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
                            "kv_connector_extra_config": {"kvx_store": "/dev/shm/kvx"}}'
+    # KVTC-coded entries (~16x smaller, lossy): add "kvx_kvtc": "/path/calibration.safetensors" (`kvx kvtc calibrate`)
 
 A producer writes the KV of each prompt it computes into a `BundleStore` directory (one bundle per prompt, keyed by
 the model fingerprint and the token ids) at the end of the step that completes the prompt. A consumer looks every
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.logger import init_logger
 
 from kvx_core.errors import KvxError
+from kvx_core.kvtc.bundle import calibration_for
 from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
 
 from .layer_kv import LayerCaches
@@ -100,11 +102,12 @@ class KvxConnector(KVConnectorBase_V1):
             raise ValueError('KVX connector: set the store directory, e.g. --kv-transfer-config \'{"kv_connector": '
                              '"KvxConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
                              '{"kvx_store": "/dev/shm/kvx"}}\'')
+        self.model = model_fingerprint(vllm_config)
+        kvtc = cfg.get_from_extra_config("kvx_kvtc", None)  # a `kvx kvtc calibrate` file: KVTC-coded entries
         try:
-            self.store = BundleStore(root)
+            self.store = BundleStore(root, kvtc=calibration_for(kvtc, self.model) if kvtc else None)
         except KvxError as e:
             raise ValueError(f"KVX connector: {e}") from None
-        self.model = model_fingerprint(vllm_config)
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
         self.block_size = vllm_config.cache_config.block_size
         self.cache_dtype = vllm_config.cache_config.cache_dtype
