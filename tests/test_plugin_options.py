@@ -27,7 +27,7 @@ def test_options_and_dtypes_import_without_vllm():
             "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
     out = subprocess.run([sys.executable, "-c", code, str(PLUGIN)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "KvxOptions(rotate=False, prefill='split')" in out.stdout
+    assert "KvxOptions(rotate=False, prefill='split', lm_head=None)" in out.stdout
 
 
 @pytest.mark.parametrize("extra, rotate, prefill", [
@@ -37,6 +37,11 @@ def test_options_and_dtypes_import_without_vllm():
 ])
 def test_valid_configs(extra, rotate, prefill):
     assert options.options_of(_config(extra)) == options.KvxOptions(rotate=rotate, prefill=prefill)
+
+
+def test_lm_head_option():
+    assert options.options_of(_config({"kvx": {"lm_head": "mxfp4"}})).lm_head == "mxfp4"
+    assert options.options_of(_config({"kvx": {"lm_head": None}})).lm_head is None
 
 
 def test_config_without_additional_config_attribute():
@@ -74,6 +79,8 @@ def test_non_object_kvx_section_is_refused(section):
     ({"rotate": None}, '"rotate" must be true or false'),
     ({"prefill": "flash"}, '"prefill" must be one of .split., .cache.'), ({"prefill": None}, '"prefill" must be one of'),
     ({"prefill": "Cache"}, '"prefill" must be one of'), ({"prefill": True}, '"prefill" must be one of'),
+    ({"lm_head": "MXFP4"}, '"lm_head" must be one of .mxfp4.'), ({"lm_head": "nvfp4"}, '"lm_head" must be one of'),
+    ({"lm_head": True}, '"lm_head" must be one of'),
 ])
 def test_bad_kvx_options_are_refused(section, match):
     with pytest.raises(ValueError, match=match):

@@ -44,7 +44,7 @@ class Engine:
         self.layer = int(torch.randint(0, self.L, (1,), generator=gen))
         need = [(n + self.t - 1) // self.t for n in self.lens]
         m = max(need + [1])
-        ids, sec = [], []
+        ids = []
         for n in need:  # per request: shared blocks + one own last block per beam
             shared = max(n - 1, 0) if self.w > 1 else n
             own = (n - shared) * self.w

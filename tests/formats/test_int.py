@@ -100,7 +100,7 @@ def test_round_trip_error_bound(bits):
     x = x.astype(F32)
     _, _, dec, s_h, m_h = check_vs_oracle(bits, x)
     n = 2 ** bits - 1
-    mn, mx = x.min(-1).astype(np.float64), x.max(-1).astype(np.float64)
+    mn = x.min(-1).astype(np.float64)
     s = ((x.max(-1) - x.min(-1)) / F32(n)).astype(np.float64)
     sh, mh = s_h.astype(np.float64), m_h.astype(np.float64)
     bound = sh / 2 + n * np.abs(s - sh) + np.abs(mn - mh)

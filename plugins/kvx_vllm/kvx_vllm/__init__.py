@@ -5,7 +5,8 @@ engine core, workers) before arguments are parsed, possibly more than once, so i
 it checks the vLLM version (0.26 on CUDA, 0.32 on CPU; their differences live in `compat`), adds the
 `kvx_*` cache dtypes to vLLM's `CacheDType`, installs the version's page-size hook and registers the KVX
 attention backend (as `CUSTOM`, and behind the platform's default backend path, `CPU_ATTN` / `FLASH_ATTN`,
-which then delegates to vLLM's own backend for every non-KVX dtype) and the `KvxConnector` KV connector.
+which then delegates to vLLM's own backend for every non-KVX dtype), the `KvxConnector` KV connector and the
+out-of-tree `ParallelLMHead` of the `lm_head` option (`lm_head`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def register() -> None:
     install_version_hooks()
     register_backends()
     _register_connector()
+    from .lm_head import install as install_lm_head
+
+    install_lm_head()  # the "lm_head" option's out-of-tree ParallelLMHead
     _registered = True
     from vllm.logger import init_logger
 

@@ -8,6 +8,8 @@ Options under the "kvx" key of vLLM's `additional_config`:
   (`prefill.SplitPrefill`; as fast as vLLM's BF16 prefill; a prefix-cache hit agrees with a miss within the
   format's error). "cache": everything over the quantized pages with KVX's prefill kernel (bit-identical
   prefix reuse; 3-5x slower attention in prefill).
+- `lm_head` ("mxfp4", default unset): the output projection quantized to MXFP4 after loading (`lm_head`), any
+  cache dtype; CPU only so far (see `lm_head` for what it refuses).
 Anything else under "kvx" is refused, so a typo never silently does nothing. Also refused: an
 `additional_config` that is not a JSON object, and a key that spells "kvx" another way ("KVX",
 " kvx"), which would otherwise be ignored. Errors are ValueError (as vLLM's own config checks
@@ -22,7 +24,8 @@ from typing import Any
 
 from .dtypes import format_name
 
-_KNOWN = {"rotate", "prefill"}
+_KNOWN = {"rotate", "prefill", "lm_head"}
+LM_HEAD_FORMATS = ("mxfp4",)
 CONNECTOR = ("KvxConnector", "kvx_vllm.connector", "KvxConnector")
 """(name for --kv-transfer-config, module, class) of the KVX KV connector."""
 PREFILL_ROUTES = ("split", "cache")
@@ -34,6 +37,7 @@ class KvxOptions:
 
     rotate: bool = False
     prefill: str = "split"
+    lm_head: str | None = None
 
 
 def _kvx_section(vllm_config: Any) -> Any:
@@ -68,7 +72,11 @@ def options_of(vllm_config: Any) -> KvxOptions:
     if prefill not in PREFILL_ROUTES:
         raise ValueError(f'KVX: --additional-config kvx "prefill" must be one of {", ".join(map(repr, PREFILL_ROUTES))}, '
                          f"got {prefill!r}")
-    return KvxOptions(rotate=rotate, prefill=prefill)
+    lm_head = raw.get("lm_head")
+    if lm_head is not None and lm_head not in LM_HEAD_FORMATS:
+        raise ValueError(f'KVX: --additional-config kvx "lm_head" must be one of {", ".join(map(repr, LM_HEAD_FORMATS))}, '
+                         f"got {lm_head!r}")
+    return KvxOptions(rotate=rotate, prefill=prefill, lm_head=lm_head)
 
 
 def refusals(vllm_config: Any) -> list[str]:
