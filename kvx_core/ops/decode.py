@@ -20,6 +20,7 @@ from ..errors import KvxError, Status
 from ..formats import CacheFormat
 from ..formats.rotation import rotate
 from .checks import check_max_seq_len
+from .cuda import choose
 from .cuda import decode as cuda_decode
 from .kernel_format import FormatCode, kernel_format
 from .triton import decode as triton_decode
@@ -86,16 +87,7 @@ def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torc
         why = "tiny-batch FP8 decode runs faster in Triton"
     if why is None and num_warps not in (None, cuda_decode.WARPS):
         why = f"num_warps={num_warps}: the CUDA decode runs {cuda_decode.WARPS} warps per CTA"
-    if why is None and backend == "auto":
-        try:
-            cuda_decode.kernel_library(device)
-        except KvxError as e:
-            if e.status != Status.UNSUPPORTED:
-                raise
-            why = str(e)  # no nvcc here: Triton serves the call
-    if why is not None and backend == "cuda":
-        raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot serve this call: {why}")
-    return "triton" if why is not None else "cuda"
+    return choose(why, backend, lambda: cuda_decode.kernel_library(device), "decode")
 
 
 @dataclass(frozen=True)

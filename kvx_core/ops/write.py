@@ -15,6 +15,7 @@ import torch
 from ..errors import KvxError, Status
 from ..formats import CacheFormat, rotate
 from .checks import WriteArgs, check_write_args
+from .cuda import choose
 from .cuda import write as cuda_write
 from .kernel_format import kernel_format
 from .triton import write as triton_write
@@ -39,16 +40,7 @@ def choose_backend(backend: str | None, key: torch.Tensor, value: torch.Tensor, 
     if backend == "triton" or (backend == "auto" and (interpreting() or key.device.type != "cuda")):
         return "triton"
     why = cuda_write.reason(key, value, fmt, k_data, v_data)
-    if why is None and backend == "auto":
-        try:
-            cuda_write.kernel_library(key.device)
-        except KvxError as e:
-            if e.status != Status.UNSUPPORTED:
-                raise
-            why = str(e)  # no nvcc here: Triton serves the call
-    if why is not None and backend == "cuda":
-        raise KvxError(Status.UNSUPPORTED, f"CUDA write cannot serve this call: {why}")
-    return "triton" if why is not None else "cuda"
+    return choose(why, backend, lambda: cuda_write.kernel_library(key.device), "write")
 
 
 def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data: torch.Tensor,

@@ -49,16 +49,6 @@ INSTANCES = {"A": ("kvx_int8", 128, "kv_producer", ["--produce", "a"]),
              "C": ("kvx_nvfp4", 128, "kv_both", ["--consume", "b", "--reload", "--damage"])}
 
 
-@pytest.fixture(scope="module")
-def checkpoint() -> str:
-    """SmolLM2-135M: `KVX_VLLM_CKPT` (the GPU machine's copy) or the demo's local checkpoint."""
-    if os.environ.get("KVX_VLLM_CKPT"):
-        return os.environ["KVX_VLLM_CKPT"]
-    from kvx_demo.model import ensure_local_checkpoint
-
-    return str(ensure_local_checkpoint())
-
-
 def _instances(checkpoint: str, store: Path, instances: dict, *extra_args: str) -> dict[str, dict]:
     """Run `instances` in turn on `store` (`vllm_pd_run.py` processes); their results and logs by name."""
     out = {}

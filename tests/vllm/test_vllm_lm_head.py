@@ -11,7 +11,6 @@ mean 1.02 against the MXFP4 one. Bounds: max 0.65, mean 0.15 for the matching or
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,20 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
+from .test_vllm_plugin import ENV  # the same offline-run environment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 RUNNER = Path(__file__).with_name("vllm_lm_head_run.py")
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 MAX_BOUND, MEAN_BOUND, APART_BOUND = 0.65, 0.15, 0.5
-
-
-@pytest.fixture(scope="module")
-def checkpoint() -> str:
-    from kvx_demo.model import ensure_local_checkpoint
-
-    return str(ensure_local_checkpoint())
 
 
 @pytest.fixture(scope="module")

@@ -37,13 +37,6 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLL
 
 
 @pytest.fixture(scope="module")
-def checkpoint() -> str:
-    from kvx_demo.model import ensure_local_checkpoint
-
-    return str(ensure_local_checkpoint())
-
-
-@pytest.fixture(scope="module")
 def runs(checkpoint) -> dict[str, dict]:
     """Results of one offline vLLM run per cache dtype (auto = BF16 first)."""
     out = {}

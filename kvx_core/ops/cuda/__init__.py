@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import KvxError, Status
@@ -85,6 +86,36 @@ def library(device) -> ctypes.CDLL:
         if arch not in _LIBS:
             _LIBS[arch] = ctypes.CDLL(str(build(arch)))
         return _LIBS[arch]
+
+
+def checked_library(device, entry: str, argtypes: list, size_entry: str, params, source: str) -> ctypes.CDLL:
+    """The kernel library (`library`) with `entry`'s signature set and the ctypes mirror `params` checked against
+    the C struct's size that `size_entry` returns (INTERNAL_ERROR if they differ), once per entry point."""
+    lib = library(device)
+    done = getattr(lib, "_kvx_checked", set())
+    if entry not in done:
+        fn = getattr(lib, entry)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        getattr(lib, size_entry).restype = ctypes.c_int
+        if getattr(lib, size_entry)() != ctypes.sizeof(params):
+            raise KvxError(Status.INTERNAL_ERROR, f"{params.__name__} ctypes mirror does not match {source}")
+        lib._kvx_checked = done | {entry}
+    return lib
+
+
+def choose(why: str | None, backend: str, load: Callable[[], object], what: str) -> str:
+    """"cuda" or "triton" for a call the CUDA kernel `what` cannot serve because of `why` (None: it can):
+    `backend` "auto" also falls back when the library cannot be built here (no nvcc), "cuda" refuses instead."""
+    if why is None and backend == "auto":
+        try:
+            load()
+        except KvxError as e:
+            if e.status != Status.UNSUPPORTED:
+                raise
+            why = str(e)  # no nvcc here: Triton serves the call
+    if why is not None and backend == "cuda":
+        raise KvxError(Status.UNSUPPORTED, f"CUDA {what} cannot serve this call: {why}")
+    return "triton" if why is not None else "cuda"
 
 
 def cuda_error_name(code: int) -> str:

@@ -15,7 +15,7 @@ import torch
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ..kernel_format import CudaCode, FormatCode, KernelFormat, kernel_format
-from . import cuda_error_name, library
+from . import checked_library, cuda_error_name
 
 WARPS = 4  # warps per CTA of the CUDA kernel (its tiles are 16 tokens per warp)
 
@@ -41,15 +41,8 @@ class DecodeParams(ctypes.Structure):
 def kernel_library(device) -> ctypes.CDLL:
     """The kernel library for a CUDA device (`library`), with `kvx_paged_decode`'s signature set and the
     DecodeParams mirror checked against the C struct's size (INTERNAL_ERROR if they differ)."""
-    lib = library(device)
-    if not getattr(lib, "_kvx_checked", False):
-        lib.kvx_paged_decode.restype = ctypes.c_int
-        lib.kvx_paged_decode.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 8 + [ctypes.c_void_p]
-        lib.kvx_decode_params_size.restype = ctypes.c_int
-        if lib.kvx_decode_params_size() != ctypes.sizeof(DecodeParams):
-            raise KvxError(Status.INTERNAL_ERROR, "DecodeParams ctypes mirror does not match paged_decode_mma.cu")
-        lib._kvx_checked = True
-    return lib
+    return checked_library(device, "kvx_paged_decode", [ctypes.c_void_p] + [ctypes.c_int] * 8 + [ctypes.c_void_p],
+                           "kvx_decode_params_size", DecodeParams, "paged_decode_mma.cu")
 
 
 # K / V format pairs of different formats that the kernel is instantiated for (`kvx_paged_decode`)

@@ -16,7 +16,7 @@ from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ..checks import WriteArgs
 from ..kernel_format import FormatCode, KernelFormat, kernel_format
-from . import cuda_error_name, library
+from . import checked_library, cuda_error_name
 
 _X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _E4M3, _NVFP4 = 3, 0
@@ -45,15 +45,8 @@ class WriteParams(ctypes.Structure):
 
 def kernel_library(device) -> ctypes.CDLL:
     """The kernel library with `kvx_paged_write`'s signature set and the WriteParams mirror checked."""
-    lib = library(device)
-    if not getattr(lib, "_kvx_write_checked", False):
-        lib.kvx_paged_write.restype = ctypes.c_int
-        lib.kvx_paged_write.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
-        lib.kvx_write_params_size.restype = ctypes.c_int
-        if lib.kvx_write_params_size() != ctypes.sizeof(WriteParams):
-            raise KvxError(Status.INTERNAL_ERROR, "WriteParams ctypes mirror does not match paged_write.cu")
-        lib._kvx_write_checked = True
-    return lib
+    return checked_library(device, "kvx_paged_write", [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p],
+                           "kvx_write_params_size", WriteParams, "paged_write.cu")
 
 
 def encoder_code(kf: KernelFormat) -> int | None:
