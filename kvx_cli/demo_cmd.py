@@ -16,7 +16,7 @@ from typing import IO, Any, Iterator
 import torch
 
 from kvx_core.cache import PagedKVCache, bytes_per_token, capacity_ratio_vs_bf16
-from kvx_core.calibration import AmaxObserver
+from kvx_core.calibration import SCALE_RULES, SampleObserver
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
 
@@ -55,9 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"the cache; above --window-len a window is one call (default 128)")
     p.add_argument("--block-size", type=bounded_int(1, MAX_BLOCK_SIZE), default=16,
                    help=f"KV cache block size in tokens, 1..{MAX_BLOCK_SIZE} (default 16)")
-    p.add_argument("--calibrate", action="store_true",
-                   help="calibrate FP8/NVFP4 global scales (per layer, K and V amax) on a window after the "
-                        "evaluated ones, instead of the default global scale 1.0")
+    p.add_argument("--calibrate", nargs="?", const="mse", choices=SCALE_RULES, default=None,
+                   help="calibrate FP8/NVFP4 global scales per layer and KV head on a window after the evaluated "
+                        "ones, instead of the default global scale 1.0: 'mse' (the default rule) picks the scale "
+                        "with the least encode->decode error, 'amax' maps the amax onto the format's range")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), help=f"torch CPU threads, 1..{MAX_THREADS}")
     p.add_argument("--json", type=Path,
                    help="also write the results as JSON lines to this NEW file: it is created before the run "
@@ -130,11 +131,11 @@ def _require_fits_model(config: Any, window_len: int, fmts: list[CacheFormat]) -
         fmt.check_head_dim(head_dim)
 
 
-def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> AmaxObserver:
-    """Per-layer K/V amax over one window, observed through a BF16 KVX cache."""
+def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> SampleObserver:
+    """Per-layer K/V values over one window, observed through an FP32 KVX cache."""
     from kvx_demo.kvx_cache import KvxCache
 
-    obs = AmaxObserver(shape["num_layers"])
+    obs = SampleObserver(shape["num_layers"])
     paged = _paged(get_format("fp32"), shape, ids.shape[1], block_size)
     cache = KvxCache(paged)
     for layer in cache.layers:
@@ -144,7 +145,7 @@ def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> AmaxOb
     return obs
 
 
-def _observing(update, obs: AmaxObserver, layer: int):
+def _observing(update, obs: SampleObserver, layer: int):
     def wrapped(k, v, *args, **kwargs):
         obs.observe(layer, k.transpose(1, 2), v.transpose(1, 2))
         return update(k, v, *args, **kwargs)
@@ -154,7 +155,8 @@ def _observing(update, obs: AmaxObserver, layer: int):
 def _paged(fmt: CacheFormat, shape: dict, window_len: int, block_size: int) -> PagedKVCache:
     blocks = -(-window_len // block_size)
     return PagedKVCache(fmt, num_layers=shape["num_layers"], num_blocks=blocks, block_size=block_size,
-                        num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], page_buffer=True)
+                        num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], page_buffer=True,
+                        per_head_global_scale=True)
 
 
 def _progress(enabled: bool, total: int, desc: str):
@@ -211,7 +213,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
     for fmt in fmts:
         paged = _paged(fmt, shape, a.window_len, a.block_size)
         if obs is not None and paged.layers[0].k_global is not None:
-            for layer, (kg, vg) in enumerate(obs.global_scales(fmt)):
+            for layer, (kg, vg) in enumerate(obs.global_scales(fmt, a.calibrate)):
                 paged.set_global_scales(layer, kg if kg is not None else 1.0, vg if vg is not None else 1.0)
         live: list[KvxCache] = []
 
@@ -233,7 +235,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
                "ppl_delta_pct": 100.0 * (res.perplexity / base.perplexity - 1.0),
                "top1_agreement": float((res.predictions == base.predictions).float().mean()),
                "tokens_per_s": res.tokens_processed / res.seconds,
-               "calibrated": obs is not None and paged.layers[0].k_global is not None,
+               "calibrated": a.calibrate if obs is not None and paged.layers[0].k_global is not None else None,
                "windows": a.windows, "window_len": a.window_len}
         if not rows:
             print(_header(), flush=True)
@@ -248,6 +250,6 @@ def _header() -> str:
 
 
 def _fmt_row(r: dict) -> str:
-    name = r["format"] + (" (cal)" if r["calibrated"] else "")
+    name = r["format"] + (f" ({r['calibrated']})" if r["calibrated"] else "")
     return (f"{name:<16}{r['bytes_per_token']:>12,.0f}{r['capacity_vs_bf16']:>8.2f}x{r['perplexity']:>12.3f}"
             f"{r['ppl_delta_pct']:>+8.2f}%{100 * r['top1_agreement']:>12.2f}%{r['tokens_per_s']:>9.0f}")

@@ -2,8 +2,14 @@
 
 A global scale maps a layer's K (or V) range onto the format's range: FP8 stores `x / g` with
 `g = amax / fp8_max`; NVFP4 uses `g = amax / (6 * 448)` so the largest E4M3 group scale is 448.
-Scales come from calibration (running amax over calibration tokens) or from a checkpoint's
-`k_scale` / `v_scale`, which follow vLLM / ModelOpt's FP8 convention `amax / 448`.
+Scales come from calibration or from a checkpoint's `k_scale` / `v_scale`, which follow vLLM / ModelOpt's FP8
+convention `amax / 448`. Two calibration rules:
+- "amax" (`AmaxObserver`, `global_scale_for_amax`): the running amax over calibration tokens, mapped as above.
+- "mse" (`SampleObserver.global_scales(fmt, rule="mse")`): per KV head, the candidate scale whose encode -> decode
+  of the calibration values has the least squared error (`mse_global_scale`). NVFP4: `g_amax * 2^(j / 4)`,
+  j = -24..4 (the amax rule's scale is one of them). FP8: the powers of two from 6 octaves below to 1 above the
+  amax scale's: scaling by a power of two is exact, and on SmolLM2 every non-power-of-two FP8 scale measured worse
+  than 1.0 (README "Calibrated global scales").
 """
 from __future__ import annotations
 
@@ -114,3 +120,84 @@ def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int
     for (i, j), t in found.items():
         out[i, j] = t.expand(width) if t.numel() == 1 else t
     return out
+
+
+SCALE_RULES = ("amax", "mse")
+MSE_STEPS = range(-24, 5)
+"""Candidate exponents of `mse_global_scale`, in quarter octaves (NVFP4) or octaves (FP8) from its anchor."""
+
+
+def mse_global_scale(tf: TensorFormat, x: torch.Tensor) -> torch.Tensor | None:
+    """Per-head FP32 global scale `[H]` of `tf` for calibration values `x [T, H, D]` with the least sum over tokens
+    and dims of (x - decode(encode(x, g)))^2 among `anchor * 2^(j * step)`: NVFP4 anchor g_amax, step 1/4, j in
+    `MSE_STEPS`; FP8 anchor 2^floor(log2(g_amax)), step 1, j in -6..1 (powers of two). Ties: the smaller scale.
+    None if `tf` has no global scale."""
+    if not tf.uses_global_scale:
+        return None
+    require(isinstance(x, torch.Tensor) and x.dim() == 3 and x.is_floating_point(), Status.INVALID_ARGUMENT,
+            f"calibration values must be a float tensor [T, H, D], got {getattr(x, 'shape', type(x).__name__)}")
+    x = to_f32_saturated(x.detach().float())
+    require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT, "calibration values must be finite")
+    g_amax = global_scale_for_amax(tf, x.abs().amax(dim=(0, 2)))
+    if tf.name in _FP8_MAX:
+        anchor, exps = torch.exp2(torch.floor(torch.log2(g_amax))), [float(j) for j in range(-6, 2)]
+    else:
+        anchor, exps = g_amax, [j / 4 for j in MSE_STEPS]
+    best_err = torch.full_like(g_amax, float("inf"))
+    best = g_amax.clone()
+    for e in exps:
+        g = anchor * 2.0 ** e
+        payload, scales = tf.encode(x, g)
+        err = ((tf.decode(payload, scales, g) - x) ** 2).sum(dim=(0, 2))
+        better = err < best_err
+        best = torch.where(better, g, best)
+        best_err = torch.where(better, err, best_err)
+    return best
+
+
+class SampleObserver:
+    """Calibration K/V values per layer (FP32 on the CPU, up to `max_tokens` per layer), for scale rules that need
+    the values, not only their amax: `global_scales(fmt, rule)` per KV head."""
+
+    def __init__(self, num_layers: int, max_tokens: int = 8192) -> None:
+        self.num_layers = as_int(num_layers, "num_layers", 1)
+        self.max_tokens = as_int(max_tokens, "max_tokens", 1)
+        self.samples: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]  # per layer: [K, V] chunks
+
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep `[..., H, D]` K/V of a layer (checked finite, both before either is kept; beyond `max_tokens` the
+        rest is dropped)."""
+        layer = as_int(layer, "layer")
+        require(0 <= layer < self.num_layers, Status.OUT_OF_RANGE, f"layer {layer} out of range [0, {self.num_layers})")
+        pair = []
+        for name, x in (("K", key), ("V", value)):
+            require(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2, Status.INVALID_ARGUMENT,
+                    f"layer {layer}: {name} must be a float tensor [..., H, D], got {getattr(x, 'shape', type(x).__name__)}")
+            require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
+                    f"layer {layer}: non-finite {name} values in calibration data")
+            pair.append(x.detach().reshape(-1, *x.shape[-2:]).float().cpu())
+        have = sum(c[0].shape[0] for c in self.samples[layer])
+        room = self.max_tokens - have
+        if room > 0:
+            self.samples[layer].append(tuple(t[:room] for t in pair))
+
+    def values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's kept K and V, `[T, H, D]` each."""
+        chunks = self.samples[layer]
+        require(bool(chunks), Status.INVALID_ARGUMENT, f"layer {layer}: no calibration values observed")
+        return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
+
+    def global_scales(self, fmt: CacheFormat, rule: str = "mse") -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per layer `(k_global, v_global)`, `[H]` each, by `rule` ("amax" or "mse"); None where the format has
+        none."""
+        require(rule in SCALE_RULES, Status.INVALID_ARGUMENT, f"scale rule must be one of {SCALE_RULES}, got {rule!r}")
+        out = []
+        for layer in range(self.num_layers):
+            pair = []
+            for tf, x in zip((fmt.k, fmt.v), self.values(layer)):
+                if rule == "mse":
+                    pair.append(mse_global_scale(tf, x))
+                else:
+                    pair.append(global_scale_for_amax(tf, to_f32_saturated(x).abs().amax(dim=(0, 2))))
+            out.append(tuple(pair))
+        return out

@@ -132,3 +132,63 @@ def test_calibrated_nvfp4_handles_large_range_that_overflows_default_scale():
     assert errs["g=1"] > 0.5 and errs["g=1"] > 5 * errs["calibrated"], errs
     g_k = cache.layers[0].k_global
     assert float(g_k) == pytest.approx(float(k.abs().max()) / 2688, rel=1e-6)
+
+
+# ------------------------------------------------------------------ the "mse" rule (SampleObserver, mse_global_scale)
+def _err(tf, x, g):
+    payload, scales = tf.encode(x, g)
+    return ((tf.decode(payload, scales, g) - x) ** 2).sum(dim=(0, 2))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+def test_mse_scale_is_the_grid_argmin(name):
+    """Three heads: gaussian, gaussian with rare 40x outliers, and tiny values; the chosen scale is the brute-force
+    argmin (first minimum) per head over the rule's grid: powers of two around the amax scale's octave for FP8,
+    quarter octaves around the amax scale for NVFP4 (which then never does worse than the amax rule)."""
+    import math
+
+    from kvx_core.calibration import global_scale_for_amax, mse_global_scale
+
+    tf = get_format(name).k
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 3, 64, generator=g)
+    x[:, 1] += 40 * (torch.rand(256, 64, generator=g) < 0.002) * torch.randn(256, 64, generator=g)
+    x[:, 2] *= 1e-3
+    got = mse_global_scale(tf, x)
+    base = global_scale_for_amax(tf, x.abs().amax(dim=(0, 2)))
+    for h in range(3):
+        xs = x[:, h:h + 1]
+        b = float(base[h])
+        cands = ([2.0 ** (math.floor(math.log2(b)) + j) for j in range(-6, 2)] if name.startswith("fp8")
+                 else [float(torch.tensor(b) * 2.0 ** (j / 4)) for j in range(-24, 5)])
+        errs = [float(_err(tf, xs, torch.tensor([c]))) for c in cands]
+        k = min(range(len(errs)), key=lambda i: (errs[i], i))
+        assert float(got[h]) == cands[k], (name, h, float(got[h]), cands[k])
+        if name == "nvfp4":
+            assert errs[k] <= float(_err(tf, xs, base[h:h + 1]))
+    assert mse_global_scale(get_format("int8").k, x) is None
+
+
+def test_sample_observer_rules_and_refusals():
+    from kvx_core.calibration import SampleObserver, global_scale_for_amax, mse_global_scale
+
+    fmt = get_format("k8v4")
+    obs = SampleObserver(num_layers=2, max_tokens=100)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):  # 3 x 60 tokens, 100 kept per layer
+        for layer in range(2):
+            obs.observe(layer, torch.randn(60, 2, 32, generator=g), torch.randn(60, 2, 32, generator=g) * 3)
+    k, v = obs.values(0)
+    assert k.shape == (100, 2, 32) and v.shape == (100, 2, 32)
+    (kg, vg), _ = obs.global_scales(fmt, "mse")
+    assert torch.equal(kg, mse_global_scale(fmt.k, k)) and torch.equal(vg, mse_global_scale(fmt.v, v))
+    (ka, va), _ = obs.global_scales(fmt, "amax")
+    assert torch.equal(ka, global_scale_for_amax(fmt.k, k.abs().amax(dim=(0, 2))))
+    with pytest.raises(KvxError, match="scale rule"):
+        obs.global_scales(fmt, "percentile")
+    bad = torch.randn(4, 2, 32)
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(KvxError, match="non-finite"):
+        obs.observe(1, torch.randn(4, 2, 32), bad)
+    with pytest.raises(KvxError, match="no calibration values"):
+        SampleObserver(1).values(0)
