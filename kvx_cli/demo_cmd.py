@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="calibrate FP8/NVFP4 global scales per layer and KV head on a window after the evaluated "
                         "ones, instead of the default global scale 1.0: 'mse' (the default rule) picks the scale "
                         "with the least encode->decode error, 'amax' maps the amax onto the format's range")
+    p.add_argument("--calibration-text", type=Path,
+                   help="with --calibrate: calibrate on the first window of this UTF-8 text file instead of the "
+                        "window after the evaluated ones (a text the evaluation does not see)")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), help=f"torch CPU threads, 1..{MAX_THREADS}")
     p.add_argument("--json", type=Path,
                    help="also write the results as JSON lines to this NEW file: it is created before the run "
@@ -78,18 +81,19 @@ def _formats(spec: str) -> list[CacheFormat]:
     return [get_format("bf16")] + [f for f in fmts if f.name != "bf16"]
 
 
-def _read_text(path: Path | None) -> str | None:
-    """The --text file as UTF-8 text, read before the model loads; KvxError if it is not one."""
+def _read_text(path: Path | None, flag: str = "--text") -> str | None:
+    """The `flag` file (--text, --calibration-text) as UTF-8 text, read before the model loads; KvxError if it is not
+    one."""
     if path is None:
         return None
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise KvxError(Status.INVALID_ARGUMENT, f"--text {path} is not UTF-8 text (byte {e.start})") from None
+        raise KvxError(Status.INVALID_ARGUMENT, f"{flag} {path} is not UTF-8 text (byte {e.start})") from None
     except OSError as e:
-        raise KvxError(Status.INVALID_ARGUMENT, f"--text {path}: cannot read it ({e.strerror})") from None
-    require(text.strip(), Status.INVALID_ARGUMENT, f"--text {path} is empty")
-    require("\0" not in text, Status.INVALID_ARGUMENT, f"--text {path} holds NUL bytes: not a text file")
+        raise KvxError(Status.INVALID_ARGUMENT, f"{flag} {path}: cannot read it ({e.strerror})") from None
+    require(text.strip(), Status.INVALID_ARGUMENT, f"{flag} {path} is empty")
+    require("\0" not in text, Status.INVALID_ARGUMENT, f"{flag} {path} holds NUL bytes: not a text file")
     return text
 
 
@@ -175,6 +179,9 @@ def run(a: argparse.Namespace) -> int:
     """
     fmts = _formats(a.formats)
     text = _read_text(a.text)
+    require(a.calibration_text is None or a.calibrate, Status.INVALID_ARGUMENT,
+            "--calibration-text needs --calibrate (it is the text the global scales are calibrated on)")
+    cal_text = _read_text(a.calibration_text, "--calibration-text")
     with _json_output(a.json) as out:
         try:
             from kvx_demo import ensure_local_checkpoint, load_model, read_checkpoint_config
@@ -186,26 +193,28 @@ def run(a: argparse.Namespace) -> int:
             loaded = load_model(source)
         except ImportError as e:  # the demo's optional dependencies
             raise KvxError(Status.UNSUPPORTED, str(e)) from None
-        rows = _score(a, loaded, fmts, text)
+        rows = _score(a, loaded, fmts, text, cal_text)
         if out is not None:
             out.writelines(json.dumps(row) + "\n" for row in rows)
     return 0
 
 
-def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: str | None) -> list[dict]:
+def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: str | None,
+           cal_text: str | None) -> list[dict]:
     """One result row per format, printed as a table while it runs."""
     from kvx_demo import evaluate, load_windows, model_shape
     from kvx_demo.kvx_cache import KvxCache
 
     shape = model_shape(loaded.model)
-    need = a.windows + (1 if a.calibrate else 0)
+    need = a.windows + (1 if a.calibrate and cal_text is None else 0)
     windows = load_windows(loaded.tokenizer, need, a.window_len, text)
     eval_windows = windows[:a.windows]
+    cal_windows = windows[a.windows:] if cal_text is None else load_windows(loaded.tokenizer, 1, a.window_len, cal_text)
     print(f"model {loaded.source.name}: {shape['num_layers']} layers, {shape['num_heads']} query / "
           f"{shape['num_kv_heads']} KV heads, head_dim {shape['head_dim']} (loaded in {loaded.load_seconds:.1f} s); "
           f"{a.windows} windows x {a.window_len} tokens, chunk {min(a.chunk_size, a.window_len)}, "
           f"block size {a.block_size}", flush=True)
-    obs = _calibrate(loaded.model, windows[a.windows:], shape, a.block_size) if a.calibrate else None
+    obs = _calibrate(loaded.model, cal_windows, shape, a.block_size) if a.calibrate else None
     with torch.inference_mode():  # warm-up, so the first format's tokens/s is not the one-time setup
         loaded.model(input_ids=eval_windows[:1, :min(64, a.window_len)])
 

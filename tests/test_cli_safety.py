@@ -402,6 +402,42 @@ def test_demo_refuses_bad_text_before_loading(content, tmp_path, no_model_work, 
     assert not (tmp_path / "o.jsonl").exists()
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00binary\x80", b"", "dir"])
+def test_demo_refuses_bad_calibration_text_before_loading(content, tmp_path, no_model_work, capsys):
+    path = tmp_path / "cal.txt"
+    if content == "dir":
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    err = refused(["demo", "--calibrate", "--calibration-text", str(path), "--json", str(tmp_path / "o.jsonl")], capsys)
+    assert "--calibration-text" in err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_demo_calibration_text_needs_calibrate(tmp_path, no_model_work, capsys):
+    (tmp_path / "cal.txt").write_text("some calibration text")
+    err = refused(["demo", "--calibration-text", str(tmp_path / "cal.txt"), "--json", str(tmp_path / "o.jsonl")],
+                  capsys)
+    assert "needs --calibrate" in err and not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["mse", "amax"])
+def test_demo_calibrates_on_another_text(rule, tiny_checkpoint, text_file, tmp_path, private_cache, capsys,
+                                         quiet_transformers):
+    """--calibrate RULE --calibration-text: per-head scales from another text; the rows name the rule."""
+    cal = tmp_path / "cal.txt"
+    cal.write_text("An entirely different calibration text, about harbours and lighthouses. " * 40)
+    out = tmp_path / "rows.jsonl"
+    assert main(["demo", "--model", str(tiny_checkpoint), "--text", str(text_file), "--windows", "1",
+                 "--window-len", "64", "--chunk-size", "16", "--formats", "fp8_e4m3,nvfp4,int8", "--no-progress",
+                 "--calibrate", rule, "--calibration-text", str(cal), "--json", str(out)]) == 0
+    rows = {r["format"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["fp8_e4m3"]["calibrated"] == rule and rows["nvfp4"]["calibrated"] == rule
+    assert rows["int8"]["calibrated"] is None and rows["bf16"]["calibrated"] is None
+    assert f"fp8_e4m3 ({rule})" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("spec", ["int8,int8", "bogus", "int8,all", "nvfp4, nvfp4", "", " , ,", "INT8"])
 def test_demo_refuses_bad_formats_before_loading(spec, no_model_work, capsys):
     refused(["demo", "--formats", spec], capsys)
