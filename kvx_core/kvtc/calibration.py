@@ -18,6 +18,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -86,9 +87,10 @@ class Calibration:
                     out[f"g{i}.{s}.{name}"] = getattr(c, name).contiguous()
         return out
 
-    @property
+    @cached_property
     def identity(self) -> str:
-        """sha256 over the parameters and every tensor's bytes: what a compressed buffer names its calibration by."""
+        """sha256 over the parameters and every tensor's bytes: what a compressed buffer names its calibration by.
+        Computed once (a calibration is immutable): every compress, decompress and KVTC store lookup compares it."""
         h = hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode())
         for name, t in sorted(self.tensors().items()):
             h.update(name.encode())

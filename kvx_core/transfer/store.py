@@ -25,10 +25,9 @@ import torch
 
 from ..descriptors import CacheDesc
 from ..errors import KvxError, Status, require
+from ..kvtc.codec import MAGIC as KVTC_MAGIC
 from .bundle import BundleReader
 from .handoff import ModelFingerprint, export_bundle, import_bundle, token_bytes
-
-KVTC_MAGIC = b"KVTC"
 
 MARKER = "kvx_bundle_store.json"
 

@@ -17,9 +17,9 @@ from ...formats import CacheFormat
 from ..checks import WriteArgs
 from ..kernel_format import FormatCode, KernelFormat, kernel_format
 from . import checked_library, cuda_error_name
+from .decode import MIXED
 
 _X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_E4M3, _NVFP4 = 3, 0
 
 
 class WriteSide(ctypes.Structure):
@@ -70,7 +70,7 @@ def reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data: tor
     except KvxError:
         return f"format {fmt.name} has no kernel"
     ek, ev = encoder_code(kk), encoder_code(kv)
-    if ek is None or ev is None or (ek != ev and (ek, ev) != (_E4M3, _NVFP4)):
+    if ek is None or ev is None or (ek != ev and (ek, ev) not in MIXED):  # the decode's K / V pairs (k8v4)
         return f"format {fmt.name}: the CUDA write serves fp8 / int8 / int4 / nvfp4 / mxfp4 / k8v4"
     if key.device.type != "cuda":
         return "not a CUDA tensor"
