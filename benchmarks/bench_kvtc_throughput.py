@@ -79,7 +79,8 @@ def main() -> None:
             on_cpu = decompress(buf, cal, device="cpu").kv
             cross = max(float((x.cpu().float() - y.float()).abs().max()) for p, q in zip(dec.kv, on_cpu)
                         for x, y in zip(p, q))
-            emit(a.out, {**env, "bench": "kvtc_throughput", "device": a.device, "geometry": [LAYERS, H, D],
+            emit(a.out, {**env, "bench": "kvtc_throughput", "device": a.device,
+                         "codec": "triton" if a.device.startswith("cuda") else "torch", "geometry": [LAYERS, H, D],
                          "tokens": n, "target_ratio": ratio, "ratio_vs_bf16": raw / len(buf),
                          "rel_error": (err / ref) ** 0.5, "compress_s": t_c, "decompress_s": t_d,
                          "compress_gbps": raw / t_c / 1e9, "decompress_gbps": raw / t_d / 1e9,

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import KvxError, Status, require
 from .calibration import SIDES, Calibration, group_features
-from .quant import RangeKind, dequantize_range, meta_bytes, quantize_range, range_bytes
+from .layout import body_layout, check_headers, decode_sections, encode_sections
 from .rope import rotate
 
 MAGIC = b"KVTC"
@@ -36,7 +36,6 @@ VERSION = 1
 FLAG_DEFLATE = 1
 FLAG_TOKEN_IDS = 2
 HEADER = struct.Struct("<4sHH32s32sIIIIQQIIB3xQQ")
-RANGE = struct.Struct("<iiQQQQ")
 CHECKSUM_BYTES = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -74,11 +73,6 @@ class KvtcHeader:
         return d
 
 
-def _range_type(kind: RangeKind) -> tuple[int, int]:
-    """A range header's `(quant_type, int_bits)`: (0, 0) for FP8, (1, bits) for IntX."""
-    return (1, kind.bits) if kind.is_int else (0, 0)
-
-
 def _checksum(*parts: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
     for p in parts:
@@ -93,8 +87,34 @@ def _split(n: int, start: int, cal: Calibration) -> tuple[int, int]:
     return head, tail
 
 
-def _raw(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], a: int, b: int) -> bytes:
-    return b"".join(x[a:b].contiguous().cpu().view(torch.uint8).numpy().tobytes() for pair in kv for x in pair)
+def _write_raw(body: torch.Tensor, at: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], a: int, b: int) -> int:
+    """Tokens `[a, b)` of every layer's K then V, raw, into `body` from byte `at`; returns the next offset."""
+    for pair in kv:
+        for x in pair:
+            raw = x[a:b].contiguous().view(torch.uint8).reshape(-1)
+            body[at:at + raw.numel()] = raw
+            at += raw.numel()
+    return at
+
+
+def _project(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, a: int, b: int, token_start: int,
+             columns: int) -> torch.Tensor:
+    """Tokens `[a, b)` (keys with RoPE removed when calibrated so) projected onto every group's and side's kept
+    components: `Y [b - a, columns]` float32, the layout's column order."""
+    keys = [x[a:b] for x, _ in kv]
+    if cal.rope_theta:
+        pos = torch.arange(token_start + a, token_start + b, device=kv[0][0].device)
+        keys = [rotate(x, pos, cal.rope_theta, inverse=True) for x in keys]
+    sides = [keys, [v[a:b] for _, v in kv]]
+    y = torch.empty(b - a, columns, dtype=torch.float32, device=kv[0][0].device)
+    col = 0
+    for g, gc in enumerate(cal.groups):
+        for s, rows in zip(SIDES, sides):
+            c = gc[s]
+            x = group_features(rows, g, cal.layers_per_group).float()
+            y[:, col:col + c.kept] = (x - c.mean.to(x.device)) @ c.basis[:, :c.kept].to(x.device)
+            col += c.kept
+    return y
 
 
 def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, *, model=None, token_start: int = 0,
@@ -111,10 +131,13 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
             f"{tuple(kv[0][0].shape)} {dtype}")
     for layer, pair in enumerate(kv):
         for x in pair:
-            require(tuple(x.shape) == (n, h, d) and x.dtype == dtype, Status.INVALID_ARGUMENT,
-                    f"KVTC: layer {layer} K/V is {tuple(x.shape)} {x.dtype}, expected {(n, h, d)} {dtype}")
-            require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
-                    f"KVTC: layer {layer} holds non-finite K/V values; KVTC codes finite values only")
+            require(tuple(x.shape) == (n, h, d) and x.dtype == dtype and x.device == kv[0][0].device,
+                    Status.INVALID_ARGUMENT, f"KVTC: layer {layer} K/V is {tuple(x.shape)} {x.dtype} on {x.device}, "
+                    f"expected {(n, h, d)} {dtype} on {kv[0][0].device}")
+    finite = torch.stack([torch.isfinite(x).all() for pair in kv for x in pair]).cpu()  # one device sync
+    if not bool(finite.all()):
+        raise KvxError(Status.INVALID_ARGUMENT, f"KVTC: layer {int((~finite).nonzero()[0]) // 2} holds non-finite "
+                       "K/V values; KVTC codes finite values only")
     require(token_start >= 0, Status.INVALID_ARGUMENT, f"KVTC: token_start must be >= 0, got {token_start}")
     ids = b""
     if token_ids is not None:
@@ -123,25 +146,15 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
         ids = struct.pack(f"<{n}I", *(int(t) for t in token_ids))
     head, tail = _split(n, token_start, cal)
     a, b = head, n - tail
-    body = [ids, _raw(kv, 0, head), _raw(kv, b, n)]
+    dev = kv[0][0].device
+    layout = body_layout(cal, b - a, len(ids) + (head + tail) * 2 * cal.num_layers * h * d * kv[0][0].element_size())
+    body = torch.empty(layout.end, dtype=torch.uint8, device=dev)
+    if ids:
+        body[:len(ids)] = torch.frombuffer(bytearray(ids), dtype=torch.uint8)
+    _write_raw(body, _write_raw(body, len(ids), kv, 0, head), kv, b, n)
     if b > a:
-        keys = [x[a:b] for x, _ in kv]
-        if cal.rope_theta:
-            pos = torch.arange(token_start + a, token_start + b, device=kv[0][0].device)
-            keys = [rotate(x, pos, cal.rope_theta, inverse=True) for x in keys]
-        sides = [keys, [v[a:b] for _, v in kv]]
-        for g, gc in enumerate(cal.groups):
-            for s, rows in zip(SIDES, sides):
-                c = gc[s]
-                x = group_features(rows, g, cal.layers_per_group).float()
-                y = (x - c.mean.to(x.device)) @ c.basis[:, :c.kept].to(x.device)
-                for lo, hi, name in c.ranges:
-                    kind = RangeKind.parse(name)
-                    meta, packed = (t.cpu() for t in quantize_range(y[:, lo:hi].contiguous(), kind,
-                                                                     c.fp8_scale[lo:hi]))
-                    body.append(RANGE.pack(*_range_type(kind), lo, hi, packed.numel(), meta.numel()))
-                    body.append(meta.contiguous().numpy().tobytes() + packed.contiguous().numpy().tobytes())
-    raw_body = b"".join(body)
+        encode_sections(_project(kv, cal, a, b, token_start, layout.columns), cal, layout, body)
+    raw_body = body.cpu().numpy().tobytes()
     stored = zlib.compress(raw_body, 6) if deflate else raw_body
     flags = (FLAG_DEFLATE if deflate else 0) | (FLAG_TOKEN_IDS if token_ids is not None else 0)
     header = HEADER.pack(MAGIC, VERSION, flags, bytes.fromhex(cal.identity),
@@ -197,48 +210,34 @@ def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device
     require(len(body) == hdr.raw_body_bytes, Status.INVALID_ARGUMENT, "KVTC: body size disagrees with the header")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     n, h, d, L = hdr.token_count, hdr.num_kv_heads, hdr.head_dim, hdr.num_layers
-    es = torch.empty((), dtype=hdr.dtype).element_size()
-    out = [[torch.empty(n, h, d, dtype=hdr.dtype, device=dev) for _ in range(2)] for _ in range(L)]
-    at = 0
-
-    def take(nbytes: int) -> torch.Tensor:
-        """The next `nbytes` of the body as uint8."""
-        nonlocal at
-        require(at + nbytes <= len(body), Status.INVALID_ARGUMENT, "KVTC: body ends inside a section")
-        chunk = torch.frombuffer(bytearray(body[at:at + nbytes]), dtype=torch.uint8) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
-        at += nbytes
-        return chunk
-
-    ids = take(4 * n).numpy().view("<u4").tolist() if hdr.flags & FLAG_TOKEN_IDS else None
-    for lo_tok, count in ((0, hdr.raw_head), (n - hdr.raw_tail, hdr.raw_tail)):
-        for layer in range(L):
-            for i in range(2):
-                raw = take(count * h * d * es)
-                out[layer][i][lo_tok:lo_tok + count] = raw.view(hdr.dtype).view(count, h, d).to(dev)
+    require(hdr.raw_head + hdr.raw_tail <= n, Status.INVALID_ARGUMENT, "KVTC: more raw tokens than tokens")
     a, b = hdr.raw_head, n - hdr.raw_tail
-    m = b - a
-    if m > 0:
-        for g, gc in enumerate(cal.groups):
-            for i, s in enumerate(SIDES):
-                c = gc[s]
-                y = torch.zeros(m, c.kept, dtype=torch.float32, device=dev)
-                for lo, hi, name in c.ranges:
-                    kind = RangeKind.parse(name)
-                    qt, bits, start, stop, packed_n, meta_n = RANGE.unpack(take(RANGE.size).numpy().tobytes())
-                    expect = (*_range_type(kind), lo, hi, range_bytes(kind, hi - lo) * m, meta_bytes(kind, hi - lo))
-                    require((qt, bits, start, stop, packed_n, meta_n) == expect, Status.INVALID_ARGUMENT,
-                            f"KVTC: range header ({start}, {stop}) disagrees with the calibration's ({lo}, {hi}, {name})")
-                    meta = take(meta_n).to(dev)
-                    packed = take(packed_n).view(m, packed_n // m).to(dev)
-                    y[:, lo:hi] = dequantize_range(meta, packed, kind, hi - lo, c.fp8_scale[lo:hi].to(dev))
-                x = y @ c.basis[:, :c.kept].to(dev).T + c.mean.to(dev)
-                per_layer = x.view(m, cal.layers_per_group, h, d)
-                for j in range(cal.layers_per_group):
-                    rows = per_layer[:, j]
-                    if i == 0 and cal.rope_theta:
-                        pos = torch.arange(hdr.token_start + a, hdr.token_start + b, device=dev)
-                        rows = rotate(rows, pos, cal.rope_theta)
-                    out[g * cal.layers_per_group + j][i][a:b] = rows.to(hdr.dtype)
-    require(at == len(body), Status.INVALID_ARGUMENT, "KVTC: bytes left after the last section")
+    ids_bytes = 4 * n if hdr.flags & FLAG_TOKEN_IDS else 0
+    es = torch.empty((), dtype=hdr.dtype).element_size()
+    layout = body_layout(cal, b - a, ids_bytes + (hdr.raw_head + hdr.raw_tail) * 2 * L * h * d * es)
+    check_headers(body, layout)
+    ids = list(struct.unpack_from(f"<{n}I", body)) if ids_bytes else None
+    on_dev = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(dev) if body else \
+        torch.empty(0, dtype=torch.uint8, device=dev)
+    out = [[torch.empty(n, h, d, dtype=hdr.dtype, device=dev) for _ in range(2)] for _ in range(L)]
+    at = ids_bytes
+    for lo_tok, hi_tok in ((0, a), (b, n)):
+        for pair in out:
+            for x in pair:
+                dst = x[lo_tok:hi_tok].view(torch.uint8).view(-1)
+                dst.copy_(on_dev[at:at + dst.numel()])
+                at += dst.numel()
+    if b > a:
+        y = decode_sections(on_dev, cal, layout)
+        for k, (col, kept) in enumerate(layout.side_columns):
+            g, i = divmod(k, len(SIDES))
+            c = cal.groups[g][SIDES[i]]
+            x = y[:, col:col + kept] @ c.basis[:, :kept].to(dev).T + c.mean.to(dev)
+            per_layer = x.view(b - a, cal.layers_per_group, h, d)
+            for j in range(cal.layers_per_group):
+                rows = per_layer[:, j]
+                if i == 0 and cal.rope_theta:
+                    rows = rotate(rows, torch.arange(hdr.token_start + a, hdr.token_start + b, device=dev),
+                                  cal.rope_theta)
+                out[g * cal.layers_per_group + j][i][a:b] = rows.to(hdr.dtype)
     return KvtcDecoded(hdr, [(k, v) for k, v in out], ids)

@@ -76,6 +76,45 @@ def _unpack(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return ((data.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(data.shape[0], -1)[:, :n]
 
 
+def column_meta(y: torch.Tensor, levels: torch.Tensor | int,
+                is_int: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """IntX metadata of each column of `y [M, C]` (M > 0, finite): fp16 `min` and fp16 `step = (max - min) / levels`
+    (`levels = 2^bits - 1`, per column or one for all). KvxError when an IntX column (all, or those `is_int` marks)
+    exceeds fp16. Elementwise, so one call over many ranges' columns gives each range's own values: the CPU reference
+    and the GPU codec share it."""
+    lo, hi = torch.aminmax(y, dim=0)
+    big = torch.maximum(lo.abs(), hi.abs()) > F16_MAX
+    if bool((big if is_int is None else big & is_int).any()):
+        raise KvxError(Status.OUT_OF_RANGE, "a KVTC component exceeds the fp16 range of its min / step")
+    mn = lo.to(torch.float16)
+    return mn, ((hi - mn.float()) / levels).to(torch.float16)
+
+
+def pack_range(y: torch.Tensor, kind: RangeKind, mn: torch.Tensor | None, step: torch.Tensor | None,
+               scale: torch.Tensor) -> torch.Tensor:
+    """Rows `y [M, n]` of one kept range (float32) -> packed rows `[M, range_bytes(kind, n)]` uint8, given the range's
+    fp16 `mn` / `step` (IntX) or fp32 `scale` (FP8). The reference of the Triton packer (`ops.triton.kvtc`)."""
+    m, n = y.shape
+    if not kind.is_int:
+        q = (y / scale.to(y.device)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return q.view(torch.uint8)
+    s = step.float()
+    codes = torch.where(s > 0, torch.round((y - mn.float()) / torch.where(s > 0, s, 1.0)),
+                        torch.zeros_like(y)).clamp(0, (1 << kind.bits) - 1)
+    pad = (-n) % (8 // kind.bits)
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(m, pad)], dim=1)
+    return _pack(codes, kind.bits)
+
+
+def unpack_range(data: torch.Tensor, kind: RangeKind, n: int, mn: torch.Tensor | None, step: torch.Tensor | None,
+                 scale: torch.Tensor) -> torch.Tensor:
+    """`pack_range`'s packed rows -> float32 rows `[M, n]` (`mn + code * step`, two roundings; FP8: value * scale)."""
+    if not kind.is_int:
+        return data.contiguous().view(torch.float8_e4m3fn).float() * scale.to(data.device)
+    return mn.float() + _unpack(data, kind.bits, n).float() * step.float()
+
+
 def quantize_range(y: torch.Tensor, kind: RangeKind, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `y [M, n]` (float32, finite) of one range -> (metadata `[meta_bytes]` uint8, packed rows
     `[M, range_bytes(kind, n)]` uint8)."""
@@ -84,33 +123,20 @@ def quantize_range(y: torch.Tensor, kind: RangeKind, scale: torch.Tensor) -> tup
     if kind.bits == 0:
         return none, torch.empty(m, 0, dtype=torch.uint8, device=y.device)
     if not kind.is_int:
-        q = (y / scale.to(y.device)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        return none, q.view(torch.uint8)
-    if bool((y.abs() > F16_MAX).any()):
-        raise KvxError(Status.OUT_OF_RANGE, "a KVTC component exceeds the fp16 range of its min / step")
-    levels = (1 << kind.bits) - 1
+        return none, pack_range(y, kind, None, None, scale)
     if m == 0:
         mn = step = torch.zeros(n, dtype=torch.float16, device=y.device)
     else:
-        mn = y.amin(0).to(torch.float16)
-        step = ((y.amax(0) - mn.float()) / levels).to(torch.float16)
-    s = step.float()
-    codes = torch.where(s > 0, torch.round((y - mn.float()) / torch.where(s > 0, s, 1.0)),
-                        torch.zeros_like(y)).clamp(0, levels)
-    pad = (-n) % (8 // kind.bits)
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(m, pad)], dim=1)
-    return torch.cat([mn, step]).view(torch.uint8), _pack(codes, kind.bits)
+        mn, step = column_meta(y, (1 << kind.bits) - 1)
+    return torch.cat([mn, step]).view(torch.uint8), pack_range(y, kind, mn, step, scale)
 
 
 def dequantize_range(meta: torch.Tensor, data: torch.Tensor, kind: RangeKind, n: int,
                      scale: torch.Tensor) -> torch.Tensor:
     """`quantize_range`'s (metadata, packed rows) -> float32 rows `[M, n]`."""
-    m = data.shape[0]
     if kind.bits == 0:
-        return torch.zeros(m, n, dtype=torch.float32, device=data.device)
+        return torch.zeros(data.shape[0], n, dtype=torch.float32, device=data.device)
     if not kind.is_int:
-        return data.contiguous().view(torch.float8_e4m3fn).float() * scale.to(data.device)
-    mn_step = meta.contiguous().view(torch.float16).float().view(2, n)
-    codes = _unpack(data, kind.bits, n).float()
-    return mn_step[0] + codes * mn_step[1]
+        return unpack_range(data, kind, n, None, None, scale)
+    mn, step = meta.contiguous().view(torch.float16).view(2, n)
+    return unpack_range(data, kind, n, mn, step, scale)
