@@ -1,4 +1,5 @@
-"""KVTC codec throughput on a device: compress / decompress GB/s of BF16 K/V (the torch codec, `kvx_core.kvtc`).
+"""KVTC codec throughput on a device: compress / decompress GB/s of BF16 K/V (`kvx_core.kvtc`: torch matmuls, and on
+CUDA the Triton range codec; end to end, bytes in and bytes out, host copies included).
 
 SmolLM2-135M's geometry (30 layers, 3 KV heads, head_dim 64) with synthetic K/V of low-rank structure plus noise
 (the calibration and the timed sequence come from one generator; no model or network needed, so it runs on the

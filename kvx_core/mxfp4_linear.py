@@ -5,6 +5,8 @@ scale per 32 inputs, the OCP MX rule, 4.25 bits per weight) it is 3.76x smaller.
 `MXFP4Format(group_size=32)`, so the quantized weight is bit-identical to what the KV-cache formats' oracles
 define. This module is the torch reference (any device): `mxfp4_linear` decodes the weight in row chunks (peak
 memory one chunk, not the dense head) and multiplies in the input's dtype with FP32 accumulation where torch does.
+On CUDA, bf16 / fp16 inputs go to the Triton kernel (`ops.triton.mxfp4_gemv`: the weight decoded in registers, 4.25
+bits per weight read); `backend="torch"` forces the reference.
 """
 from __future__ import annotations
 
@@ -63,9 +65,17 @@ def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Weight:
     return Mxfp4Weight(payload, scales)
 
 
-def mxfp4_linear(x: torch.Tensor, weight: Mxfp4Weight, *, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+def kernel_serves(x: torch.Tensor) -> bool:
+    """Whether `mxfp4_linear` runs the Triton kernel for x (CUDA, bf16 / fp16) rather than the torch reference."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def mxfp4_linear(x: torch.Tensor, weight: Mxfp4Weight, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                 backend: str = "auto") -> torch.Tensor:
     """`x @ W.T` for `x [..., in_features]` with `W` the decoded MXFP4 weight: the output `[..., out_features]` in
-    x's dtype. Equal to `x @ weight.dequantize(dtype=x.dtype).T` for any `chunk_rows` (rows are independent)."""
+    x's dtype. The reference equals `x @ weight.dequantize(dtype=x.dtype).T` for any `chunk_rows` (rows are
+    independent); the kernel (`backend` "auto" where `kernel_serves(x)`, or "triton") has the same exact products
+    summed in another FP32 order."""
     if not isinstance(weight, Mxfp4Weight):
         raise KvxError(Status.INVALID_ARGUMENT, f"mxfp4_linear expects an Mxfp4Weight, got {type(weight).__name__}")
     require(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 1
@@ -76,6 +86,13 @@ def mxfp4_linear(x: torch.Tensor, weight: Mxfp4Weight, *, chunk_rows: int = DEFA
             f"chunk_rows must be a positive int, got {chunk_rows!r}")
     require(x.device == weight.payload.device, Status.INVALID_ARGUMENT,
             f"x is on {x.device}, the weight on {weight.payload.device}")
+    require(backend in ("auto", "torch", "triton"), Status.INVALID_ARGUMENT,
+            f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "triton" or (backend == "auto" and kernel_serves(x)):
+        from .ops.triton.mxfp4_gemv import mxfp4_linear_triton
+        x2 = x.reshape(-1, weight.in_features)
+        out2 = mxfp4_linear_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight.payload, weight.scales)
+        return out2.view(*x.shape[:-1], weight.out_features)
     out = torch.empty(*x.shape[:-1], weight.out_features, dtype=x.dtype, device=x.device)
     for lo in range(0, weight.out_features, chunk_rows):
         rows = slice(lo, min(lo + chunk_rows, weight.out_features))

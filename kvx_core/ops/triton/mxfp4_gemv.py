@@ -1,0 +1,81 @@
+"""MXFP4 weight x BF16 / FP16 activations for small M (the lm_head of a decode step): `out = x @ W.T`.
+
+A program owns `BN` output features (weight rows) and `BM` activation rows and walks the inputs `BK` at a time: the
+weight tile is decoded in registers by the KV decode's own FP4 tile (`tiles.fp4_tile`: E2M1 nibble -> fp16 bits,
+times the group's UE8M0 scale, exact in bf16), split into even (low nibble) and odd (high nibble) inputs, and meets
+the matching even / odd activation columns in two tensor-core dots with FP32 accumulation. The weight is read once
+per `BM` rows of x, so for M <= BM the kernel reads 4.25 bits per weight and little else. The products are exact;
+only the FP32 summation order differs from the torch reference (`kvx_core.mxfp4_linear`, which multiplies the
+decoded weight in x's dtype).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...errors import Status, require
+from .dequant import F_MXFP4
+from .launch import interpreting
+from .tiles import fp4_tile
+
+GROUP = 32
+DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _mxfp4_linear_kernel(X, s_xm, P, S, O, s_om, M, N, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nmask = n < N
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    mmask = m < M
+    row = n.to(tl.int64) * (K // 2)
+    srow = n.to(tl.int64) * (K // 32)
+    x_row = m.to(tl.int64) * s_xm
+    kh = tl.arange(0, BK // 2)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a, b = fp4_tile(P + k0 // 2, row, S + k0 // 32, srow, nmask, F_MXFP4, 32, BK, BN, DT, ASM)
+        xe = tl.load(X + x_row[None, :] + (k0 + 2 * kh)[:, None], mask=mmask[None, :], other=0.0)
+        xo = tl.load(X + x_row[None, :] + (k0 + 2 * kh + 1)[:, None], mask=mmask[None, :], other=0.0)
+        acc = tl.dot(a, xe, acc)
+        acc = tl.dot(b, xo, acc)
+    tl.store(O + m.to(tl.int64)[None, :] * s_om + n[:, None], acc.to(O.dtype.element_ty),
+             mask=nmask[:, None] & mmask[None, :])
+
+
+def block_k(in_features: int) -> int:
+    """The largest power-of-two input chunk <= 256 that divides `in_features` (a multiple of 32)."""
+    bk = 256
+    while in_features % bk:
+        bk //= 2
+    return bk
+
+
+def config(m: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) for `m` activation rows."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    return bm, 64, 4, 4
+
+
+def mxfp4_linear_triton(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
+                        tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """`x [M, K]` (bf16 / fp16, unit stride in K) times the MXFP4 weight `payload [N, K/2]`, `scales [N, K/32]`
+    (uint8, contiguous) -> `[M, N]` in x's dtype. `tiles`: (BM, BN, num_warps, num_stages) instead of `config(M)`
+    (the benchmark's sweep)."""
+    require(x.dim() == 2 and x.dtype in DTYPES and x.stride(1) == 1, Status.INVALID_ARGUMENT,
+            f"MXFP4 linear kernel: x must be [M, K] bf16 / fp16 with unit stride in K, got {tuple(x.shape)} {x.dtype}")
+    n, k = payload.shape[0], x.shape[1]
+    require(payload.dtype == scales.dtype == torch.uint8 and payload.is_contiguous() and scales.is_contiguous()
+            and tuple(payload.shape) == (n, k // 2) and tuple(scales.shape) == (n, k // GROUP) and k % GROUP == 0,
+            Status.INVALID_ARGUMENT, "MXFP4 linear kernel: payload [N, K/2] and scales [N, K/32] contiguous uint8")
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0 or n == 0:
+        return out
+    bm, bn, warps, stages = tiles or config(x.shape[0])
+    grid = (triton.cdiv(n, bn), triton.cdiv(x.shape[0], bm))
+    _mxfp4_linear_kernel[grid](x, x.stride(0), payload, scales, out, out.stride(0), x.shape[0], n, K=k, BM=bm, BN=bn,
+                               BK=block_k(k), DT=DTYPES[x.dtype], ASM=not interpreting(), num_warps=warps,
+                               num_stages=stages)
+    return out
