@@ -29,7 +29,7 @@ from kvx_core.ops.triton.mxfp4_gemv import config, mxfp4_linear_triton  # noqa: 
 K = 2880
 SHAPES = {"gpt-oss head": 201088, "gpt-oss head TP=2 shard": 100544}
 MS = (1, 2, 4, 8, 16, 32, 64)
-SWEEP = [(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (3, 4, 6)]
+SWEEP = [(bn, bk, w, 3) for bn in (64, 128, 256) for bk in (64, 128, 256) for w in (4, 8)] + [(128, 256, 4, 5)]
 
 
 def marlin_available() -> str | None:
@@ -47,10 +47,10 @@ def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: b
         for m in (1, 16, 64):
             x = torch.randn(m, K, device="cuda").bfloat16()
             bm = config(m)[0]
-            for bn, warps, stages in SWEEP:
-                t = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales, (bm, bn, warps, stages)))
+            for bn, bk, warps, stages in SWEEP:
+                t = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales, (bm, bn, bk, warps, stages)))
                 emit(out, {**env, "bench": "lm_head_sweep", "shape": name, "m": m,
-                           "tiles": [bm, bn, warps, stages], "us": t["ms"] * 1e3})
+                           "tiles": [bm, bn, bk, warps, stages], "us": t["ms"] * 1e3})
     for m in MS:
         x = torch.randn(m, K, device="cuda").bfloat16()
         t_bf16 = bench(lambda: F.linear(x, w))

@@ -3,6 +3,7 @@ calibration file, and the codec's round trip, raw tokens and refusals (another c
 truncation, versions, non-finite input)."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import struct
@@ -13,7 +14,7 @@ import torch
 from kvx_core.errors import KvxError, Status
 from kvx_core.kvtc import calibrate, compress, decompress, load_calibration, read_header
 from kvx_core.kvtc import calibration as calib_mod
-from kvx_core.kvtc.codec import HEADER
+from kvx_core.kvtc.codec import HEADER, VERSION
 from kvx_core.kvtc.quant import KINDS, RangeKind, dequantize_range, quantize_range, range_bytes
 
 L, H, D = 4, 2, 16
@@ -187,7 +188,10 @@ def test_foreign_damaged_and_truncated_buffers_are_refused(cal, bases):
         "truncated": (lambda: decompress(buf[:-7], cal), Status.INVALID_ARGUMENT),
         "damaged": (lambda: decompress(buf[:200] + bytes([buf[200] ^ 1]) + buf[201:], cal), Status.INVALID_ARGUMENT),
         "bad magic": (lambda: decompress(b"XXXX" + buf[4:], cal), Status.INVALID_ARGUMENT),
-        "newer version": (lambda: decompress(buf[:4] + struct.pack("<H", 2) + buf[6:], cal), Status.INCOMPATIBLE),
+        "newer version": (lambda: decompress(buf[:4] + struct.pack("<H", VERSION + 1) + buf[6:], cal),
+                          Status.INCOMPATIBLE),
+        "version 1 with a version 2 checksum": (lambda: decompress(buf[:4] + struct.pack("<H", 1) + buf[6:], cal),
+                                                Status.INVALID_ARGUMENT),
         "not bytes": (lambda: decompress("text", cal), Status.INVALID_ARGUMENT),
     }
     for name, (fn, status) in cases.items():
@@ -195,6 +199,18 @@ def test_foreign_damaged_and_truncated_buffers_are_refused(cal, bases):
             fn()
         assert e.value.status == status, name
     assert HEADER.size + 16 < len(buf)
+
+
+def test_version_2_checksum_is_xxh3_128_and_version_1_buffers_still_read(cal, bases):
+    xxhash = pytest.importorskip("xxhash")
+    kv = _kv(60, 3, bases)
+    buf = compress(kv, cal)
+    assert struct.unpack_from("<H", buf, 4)[0] == VERSION == 2
+    assert buf[-16:] == xxhash.xxh3_128(buf[:-16]).digest()
+    v1 = buf[:4] + struct.pack("<H", 1) + buf[6:-16]
+    v1 += hashlib.blake2b(v1, digest_size=16).digest()
+    old, new = decompress(v1, cal), decompress(buf, cal)
+    assert all(torch.equal(a, b) for p, q in zip(old.kv, new.kv) for a, b in zip(p, q))
 
 
 def test_bad_input_is_refused(cal, bases):

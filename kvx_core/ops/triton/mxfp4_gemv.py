@@ -1,6 +1,7 @@
 """MXFP4 weight x BF16 / FP16 activations for small M (the lm_head of a decode step): `out = x @ W.T`.
 
-A program owns `BN` output features (weight rows) and `BM` activation rows and walks the inputs `BK` at a time: the
+A program owns `BN` output features (weight rows) and `BM` activation rows and walks the inputs `BK` at a time (the
+remainder, a multiple of 32, one group at a time): the
 weight tile is decoded in registers by the KV decode's own FP4 tile (`tiles.fp4_tile`: E2M1 nibble -> fp16 bits,
 times the group's UE8M0 scale, exact in bf16), split into even (low nibble) and odd (high nibble) inputs, and meets
 the matching even / odd activation columns in two tensor-core dots with FP32 accumulation. The weight is read once
@@ -24,6 +25,18 @@ DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
+def _chunk(acc, X, x_row, mmask, P, row, S, srow, nmask, k0, BK: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
+           ASM: tl.constexpr):
+    """acc += W[rows, k0:k0+BK] . x[:, k0:k0+BK] as even and odd input halves."""
+    kh = tl.arange(0, BK // 2)
+    a, b = fp4_tile(P + k0 // 2, row, S + k0 // 32, srow, nmask, F_MXFP4, 32, BK, BN, DT, ASM)
+    xe = tl.load(X + x_row[None, :] + (k0 + 2 * kh)[:, None], mask=mmask[None, :], other=0.0)
+    xo = tl.load(X + x_row[None, :] + (k0 + 2 * kh + 1)[:, None], mask=mmask[None, :], other=0.0)
+    acc = tl.dot(a, xe, acc)
+    return tl.dot(b, xo, acc)
+
+
+@triton.jit
 def _mxfp4_linear_kernel(X, s_xm, P, S, O, s_om, M, N, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -33,36 +46,26 @@ def _mxfp4_linear_kernel(X, s_xm, P, S, O, s_om, M, N, K: tl.constexpr, BM: tl.c
     row = n.to(tl.int64) * (K // 2)
     srow = n.to(tl.int64) * (K // 32)
     x_row = m.to(tl.int64) * s_xm
-    kh = tl.arange(0, BK // 2)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a, b = fp4_tile(P + k0 // 2, row, S + k0 // 32, srow, nmask, F_MXFP4, 32, BK, BN, DT, ASM)
-        xe = tl.load(X + x_row[None, :] + (k0 + 2 * kh)[:, None], mask=mmask[None, :], other=0.0)
-        xo = tl.load(X + x_row[None, :] + (k0 + 2 * kh + 1)[:, None], mask=mmask[None, :], other=0.0)
-        acc = tl.dot(a, xe, acc)
-        acc = tl.dot(b, xo, acc)
+    K_MAIN: tl.constexpr = K - K % BK
+    for k0 in range(0, K_MAIN, BK):
+        acc = _chunk(acc, X, x_row, mmask, P, row, S, srow, nmask, k0, BK, BN, DT, ASM)
+    for k0 in range(K_MAIN, K, 32):  # the inputs past the last whole chunk, one group at a time
+        acc = _chunk(acc, X, x_row, mmask, P, row, S, srow, nmask, k0, 32, BN, DT, ASM)
     tl.store(O + m.to(tl.int64)[None, :] * s_om + n[:, None], acc.to(O.dtype.element_ty),
              mask=nmask[:, None] & mmask[None, :])
 
 
-def block_k(in_features: int) -> int:
-    """The largest power-of-two input chunk <= 256 that divides `in_features` (a multiple of 32)."""
-    bk = 256
-    while in_features % bk:
-        bk //= 2
-    return bk
-
-
-def config(m: int) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) for `m` activation rows."""
+def config(m: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) for `m` activation rows."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    return bm, 64, 4, 4
+    return bm, 128, 256, 4, 3
 
 
 def mxfp4_linear_triton(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
-                        tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                        tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """`x [M, K]` (bf16 / fp16, unit stride in K) times the MXFP4 weight `payload [N, K/2]`, `scales [N, K/32]`
-    (uint8, contiguous) -> `[M, N]` in x's dtype. `tiles`: (BM, BN, num_warps, num_stages) instead of `config(M)`
+    (uint8, contiguous) -> `[M, N]` in x's dtype. `tiles`: (BM, BN, BK, num_warps, num_stages) instead of `config(M)`
     (the benchmark's sweep)."""
     require(x.dim() == 2 and x.dtype in DTYPES and x.stride(1) == 1, Status.INVALID_ARGUMENT,
             f"MXFP4 linear kernel: x must be [M, K] bf16 / fp16 with unit stride in K, got {tuple(x.shape)} {x.dtype}")
@@ -73,9 +76,9 @@ def mxfp4_linear_triton(x: torch.Tensor, payload: torch.Tensor, scales: torch.Te
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or n == 0:
         return out
-    bm, bn, warps, stages = tiles or config(x.shape[0])
+    bm, bn, bk, warps, stages = tiles or config(x.shape[0])
     grid = (triton.cdiv(n, bn), triton.cdiv(x.shape[0], bm))
     _mxfp4_linear_kernel[grid](x, x.stride(0), payload, scales, out, out.stride(0), x.shape[0], n, K=k, BM=bm, BN=bn,
-                               BK=block_k(k), DT=DTYPES[x.dtype], ASM=not interpreting(), num_warps=warps,
+                               BK=bk, DT=DTYPES[x.dtype], ASM=not interpreting(), num_warps=warps,
                                num_stages=stages)
     return out
