@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit, env_info  # noqa: E402
 
 from kvx_core.kvtc import calibrate, compress, decompress  # noqa: E402
+from kvx_core.kvtc.codec import decode_body, encode_body, open_body, split_raw  # noqa: E402
 
 LAYERS, H, D, RANK = 30, 3, 64, 24
 
@@ -75,6 +76,10 @@ def main() -> None:
             compress(kv, cal)  # warm-up
             t_c, buf = _timed(lambda: compress(kv, cal), a.runs, a.device)
             t_d, dec = _timed(lambda: decompress(buf, cal, device=a.device), a.runs, a.device)
+            head, tail = split_raw(n, 0, cal)  # the device halves alone: body in / out of device memory
+            t_cd, _ = _timed(lambda: encode_body(kv, cal, 0, b"", head, tail), a.runs, a.device)
+            hdr, layout, on_dev, _ = open_body(buf, cal, device=a.device)
+            t_dd, _ = _timed(lambda: decode_body(on_dev, cal, layout, hdr), a.runs, a.device)
             err = sum(float(((x.float() - y.float()) ** 2).sum()) for p, q in zip(kv, dec.kv) for x, y in zip(p, q))
             ref = sum(float((x.float() ** 2).sum()) for p in kv for x in p)
             on_cpu = decompress(buf, cal, device="cpu").kv
@@ -85,6 +90,7 @@ def main() -> None:
                          "tokens": n, "target_ratio": ratio, "ratio_vs_bf16": raw / len(buf),
                          "rel_error": (err / ref) ** 0.5, "compress_s": t_c, "decompress_s": t_d,
                          "compress_gbps": raw / t_c / 1e9, "decompress_gbps": raw / t_d / 1e9,
+                         "device_compress_gbps": raw / t_cd / 1e9, "device_decompress_gbps": raw / t_dd / 1e9,
                          "cross_device_max_abs": cross})
 
 

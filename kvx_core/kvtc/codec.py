@@ -92,7 +92,7 @@ def _checksum(version: int, *parts) -> bytes:
     return h.digest()
 
 
-def _split(n: int, start: int, cal: Calibration) -> tuple[int, int]:
+def split_raw(n: int, start: int, cal: Calibration) -> tuple[int, int]:
     """(raw head, raw tail) token counts of `n` tokens starting at absolute position `start`."""
     head = min(max(cal.sink_tokens - start, 0), n)
     tail = min(cal.recent_tokens, n - head)
@@ -129,6 +129,52 @@ def _project(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
     return y
 
 
+def encode_body(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, token_start: int, ids: bytes,
+                head: int, tail: int) -> torch.Tensor:
+    """The device half of `compress` (inputs checked): the body as a uint8 tensor on the K/V's device (token ids, raw
+    head and tail tokens, coded sections). `compress` adds the header and checksum on the host."""
+    n, h, d = kv[0][0].shape
+    a, b = head, n - tail
+    layout = body_layout(cal, b - a, len(ids) + (head + tail) * 2 * cal.num_layers * h * d * kv[0][0].element_size())
+    body = torch.empty(layout.end, dtype=torch.uint8, device=kv[0][0].device)
+    if ids:
+        body[:len(ids)] = torch.frombuffer(bytearray(ids), dtype=torch.uint8)
+    _write_raw(body, _write_raw(body, len(ids), kv, 0, head), kv, b, n)
+    if b > a:
+        encode_sections(_project(kv, cal, a, b, token_start, layout.columns), cal, layout, body)
+    return body
+
+
+def decode_body(body: torch.Tensor, cal: Calibration, layout, hdr: KvtcHeader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The device half of `decompress` (header and range headers checked): a body on the target device -> K/V per
+    layer `[token_count, H, D]` in the header's dtype on that device."""
+    dev = body.device
+    n, h, d = hdr.token_count, hdr.num_kv_heads, hdr.head_dim
+    a, b = hdr.raw_head, n - hdr.raw_tail
+    out = [[torch.empty(n, h, d, dtype=hdr.dtype, device=dev) for _ in range(2)] for _ in range(hdr.num_layers)]
+    at = 4 * n if hdr.flags & FLAG_TOKEN_IDS else 0
+    for lo_tok, hi_tok in ((0, a), (b, n)):
+        for pair in out:
+            for x in pair:
+                dst = x[lo_tok:hi_tok].view(torch.uint8).view(-1)
+                dst.copy_(body[at:at + dst.numel()])
+                at += dst.numel()
+    if b > a:
+        y = decode_sections(body, cal, layout)
+        for k, (col, kept) in enumerate(layout.side_columns):
+            g, i = divmod(k, len(SIDES))
+            c = cal.groups[g][SIDES[i]]
+            x = y[:, col:col + kept] @ c.basis[:, :kept].to(dev).T + c.mean.to(dev)
+            per_layer = x.view(b - a, cal.layers_per_group, h, d)
+            for j in range(cal.layers_per_group):
+                rows = per_layer[:, j]
+                if i == 0 and cal.rope_theta:
+                    rows = rotate(rows, torch.arange(hdr.token_start + a, hdr.token_start + b, device=dev),
+                                  cal.rope_theta)
+                out[g * cal.layers_per_group + j][i][a:b] = rows.to(hdr.dtype)
+    return [(k, v) for k, v in out]
+
+
 def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, *, model=None, token_start: int = 0,
              deflate: bool = False, token_ids: Sequence[int] | None = None) -> bytes:
     """One sequence's tokens `[token_start, token_start + n)`: `kv[layer] = (K, V)`, each `[n, H, D]` bf16 / fp16 /
@@ -156,16 +202,8 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
         require(len(token_ids) == n and all(0 <= int(t) < 2**32 for t in token_ids), Status.INVALID_ARGUMENT,
                 f"KVTC: {len(token_ids)} token ids for {n} tokens (u32 each)")
         ids = struct.pack(f"<{n}I", *(int(t) for t in token_ids))
-    head, tail = _split(n, token_start, cal)
-    a, b = head, n - tail
-    dev = kv[0][0].device
-    layout = body_layout(cal, b - a, len(ids) + (head + tail) * 2 * cal.num_layers * h * d * kv[0][0].element_size())
-    body = torch.empty(layout.end, dtype=torch.uint8, device=dev)
-    if ids:
-        body[:len(ids)] = torch.frombuffer(bytearray(ids), dtype=torch.uint8)
-    _write_raw(body, _write_raw(body, len(ids), kv, 0, head), kv, b, n)
-    if b > a:
-        encode_sections(_project(kv, cal, a, b, token_start, layout.columns), cal, layout, body)
+    head, tail = split_raw(n, token_start, cal)
+    body = encode_body(kv, cal, token_start, ids, head, tail)
     raw_body = memoryview(body.cpu().numpy())  # one device -> host copy; hashed and joined in place
     stored = zlib.compress(raw_body, 6) if deflate else raw_body
     flags = (FLAG_DEFLATE if deflate else 0) | (FLAG_TOKEN_IDS if token_ids is not None else 0)
@@ -205,6 +243,13 @@ class KvtcDecoded(NamedTuple):
 def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device | str | None = None) -> KvtcDecoded:
     """A buffer -> its header, K/V per layer on `device` and token ids (when carried). KvxError (INCOMPATIBLE) for a
     buffer of another calibration or model; INVALID_ARGUMENT when damaged or truncated."""
+    hdr, layout, on_dev, ids = open_body(buf, cal, model=model, device=device)
+    return KvtcDecoded(hdr, decode_body(on_dev, cal, layout, hdr), ids)
+
+
+def open_body(buf: bytes, cal: Calibration, *, model=None, device: torch.device | str | None = None):
+    """The host half of `decompress`: every check (header, checksum, calibration, model, range headers), then
+    (header, body layout, the body copied to `device`, token ids or None)."""
     hdr = read_header(buf)
     require(hdr.calibration == cal.identity, Status.INCOMPATIBLE,
             f"KVTC: the buffer was compressed with calibration {hdr.calibration[:12]}..., this one is "
@@ -234,25 +279,4 @@ def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device
         warnings.simplefilter("ignore", UserWarning)
         on_dev = torch.frombuffer(body, dtype=torch.uint8).to(dev) if len(body) else \
             torch.empty(0, dtype=torch.uint8, device=dev)
-    out = [[torch.empty(n, h, d, dtype=hdr.dtype, device=dev) for _ in range(2)] for _ in range(L)]
-    at = ids_bytes
-    for lo_tok, hi_tok in ((0, a), (b, n)):
-        for pair in out:
-            for x in pair:
-                dst = x[lo_tok:hi_tok].view(torch.uint8).view(-1)
-                dst.copy_(on_dev[at:at + dst.numel()])
-                at += dst.numel()
-    if b > a:
-        y = decode_sections(on_dev, cal, layout)
-        for k, (col, kept) in enumerate(layout.side_columns):
-            g, i = divmod(k, len(SIDES))
-            c = cal.groups[g][SIDES[i]]
-            x = y[:, col:col + kept] @ c.basis[:, :kept].to(dev).T + c.mean.to(dev)
-            per_layer = x.view(b - a, cal.layers_per_group, h, d)
-            for j in range(cal.layers_per_group):
-                rows = per_layer[:, j]
-                if i == 0 and cal.rope_theta:
-                    rows = rotate(rows, torch.arange(hdr.token_start + a, hdr.token_start + b, device=dev),
-                                  cal.rope_theta)
-                out[g * cal.layers_per_group + j][i][a:b] = rows.to(hdr.dtype)
-    return KvtcDecoded(hdr, [(k, v) for k, v in out], ids)
+    return hdr, layout, on_dev, ids
