@@ -129,6 +129,16 @@ def _project(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
     return y
 
 
+def _to_host(body: torch.Tensor) -> torch.Tensor:
+    """A device body copied into pinned host memory (torch's caching host allocator reuses it across calls: a
+    pageable copy into fresh memory ran at ~1.3 GB/s on an H100 host, page faults included)."""
+    if body.device.type != "cuda":
+        return body
+    host = torch.empty(body.numel(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(body)
+    return host
+
+
 def encode_body(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, token_start: int, ids: bytes,
                 head: int, tail: int) -> torch.Tensor:
     """The device half of `compress` (inputs checked): the body as a uint8 tensor on the K/V's device (token ids, raw
@@ -204,7 +214,7 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
         ids = struct.pack(f"<{n}I", *(int(t) for t in token_ids))
     head, tail = split_raw(n, token_start, cal)
     body = encode_body(kv, cal, token_start, ids, head, tail)
-    raw_body = memoryview(body.cpu().numpy())  # one device -> host copy; hashed and joined in place
+    raw_body = memoryview(_to_host(body).numpy())  # one device -> host copy; hashed and joined in place
     stored = zlib.compress(raw_body, 6) if deflate else raw_body
     flags = (FLAG_DEFLATE if deflate else 0) | (FLAG_TOKEN_IDS if token_ids is not None else 0)
     header = HEADER.pack(MAGIC, VERSION, flags, bytes.fromhex(cal.identity),

@@ -57,9 +57,13 @@ def _mxfp4_linear_kernel(X, s_xm, P, S, O, s_om, M, N, K: tl.constexpr, BM: tl.c
 
 
 def config(m: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages) for `m` activation rows."""
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    return bm, 128, 256, 4, 3
+    """(BM, BN, BK, num_warps, num_stages) for `m` activation rows: the fastest of `bench_lm_head.py --sweep` on an
+    H100 at 201088 x 2880 (`benchmarks/results/lm_head_mxfp4_h100.jsonl`)."""
+    if m <= 16:
+        return 16, 128, 64, 4, 3
+    if m <= 32:
+        return 32, 128, 64, 4, 3
+    return 64, 256, 64, 4, 3
 
 
 def mxfp4_linear_triton(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
