@@ -33,6 +33,10 @@ class Mxfp4Weight:
 
     payload: torch.Tensor
     scales: torch.Tensor
+    max_scale: int | None = None  # the largest scale byte, when known (lets the kernel decode without FP32)
+
+    def to(self, device) -> Mxfp4Weight:
+        return Mxfp4Weight(self.payload.to(device), self.scales.to(device), self.max_scale)
 
     @property
     def out_features(self) -> int:
@@ -62,7 +66,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Weight:
     require(bool(torch.isfinite(weight).all()), Status.INVALID_ARGUMENT,
             "the weight holds NaN or inf values: MXFP4 cannot represent them (a whole group's scale would be NaN)")
     payload, scales = CODEC.encode(weight)
-    return Mxfp4Weight(payload, scales)
+    return Mxfp4Weight(payload, scales, int(scales.max()) if scales.numel() else 0)
 
 
 def kernel_serves(x: torch.Tensor) -> bool:
@@ -91,7 +95,8 @@ def mxfp4_linear(x: torch.Tensor, weight: Mxfp4Weight, *, chunk_rows: int = DEFA
     if backend == "triton" or (backend == "auto" and kernel_serves(x)):
         from .ops.triton.mxfp4_gemv import mxfp4_linear_triton
         x2 = x.reshape(-1, weight.in_features)
-        out2 = mxfp4_linear_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight.payload, weight.scales)
+        out2 = mxfp4_linear_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight.payload, weight.scales,
+                                   max_scale=weight.max_scale)
         return out2.view(*x.shape[:-1], weight.out_features)
     out = torch.empty(*x.shape[:-1], weight.out_features, dtype=x.dtype, device=x.device)
     for lo in range(0, weight.out_features, chunk_rows):

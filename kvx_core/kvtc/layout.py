@@ -89,20 +89,27 @@ def body_layout(cal: Calibration, rows: int, start: int) -> BodyLayout:
 
 
 def column_params(cal: Calibration, layout: BodyLayout, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per column of `Y`: IntX levels (1 where not IntX), is-IntX, FP8 scale (1 where not FP8)."""
-    levels = torch.ones(layout.columns, dtype=torch.float32)
-    is_int = torch.zeros(layout.columns, dtype=torch.bool)
-    scale = torch.ones(layout.columns, dtype=torch.float32)
-    sides = [gc[s] for gc in cal.groups for s in SIDES]
-    for (col, _), c in zip(layout.side_columns, sides):
-        for lo, hi, name in c.ranges:
-            kind = RangeKind.parse(name)
-            if kind.is_int:
-                levels[col + lo:col + hi] = (1 << kind.bits) - 1
-                is_int[col + lo:col + hi] = True
-            else:
-                scale[col + lo:col + hi] = c.fp8_scale[lo:hi].float()
-    return levels.to(device), is_int.to(device), scale.to(device)
+    """Per column of `Y`: IntX levels (1 where not IntX), is-IntX, FP8 scale (1 where not FP8). Built once per
+    calibration (the column order does not depend on the row count) and kept on the host."""
+    key = cal.identity
+    if key not in _COLUMN_CACHE:
+        levels, is_int, scale = [1.0] * layout.columns, [False] * layout.columns, torch.ones(layout.columns)
+        sides = [gc[s] for gc in cal.groups for s in SIDES]
+        for (col, _), c in zip(layout.side_columns, sides):
+            for lo, hi, name in c.ranges:
+                kind = RangeKind.parse(name)
+                if kind.is_int:
+                    levels[col + lo:col + hi] = [float((1 << kind.bits) - 1)] * (hi - lo)
+                    is_int[col + lo:col + hi] = [True] * (hi - lo)
+                else:
+                    scale[col + lo:col + hi] = c.fp8_scale[lo:hi].float()
+        while len(_COLUMN_CACHE) >= 8:
+            _COLUMN_CACHE.pop(next(iter(_COLUMN_CACHE)))
+        _COLUMN_CACHE[key] = (torch.tensor(levels), torch.tensor(is_int), scale)
+    return tuple(t.to(device) for t in _COLUMN_CACHE[key])
+
+
+_COLUMN_CACHE: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _backend(backend: str | None, device: torch.device) -> str:

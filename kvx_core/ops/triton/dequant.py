@@ -141,6 +141,32 @@ and.b32 $1, x, 0x000F000F;
 U8_PTX = tl.constexpr("""prmt.b32 $0, $2, 0, 0x4140;
 prmt.b32 $1, $2, 0, 0x4342;""")
 TWO_POW_24 = tl.constexpr(16777216.0)
+# E2M1 -> bf16 bits `sign<<15 | code<<6`, exactly e2m1 * 2**-126 (code 1 is the bf16 subnormal 2**-127). The same
+# byte permute; the two lanes' magnitude (bits 6-8) and sign (bit 15) fields are masked separately (lop3 0xEC:
+# (x & c) | y), since bf16's narrower mantissa makes the shifted neighbours overlap them.
+E2M1_BF16_PTX_LO = tl.constexpr("""{
+.reg .b32 t, x, y;
+prmt.b32 t, $2, 0, 0x3120;
+shl.b32 x, t, 6;
+shl.b32 y, t, 12;
+and.b32 y, y, 0x80008000;
+lop3.b32 $0, x, y, 0x01C001C0, 0xEC;
+shr.b32 x, t, 2;
+shl.b32 y, t, 4;
+and.b32 y, y, 0x80008000;
+lop3.b32 $1, x, y, 0x01C001C0, 0xEC;
+}""")
+E2M1_BF16_PTX_HI = tl.constexpr("""{
+.reg .b32 t, x, y;
+prmt.b32 t, $2, 0, 0x3120;
+shl.b32 x, t, 2;
+shl.b32 y, t, 8;
+and.b32 y, y, 0x80008000;
+lop3.b32 $0, x, y, 0x01C001C0, 0xEC;
+shr.b32 x, t, 6;
+and.b32 y, t, 0x80008000;
+lop3.b32 $1, x, y, 0x01C001C0, 0xEC;
+}""")
 
 
 @triton.jit
@@ -164,6 +190,44 @@ def e2m1_hi_f16_x4(b, ASM: tl.constexpr):
         return _f16x4(b, E2M1_PTX_HI)
     else:
         return e2m1_hi_f16(b)
+
+
+@triton.jit
+def e2m1_lo_bf16_x4(b, ASM: tl.constexpr):
+    """uint8 bytes -> bf16 e2m1(low nibble) * 2**-126 (exact), ~2.25 integer ops per element with ASM."""
+    if ASM:
+        return tl.inline_asm_elementwise(E2M1_BF16_PTX_LO, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        x = b.to(tl.uint16)
+        return (((x & 0x8) << 12) | ((x & 0x7) << 6)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_hi_bf16_x4(b, ASM: tl.constexpr):
+    """uint8 bytes -> bf16 e2m1(high nibble) * 2**-126 (exact)."""
+    if ASM:
+        return tl.inline_asm_elementwise(E2M1_BF16_PTX_HI, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        x = b.to(tl.uint16)
+        return (((x & 0x80) << 8) | ((x & 0x70) << 2)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e8m0_bf16_x2p126(b):
+    """E8M0 byte b <= 128 -> bf16 2**(b-127) * 2**126 = 2**(b-1) (undoes the bf16 E2M1 trick; exact)."""
+    return ((b.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def mul_bf16(a, b, ASM: tl.constexpr):
+    """a * b for bf16 tensors in one `mul.rn.bf16x2` per two elements (subnormal operands kept); exact products here."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        fa = (a.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        fb = (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        return (fa * fb).to(tl.bfloat16)
 
 
 @triton.jit

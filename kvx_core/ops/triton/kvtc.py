@@ -76,9 +76,9 @@ def _pack_kernel(Y, ldy, MN, ST, SC, T, HDR, OUT, rows, BM: tl.constexpr, JB: tl
         tl.store(OUT + hdr_at + k, h, mask=k < HEADER_BYTES)
         if not fp8:
             c = tl.arange(0, CB)
-            c_ok = c < n
-            _store_f16_bytes(OUT, meta_at + 2 * c, tl.load(MN + col + c, mask=c_ok, other=0.0), c_ok)
-            _store_f16_bytes(OUT, meta_at + 2 * n + 2 * c, tl.load(ST + col + c, mask=c_ok, other=0.0), c_ok)
+            in_range = c < n
+            _store_f16_bytes(OUT, meta_at + 2 * c, tl.load(MN + col + c, mask=in_range, other=0.0), in_range)
+            _store_f16_bytes(OUT, meta_at + 2 * n + 2 * c, tl.load(ST + col + c, mask=in_range, other=0.0), in_range)
 
 
 @triton.jit
