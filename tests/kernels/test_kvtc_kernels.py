@@ -12,6 +12,7 @@ from kvx_core.errors import KvxError, Status
 from kvx_core.kvtc import calibrate, compress, decompress
 from kvx_core.kvtc.calibration import Calibration, SideCalibration
 from kvx_core.kvtc.layout import body_layout, decode_sections, encode_sections
+from kvx_core.kvtc.rope import rotate
 
 H, D, LPG = 1, 32, 1  # features per group side: 32
 
@@ -91,16 +92,24 @@ def test_fp8_sections_saturate_and_int_sections_refuse_beyond_fp16(device):
 
 @pytest.mark.gpu
 def test_gpu_codec_round_trip_decodes_the_same_on_the_cpu():
+    """Keys with RoPE applied (removed and put back by the codec), low-rank K/V plus 5% noise: the GPU's buffer
+    decodes on the GPU and on the CPU to the same values up to the two devices' matmul rounding, raw tokens exact,
+    coded tokens within 1% (squared) of the input."""
     g = torch.Generator().manual_seed(3)
     basis = [torch.randn(6, 2 * 64, generator=g) for _ in range(4)]
 
-    def kv(n, device="cpu"):
-        return [tuple((torch.randn(n, 6, generator=g) @ b + 0.05 * torch.randn(n, 128, generator=g))
-                      .view(n, 2, 64).bfloat16().to(device) for _ in range(2)) for b in basis]
+    def kv(n, start=0, device="cpu"):
+        pos = torch.arange(start, start + n)
+        out = []
+        for b in basis:
+            k, v = ((torch.randn(n, 6, generator=g) @ b + 0.05 * torch.randn(n, 128, generator=g)).view(n, 2, 64)
+                    for _ in range(2))
+            out.append((rotate(k, pos, 10000.0).bfloat16().to(device), v.bfloat16().to(device)))
+        return out
 
     cal = calibrate([kv(400), kv(400)], layers_per_group=2, ratio=8, range_size=16, sink_tokens=4,
                     recent_tokens=32, rope_theta=10000.0)
-    x = kv(1000, "cuda")
+    x = kv(1000, 3, "cuda")
     buf = compress(x, cal, token_start=3, token_ids=list(range(1000)))
     on_gpu = decompress(buf, cal, device="cuda")
     on_cpu = decompress(buf, cal, device="cpu")
@@ -110,4 +119,4 @@ def test_gpu_codec_round_trip_decodes_the_same_on_the_cpu():
             assert torch.equal(a[:1].cpu(), ref[:1].cpu()) and torch.equal(a[-32:].cpu(), ref[-32:].cpu())  # raw
             assert float((a.cpu().float() - b.float()).abs().max()) <= 0.02  # matmul rounding of two devices
             rel = float(((a.float() - ref.float()) ** 2).sum() / (ref.float() ** 2).sum())
-            assert rel < 0.05
+            assert rel < 0.01
