@@ -7,8 +7,9 @@ its own MXFP4 copy with the formats' codec (`kvx_core.mxfp4_linear`: E2M1 + UE8M
 weight) and computes logits from it; the embedding keeps its BF16 weight. Without the option the subclass does
 exactly what `ParallelLMHead` does.
 
-Refused at model construction (ValueError naming the reason): a CUDA / ROCm / XPU platform (the head product is the
-torch reference, which decodes the whole head every step: slower than BF16 until a fast GEMV exists), LoRA and
+Refused at model construction (ValueError naming the reason): a CUDA / ROCm / XPU platform (the CUDA kernel
+`kvx_core.ops.triton.mxfp4_gemv` exists and is tested on its own, but this option has not been run inside vLLM on a
+GPU yet), LoRA and
 speculative decoding (both read the head's weight), and a head the checkpoint's quantization config already
 quantizes. Accuracy is the user's call: on SmolLM2-135M's small tied head it is poor (README "MXFP4 lm_head").
 """
@@ -43,8 +44,8 @@ def refusals(vllm_config, head: ParallelLMHead) -> list[str]:
     """Why the MXFP4 head cannot serve this run (empty when it can)."""
     out = []
     if not current_platform.is_cpu():
-        out.append(f"platform {current_platform.device_name}: only the torch reference exists (it decodes the whole "
-                   "head every step, slower than BF16); a fast GPU GEMV is not built yet")
+        out.append(f"platform {current_platform.device_name}: not verified inside vLLM on a GPU yet (KVX's MXFP4 "
+                   "kernel is tested on its own; the option runs on vLLM's CPU platform)")
     if vllm_config.lora_config is not None:
         out.append("LoRA reads the head's BF16 weight")
     if vllm_config.speculative_config is not None:
