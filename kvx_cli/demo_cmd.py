@@ -16,7 +16,8 @@ from typing import IO, Any, Iterator
 import torch
 
 from kvx_core.cache import PagedKVCache, bytes_per_token, capacity_ratio_vs_bf16
-from kvx_core.calibration import SCALE_RULES, SampleObserver
+from kvx_core.calibration import SCALE_RULES, SampleObserver, key_smoothing
+from kvx_core.enums import QuantFormat
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
 
@@ -59,9 +60,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="calibrate FP8/NVFP4 global scales per layer and KV head on a window after the evaluated "
                         "ones, instead of the default global scale 1.0: 'mse' (the default rule) picks the scale "
                         "with the least encode->decode error, 'amax' maps the amax onto the format's range")
+    p.add_argument("--smooth-keys", nargs="?", const=0.5, type=_alpha, default=None, metavar="ALPHA",
+                   help="per-channel key smoothing for the quantized formats (keys stored divided by s, queries "
+                        "times s: attention unchanged), s = (channel amax / head geometric mean) ** ALPHA calibrated "
+                        "on the calibration window (default ALPHA 0.5; 0 < ALPHA <= 1)")
     p.add_argument("--calibration-text", type=Path,
-                   help="with --calibrate: calibrate on the first window of this UTF-8 text file instead of the "
-                        "window after the evaluated ones (a text the evaluation does not see)")
+                   help="with --calibrate or --smooth-keys: calibrate on the first window of this UTF-8 text file "
+                        "instead of the window after the evaluated ones (a text the evaluation does not see)")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), help=f"torch CPU threads, 1..{MAX_THREADS}")
     p.add_argument("--json", type=Path,
                    help="also write the results as JSON lines to this NEW file: it is created before the run "
@@ -149,6 +154,26 @@ def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> Sample
     return obs
 
 
+def _smoothed(obs: SampleObserver, smooth: list[torch.Tensor]) -> SampleObserver:
+    """The observer's K/V with each layer's keys divided by its smoothing vector (what a smoothed cache stores)."""
+    out = SampleObserver(obs.num_layers, obs.max_tokens)
+    for layer, s in enumerate(smooth):
+        k, v = obs.values(layer)
+        out.observe(layer, k / s, v)
+    return out
+
+
+def _alpha(text: str) -> float:
+    """--smooth-keys ALPHA: a float in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ALPHA must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"ALPHA must be in (0, 1], got {v}")
+    return v
+
+
 def _observing(update, obs: SampleObserver, layer: int):
     def wrapped(k, v, *args, **kwargs):
         obs.observe(layer, k.transpose(1, 2), v.transpose(1, 2))
@@ -179,8 +204,8 @@ def run(a: argparse.Namespace) -> int:
     """
     fmts = _formats(a.formats)
     text = _read_text(a.text)
-    require(a.calibration_text is None or a.calibrate, Status.INVALID_ARGUMENT,
-            "--calibration-text needs --calibrate (it is the text the global scales are calibrated on)")
+    require(a.calibration_text is None or a.calibrate or a.smooth_keys is not None, Status.INVALID_ARGUMENT,
+            "--calibration-text needs --calibrate or --smooth-keys (it is the text they are calibrated on)")
     cal_text = _read_text(a.calibration_text, "--calibration-text")
     with _json_output(a.json) as out:
         try:
@@ -206,7 +231,8 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
     from kvx_demo.kvx_cache import KvxCache
 
     shape = model_shape(loaded.model)
-    need = a.windows + (1 if a.calibrate and cal_text is None else 0)
+    calibrating = bool(a.calibrate) or a.smooth_keys is not None
+    need = a.windows + (1 if calibrating and cal_text is None else 0)
     windows = load_windows(loaded.tokenizer, need, a.window_len, text)
     eval_windows = windows[:a.windows]
     cal_windows = windows[a.windows:] if cal_text is None else load_windows(loaded.tokenizer, 1, a.window_len, cal_text)
@@ -214,14 +240,21 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
           f"{shape['num_kv_heads']} KV heads, head_dim {shape['head_dim']} (loaded in {loaded.load_seconds:.1f} s); "
           f"{a.windows} windows x {a.window_len} tokens, chunk {min(a.chunk_size, a.window_len)}, "
           f"block size {a.block_size}", flush=True)
-    obs = _calibrate(loaded.model, cal_windows, shape, a.block_size) if a.calibrate else None
+    obs = _calibrate(loaded.model, cal_windows, shape, a.block_size) if calibrating else None
+    smooth = None if a.smooth_keys is None else [key_smoothing(obs.values(layer)[0], a.smooth_keys)
+                                                 for layer in range(shape["num_layers"])]
+    if smooth is not None and a.calibrate:  # global scales for the keys as stored: divided by s
+        obs = _smoothed(obs, smooth)
     with torch.inference_mode():  # warm-up, so the first format's tokens/s is not the one-time setup
         loaded.model(input_ids=eval_windows[:1, :min(64, a.window_len)])
 
     rows, base = [], None
     for fmt in fmts:
         paged = _paged(fmt, shape, a.window_len, a.block_size)
-        if obs is not None and paged.layers[0].k_global is not None:
+        smoothed = smooth is not None and fmt.quant != QuantFormat.NONE
+        for layer, s in enumerate(smooth if smoothed else []):
+            paged.set_key_smoothing(layer, s)
+        if a.calibrate and paged.layers[0].k_global is not None:
             for layer, (kg, vg) in enumerate(obs.global_scales(fmt, a.calibrate)):
                 paged.set_global_scales(layer, kg if kg is not None else 1.0, vg if vg is not None else 1.0)
         live: list[KvxCache] = []
@@ -244,7 +277,8 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
                "ppl_delta_pct": 100.0 * (res.perplexity / base.perplexity - 1.0),
                "top1_agreement": float((res.predictions == base.predictions).float().mean()),
                "tokens_per_s": res.tokens_processed / res.seconds,
-               "calibrated": a.calibrate if obs is not None and paged.layers[0].k_global is not None else None,
+               "calibrated": a.calibrate if a.calibrate and paged.layers[0].k_global is not None else None,
+               "key_smoothing": a.smooth_keys if smoothed else None,
                "windows": a.windows, "window_len": a.window_len}
         if not rows:
             print(_header(), flush=True)
@@ -259,6 +293,7 @@ def _header() -> str:
 
 
 def _fmt_row(r: dict) -> str:
-    name = r["format"] + (f" ({r['calibrated']})" if r["calibrated"] else "")
+    tags = [t for t in (r["calibrated"], f"smooth {r['key_smoothing']}" if r.get("key_smoothing") else None) if t]
+    name = r["format"] + (f" ({', '.join(tags)})" if tags else "")
     return (f"{name:<16}{r['bytes_per_token']:>12,.0f}{r['capacity_vs_bf16']:>8.2f}x{r['perplexity']:>12.3f}"
             f"{r['ppl_delta_pct']:>+8.2f}%{100 * r['top1_agreement']:>12.2f}%{r['tokens_per_s']:>9.0f}")

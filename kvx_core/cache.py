@@ -20,8 +20,9 @@ import torch
 
 from .allocator import BlockAllocator, as_int
 from .codec import quant_desc
-from .descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
-from .enums import Layout
+from .descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc,
+                          check_key_smoothing)
+from .enums import Layout, QuantFormat
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, TensorFormat, get_format
 from .ops import dispatch as reference
@@ -39,6 +40,7 @@ class LayerPools:
     v_scales: torch.Tensor | None
     k_global: torch.Tensor | None
     v_global: torch.Tensor | None
+    k_smoothing: torch.Tensor | None = None  # FP32 [H, D] (ops.smoothing), None: keys stored as they are
 
 
 def _round_up(n: int, m: int) -> int:
@@ -237,6 +239,19 @@ class PagedKVCache:
         pools.k_global.copy_(gk)
         pools.v_global.copy_(gv)
 
+    def set_key_smoothing(self, layer: int, s: torch.Tensor | None) -> None:
+        """Set (or clear, None) a layer's per-channel key smoothing `[num_kv_heads, head_dim]` (`ops.smoothing`:
+        keys are stored divided by it, readers and attention undo it). Set it before the layer holds keys: keys
+        written before were stored under the old vector. Quantized formats only."""
+        pools = self._layer(layer)
+        if s is not None:
+            require(self.format.quant != QuantFormat.NONE, Status.INVALID_ARGUMENT,
+                    f"format {self.format.name} is not quantized: key smoothing has nothing to flatten")
+            require(isinstance(s, torch.Tensor), Status.INVALID_ARGUMENT, "key smoothing must be a tensor")
+            s = s.detach().to(device=self.device, dtype=torch.float32).contiguous()
+            check_key_smoothing(s, self.num_kv_heads, self.head_dim, self.device)
+        pools.k_smoothing = s
+
     # ------------------------------------------------------------ KVX view
     def _layer(self, layer: int) -> LayerPools:
         """The pools of `layer`, an int in `[0, num_layers)` (no negative indexing: -1 is a caller bug)."""
@@ -248,6 +263,8 @@ class PagedKVCache:
         """The layer's KVX cache descriptor (data pools + v1.1 quantization descriptor)."""
         p = self._layer(layer)
         q = quant_desc(self.format, self.head_dim, p.k_scales, p.v_scales, p.k_global, p.v_global)
+        if q is not None:
+            q.k_smoothing = p.k_smoothing
         return CacheDesc.from_torch(p.k_data, p.v_data, block_size=self.block_size, num_kv_heads=self.num_kv_heads,
                                     head_dim=self.head_dim, k_layout=Layout.HND, v_layout=Layout.HND, quant=q)
 

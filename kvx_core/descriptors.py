@@ -238,6 +238,9 @@ class QuantDesc(_Enums):
     k_global_scale: torch.Tensor | None = None
     v_global_scale: torch.Tensor | None = None
     flags: int = 0
+    k_smoothing: torch.Tensor | None = None
+    """FP32 `[num_kv_heads, head_dim]` per-channel key smoothing (`ops.smoothing`): K is stored divided by it. Python
+    descriptors only: C ABI v1.1 has no field for it, so `to_ctypes` refuses a smoothed cache."""
 
     @property
     def global_scale_count(self) -> int:
@@ -247,6 +250,9 @@ class QuantDesc(_Enums):
     def to_ctypes(self):
         for name in ("k_scales", "v_scales"):
             _require_type(getattr(self, name), TensorDesc, f"quant.{name}", optional=True)
+        require(self.k_smoothing is None, Status.UNSUPPORTED,
+                "quant.k_smoothing: the C ABI (v1.1) has no key-smoothing field; a smoothed cache is described to "
+                "Python consumers only")
         empty = structs.new(structs.TensorDescC)
         return structs.new(
             structs.QuantDescC, format=self.format, flags=self.flags, group_size=self.group_size,
@@ -434,6 +440,21 @@ def _validate_quant(q: QuantDesc, cache: CacheDesc) -> None:
                 Status.INVALID_ARGUMENT, f"quant.{name} must be FP32 with {n} element(s) like k_global_scale")
         if g is not None and g.device != device:
             raise KvxError(Status.INVALID_ARGUMENT, f"quant.{name} is on {g.device}, the data pools on {device}")
+    check_key_smoothing(q.k_smoothing, cache.num_kv_heads, cache.head_dim, device)
+
+
+def check_key_smoothing(s: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> None:
+    """A key-smoothing vector: None, or FP32 `[num_kv_heads, head_dim]` on the pools' device, finite and > 0 (one
+    host sync)."""
+    _require_type(s, torch.Tensor, "quant.k_smoothing", optional=True)
+    if s is None:
+        return
+    require(s.dtype == torch.float32 and tuple(s.shape) == (num_kv_heads, head_dim), Status.INVALID_ARGUMENT,
+            f"quant.k_smoothing must be FP32 [{num_kv_heads}, {head_dim}], got {s.dtype} {tuple(s.shape)}")
+    require(s.device == torch.device(device), Status.INVALID_ARGUMENT,
+            f"quant.k_smoothing is on {s.device}, the data pools on {device}")
+    require(bool((torch.isfinite(s) & (s > 0)).all()), Status.INVALID_ARGUMENT,
+            "quant.k_smoothing must be finite and > 0 (keys are divided by it)")
 
 
 @dataclass

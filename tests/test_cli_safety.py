@@ -531,3 +531,9 @@ def test_entry_point_demo_model_of_another_model_exit_2_untouched(tmp_path):
     assert r.stderr.count("\n") == 1
     assert snapshot(target) == before
     assert not (tmp_path / "kvx-cache").exists()
+
+
+@pytest.mark.parametrize("alpha", ["0", "1.5", "x"])
+def test_demo_refuses_a_bad_smoothing_alpha(alpha, tmp_path, no_model_work, capsys):
+    err = refused(["demo", "--smooth-keys", alpha, "--json", str(tmp_path / "o.jsonl")], capsys)
+    assert "ALPHA" in err and not (tmp_path / "o.jsonl").exists()

@@ -30,7 +30,7 @@ from ..enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, BlockTableFormat
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format
 from ..layouts import block_view
-from . import attention, reference
+from . import attention, reference, smoothing
 from .checks import (INT32_MAX, cache_global_scales, check_block_ids, check_gather, check_table_types, check_write,
                      kernel_table, offsets_kernel_table,
                      narrow_int32, require_type)
@@ -105,7 +105,7 @@ def write_kv(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> None:
     plan = check_write(cache, write, check=check)
     from .write import launch_write
     kd, ks, vd, vs, fmt = pools
-    launch_write(write.io.key, write.io.value, plan.args, kd, ks, vd, vs, fmt)
+    launch_write(smoothing.smooth_keys(cache, write.io.key), write.io.value, plan.args, kd, ks, vd, vs, fmt)
 
 
 @torch.no_grad()
@@ -132,9 +132,17 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
         bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(kd.device).contiguous()
         lens = gather.seq_lens.lengths.to(kd.device)
     from .triton import gather_kv as triton_gather
+    smoothed = smoothing.of(cache) is not None  # keys decoded to FP32, times s, then cast once
     k, v = triton_gather(kd, ks, vd, vs, bt, lens, fmt, plan.k_gs, plan.v_gs, max_seq_len=plan.max_seq_len,
-                         out_dtype=out_dtype,
-                         out=(out.key, out.value) if out is not None else None)
+                         out_dtype=torch.float32 if smoothed else out_dtype,
+                         out=(out.key, out.value) if out is not None and not smoothed else None)
+    if smoothed:
+        dtype = out.key.dtype if out is not None else (out_dtype or k.dtype)
+        k, v = smoothing.unsmooth_keys(cache, k).to(dtype), v.to(dtype)
+        if out is not None:
+            out.key[:k.shape[0]].copy_(k)
+            out.value[:v.shape[0]].copy_(v)
+            return out
     return out if out is not None else KvIoDesc(k, v)
 
 
@@ -223,8 +231,9 @@ class AttentionPlan:
                 kernel_table(cache, self.table, self.seq_lens, check=True)
         args = None if self.kernel is None else _kernel_args(cache, self.table, self.check)
         if args is None:
-            return self._reference(query, cache, out, lse)
-        return self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse)
+            return self._reference(query, cache, out, lse)  # reads keys through the reference gather (times s)
+        return self.kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens, out=out,
+                               lse=lse)
 
     def _reference(self, query, cache, out, lse):
         opts = self.options

@@ -19,6 +19,7 @@ from ..errors import Status, require
 from ..formats import CacheFormat, TensorFormat, rotate
 from ..layouts import block_view
 from ..scale_layout import Interleave4Rows
+from . import smoothing
 from .checks import check_gather, check_write
 
 
@@ -55,7 +56,8 @@ def write_kv(cache: CacheDesc, write: WriteDesc) -> None:
     fmt, a = plan.fmt, plan.args
     slots = a.slots[a.keep]
     blk, off = slots // cache.block_size, slots % cache.block_size
-    sides = [(side_pools(cache, fmt, "k"), write.io.key, a.k_gs), (side_pools(cache, fmt, "v"), write.io.value, a.v_gs)]
+    sides = [(side_pools(cache, fmt, "k"), smoothing.smooth_keys(cache, write.io.key), a.k_gs),
+             (side_pools(cache, fmt, "v"), write.io.value, a.v_gs)]
     encoded = [p.fmt.encode(rotate(x[a.keep]) if fmt.rotate else x[a.keep], g) for p, x, g in sides]
     for (p, _, _), (payload, scales) in zip(sides, encoded):
         p.data[blk, off] = payload.reshape(-1, *p.data.shape[2:])
@@ -100,7 +102,8 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
         scales = p.scales[blocks, addr.offsets].flatten(-2) if p.scales is not None else \
             torch.empty(total, h, 0, dtype=torch.uint8, device=data.device)
         x = p.fmt.decode(data.flatten(-2), scales, g)
-        dst[:total] = (rotate(x) if fmt.rotate else x).to(dst.dtype)
+        x = rotate(x) if fmt.rotate else x
+        dst[:total] = (smoothing.unsmooth_keys(cache, x) if which == "k" else x).to(dst.dtype)
     return out
 
 

@@ -25,7 +25,7 @@ from ..formats import CacheFormat, get_format, rotate
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec
-from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows
+from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows, require_unsmoothed
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     `segment_bytes`: the checksum segment size it declares."""
     require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
             f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
+    for cache in caches:  # before the first byte is written
+        require_unsmoothed(cache)
     first = caches[0]
     fmt = format_of(first)
     a, b = _head_range(kv_heads, model, "export_bundle")

@@ -17,8 +17,16 @@ LAYER_TENSORS = ("k_global", "v_global")
 """Per-layer FP32 [H] global scales (formats with one)."""
 
 
+def require_unsmoothed(cache: CacheDesc) -> None:
+    """KV bundles do not carry key smoothing (`QuantDesc.k_smoothing`) yet: such a cache is refused (UNSUPPORTED)."""
+    require(cache.quant is None or cache.quant.k_smoothing is None, Status.UNSUPPORTED,
+            "KV bundles do not carry key smoothing yet: export / import a cache without quant.k_smoothing")
+
+
 def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of each slot, after checking they are distinct and inside the cache."""
+    """(block, offset) of each slot, after checking they are distinct and inside the cache (and that the cache
+    stores its keys as they are)."""
+    require_unsmoothed(cache)
     require(isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64),
             Status.INVALID_ARGUMENT, "slots must be a 1-D int32/int64 tensor")
     s = slots.to(device=cache.k.tensor.device, dtype=torch.int64)
