@@ -20,6 +20,7 @@ from ..errors import KvxError, Status
 from ..formats import CacheFormat
 from ..formats.rotation import rotate
 from .checks import check_max_seq_len
+from .smoothing import scale_queries
 from .cuda import choose
 from .cuda import decode as cuda_decode
 from .kernel_format import FormatCode, kernel_format
@@ -118,9 +119,12 @@ class DecodePlan:
     mid_l: torch.Tensor  # fp32 [B, Hq, S] per-split log2-sum-exps
     rotated_out: torch.Tensor | None  # fp32 [B, Hq, D]: the merged output before its rotation back (rotated formats)
 
-    def run(self, q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=None, lse=None):
+    def run(self, q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=None, lse=None,
+            k_smoothing: torch.Tensor | None = None):
         """Decode one layer: `q [B, Hq, D]` over its pools -> (`out`, `lse`) (written in place when given:
-        `out [B, Hq, D]` of any float dtype with a contiguous last dim, `lse [B, Hq]` fp32)."""
+        `out [B, Hq, D]` of any float dtype with a contiguous last dim, `lse [B, Hq]` fp32). `k_smoothing`: FP32
+        `[Hkv, D]` the pools' keys were divided by (`ops.smoothing`): the CUDA kernel multiplies the queries as it
+        loads them; the other paths scale them first (torch)."""
         fmt = self.fmt
         ks, vs, out, lse = check_layer(self, q, self.batch, self.batch, k_data, k_scales, v_data, v_scales,
                                        block_table, seq_lens, out, lse)
@@ -131,12 +135,16 @@ class DecodePlan:
             return out, lse
         qq = fmt.rotate_q(q)
         why = cuda_decode.pool_reason(qq, fmt, k_data, ks[0], v_data, vs[0]) if self.backend == "cuda" else None
+        fused = k_smoothing is not None and self.backend == "cuda" and why is None and not fmt.rotate
+        if k_smoothing is not None and not fused:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
+            qq = fmt.rotate_q(scale_queries(q, k_smoothing))
         if why is not None and self.forced:
             raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot address these pools ({why}); plan with "
                            "backend='triton' or 'auto'")
         if self.backend == "cuda" and why is None:
             cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
-                               self.mid_l, self.sm_scale, self.softcap, self.window)
+                               self.mid_l, self.sm_scale, self.softcap, self.window,
+                               q_smoothing=k_smoothing.contiguous() if fused else None)
         else:  # Triton, also for pools the planned CUDA kernel cannot address (same splits)
             triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                         self.mid_l, self.sm_scale, self.softcap, self.window, self.block_n,

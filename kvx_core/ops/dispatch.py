@@ -232,6 +232,9 @@ class AttentionPlan:
         args = None if self.kernel is None else _kernel_args(cache, self.table, self.check)
         if args is None:
             return self._reference(query, cache, out, lse)  # reads keys through the reference gather (times s)
+        s = smoothing.of(cache)
+        if s is not None and self.what == "paged_decode":  # the decode scales the queries as it loads them
+            return self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s)
         return self.kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens, out=out,
                                lse=lse)
 

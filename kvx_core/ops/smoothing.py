@@ -33,10 +33,14 @@ def unsmooth_keys(cache: CacheDesc, key: torch.Tensor) -> torch.Tensor:
 
 
 def smooth_queries(cache: CacheDesc, query: torch.Tensor) -> torch.Tensor:
-    """Queries `[T, Hq, D]` times their KV head's `s` (GQA: query head h reads KV head h // (Hq / Hkv)), in the
-    queries' dtype, for kernels that read the stored `K / s`."""
+    """Queries `[T, Hq, D]` times their KV head's `s`, for kernels that read the stored `K / s` (the CUDA decode
+    does this itself as it loads the queries: `ops.decode.DecodePlan.run(k_smoothing=)`)."""
     s = of(cache)
-    if s is None:
-        return query
+    return query if s is None else scale_queries(query, s)
+
+
+def scale_queries(query: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """`query [T, Hq, D]` times `s [Hkv, D]` (GQA: query head h reads KV head h // (Hq / Hkv)) in FP32, rounded
+    to the queries' dtype."""
     sq = s.to(query.device).repeat_interleave(query.shape[1] // s.shape[0], dim=0)
     return (query.float() * sq).to(query.dtype)

@@ -12,7 +12,7 @@ from kvx_core.ops import attention, dispatch, reference
 NB, BS, H, D = 8, 4, 2, 64
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "k8v4_rot", "int8"])
+@pytest.mark.parametrize("name", ["nvfp4", "k8v4_rot", "int8", "fp8_e4m3", "int4", "mxfp4"])
 def test_smoothed_kernel_paths_match_the_reference(name, device, monkeypatch):
     monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     g = torch.Generator().manual_seed(7)

@@ -35,6 +35,7 @@ class DecodeParams(ctypes.Structure):
         ("ml", ctypes.c_void_p), ("ml_sb", ctypes.c_int64), ("ml_sh", ctypes.c_int64),
         ("sm_scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
         ("qh", ctypes.c_int32), ("bs", ctypes.c_int32), ("num_splits", ctypes.c_int32),
+        ("qs", ctypes.c_void_p),
     ]
 
 
@@ -123,9 +124,10 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
 
 def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
            mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
-           window: int | None) -> None:
+           window: int | None, q_smoothing: torch.Tensor | None = None) -> None:
     """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`
-    (rotated formats: `q` and the partials are in the rotated domain)."""
+    (rotated formats: `q` and the partials are in the rotated domain). `q_smoothing`: contiguous FP32 `[Hkv, D]`
+    the kernel multiplies the queries by as it loads them (key smoothing; not for rotated formats)."""
     kk, kv = _served(fmt)
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
@@ -146,6 +148,7 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
     p.sm_scale, p.softcap = sm_scale, float(softcap) if softcap else 0.0
     p.window = min(int(window), 2**31 - 1) if window is not None and window >= 0 else -1  # int32 field: saturate
     p.qh, p.bs, p.num_splits = hq // hkv, bs, mid_o.shape[2]
+    p.qs = q_smoothing.data_ptr() if q_smoothing is not None else None
     lib = kernel_library(q.device)
     with torch.cuda.device(q.device):  # the kernel launches into the calling thread's current context
         stream = torch.cuda.current_stream(q.device).cuda_stream

@@ -66,6 +66,7 @@ struct DecodeParams {
   int32_t qh;      // query heads per KV head, 1..16
   int32_t bs;      // block size, a multiple of 16
   int32_t num_splits;
+  const float* qs;  // [H_kv, D] FP32 key smoothing (queries times it, ops/smoothing.py) or null
 };
 
 constexpr float LOG2E = 1.4426950408889634f;
@@ -301,6 +302,11 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   // 4-bit: k = 2t, 2t+1, 2t+8, 2t+9 -> dims base, base+4, base+1, base+5; 8-bit: base .. base+3
   constexpr int O1 = KBYTE ? 1 : 4, O2 = KBYTE ? 2 : 1, O3 = KBYTE ? 3 : 5;
   auto q_base = [&](int kk) { return KBYTE ? t * (D / 4) + 4 * kk : t * (D / 4) + 8 * (kk / 2) + 2 * (kk & 1); };
+  const float* sq = p.qs ? p.qs + (int64_t)h * D : nullptr;  // key smoothing of this KV head
+  auto q_f32 = [&](uint32_t raw, int dim) -> float {  // a stored query element (bf16 for QB), times s[dim]
+    const float f = QB ? __uint_as_float(raw << 16) : Op<TK>::to_f32(raw);
+    return sq ? f * __ldg(sq + dim) : f;
+  };
   float q_mul = 1.f;  // QB: 2^-e with amax(q) * 2^-e < 2^15
   if constexpr (QB) {
     float amax = 0.f;
@@ -309,11 +315,10 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk)
         if (8 * nh + g < qh) {
-          const uint16_t* qr = qp + (int64_t)(8 * nh + g) * p.q_sh + q_base(kk);
-          amax = fmaxf(amax, fmaxf(fmaxf(fabsf(__uint_as_float((uint32_t)qr[0] << 16)),
-                                         fabsf(__uint_as_float((uint32_t)qr[O1] << 16))),
-                                   fmaxf(fabsf(__uint_as_float((uint32_t)qr[O2] << 16)),
-                                         fabsf(__uint_as_float((uint32_t)qr[O3] << 16)))));
+          const int d0 = q_base(kk);
+          const uint16_t* qr = qp + (int64_t)(8 * nh + g) * p.q_sh + d0;
+          amax = fmaxf(amax, fmaxf(fmaxf(fabsf(q_f32(qr[0], d0)), fabsf(q_f32(qr[O1], d0 + O1))),
+                                   fmaxf(fabsf(q_f32(qr[O2], d0 + O2)), fabsf(q_f32(qr[O3], d0 + O3)))));
         }
 #pragma unroll
     for (int x = 1; x < 32; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
@@ -321,9 +326,9 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
     frexpf(amax, &ex);  // amax < 2^ex
     q_mul = ldexpf(1.f, -max(ex - 15, 0));
   }
-  auto q_bits = [&](uint32_t raw) -> uint32_t {  // one stored query element -> operand bits
-    if constexpr (QB) return (uint32_t)__half_as_ushort(__float2half_rn(__uint_as_float(raw << 16) * q_mul));
-    else return raw;
+  auto q_bits = [&](uint32_t raw, int dim) -> uint32_t {  // one stored query element -> operand bits
+    if constexpr (QB) return (uint32_t)__half_as_ushort(__float2half_rn(q_f32(raw, dim) * q_mul));
+    else return sq ? (Op<TK>::pack(q_f32(raw, dim), 0.f) & 0xFFFFu) : raw;
   };
   uint32_t qb[NH][KSTEPS][2];
   float qsum[NH][2];  // INT4: sum(q) of heads 8 nh + 2t + c
@@ -337,7 +342,8 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
       uint32_t e0 = 0, e1 = 0, e2 = 0, e3 = 0;
       if (row < qh) {
         const uint16_t* qr = qp + (int64_t)row * p.q_sh;
-        e0 = q_bits(qr[base]); e1 = q_bits(qr[base + O1]); e2 = q_bits(qr[base + O2]); e3 = q_bits(qr[base + O3]);
+        e0 = q_bits(qr[base], base); e1 = q_bits(qr[base + O1], base + O1);
+        e2 = q_bits(qr[base + O2], base + O2); e3 = q_bits(qr[base + O3], base + O3);
       }
       qb[nh][kk][0] = e0 | (e1 << 16);
       qb[nh][kk][1] = e2 | (e3 << 16);
