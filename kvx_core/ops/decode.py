@@ -123,8 +123,8 @@ class DecodePlan:
             k_smoothing: torch.Tensor | None = None):
         """Decode one layer: `q [B, Hq, D]` over its pools -> (`out`, `lse`) (written in place when given:
         `out [B, Hq, D]` of any float dtype with a contiguous last dim, `lse [B, Hq]` fp32). `k_smoothing`: FP32
-        `[Hkv, D]` the pools' keys were divided by (`ops.smoothing`): the CUDA kernel multiplies the queries as it
-        loads them; the other paths scale them first (torch)."""
+        `[Hkv, D]` the pools' keys were divided by (`ops.smoothing`): the kernels multiply the queries as they load
+        them; rotated formats scale them first (torch, before the rotation)."""
         fmt = self.fmt
         ks, vs, out, lse = check_layer(self, q, self.batch, self.batch, k_data, k_scales, v_data, v_scales,
                                        block_table, seq_lens, out, lse)
@@ -135,7 +135,7 @@ class DecodePlan:
             return out, lse
         qq = fmt.rotate_q(q)
         why = cuda_decode.pool_reason(qq, fmt, k_data, ks[0], v_data, vs[0]) if self.backend == "cuda" else None
-        fused = k_smoothing is not None and self.backend == "cuda" and why is None and not fmt.rotate
+        fused = k_smoothing is not None and not fmt.rotate
         if k_smoothing is not None and not fused:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
             qq = fmt.rotate_q(scale_queries(q, k_smoothing))
         if why is not None and self.forced:
@@ -148,7 +148,8 @@ class DecodePlan:
         else:  # Triton, also for pools the planned CUDA kernel cannot address (same splits)
             triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                         self.mid_l, self.sm_scale, self.softcap, self.window, self.block_n,
-                                        self.num_warps, self.num_stages)
+                                        self.num_warps, self.num_stages,
+                                        q_smoothing=k_smoothing.contiguous() if fused else None)
         if self.rotated_out is None:
             merge_splits(self.mid_o, self.mid_l, out, lse)
         else:  # merge in FP32, then one rotation back into the output dtype

@@ -38,7 +38,7 @@ def _decode_kernel(
     KF: tl.constexpr, VF: tl.constexpr, KGRP: tl.constexpr, VGRP: tl.constexpr,
     KDT: tl.constexpr, VDT: tl.constexpr, KIEEE: tl.constexpr, VIEEE: tl.constexpr,
     KGS: tl.constexpr, VGS: tl.constexpr, K8: tl.constexpr, V8: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr, QS, HAS_QS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -58,7 +58,7 @@ def _decode_kernel(
     rmask = rows < QH
     hq = h * QH + rows
     q_row = b.to(tl.int64) * s_qb + hq.to(tl.int64) * s_qh
-    qa, qb = load_q(Q, q_row, rmask, KF, D, KDT)
+    qa, qb = load_q(Q, q_row, rmask, KF, D, KDT, QS, h, HAS_QS)
     qsum = q_sums(qa, qb, KF, BM)
     k_fac, v_fac = head_factors(sm_scale, softcap, KG, VG, h, KF, VF, KGS, VGS, SOFTCAP, True)
     m_i, l_i, acc_a, acc_b, pm = acc_init(VF, BM, D)
@@ -94,9 +94,10 @@ def default_block_n(kk: KernelFormat, kv: KernelFormat, head_dim: int) -> int:
 
 
 def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
-                  softcap, window, block_n, num_warps, num_stages) -> None:
+                  softcap, window, block_n, num_warps, num_stages, q_smoothing=None) -> None:
     """The Triton split-KV decode kernel on checked arguments: per-split partials into `mid_o [B, Hq, S, D]` /
-    `mid_l [B, Hq, S]` (`ks` / `vs`: `launch.scale_args`; `kg` / `vg`: `launch.global_scale_arg`)."""
+    `mid_l [B, Hq, S]` (`ks` / `vs`: `launch.scale_args`; `kg` / `vg`: `launch.global_scale_arg`; `q_smoothing`:
+    contiguous FP32 `[Hkv, D]` the queries are multiplied by as they load)."""
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
     kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
@@ -126,5 +127,7 @@ def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
         KF=kk.code, VF=kv.code, KGRP=kk.group or 16, VGRP=kv.group or 16,
         KDT=kdt, VDT=vdt, KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
         KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv),
-        SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, ASM=not interpreting(), num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=bool(softcap), WINDOW=window is not None and window >= 0, ASM=not interpreting(),
+        QS=q_smoothing if q_smoothing is not None else q, HAS_QS=q_smoothing is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )

@@ -62,7 +62,7 @@ def _prefill_kernel(
     qpos = prefix + tok
     q_row = (q0 + tok).to(tl.int64) * s_qt + hq.to(tl.int64) * s_qh
 
-    qa, qb = load_q(Q, q_row, rvalid, KF, D, KDT)
+    qa, qb = load_q(Q, q_row, rvalid, KF, D, KDT, Q, h, False)  # queries arrive smoothed (ops.smoothing)
     qsum = q_sums(qa, qb, KF, BM)
     k_fac, v_fac = head_factors(sm_scale, softcap, KG, VG, h, KF, VF, KGS, VGS, SOFTCAP, False)
     m_i, l_i, acc_a, acc_b, pm = acc_init(VF, BM, D)

@@ -29,16 +29,25 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def load_q(Q, q_row, rmask, F: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+def load_q(Q, q_row, rmask, F: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, QS, h, HAS_QS: tl.constexpr):
     """The query rows `q_row` as K format F's dots take them, in dtype DT: (even, odd) head_dim halves for packed K
-    (low / high nibbles are contracted separately), else (the whole row, the same)."""
+    (low / high nibbles are contracted separately), else (the whole row, the same). HAS_QS: times KV head h's key
+    smoothing `QS [Hkv, D]` (FP32) first (`ops.smoothing`)."""
     if F == F_INT4 or F == F_MXFP4 or F == F_NVFP4:
         offs = tl.arange(0, D // 2) * 2
-        qa = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0).to(DT)
-        qb = tl.load(Q + q_row[:, None] + offs[None, :] + 1, mask=rmask[:, None], other=0.0).to(DT)
+        qa = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0)
+        qb = tl.load(Q + q_row[:, None] + offs[None, :] + 1, mask=rmask[:, None], other=0.0)
+        if HAS_QS:
+            qa = qa.to(tl.float32) * tl.load(QS + h * D + offs)[None, :]
+            qb = qb.to(tl.float32) * tl.load(QS + h * D + offs + 1)[None, :]
+        qa = qa.to(DT)
+        qb = qb.to(DT)
     else:
         offs = tl.arange(0, D)
-        qa = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0).to(DT)
+        qa = tl.load(Q + q_row[:, None] + offs[None, :], mask=rmask[:, None], other=0.0)
+        if HAS_QS:
+            qa = qa.to(tl.float32) * tl.load(QS + h * D + offs)[None, :]
+        qa = qa.to(DT)
         qb = qa  # unused: one tile
     return qa, qb
 
