@@ -288,12 +288,12 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
 
 
 def _header() -> str:
-    return (f"{'format':<16}{'bytes/token':>12}{'vs BF16':>9}{'perplexity':>12}{'delta':>9}"
-            f"{'top-1 agree':>13}{'tok/s':>9}\n" + "-" * 80)
+    return (f"{'format':<28}{'bytes/token':>12}{'vs BF16':>9}{'perplexity':>12}{'delta':>9}"
+            f"{'top-1 agree':>13}{'tok/s':>9}\n" + "-" * 92)
 
 
 def _fmt_row(r: dict) -> str:
     tags = [t for t in (r["calibrated"], f"smooth {r['key_smoothing']}" if r.get("key_smoothing") else None) if t]
     name = r["format"] + (f" ({', '.join(tags)})" if tags else "")
-    return (f"{name:<16}{r['bytes_per_token']:>12,.0f}{r['capacity_vs_bf16']:>8.2f}x{r['perplexity']:>12.3f}"
+    return (f"{name:<28}{r['bytes_per_token']:>12,.0f}{r['capacity_vs_bf16']:>8.2f}x{r['perplexity']:>12.3f}"
             f"{r['ppl_delta_pct']:>+8.2f}%{100 * r['top1_agreement']:>12.2f}%{r['tokens_per_s']:>9.0f}")

@@ -369,7 +369,7 @@ FIELD_BAD = {
     "ScaleDesc": {"dtype": BAD_ENUM, "granularity": BAD_ENUM, "tensor": BAD_TENSOR},
     "QuantDesc": {"format": BAD_ENUM, "group_size": BAD_INT, "k_data_dtype": BAD_ENUM, "v_data_dtype": BAD_ENUM,
                   "k_scales": BAD_TENSOR, "v_scales": BAD_TENSOR, "k_global_scale": BAD_TENSOR + [None],
-                  "v_global_scale": BAD_TENSOR + [None], "flags": BAD_INT},
+                  "v_global_scale": BAD_TENSOR + [None], "flags": BAD_INT, "k_smoothing": BAD_TENSOR},
     "CacheDesc": {"num_blocks": BAD_INT, "block_size": BAD_INT, "num_kv_heads": BAD_INT, "head_dim": BAD_INT,
                   "k": BAD_TENSOR + [None], "v": BAD_TENSOR + [None], "pool": BAD_TENSOR, "quant": BAD_TENSOR},
     "BlockTable": {"format": BAD_ENUM, "indices": BAD_TENSOR + [None], "seq_count": BAD_INT,
