@@ -133,23 +133,25 @@ class DecodePlan:
         vg = global_scale_arg(v_gs, kv, self.num_kv_heads, q.device)
         if self.batch == 0:
             return out, lse
+        qs = None  # the kernels multiply the queries by it as they load them
+        if k_smoothing is not None and fmt.rotate:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
+            q = scale_queries(q, k_smoothing)
+        elif k_smoothing is not None:
+            qs = k_smoothing.contiguous()
         qq = fmt.rotate_q(q)
         why = cuda_decode.pool_reason(qq, fmt, k_data, ks[0], v_data, vs[0]) if self.backend == "cuda" else None
-        fused = k_smoothing is not None and not fmt.rotate
-        if k_smoothing is not None and not fused:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
-            qq = fmt.rotate_q(scale_queries(q, k_smoothing))
         if why is not None and self.forced:
             raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot address these pools ({why}); plan with "
                            "backend='triton' or 'auto'")
         if self.backend == "cuda" and why is None:
             cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                self.mid_l, self.sm_scale, self.softcap, self.window,
-                               q_smoothing=k_smoothing.contiguous() if fused else None)
+                               q_smoothing=qs)
         else:  # Triton, also for pools the planned CUDA kernel cannot address (same splits)
             triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                         self.mid_l, self.sm_scale, self.softcap, self.window, self.block_n,
                                         self.num_warps, self.num_stages,
-                                        q_smoothing=k_smoothing.contiguous() if fused else None)
+                                        q_smoothing=qs)
         if self.rotated_out is None:
             merge_splits(self.mid_o, self.mid_l, out, lse)
         else:  # merge in FP32, then one rotation back into the output dtype

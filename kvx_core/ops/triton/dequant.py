@@ -175,6 +175,11 @@ def _f16x4(b, asm: tl.constexpr):
 
 
 @triton.jit
+def _bf16x4(b, asm: tl.constexpr):
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
 def e2m1_lo_f16_x4(b, ASM: tl.constexpr):
     """`e2m1_lo_f16` (e2m1 * 2**-14 of the low nibble), ~2 integer ops per element with ASM."""
     if ASM:
@@ -196,7 +201,7 @@ def e2m1_hi_f16_x4(b, ASM: tl.constexpr):
 def e2m1_lo_bf16_x4(b, ASM: tl.constexpr):
     """uint8 bytes -> bf16 e2m1(low nibble) * 2**-126 (exact), ~2.25 integer ops per element with ASM."""
     if ASM:
-        return tl.inline_asm_elementwise(E2M1_BF16_PTX_LO, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        return _bf16x4(b, E2M1_BF16_PTX_LO)
     else:
         x = b.to(tl.uint16)
         return (((x & 0x8) << 12) | ((x & 0x7) << 6)).to(tl.bfloat16, bitcast=True)
@@ -206,7 +211,7 @@ def e2m1_lo_bf16_x4(b, ASM: tl.constexpr):
 def e2m1_hi_bf16_x4(b, ASM: tl.constexpr):
     """uint8 bytes -> bf16 e2m1(high nibble) * 2**-126 (exact)."""
     if ASM:
-        return tl.inline_asm_elementwise(E2M1_BF16_PTX_HI, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        return _bf16x4(b, E2M1_BF16_PTX_HI)
     else:
         x = b.to(tl.uint16)
         return (((x & 0x80) << 8) | ((x & 0x70) << 2)).to(tl.bfloat16, bitcast=True)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ...errors import Status, require
 from .launch import next_pow2
-from .quant import e4m3_f32, f32_to_f8_bits, rint
+from .quant import e4m3_f32, f16_bytes_f32, f32_to_f8_bits, rint
 
 BM = 64
 HEADER_BYTES = tl.constexpr(40)
@@ -33,13 +33,6 @@ def _store_f16_bytes(OUT, at, v, mask):
     h = v.to(tl.float16).to(tl.uint16, bitcast=True)
     tl.store(OUT + at, (h & 0xFF).to(tl.uint8), mask=mask)
     tl.store(OUT + at + 1, (h >> 8).to(tl.uint8), mask=mask)
-
-
-@triton.jit
-def _load_f16_bytes(BODY, at, mask):
-    b0 = tl.load(BODY + at, mask=mask, other=0).to(tl.uint16)
-    b1 = tl.load(BODY + at + 1, mask=mask, other=0).to(tl.uint16)
-    return (b0 | (b1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -100,8 +93,8 @@ def _unpack_kernel(BODY, SC, T, Y, ldy, rows, BM: tl.constexpr, JB: tl.constexpr
         if fp8:
             v = e4m3_f32(code) * tl.load(SC + col + e, mask=c_ok, other=1.0)[None, :]
         else:
-            mn = _load_f16_bytes(BODY, meta_at + 2 * e, c_ok)[None, :]
-            s = _load_f16_bytes(BODY, meta_at + 2 * n + 2 * e, c_ok)[None, :]
+            mn = f16_bytes_f32(BODY, meta_at + 2 * e, 0, c_ok)[None, :]
+            s = f16_bytes_f32(BODY, meta_at + 2 * n + 2 * e, 0, c_ok)[None, :]
             v = mn + code.to(tl.float32) * s
         tl.store(Y + m.to(tl.int64)[:, None] * ldy + (col + e)[None, :], v, mask=m_ok[:, None] & c_ok[None, :])
 
