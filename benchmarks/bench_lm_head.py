@@ -5,7 +5,9 @@ Shapes: gpt-oss's head 201088 x 2880 and its TP=2 shard 100544 x 2880 (random we
 depend on the values). Reported per (shape, M): median us (L2 flushed before each run), the MXFP4 speed-up over BF16 (the bf16 decode the quantized head takes; the FP32 decode, for any scale, beside it),
 and each one's bytes read (weight + activations + logits) as % of the device's copy bandwidth. `--sweep` first times
 the kernel's tile configurations at M = 1 / 16 / 64 (the table `config()` is chosen from). vLLM's Marlin MXFP4 GEMM
-is timed too when vLLM is importable (`vllm._custom_ops`); otherwise the line says it was not available.
+(`marlin_utils_fp4`: the same MXFP4 weight repacked by `prepare_fp4_layer_for_marlin`, run by
+`apply_fp4_marlin_linear`, what vLLM's W4A16 MXFP4 linear layers run on Hopper) is timed too when vLLM is importable,
+after checking that it computes the same logits as KVX's kernel; otherwise the first line says why it was not.
 
 Usage: python benchmarks/bench_lm_head.py [--out F.jsonl] [--sweep]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +35,22 @@ MS = (1, 2, 4, 8, 16, 32, 64)
 SWEEP = [(bn, bk, w, 3) for bn in (64, 128, 256) for bk in (64, 128, 256) for w in (4, 8)] + [(128, 256, 4, 5)]
 
 
-def marlin_available() -> str | None:
+def marlin_head(wq, n: int) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str | None]:
+    """vLLM's Marlin MXFP4 linear over KVX's quantized weight (OCP packing: element 2i in the low nibble, UE8M0
+    scales per 32 inputs, what Marlin takes from MXFP4 checkpoints), or None and why not."""
     try:
-        import vllm._custom_ops  # noqa: F401
-        return None
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+            apply_fp4_marlin_linear, is_fp4_marlin_supported, prepare_fp4_layer_for_marlin)
     except Exception as e:  # noqa: BLE001
-        return f"vLLM not importable here ({type(e).__name__}); Marlin not timed"
+        return None, f"vLLM not importable here ({type(e).__name__}: {e}); Marlin not timed"
+    if not is_fp4_marlin_supported():
+        return None, "vLLM says this GPU has no FP4 Marlin"
+    layer = torch.nn.Module()  # the attributes vLLM's linear layers hand Marlin
+    layer.output_size_per_partition, layer.input_size_per_partition, layer.params_dtype = n, K, torch.bfloat16
+    layer.weight = torch.nn.Parameter(wq.payload.clone(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(wq.scales.clone(), requires_grad=False)
+    prepare_fp4_layer_for_marlin(layer)
+    return (lambda x: apply_fp4_marlin_linear(x, layer.weight, layer.weight_scale, None, layer.workspace, n, K)), None
 
 
 def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: bool) -> None:
@@ -52,17 +65,27 @@ def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: b
                                                       max_scale=wq.max_scale))
                 emit(out, {**env, "bench": "lm_head_sweep", "shape": name, "m": m,
                            "tiles": [bm, bn, bk, warps, stages], "us": t["ms"] * 1e3})
+    marlin, why = marlin_head(wq, n)
+    if why:
+        emit(out, {**env, "bench": "lm_head", "shape": name, "marlin": why})
     for m in MS:
         x = torch.randn(m, K, device="cuda").bfloat16()
         t_bf16 = bench(lambda: F.linear(x, w))
         t_mx = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales, max_scale=wq.max_scale))
         t_gen = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales))  # the FP32 decode (any scale)
         io = 2 * m * (K + n)
-        emit(out, {**env, "bench": "lm_head", "shape": name, "n": n, "k": K, "m": m,
-                   "tiles": list(config(m)), "bf16_us": t_bf16["ms"] * 1e3, "mxfp4_us": t_mx["ms"] * 1e3,
-                   "speedup": t_bf16["ms"] / t_mx["ms"], "mxfp4_fp32_decode_us": t_gen["ms"] * 1e3,
-                   "bf16_pct_copy_bw": 100 * (2 * n * K + io) / (t_bf16["ms"] * 1e-3) / 1e9 / bw,
-                   "mxfp4_pct_copy_bw": 100 * (wq.nbytes + io) / (t_mx["ms"] * 1e-3) / 1e9 / bw})
+        row = {**env, "bench": "lm_head", "shape": name, "n": n, "k": K, "m": m,
+               "tiles": list(config(m)), "bf16_us": t_bf16["ms"] * 1e3, "mxfp4_us": t_mx["ms"] * 1e3,
+               "speedup": t_bf16["ms"] / t_mx["ms"], "mxfp4_fp32_decode_us": t_gen["ms"] * 1e3,
+               "bf16_pct_copy_bw": 100 * (2 * n * K + io) / (t_bf16["ms"] * 1e-3) / 1e9 / bw,
+               "mxfp4_pct_copy_bw": 100 * (wq.nbytes + io) / (t_mx["ms"] * 1e-3) / 1e9 / bw}
+        if marlin is not None:
+            ours = mxfp4_linear_triton(x, wq.payload, wq.scales, max_scale=wq.max_scale).float()
+            # the same exact products summed in another order: a few bf16 ulps of the logits' scale apart
+            row["marlin_max_rel_diff"] = float((marlin(x).float() - ours).abs().max() / ours.abs().max())
+            t_marlin = bench(lambda: marlin(x))
+            row.update(marlin_us=t_marlin["ms"] * 1e3, speedup_vs_marlin=t_marlin["ms"] / t_mx["ms"])
+        emit(out, row)
 
 
 def main() -> None:
@@ -72,7 +95,7 @@ def main() -> None:
     a = ap.parse_args()
     env = env_info()
     bw = copy_bandwidth()
-    emit(a.out, {**env, "bench": "lm_head", "copy_bandwidth_gbps": bw, "marlin": marlin_available()})
+    emit(a.out, {**env, "bench": "lm_head", "copy_bandwidth_gbps": bw})
     torch.manual_seed(0)
     for name, n in SHAPES.items():
         run_shape(a.out, env, bw, name, n, a.sweep and n == max(SHAPES.values()))

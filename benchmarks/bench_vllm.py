@@ -41,12 +41,11 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 CTX_SHORT, CTX_LONG, BATCH = 8192, 32768, 64
 
 
-def _prompts(n: int, length: int, seed: int) -> list[dict]:
+def _prompts(n: int, length: int, seed: int, vocab: int = MODEL["vocab_size"]) -> list[dict]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": torch.randint(3, MODEL["vocab_size"], (length,), generator=g).tolist()}
-            for _ in range(n)]
+    return [{"prompt_token_ids": torch.randint(3, vocab, (length,), generator=g).tolist()} for _ in range(n)]
 
 
 def _timed(llm, prompts, tokens: int) -> float:

@@ -23,7 +23,8 @@ GROUP = 32
 CODEC = MXFP4Format(group_size=GROUP)
 
 DEFAULT_CHUNK_ROWS = 8192
-"""Output rows decoded at a time by `mxfp4_linear` (8192 x 2880 fp32 = 94 MB)."""
+"""Output rows decoded at a time by `mxfp4_linear`, and encoded at a time by `quantize_mxfp4` (8192 x 2880 fp32 =
+94 MB)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,11 @@ def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Weight:
             f"MXFP4 weights need in_features divisible by {GROUP}, got {weight.shape[1]}")
     require(bool(torch.isfinite(weight).all()), Status.INVALID_ARGUMENT,
             "the weight holds NaN or inf values: MXFP4 cannot represent them (a whole group's scale would be NaN)")
-    payload, scales = CODEC.encode(weight)
+    payload = torch.empty(weight.shape[0], weight.shape[1] // 2, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(weight.shape[0], weight.shape[1] // GROUP, dtype=torch.uint8, device=weight.device)
+    for lo in range(0, weight.shape[0], DEFAULT_CHUNK_ROWS):  # rows are independent: the peak is one chunk's
+        payload[lo:lo + DEFAULT_CHUNK_ROWS], scales[lo:lo + DEFAULT_CHUNK_ROWS] = CODEC.encode(
+            weight[lo:lo + DEFAULT_CHUNK_ROWS])
     return Mxfp4Weight(payload, scales, int(scales.max()) if scales.numel() else 0)
 
 

@@ -30,6 +30,18 @@ def test_quantize_is_the_formats_mxfp4_32():
     assert (q.out_features, q.in_features, q.nbytes) == (40, 96, 40 * 48 + 40 * 3)
 
 
+def test_quantize_in_row_chunks_equals_one_encode():
+    """Past DEFAULT_CHUNK_ROWS rows the encode runs a chunk at a time (bounded memory for a 201088-row head): the
+    same bytes as one encode, including the rows across the chunk boundary and the max scale."""
+    from kvx_core.mxfp4_linear import DEFAULT_CHUNK_ROWS
+    w = torch.randn(DEFAULT_CHUNK_ROWS + 5, 32, generator=torch.Generator().manual_seed(4))
+    w[-1] *= 2.0 ** 30  # the largest scale sits in the last chunk
+    q = quantize_mxfp4(w)
+    payload, scales = MXFP4Format(group_size=32).encode(w)
+    assert torch.equal(q.payload, payload) and torch.equal(q.scales, scales)
+    assert q.max_scale == int(scales.max())
+
+
 def test_representable_weights_round_trip_exactly_and_match_ml_dtypes():
     w = _representable(17, 128)
     q = quantize_mxfp4(w)
