@@ -16,7 +16,7 @@ from typing import IO, Any, Iterator
 import torch
 
 from kvx_core.cache import PagedKVCache, bytes_per_token, capacity_ratio_vs_bf16
-from kvx_core.calibration import SCALE_RULES, SampleObserver, key_smoothing
+from kvx_core.calibration import SCALE_RULES, SampleObserver, key_smoothing, stored_values
 from kvx_core.enums import QuantFormat
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
@@ -154,15 +154,6 @@ def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> Sample
     return obs
 
 
-def _smoothed(obs: SampleObserver, smooth: list[torch.Tensor]) -> SampleObserver:
-    """The observer's K/V with each layer's keys divided by its smoothing vector (what a smoothed cache stores)."""
-    out = SampleObserver(obs.num_layers, obs.max_tokens)
-    for layer, s in enumerate(smooth):
-        k, v = obs.values(layer)
-        out.observe(layer, k / s, v)
-    return out
-
-
 def _alpha(text: str) -> float:
     """--smooth-keys ALPHA: a float in (0, 1]."""
     try:
@@ -244,7 +235,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
     smooth = None if a.smooth_keys is None else [key_smoothing(obs.values(layer)[0], a.smooth_keys)
                                                  for layer in range(shape["num_layers"])]
     if smooth is not None and a.calibrate:  # global scales for the keys as stored: divided by s
-        obs = _smoothed(obs, smooth)
+        obs = stored_values(obs, smooth)
     with torch.inference_mode():  # warm-up, so the first format's tokens/s is not the one-time setup
         loaded.model(input_ids=eval_windows[:1, :min(64, a.window_len)])
 
