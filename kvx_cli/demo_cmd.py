@@ -140,8 +140,8 @@ def _require_fits_model(config: Any, window_len: int, fmts: list[CacheFormat]) -
         fmt.check_head_dim(head_dim)
 
 
-def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> SampleObserver:
-    """Per-layer K/V values over one window, observed through an FP32 KVX cache."""
+def observe_kv(model, ids: torch.Tensor, shape: dict, block_size: int) -> SampleObserver:
+    """Per-layer K/V values over one window `ids [1, T]`, observed through an FP32 KVX cache (also `kvx calibrate-kv`)."""
     from kvx_demo.kvx_cache import KvxCache
 
     obs = SampleObserver(shape["num_layers"])
@@ -231,7 +231,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
           f"{shape['num_kv_heads']} KV heads, head_dim {shape['head_dim']} (loaded in {loaded.load_seconds:.1f} s); "
           f"{a.windows} windows x {a.window_len} tokens, chunk {min(a.chunk_size, a.window_len)}, "
           f"block size {a.block_size}", flush=True)
-    obs = _calibrate(loaded.model, cal_windows, shape, a.block_size) if calibrating else None
+    obs = observe_kv(loaded.model, cal_windows, shape, a.block_size) if calibrating else None
     smooth = None if a.smooth_keys is None else [key_smoothing(obs.values(layer)[0], a.smooth_keys)
                                                  for layer in range(shape["num_layers"])]
     if smooth is not None and a.calibrate:  # global scales for the keys as stored: divided by s

@@ -188,7 +188,7 @@ def load_kv_calibration(path: str) -> KvCalibration:
         if p["alpha"] is not None:
             expected |= {f"layer.{i}.k_smoothing" for i in range(n)}
         scales = {}
-        for fmt in _scale_formats(formats):
+        for fmt in scale_formats(formats):
             name = fmt.name
             names = [[f"layer.{i}.{name}.{s}_global" if tf.uses_global_scale else None
                       for s, tf in zip("kv", (fmt.k, fmt.v))] for i in range(n)]
@@ -219,7 +219,8 @@ def global_formats() -> list[str]:
     return [n for n in list_formats() if get_format(n).k.uses_global_scale or get_format(n).v.uses_global_scale]
 
 
-def _scale_formats(formats: list[str]) -> list[CacheFormat]:
+def scale_formats(formats: list[str]) -> list[CacheFormat]:
+    """The named formats, each of which must have a global scale (INVALID_ARGUMENT otherwise)."""
     fmts = [get_format(n) for n in formats]
     plain = [f.name for f in fmts if not (f.k.uses_global_scale or f.v.uses_global_scale)]
     require(not plain, Status.INVALID_ARGUMENT,
@@ -234,7 +235,7 @@ def from_checkpoint_amax(amax: torch.Tensor, formats: list[str], *, num_kv_heads
     unrotated values."""
     from .calibration import global_scale_for_amax
 
-    fmts = _scale_formats(formats)
+    fmts = scale_formats(formats)
     rotated = [f.name for f in fmts if f.rotate]
     require(not rotated, Status.INVALID_ARGUMENT,
             f"checkpoint k_scale / v_scale describe unrotated K/V, not {', '.join(rotated)}; calibrate those on text")
@@ -248,7 +249,7 @@ def from_samples(obs, formats: list[str], *, rule: str | None, alpha: float | No
     when `rule` ("amax" / "mse"), each format's scales fitted on the values as it stores them (`stored_values`)."""
     from .calibration import key_smoothing, stored_values
 
-    fmts = _scale_formats(formats) if rule is not None else []
+    fmts = scale_formats(formats) if rule is not None else []
     require(rule is None or rule in RULES[1:], Status.INVALID_ARGUMENT, f"text calibration rule must be amax or mse, got {rule!r}")
     k0 = obs.values(0)[0]
     smooth = None if alpha is None else [key_smoothing(obs.values(i)[0], alpha) for i in range(obs.num_layers)]
