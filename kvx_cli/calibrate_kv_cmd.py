@@ -21,7 +21,7 @@ import torch
 
 from kvx_core.calibration import SCALE_RULES, amax_from_checkpoint
 from kvx_core.errors import KvxError, Status, require
-from kvx_core.kv_calibration import (FILENAME, KvCalibration, from_checkpoint_amax, from_samples, global_formats,
+from kvx_core.kv_calibration import (FILENAME, WEIGHT_SUFFIXES, KvCalibration, from_checkpoint_amax, from_samples, global_formats,
                                      scale_formats)
 
 from .args import bounded_int
@@ -75,8 +75,6 @@ def _checkpoint_amax(model_dir: Path, num_layers: int) -> torch.Tensor | None:
 
     found: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
-        if f.name == FILENAME:
-            continue
         with safe_open(str(f), framework="pt") as st:
             found.update({k: st.get_tensor(k) for k in st.keys() if _SCALE_KEY.search(k)})
     return amax_from_checkpoint(found, num_layers)
@@ -114,6 +112,9 @@ def run(a: argparse.Namespace) -> int:
     except ImportError as e:  # the demo's optional dependencies
         raise KvxError(Status.UNSUPPORTED, str(e)) from None
     out = str(a.out if a.out is not None else Path(source) / FILENAME)
+    require(not (Path(out).resolve().parent == Path(source).resolve() and out.endswith(WEIGHT_SUFFIXES)),
+            Status.INVALID_ARGUMENT, f"--out {out}: engines load every {'/'.join(WEIGHT_SUFFIXES)} file of a checkpoint "
+            f"directory as weights; name it differently (default {FILENAME})")
     require(a.force or not os.path.exists(out), Status.INVALID_ARGUMENT,
             f"{out} exists; pass --force to replace it (KVX never overwrites a file otherwise)")
     shape = model_shape(config)

@@ -1,5 +1,7 @@
 """The KV-cache calibration file: per layer the key smoothing vector and the K / V global scales a quantized cache
-uses, saved next to the model (`<checkpoint>/kvx_kv_calibration.safetensors`) and loaded by the engine plugins.
+uses, saved next to the model (`<checkpoint>/kvx_kv_calibration.kvx`) and loaded by the engine plugins. The file is
+safetensors, but not named `*.safetensors`: vLLM and TGI load every `*.safetensors` file of a checkpoint directory
+without an index as weights (a vLLM CPU run failed to load SmolLM2 with one beside it).
 
 Contents (safetensors, no pickle): tensors `layer.{i}.k_smoothing` (FP32 `[H_kv, D]`, all layers or none) and
 `layer.{i}.{format}.k_global` / `v_global` (FP32 `[1]` or `[H_kv]`, for each cache format the scales were fitted
@@ -27,7 +29,9 @@ from .formats import CacheFormat, get_format, list_formats
 from .tensor_file import content_hash, read_tensor_file, write_tensor_file
 
 VERSION = 1
-FILENAME = "kvx_kv_calibration.safetensors"
+FILENAME = "kvx_kv_calibration.kvx"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+"""What engines load from a checkpoint directory as weights: a calibration beside the weights must not end so."""
 META_KEY = "kvx_kv_calibration"
 RULES = ("checkpoint", "amax", "mse")
 

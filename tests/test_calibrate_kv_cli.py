@@ -96,3 +96,9 @@ def test_refusals_are_one_line(tiny, tmp_path, capsys, extra, message):
 def test_missing_model_dir_is_refused(tmp_path, capsys):
     assert main(["calibrate-kv", "--model", str(tmp_path / "none")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_weight_file_name_beside_the_model_is_refused(tiny, capsys):
+    """vLLM and TGI would load it as a weight shard."""
+    assert main(["calibrate-kv", "--model", str(tiny), "--out", str(tiny / "kv.safetensors")]) == 2
+    assert "as weights" in capsys.readouterr().err and not (tiny / "kv.safetensors").exists()

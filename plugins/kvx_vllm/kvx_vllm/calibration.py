@@ -1,7 +1,7 @@
 """The run's KV-cache calibration (`kvx_core.kv_calibration`): which file, checked against the served model and
 format at startup, and each layer's key smoothing and global scales for the backend's `CacheDesc`.
 
-The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<model dir>/kvx_kv_calibration.safetensors`
+The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<model dir>/kvx_kv_calibration.kvx`
 when the model is a local directory holding one. It is refused (ValueError at startup, before any K/V is written)
 when it is damaged, made for another model (fingerprint) or geometry, holds no scales for a run format that has a
 global scale, or the run is tensor-parallel (the per-KV-head vectors are not sliced per rank). The vLLM-native
