@@ -8,7 +8,12 @@ that directory with `--kv-cache-dtype kvx_nvfp4` and no option: the plugin finds
   smoothed and scaled prefix) and the decoded tokens' (everything read from the pages) match an oracle computing
   that same attention: transformers in FP32 over a KVX `PagedKVCache` the file was applied to (`KvCalibration.apply`)
   whose reads replace the current chunk's K/V by the exact ones during prefill. vLLM computes in BF16, so they
-  agree within BF16 noise (bounds below), not bit for bit.
+  agree within BF16 noise amplified by 4-bit rounding flips, not bit for bit; and they lie clearly closer to it
+  than to the same oracle without the calibration (the negative control: the test fails if the file is not served).
+  Measured on this machine (300 prompt tokens x top-5, 16 decoded tokens), |vLLM - oracle| mean / max: prompt
+  0.096 / 1.87, decode 0.050 / 0.17 against the calibrated oracle; 0.18 / 6.6 and 0.20 / 0.65 against the
+  uncalibrated one (a BF16 oracle is no closer: 0.097 / 1.49). Bounds: BOUNDS, and calibrated mean <= CONTROL x
+  uncalibrated mean.
 Fast tests: what `kvx_vllm.calibration` refuses, on stand-in configs.
 """
 from __future__ import annotations
@@ -31,7 +36,8 @@ pytestmark = pytest.mark.vllm
 RUNNER = Path(__file__).with_name("vllm_calibration_run.py")
 CHUNK = 128
 PROMPT = (600, 900)  # demo-text tokens scored (the calibration saw the first 256)
-MEAN_BOUND, MAX_BOUND = 0.15, 1.0
+BOUNDS = {"prompt": (0.14, 3.0), "decode": (0.10, 0.6)}  # (mean, max) of |vLLM - calibrated oracle|
+CONTROL = 0.75
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +73,10 @@ def run(model_dir, prompt_ids) -> dict:
     return json.loads(m.group(1))
 
 
-def _oracle(model_dir: Path, ids: list[int], generated: list[int]) -> torch.Tensor:
-    """FP32 log-softmax `[len(ids) + len(generated) - 1 + 1, V]` of every position, computed as the KVX vLLM backend
-    attends: prompt chunks of CHUNK over their exact K/V and the calibrated cache's prefix, then one token at a
-    time over the calibrated cache only."""
+def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: bool = True) -> torch.Tensor:
+    """FP32 log-softmax `[len(ids) + len(generated) - 1, V]` of every position, computed as the KVX vLLM backend
+    attends: prompt chunks of CHUNK over their exact K/V and the cache's prefix, then one token at a time over the
+    cache only; the cache nvfp4 with the file applied (`calibrated`) or with the format's defaults."""
     from transformers import AutoModelForCausalLM
 
     from kvx_core.cache import PagedKVCache
@@ -83,7 +89,8 @@ def _oracle(model_dir: Path, ids: list[int], generated: list[int]) -> torch.Tens
     total = len(ids) + len(generated)
     paged = PagedKVCache("nvfp4", num_layers=shape["num_layers"], num_blocks=-(-total // 16), block_size=16,
                          num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"], per_head_global_scale=True)
-    load_kv_calibration(str(model_dir / FILENAME)).apply(paged)
+    if calibrated:
+        load_kv_calibration(str(model_dir / FILENAME)).apply(paged)
     cache = KvxCache(paged)
     prefill = [True]
     for layer in cache.layers:
@@ -113,19 +120,26 @@ def test_every_layer_serves_the_files_values(run):
         assert r["smoothing_diff"] == r["k_global_diff"] == r["v_global_diff"] == 0.0, r
 
 
+def _gaps(run: dict, ref: torch.Tensor, n: int) -> dict[str, list[float]]:
+    """|vLLM - oracle| of every top-5 prompt log-probability and of every decoded token's."""
+    prompt = [abs(lp - float(ref[i - 1, token]))  # position i is predicted from position i - 1
+              for i, top in enumerate(run["prompt_logprobs"]) for token, lp in top or []]
+    decode = [abs(lp - float(ref[n - 1 + j, t])) for j, (t, lp) in enumerate(run["generated"])]
+    return {"prompt": prompt, "decode": decode}
+
+
 @pytest.mark.slow
 def test_logprobs_match_the_calibrated_oracle(run, model_dir, prompt_ids):
     generated = [t for t, _ in run["generated"]]
-    ref = _oracle(model_dir, prompt_ids, generated)
-    gaps = []
-    for i, top in enumerate(run["prompt_logprobs"]):
-        for token, lp in top or []:  # position i is predicted from position i - 1
-            gaps.append(abs(lp - float(ref[i - 1, token])))
     n = len(prompt_ids)
-    dec = [abs(lp - float(ref[n - 1 + j, t])) for j, (t, lp) in enumerate(run["generated"])]
-    assert len(gaps) > 5 * (n - 1) - 1 and len(dec) == len(generated)
-    for g in (gaps, dec):
-        assert max(g) <= MAX_BOUND and sum(g) / len(g) <= MEAN_BOUND, (max(g), sum(g) / len(g))
+    near = _gaps(run, _oracle(model_dir, prompt_ids, generated), n)
+    far = _gaps(run, _oracle(model_dir, prompt_ids, generated, calibrated=False), n)
+    assert len(near["prompt"]) >= 5 * (n - 1) and len(near["decode"]) == len(generated)
+    for what, (mean_bound, max_bound) in BOUNDS.items():
+        g, control = near[what], far[what]
+        mean = sum(g) / len(g)
+        assert mean <= mean_bound and max(g) <= max_bound, (what, mean, max(g))
+        assert mean <= CONTROL * sum(control) / len(control), (what, mean, sum(control) / len(control))
 
 
 # ---------------------------------------------------------------- refusals (no vLLM run)
