@@ -58,6 +58,10 @@ def write_tensor_file(path: str, tensors: dict[str, torch.Tensor], metadata: dic
                 os.link(tmp, path)  # atomic, and fails if the name exists
             except FileExistsError:
                 raise KvxError(Status.INVALID_ARGUMENT, f"{path} exists; KVX never overwrites a file without an explicit overwrite") from None
+            except OSError:  # a file system without hard links: check, then rename (a concurrent writer could race)
+                require(not os.path.exists(path), Status.INVALID_ARGUMENT,
+                        f"{path} exists; KVX never overwrites a file without an explicit overwrite")
+                os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -191,3 +191,19 @@ def test_construction_refuses_nothing_and_halves():
         KvCalibration(L, H, D, {}, 0.5, None, None, {})
     with pytest.raises(KvxError, match="layers"):
         KvCalibration(L, H, D, {}, 0.5, None, (torch.ones(H, D),), {})
+
+
+def test_write_without_hard_links(cal, tmp_path, monkeypatch):
+    """A file system without hard links: the new file is renamed into place; an existing one is still refused."""
+    import os
+
+    def no_links(*_a):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(os, "link", no_links)
+    p = str(tmp_path / "c.kvx")
+    cal.save(p)
+    assert load_kv_calibration(p).identity == cal.identity
+    with pytest.raises(KvxError, match="never overwrites"):
+        cal.save(p)
+    assert [f.name for f in tmp_path.iterdir()] == ["c.kvx"]
