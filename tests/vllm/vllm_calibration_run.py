@@ -1,10 +1,10 @@
 """One vLLM instance (CPU, SmolLM2-135M) serving a KV-cache calibration file; prints one JSON line.
 
-    python tests/vllm/vllm_calibration_run.py MODEL_DIR CACHE_DTYPE PROMPT_IDS_JSON
+    python tests/vllm/vllm_calibration_run.py MODEL_DIR CACHE_DTYPE PREFILL PROMPT_IDS_JSON    (PREFILL: split, cache)
 
 MODEL_DIR holds `kvx_kv_calibration.safetensors` (found there, no option). One greedy request over the given prompt
 token ids, prefilled in chunks of `CHUNK` tokens (split prefill: each chunk over its own exact K/V plus the cached,
-calibrated prefix) then decoded for `GEN` tokens, returns the prompt's top-5 log-probabilities at every position and
+calibrated prefix; cache prefill: everything over the pages) then decoded for `GEN` tokens, returns the prompt's top-5 log-probabilities at every position and
 each generated token with its log-probability. `LLM.apply_model` reports, per attention layer, how far the
 CacheDesc the backend built lies from the file's values for this format (key smoothing, K / V global scales).
 """
@@ -45,13 +45,13 @@ def inspect(model) -> list[dict]:
     return sorted(out, key=lambda r: r["layer"])
 
 
-def main(model_dir: str, cache_dtype: str, prompt_ids: list[int]) -> dict:
+def main(model_dir: str, cache_dtype: str, prefill: str, prompt_ids: list[int]) -> dict:
     from vllm import LLM, SamplingParams
 
     _MODEL.append(model_dir)
     llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=512, enforce_eager=True,
               max_num_seqs=1, max_num_batched_tokens=CHUNK, enable_prefix_caching=False, seed=0,
-              distributed_executor_backend="uni")
+              distributed_executor_backend="uni", additional_config={"kvx": {"prefill": prefill}})
     res = llm.generate([{"prompt_token_ids": prompt_ids}],
                        SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True, prompt_logprobs=5, logprobs=1),
                        use_tqdm=False)[0]
@@ -63,4 +63,4 @@ def main(model_dir: str, cache_dtype: str, prompt_ids: list[int]) -> dict:
 
 
 if __name__ == "__main__":
-    print("KVX_RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))), flush=True)
+    print("KVX_RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))), flush=True)
