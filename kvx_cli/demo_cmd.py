@@ -16,7 +16,7 @@ from typing import IO, Any, Iterator
 import torch
 
 from kvx_core.cache import PagedKVCache, bytes_per_token, capacity_ratio_vs_bf16
-from kvx_core.calibration import SCALE_RULES, SampleObserver, key_smoothing
+from kvx_core.calibration import SCALE_RULES, SampleObserver, key_smoothing, stored_values
 from kvx_core.enums import QuantFormat
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
@@ -140,8 +140,8 @@ def _require_fits_model(config: Any, window_len: int, fmts: list[CacheFormat]) -
         fmt.check_head_dim(head_dim)
 
 
-def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> SampleObserver:
-    """Per-layer K/V values over one window, observed through an FP32 KVX cache."""
+def observe_kv(model, ids: torch.Tensor, shape: dict, block_size: int) -> SampleObserver:
+    """Per-layer K/V values over one window `ids [1, T]`, observed through an FP32 KVX cache (also `kvx calibrate-kv`)."""
     from kvx_demo.kvx_cache import KvxCache
 
     obs = SampleObserver(shape["num_layers"])
@@ -152,15 +152,6 @@ def _calibrate(model, ids: torch.Tensor, shape: dict, block_size: int) -> Sample
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     return obs
-
-
-def _smoothed(obs: SampleObserver, smooth: list[torch.Tensor]) -> SampleObserver:
-    """The observer's K/V with each layer's keys divided by its smoothing vector (what a smoothed cache stores)."""
-    out = SampleObserver(obs.num_layers, obs.max_tokens)
-    for layer, s in enumerate(smooth):
-        k, v = obs.values(layer)
-        out.observe(layer, k / s, v)
-    return out
 
 
 def _alpha(text: str) -> float:
@@ -240,11 +231,11 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
           f"{shape['num_kv_heads']} KV heads, head_dim {shape['head_dim']} (loaded in {loaded.load_seconds:.1f} s); "
           f"{a.windows} windows x {a.window_len} tokens, chunk {min(a.chunk_size, a.window_len)}, "
           f"block size {a.block_size}", flush=True)
-    obs = _calibrate(loaded.model, cal_windows, shape, a.block_size) if calibrating else None
+    obs = observe_kv(loaded.model, cal_windows, shape, a.block_size) if calibrating else None
     smooth = None if a.smooth_keys is None else [key_smoothing(obs.values(layer)[0], a.smooth_keys)
                                                  for layer in range(shape["num_layers"])]
     if smooth is not None and a.calibrate:  # global scales for the keys as stored: divided by s
-        obs = _smoothed(obs, smooth)
+        obs = stored_values(obs, smooth)
     with torch.inference_mode():  # warm-up, so the first format's tokens/s is not the one-time setup
         loaded.model(input_ids=eval_windows[:1, :min(64, a.window_len)])
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import asdict
 
 from kvx_core.errors import KvxError, Status
 
@@ -54,17 +55,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     _new_file(out)
     from kvx_core.kvtc import calibrate
     from kvx_core.kvtc.rope import rope_theta_of
-    from kvx_core.transfer import fingerprint_from_files
+    from kvx_core.transfer import checkpoint_fingerprint
     from kvx_demo.kvtc_eval import collect_kv
     from kvx_demo.model import load_model
     from kvx_demo.text import load_windows
 
     lm = load_model(args.model)
-    src = lm.source if lm.source.is_dir() else None
-    model = {}
-    if src is not None and (src / "config.json").is_file() and (src / "tokenizer.json").is_file():
-        from dataclasses import asdict
-        model = asdict(fingerprint_from_files(str(src / "config.json"), str(src / "tokenizer.json")))
+    fp = checkpoint_fingerprint(str(lm.source)) if lm.source.is_dir() else None
+    model = {} if fp is None else asdict(fp)
     start = time.perf_counter()
     kv = collect_kv(lm.model, load_windows(lm.tokenizer, args.windows, args.window_len))
     cal = calibrate(kv, layers_per_group=args.layers_per_group, ratio=args.ratio, range_size=args.range_size,

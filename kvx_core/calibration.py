@@ -203,6 +203,21 @@ class SampleObserver:
         return out
 
 
+def stored_values(obs: SampleObserver, smoothing: list[torch.Tensor] | None = None,
+                  rotate: bool = False) -> SampleObserver:
+    """The observer's K/V as a cache stores them, for fitting global scales: keys divided by each layer's
+    smoothing vector `[H, D]`, then K and V rotated (`formats.rotation`) for a `_rot` format."""
+    from .formats.rotation import rotate as hadamard_rotate
+
+    out = SampleObserver(obs.num_layers, obs.max_tokens)
+    for layer in range(obs.num_layers):
+        k, v = obs.values(layer)
+        if smoothing is not None:
+            k = k / smoothing[layer]
+        out.observe(layer, *((hadamard_rotate(k), hadamard_rotate(v)) if rotate else (k, v)))
+    return out
+
+
 def key_smoothing(keys: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     """Per-channel key smoothing (`ops.smoothing`) from calibration keys `[T, H, D]`: `s = (amax_c / g_h) ** alpha`,
     `amax_c` a channel's max |K| over the tokens (floored at 2**-20 of its head's largest, so an all-zero channel

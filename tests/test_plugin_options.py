@@ -27,7 +27,7 @@ def test_options_and_dtypes_import_without_vllm():
             "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
     out = subprocess.run([sys.executable, "-c", code, str(PLUGIN)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "KvxOptions(rotate=False, prefill='split', lm_head=None)" in out.stdout
+    assert "KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None)" in out.stdout
 
 
 @pytest.mark.parametrize("extra, rotate, prefill", [
@@ -42,6 +42,11 @@ def test_valid_configs(extra, rotate, prefill):
 def test_lm_head_option():
     assert options.options_of(_config({"kvx": {"lm_head": "mxfp4"}})).lm_head == "mxfp4"
     assert options.options_of(_config({"kvx": {"lm_head": None}})).lm_head is None
+
+
+def test_kv_calibration_option():
+    assert options.options_of(_config({"kvx": {"kv_calibration": "/m/c.safetensors"}})).kv_calibration == "/m/c.safetensors"
+    assert options.options_of(_config({"kvx": {}})).kv_calibration is None
 
 
 def test_config_without_additional_config_attribute():
@@ -81,6 +86,7 @@ def test_non_object_kvx_section_is_refused(section):
     ({"prefill": "Cache"}, '"prefill" must be one of'), ({"prefill": True}, '"prefill" must be one of'),
     ({"lm_head": "MXFP4"}, '"lm_head" must be one of .mxfp4.'), ({"lm_head": "nvfp4"}, '"lm_head" must be one of'),
     ({"lm_head": True}, '"lm_head" must be one of'),
+    ({"kv_calibration": ""}, '"kv_calibration" must be a file path'), ({"kv_calibration": 1}, "must be a file path"),
 ])
 def test_bad_kvx_options_are_refused(section, match):
     with pytest.raises(ValueError, match=match):

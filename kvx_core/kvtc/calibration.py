@@ -12,17 +12,16 @@ group). Saved as a safetensors file whose metadata holds the JSON parameters and
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from ..errors import KvxError, Status, require
+from ..errors import Status, require
+from ..tensor_file import content_hash, read_tensor_file, write_tensor_file
 from .quant import KINDS, RangeKind, dequantize_range, fp8_scales, quantize_range, range_bytes
 from .rope import rotate
 
@@ -91,33 +90,18 @@ class Calibration:
     def identity(self) -> str:
         """sha256 over the parameters and every tensor's bytes: what a compressed buffer names its calibration by.
         Computed once (a calibration is immutable): every compress, decompress and KVTC store lookup compares it."""
-        h = hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode())
-        for name, t in sorted(self.tensors().items()):
-            h.update(name.encode())
-            h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        return content_hash(self.params(), self.tensors())
 
     def save(self, path: str) -> str:
         """Write the safetensors file (no pickle); returns the identity. Refuses to overwrite an existing file."""
-        from safetensors.torch import save_file
-
-        require(not os.path.exists(path), Status.INVALID_ARGUMENT, f"{path} exists; KVTC never overwrites a file")
         ident = self.identity
-        save_file({k: v.cpu() for k, v in self.tensors().items()}, path,
-                  metadata={"kvx_kvtc": json.dumps(self.params()), "identity": ident})
+        write_tensor_file(path, self.tensors(), {"kvx_kvtc": json.dumps(self.params()), "identity": ident})
         return ident
 
 
 def load_calibration(path: str) -> Calibration:
     """Read a calibration file (KvxError INVALID_ARGUMENT / INCOMPATIBLE for foreign, damaged or newer files)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for foreign or damaged files
-        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: not a readable safetensors file ({e})") from None
+    meta, tensors = read_tensor_file(path)
     require("kvx_kvtc" in meta, Status.INVALID_ARGUMENT, f"{path}: not a KVX KVTC calibration (no kvx_kvtc metadata)")
     p = json.loads(meta["kvx_kvtc"])
     require(p.get("version") == VERSION, Status.INCOMPATIBLE,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import BinaryIO
@@ -54,6 +55,12 @@ def fingerprint_from_files(config_json: str, tokenizer_json: str) -> ModelFinger
     rope = {k: cfg[k] for k in ("rope_theta", "rope_scaling", "max_position_embeddings") if k in cfg}
     return ModelFingerprint((cfg.get("architectures") or ["?"])[0], int(cfg["num_hidden_layers"]), int(heads),
                             int(head_dim), rope, hashlib.sha256(raw).hexdigest(), tok)
+
+
+def checkpoint_fingerprint(directory: str) -> ModelFingerprint | None:
+    """The fingerprint of a checkpoint directory holding config.json and tokenizer.json, else None."""
+    cfg, tok = os.path.join(directory, "config.json"), os.path.join(directory, "tokenizer.json")
+    return fingerprint_from_files(cfg, tok) if os.path.isfile(cfg) and os.path.isfile(tok) else None
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:

@@ -73,7 +73,8 @@ def slots_of(blocks: list[int], block_size: int, n: int) -> list[int]:
 
 def cache_mismatches(caches, spy: StoreSpy, blocks: list[int], n: int, required: int | None = None) -> list[str]:
     """Layers whose first `n` tokens, gathered back through KVX from the request's blocks, differ from the
-    format's encode -> decode of the K/V TGI stored for those tokens (exact equality). The first `required`
+    format's encode -> decode of the K/V TGI stored for those tokens (keys divided by the layer's smoothing vector
+    first and multiplied by it after, when it has one; exact equality). The first `required`
     (default all) must have been written by eager steps the spy saw; others are compared when seen."""
     bad = []
     for i, cache in enumerate(caches):
@@ -88,7 +89,13 @@ def cache_mismatches(caches, spy: StoreSpy, blocks: list[int], n: int, required:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt.name)
         if dtype is not None:  # identity formats store the activations in their dtype
             k, v = k.to(dtype), v.to(dtype)
+        sk = pools.k_smoothing  # key smoothing (a KV calibration): K / s stored, read back times s
+        if sk is not None:
+            sk = sk.cpu()
+            k = (k.float() / sk).to(k.dtype)
         want_k = fmt.unrotate_output(fmt.decode_k(*fmt.encode_k(k, gk), gk))  # gather returns the model's domain
+        if sk is not None:
+            want_k = want_k * sk
         want_v = fmt.decode_v(*fmt.encode_v(v, gv), gv, unrotate=True)
         if not (torch.equal(got.key.cpu()[pos].float(), want_k.float()) and
                 torch.equal(got.value.cpu()[pos].float(), want_v.float())):

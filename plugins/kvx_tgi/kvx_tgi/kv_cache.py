@@ -5,6 +5,9 @@ so TGI's `FlashCausalLM.init_kv_cache` builds these, one per layer, with its own
 files call `store(key=, value=, slots=, kv_scales=)` before attention; the K/V are quantized into the pools
 by `kvx_core.ops.dispatch.write_kv` (the fused Triton write on CUDA, the torch reference on CPU).
 
+KV calibration file (`calibration`): when the run has one, each layer takes its key smoothing and global scales
+from it (they replace checkpoint scales), set before the first write.
+
 Checkpoint KV scales: TGI's `get_kv_scales` reads `{prefix}.k_scale` / `v_scale` (FP8 convention
 `amax / 448`, as vLLM and ModelOpt write them). Formats with a per-tensor global scale (fp8_*, nvfp4, k8v4)
 take `global_scale_for_amax(amax)` from them; 1.0 / 1.0 means "no scales" (TGI's own rule) and
@@ -25,9 +28,10 @@ from kvx_core.cache import PagedKVCache
 from kvx_core.calibration import amax_from_kv_scale, global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.errors import Status, require
+from kvx_core.kv_calibration import LayerValues
 from kvx_core.ops.dispatch import write_kv
 
-from . import config
+from . import calibration, config
 
 @dataclass
 class KVScales:
@@ -36,6 +40,7 @@ class KVScales:
 
     key_scale: torch.Tensor
     value_scale: torch.Tensor
+    calibration: LayerValues | None = None  # the run's KV calibration for this layer (`calibration`)
     key_scale_cpu: float = field(init=False)
     value_scale_cpu: float = field(init=False)
 
@@ -53,14 +58,15 @@ def get_kv_scales(weights, prefix: str) -> KVScales:
     """The layer's `{prefix}.k_scale` / `v_scale` (or the older shared `kv_scale`), 1.0 when absent:
     the checkpoint names TGI reads."""
     one = torch.tensor(1.0, dtype=torch.float32, device=weights.device)
+    cal = calibration.layer_values(weights, prefix)
     if weights.has_tensor(f"{prefix}.k_scale") and weights.has_tensor(f"{prefix}.v_scale"):
         k = weights.get_tensor(f"{prefix}.k_scale", to_dtype=False).float()
         v = weights.get_tensor(f"{prefix}.v_scale", to_dtype=False).float()
-        return KVScales(k, v)
+        return KVScales(k, v, cal)
     if weights.has_tensor(f"{prefix}.kv_scale"):
         kv = weights.get_tensor(f"{prefix}.kv_scale").float()
-        return KVScales(kv, kv)
-    return KVScales(one, one)
+        return KVScales(kv, kv, cal)
+    return KVScales(one, one, cal)
 
 
 class KVCache:
@@ -80,8 +86,10 @@ class KVCache:
         self.format = run.format
         self.format.check_head_dim(head_size)
         self.cache = PagedKVCache(self.format, num_layers=1, num_blocks=num_blocks, block_size=run.block_size,
-                                  num_kv_heads=num_heads, head_dim=head_size, device=device)
+                                  num_kv_heads=num_heads, head_dim=head_size, device=device,
+                                  per_head_global_scale=calibration.active())
         self._scales: tuple[float, float] | None = None
+        self._calibrated = False
         self.desc: CacheDesc = self.cache.descriptor(0)
 
     def store(self, *, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, kv_scales: KVScales) -> None:
@@ -93,6 +101,9 @@ class KVCache:
     def _apply_scales(self, kv_scales: KVScales) -> None:
         """Set the pools' global scales from the checkpoint's once (before the first write; `fill_` with host
         floats, so a CUDA-graph capture may record it)."""
+        if kv_scales.calibration is not None:
+            self._apply_calibration(kv_scales.calibration, (kv_scales.key_scale_cpu, kv_scales.value_scale_cpu))
+            return
         want = (kv_scales.key_scale_cpu, kv_scales.value_scale_cpu)
         if self._scales == want:
             return
@@ -112,3 +123,16 @@ class KVCache:
             if scale is not None:
                 g.fill_(float(scale[0]))
 
+    def _apply_calibration(self, values: LayerValues, checkpoint: tuple[float, float]) -> None:
+        """Set the layer's key smoothing and global scales from the run's calibration file once, before the first
+        write (its scales replace a checkpoint's k_scale / v_scale, logged once)."""
+        if self._calibrated:
+            return
+        s, k, v = values
+        if (k is not None or v is not None) and checkpoint != (1.0, 1.0):
+            log_once(logger.info, "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
+        if k is not None or v is not None:
+            self.cache.set_global_scales(0, k if k is not None else 1.0, v if v is not None else 1.0)
+        self.cache.set_key_smoothing(0, s)
+        self.desc = self.cache.descriptor(0)
+        self._calibrated = True

@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from .calibration import layer_values
 from .dtypes import KVX_CACHE_DTYPES, is_kvx_dtype
 from .options import check_config, options_of
 from .pages import PAGE_BLOCK_ALIGN, page_cache_desc, token_bytes
@@ -211,29 +212,45 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         self.format = _run_format()
         self.format.check_head_dim(head_size)
         self._desc: tuple[tuple, CacheDesc] | None = None
-        self._globals: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+        self._quant: tuple[torch.Tensor | None, ...] | None = None
+        cfg = get_current_vllm_config_or_none()  # layers are built inside the run's config: startup refusals here
+        self._calibration = None if cfg is None else layer_values(cfg, self.format)
 
     # ------------------------------------------------------------ cache view
-    def _global_scales(self, layer: AttentionLayer, device: torch.device):
-        """FP32 global K/V scales: the checkpoint's k_scale/v_scale when it declares KV cache scales
-        (vLLM loads them into the layer), else 1.0 (the formats' default)."""
-        if self._globals is None:
+    def _layer_quant(self, layer: AttentionLayer, device: torch.device):
+        """The layer's FP32 (k_global, v_global, k_smoothing) on `device`: from the run's KV calibration file when
+        it has one (`calibration`; its scales replace a checkpoint's k_scale / v_scale, logged), else the
+        checkpoint's k_scale / v_scale when it declares KV cache scales (vLLM loads them into the layer), else
+        1.0 (the formats' default) and no smoothing."""
+        if self._quant is None:
             fmt = self.format
-            if isinstance(getattr(layer, "quant_method", None), BaseKVCacheMethod):
+            ckpt = isinstance(getattr(layer, "quant_method", None), BaseKVCacheMethod)
+            s = k = v = None
+            if self._calibration is not None:
+                from vllm.model_executor.models.utils import extract_layer_index
+
+                s, k, v = self._calibration[extract_layer_index(layer.layer_name)]
+                if ckpt and (k is not None or v is not None):
+                    init_logger("vllm.plugins.kvx").info_once(
+                        "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
+            if k is None and v is None and ckpt:
                 sd = {"layers.0.k_scale": layer._k_scale.detach().cpu(), "layers.0.v_scale": layer._v_scale.detach().cpu()}
                 amax = amax_from_checkpoint(sd, 1)[0]
                 k, v = global_scale_for_amax(fmt.k, amax[0]), global_scale_for_amax(fmt.v, amax[1])
-            else:
+            elif k is None and v is None:
                 ones = torch.ones(1, dtype=torch.float32)
                 k, v = (ones if fmt.k.uses_global_scale else None), (ones if fmt.v.uses_global_scale else None)
-            self._globals = tuple(None if g is None else g.reshape(1).to(device) for g in (k, v))
-        return self._globals
+            self._quant = tuple(None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
+                                for t in (k.reshape(-1) if k is not None else None,
+                                          v.reshape(-1) if v is not None else None, s))
+        return self._quant
 
     def cache_desc(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> CacheDesc:
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
         if self._desc is None or self._desc[0] != key:
-            kg, vg = self._global_scales(layer, kv_cache.device)
-            self._desc = (key, page_cache_desc(kv_cache, self.format, self.num_kv_heads, self.head_size, kg, vg))
+            kg, vg, s = self._layer_quant(layer, kv_cache.device)
+            self._desc = (key, page_cache_desc(kv_cache, self.format, self.num_kv_heads, self.head_size, kg, vg,
+                                               k_smoothing=s))
         return self._desc[1]
 
     # ------------------------------------------------------------ data path

@@ -18,7 +18,6 @@ are refused at startup (one bundle holds one rank's whole cache).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +28,9 @@ from vllm.logger import init_logger
 
 from kvx_core.errors import KvxError
 from kvx_core.kvtc.bundle import calibration_for
-from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
+from kvx_core.transfer import BundleStore
 
+from .fingerprint import model_fingerprint
 from .layer_kv import LayerCaches
 
 if TYPE_CHECKING:
@@ -60,21 +60,18 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
 
 
-def model_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
-    """The served model's fingerprint from its local config.json and tokenizer.json (ValueError when absent)."""
-    mc = vllm_config.model_config
-    paths = []
-    for root, name in ((mc.model, "config.json"), (mc.tokenizer or mc.model, "tokenizer.json")):
-        p = os.path.join(root, name)
-        if not os.path.isfile(p):
-            from huggingface_hub import try_to_load_from_cache
+def _refuse_smoothed(vllm_config: VllmConfig) -> None:
+    """KV bundles carry no key smoothing yet (`kvx_core.transfer.rows.require_unsmoothed`): a run whose KV
+    calibration smooths keys is refused at startup rather than failing every save and load."""
+    from .calibration import run_calibration
+    from .dtypes import is_kvx_dtype
 
-            p = try_to_load_from_cache(root, name, revision=mc.revision)
-        if not isinstance(p, str) or not os.path.isfile(p):
-            raise ValueError(f"KVX connector: cannot find {name} of {root!r} locally; the bundle fingerprint hashes "
-                             "the model's config.json and tokenizer.json (serve a local checkpoint directory)")
-        paths.append(p)
-    return fingerprint_from_files(*paths)
+    if not is_kvx_dtype(vllm_config.cache_config.cache_dtype):
+        return
+    cal = run_calibration(vllm_config)
+    if cal is not None and cal.smoothing is not None:
+        raise ValueError("KVX connector: the run's KV calibration smooths keys, which KV bundles do not carry yet; "
+                         "serve the connector with a calibration made without --smooth-keys, or without one")
 
 
 class KvxConnector(KVConnectorBase_V1):
@@ -103,6 +100,7 @@ class KvxConnector(KVConnectorBase_V1):
                              '"KvxConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
                              '{"kvx_store": "/dev/shm/kvx"}}\'')
         self.model = model_fingerprint(vllm_config)
+        _refuse_smoothed(vllm_config)
         kvtc = cfg.get_from_extra_config("kvx_kvtc", None)  # a `kvx kvtc calibrate` file: KVTC-coded entries
         try:
             self.store = BundleStore(root, kvtc=calibration_for(kvtc, self.model) if kvtc else None)

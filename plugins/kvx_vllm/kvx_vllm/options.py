@@ -10,6 +10,8 @@ Options under the "kvx" key of vLLM's `additional_config`:
   prefix reuse; 3-5x slower attention in prefill).
 - `lm_head` ("mxfp4", default unset): the output projection quantized to MXFP4 after loading (`lm_head`), any
   cache dtype; CPU only so far (see `lm_head` for what it refuses).
+- `kv_calibration` (a path, default unset): the KV-cache calibration file to serve with (`calibration`); without
+  it, `<model dir>/kvx_kv_calibration.kvx` when that exists. `kvx_*` cache dtypes only.
 Anything else under "kvx" is refused, so a typo never silently does nothing. Also refused: an
 `additional_config` that is not a JSON object, and a key that spells "kvx" another way ("KVX",
 " kvx"), which would otherwise be ignored. Errors are ValueError (as vLLM's own config checks
@@ -24,7 +26,7 @@ from typing import Any
 
 from .dtypes import format_name
 
-_KNOWN = {"rotate", "prefill", "lm_head"}
+_KNOWN = {"rotate", "prefill", "lm_head", "kv_calibration"}
 LM_HEAD_FORMATS = ("mxfp4",)
 CONNECTOR = ("KvxConnector", "kvx_vllm.connector", "KvxConnector")
 """(name for --kv-transfer-config, module, class) of the KVX KV connector."""
@@ -38,6 +40,7 @@ class KvxOptions:
     rotate: bool = False
     prefill: str = "split"
     lm_head: str | None = None
+    kv_calibration: str | None = None
 
 
 def _kvx_section(vllm_config: Any) -> Any:
@@ -76,7 +79,10 @@ def options_of(vllm_config: Any) -> KvxOptions:
     if lm_head is not None and lm_head not in LM_HEAD_FORMATS:
         raise ValueError(f'KVX: --additional-config kvx "lm_head" must be one of {", ".join(map(repr, LM_HEAD_FORMATS))}, '
                          f"got {lm_head!r}")
-    return KvxOptions(rotate=rotate, prefill=prefill, lm_head=lm_head)
+    kv_calibration = raw.get("kv_calibration")
+    if kv_calibration is not None and not (isinstance(kv_calibration, str) and kv_calibration):
+        raise ValueError(f'KVX: --additional-config kvx "kv_calibration" must be a file path, got {kv_calibration!r}')
+    return KvxOptions(rotate=rotate, prefill=prefill, lm_head=lm_head, kv_calibration=kv_calibration)
 
 
 def refusals(vllm_config: Any) -> list[str]:

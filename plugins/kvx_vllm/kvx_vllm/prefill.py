@@ -15,6 +15,10 @@ K/V of earlier chunks or of a prefix-cache hit, so logprobs of a prompt computed
 prompt over a cached prefix agree within the format's error, not bit for bit. `{"kvx": {"prefill": "cache"}}`
 attends everything over the pages instead (bit-identical prefix reuse, slower prefill).
 
+Key smoothing (a KV calibration's `k_smoothing`): the new tokens attend over their own K/V as the model made them,
+unsmoothed, and the prefix plan over the pages the KVX way (queries times s against the stored K / s, or keys read
+back times s): both give the logits q . k, so the two LSEs share one scale and merge as without smoothing.
+
 Off CUDA (vLLM CPU, the CI path) the new-token attention is KVX's FP64 reference core (`ops.attention.attend`),
 per request: the same math, for testing the route on small models.
 """

@@ -1,0 +1,262 @@
+"""The KV-cache calibration file: per layer the key smoothing vector and the K / V global scales a quantized cache
+uses, saved next to the model (`<checkpoint>/kvx_kv_calibration.kvx`) and loaded by the engine plugins. The file is
+safetensors, but not named `*.safetensors`: vLLM and TGI load every `*.safetensors` file of a checkpoint directory
+without an index as weights (a vLLM CPU run failed to load SmolLM2 with one beside it).
+
+Contents (safetensors, no pickle): tensors `layer.{i}.k_smoothing` (FP32 `[H_kv, D]`, all layers or none) and
+`layer.{i}.{format}.k_global` / `v_global` (FP32 `[1]` or `[H_kv]`, for each cache format the scales were fitted
+for, on the sides whose tensor format has a global scale: fp8_*, nvfp4, k8v4 and their `_rot` variants); metadata
+`kvx_kv_calibration` (JSON: version, geometry, the model fingerprint or {}, alpha, the scale rule, the formats) and
+`identity` (`tensor_file.content_hash`, so a damaged or edited file is refused). Scales are fitted on the values
+as the format stores them (keys divided by the smoothing vector, rotated for `_rot`), so a file's scales belong to
+its smoothing: they are written and read together.
+
+Rules: "checkpoint" (the checkpoint's `k_scale` / `v_scale`, amax / 448, mapped by `global_scale_for_amax`),
+"amax" and "mse" (`SampleObserver.global_scales` on calibration text). Every check runs when the object is built
+(from a file or in code), so a `KvCalibration` that exists is whole and valid, and `for_format` refuses a format
+it holds no scales for instead of leaving the format's default scale 1.0 in place.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cache import PagedKVCache
+from .errors import KvxError, Status, require
+from .formats import CacheFormat, get_format, list_formats
+from .tensor_file import content_hash, read_tensor_file, write_tensor_file
+
+VERSION = 1
+FILENAME = "kvx_kv_calibration.kvx"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+"""What engines load from a checkpoint directory as weights: a calibration beside the weights must not end so."""
+META_KEY = "kvx_kv_calibration"
+RULES = ("checkpoint", "amax", "mse")
+
+LayerValues = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+"""One layer's (k_smoothing `[H, D]`, k_global, v_global) for one format (None where absent)."""
+
+
+def _check_vector(t: object, shape: tuple[tuple[int, ...], ...], what: str) -> None:
+    """FP32, one of `shape`, finite and > 0 (smoothing divides keys; a global scale divides values)."""
+    require(isinstance(t, torch.Tensor), Status.INVALID_ARGUMENT, f"{what}: expected a tensor, got {type(t).__name__}")
+    require(t.dtype == torch.float32 and tuple(t.shape) in shape, Status.INVALID_ARGUMENT,
+            f"{what} must be FP32 of shape {' or '.join(map(str, shape))}, got {t.dtype} {tuple(t.shape)}")
+    require(bool(torch.isfinite(t).all()) and bool((t > 0).all()), Status.INVALID_ARGUMENT,
+            f"{what} must be finite and > 0")
+
+
+@dataclass(frozen=True)
+class KvCalibration:
+    """A model's KV-cache calibration (see the module doc); checked on construction."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    model: dict  # kvx_core.transfer.ModelFingerprint as a dict, or {} when the checkpoint had none
+    alpha: float | None  # the smoothing exponent, None: no smoothing
+    rule: str | None  # how the scales were fitted (RULES), None: no scales
+    smoothing: tuple[torch.Tensor, ...] | None  # per layer FP32 [H, D]
+    scales: dict[str, tuple[tuple[torch.Tensor, ...], ...]] = field(default_factory=dict)
+    """format name -> per layer (k_global, v_global), each FP32 [1] or [H] (None for a side without a global scale)"""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            require(type(v) is int and v >= 1, Status.INVALID_ARGUMENT, f"calibration {name} must be an int >= 1, got {v!r}")
+        require(isinstance(self.model, dict), Status.INVALID_ARGUMENT, "calibration model must be a dict")
+        require((self.alpha is None) == (self.smoothing is None), Status.INVALID_ARGUMENT,
+                "calibration alpha and smoothing vectors come together")
+        require(self.alpha is None or (isinstance(self.alpha, (int, float)) and 0.0 < self.alpha <= 1.0),
+                Status.INVALID_ARGUMENT, f"calibration alpha must be in (0, 1], got {self.alpha!r}")
+        require((self.rule is None) == (not self.scales), Status.INVALID_ARGUMENT,
+                "calibration rule and global scales come together")
+        require(self.rule is None or self.rule in RULES, Status.INVALID_ARGUMENT,
+                f"calibration rule must be one of {RULES}, got {self.rule!r}")
+        require(self.smoothing is not None or bool(self.scales), Status.INVALID_ARGUMENT,
+                "a calibration holds key smoothing, global scales or both; this one holds neither")
+        h, d = self.num_kv_heads, self.head_dim
+        if self.smoothing is not None:
+            require(len(self.smoothing) == self.num_layers, Status.INVALID_ARGUMENT,
+                    f"key smoothing for {len(self.smoothing)} layers, the calibration has {self.num_layers}")
+            for i, s in enumerate(self.smoothing):
+                _check_vector(s, ((h, d),), f"layer {i} k_smoothing")
+        for name, layers in self.scales.items():
+            require(name in list_formats(), Status.INVALID_ARGUMENT, f"global scales for unknown format {name!r}")
+            fmt = get_format(name)
+            require(fmt.k.uses_global_scale or fmt.v.uses_global_scale, Status.INVALID_ARGUMENT,
+                    f"{name} has no global scale; the calibration holds scales for it")
+            require(len(layers) == self.num_layers, Status.INVALID_ARGUMENT,
+                    f"{name}: global scales for {len(layers)} layers, the calibration has {self.num_layers}")
+            for i, pair in enumerate(layers):
+                for side, tf, g in zip("kv", (fmt.k, fmt.v), pair):
+                    what = f"layer {i} {name}.{side}_global"
+                    if tf.uses_global_scale:
+                        _check_vector(g, ((1,), (h,)), what)
+                    else:
+                        require(g is None, Status.INVALID_ARGUMENT, f"{what}: {tf.name} has no global scale")
+
+    # ------------------------------------------------------------ use
+    def check_geometry(self, num_layers: int, num_kv_heads: int, head_dim: int, source: str) -> None:
+        """INCOMPATIBLE unless the served model (`source`, for the message) has this calibration's geometry."""
+        require((self.num_layers, self.num_kv_heads, self.head_dim) == (num_layers, num_kv_heads, head_dim),
+                Status.INCOMPATIBLE, f"{source} is calibrated for {self.num_layers} layers x {self.num_kv_heads} KV "
+                f"heads x head_dim {self.head_dim}, the model has {num_layers} x {num_kv_heads} x {head_dim}")
+
+    def check_model(self, fingerprint: dict | None, source: str) -> None:
+        """INCOMPATIBLE when the file names a model and the served one (`fingerprint`, None when it cannot be
+        computed) is not it: a file made for another checkpoint or tokenizer is never applied."""
+        if not self.model:
+            return
+        require(fingerprint is not None, Status.INCOMPATIBLE,
+                f"{source} names the model it was calibrated on, and the served model's fingerprint (its "
+                "config.json and tokenizer.json) cannot be computed to compare")
+        require(fingerprint == self.model, Status.INCOMPATIBLE,
+                f"{source} was calibrated on another model than the one served (fingerprints differ)")
+
+    def for_format(self, fmt: CacheFormat) -> list[LayerValues]:
+        """Per layer (k_smoothing, k_global, v_global) to serve `fmt` with. Refused: smoothing for an unquantized
+        format, and a format with a global scale the file holds no scales for (its default 1.0, or a checkpoint's
+        scale of unsmoothed keys, would not be this calibration)."""
+        require(self.smoothing is None or fmt.quant != 0, Status.INVALID_ARGUMENT,
+                f"{fmt.name} is not quantized: the calibration's key smoothing has nothing to flatten")
+        uses = fmt.k.uses_global_scale or fmt.v.uses_global_scale
+        require(not uses or fmt.name in self.scales, Status.INCOMPATIBLE,
+                f"the calibration holds global scales for {', '.join(sorted(self.scales)) or 'no format'}, not for "
+                f"{fmt.name}; recalibrate with that format (kvx calibrate-kv --formats {fmt.name})")
+        pairs = self.scales[fmt.name] if uses else [(None, None)] * self.num_layers
+        smooth = self.smoothing or [None] * self.num_layers
+        return [(s, k, v) for s, (k, v) in zip(smooth, pairs)]
+
+    def apply(self, cache: PagedKVCache) -> None:
+        """Set every layer's key smoothing and global scales of a `PagedKVCache` (before it holds K/V). Everything
+        is checked first (geometry, format, per-head scales need a per-head cache), so a refusal changes nothing."""
+        self.check_geometry(cache.num_layers, cache.num_kv_heads, cache.head_dim, "the calibration")
+        values = self.for_format(cache.format)
+        width = cache.layers[0].k_global.numel() if cache.layers[0].k_global is not None else None
+        require(all(g is None or g.numel() in (1, width) for _, k, v in values for g in (k, v)), Status.INVALID_ARGUMENT,
+                f"the calibration holds per-KV-head global scales; the cache keeps {width} per layer "
+                "(create it with per_head_global_scale=True)")
+        for layer, (s, k, v) in enumerate(values):
+            cache.set_key_smoothing(layer, s)
+            if k is not None or v is not None:
+                cache.set_global_scales(layer, k if k is not None else 1.0, v if v is not None else 1.0)
+
+    # ------------------------------------------------------------ file
+    def params(self) -> dict:
+        return {"version": VERSION, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "model": self.model, "alpha": self.alpha, "rule": self.rule,
+                "formats": sorted(self.scales)}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, s in enumerate(self.smoothing or ()):
+            out[f"layer.{i}.k_smoothing"] = s
+        for name, layers in self.scales.items():
+            for i, pair in enumerate(layers):
+                for side, g in zip("kv", pair):
+                    if g is not None:
+                        out[f"layer.{i}.{name}.{side}_global"] = g
+        return out
+
+    @property
+    def identity(self) -> str:
+        return content_hash(self.params(), self.tensors())
+
+    def save(self, path: str, *, overwrite: bool = False) -> str:
+        """Write the file atomically (an existing one only with `overwrite`); returns the identity."""
+        ident = self.identity
+        write_tensor_file(path, self.tensors(), {META_KEY: json.dumps(self.params()), "identity": ident},
+                          overwrite=overwrite)
+        return ident
+
+
+def load_kv_calibration(path: str) -> KvCalibration:
+    """Read and check a calibration file: KvxError INVALID_ARGUMENT for a foreign, damaged, edited or malformed
+    file, INCOMPATIBLE for another version."""
+    meta, tensors = read_tensor_file(path)
+    require(META_KEY in meta, Status.INVALID_ARGUMENT, f"{path}: not a KVX KV-cache calibration (no {META_KEY} metadata)")
+    try:
+        p = json.loads(meta[META_KEY])
+        require(isinstance(p, dict), Status.INVALID_ARGUMENT, "metadata is not a JSON object")
+        require(p.get("version") == VERSION, Status.INCOMPATIBLE,
+                f"calibration version {p.get('version')!r}, this KVX reads version {VERSION}")
+        n = p["num_layers"]
+        require(type(n) is int and n >= 1, Status.INVALID_ARGUMENT, f"num_layers {n!r}")
+        formats = p["formats"]
+        require(isinstance(formats, list) and all(isinstance(f, str) for f in formats), Status.INVALID_ARGUMENT,
+                f"formats {formats!r}")
+        expected = set()
+        if p["alpha"] is not None:
+            expected |= {f"layer.{i}.k_smoothing" for i in range(n)}
+        scales = {}
+        for fmt in scale_formats(formats):
+            name = fmt.name
+            names = [[f"layer.{i}.{name}.{s}_global" if tf.uses_global_scale else None
+                      for s, tf in zip("kv", (fmt.k, fmt.v))] for i in range(n)]
+            expected |= {x for pair in names for x in pair if x}
+            scales[name] = tuple(tuple(tensors.get(x) if x else None for x in pair) for pair in names)
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        require(not missing and not extra, Status.INVALID_ARGUMENT,
+                f"tensors do not match the metadata (missing {missing[:3]}, unexpected {extra[:3]})")
+        smoothing = None if p["alpha"] is None else tuple(tensors[f"layer.{i}.k_smoothing"] for i in range(n))
+        cal = KvCalibration(n, p["num_kv_heads"], p["head_dim"], p["model"], p["alpha"], p["rule"], smoothing, scales)
+    except KvxError as e:
+        raise KvxError(e.status, f"{path}: {e.message}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: malformed calibration metadata ({type(e).__name__}: {e})") from None
+    require(cal.identity == meta.get("identity"), Status.INVALID_ARGUMENT,
+            f"{path}: the identity hash does not match the contents (damaged or edited)")
+    return cal
+
+
+def fingerprint_dict(fingerprint) -> dict:
+    """A `ModelFingerprint` as the dict a calibration records ({} for None)."""
+    return {} if fingerprint is None else asdict(fingerprint)
+
+
+
+def global_formats() -> list[str]:
+    """The cache formats with a global scale (what a calibration can hold scales for)."""
+    return [n for n in list_formats() if get_format(n).k.uses_global_scale or get_format(n).v.uses_global_scale]
+
+
+def scale_formats(formats: list[str]) -> list[CacheFormat]:
+    """The named formats, each of which must have a global scale (INVALID_ARGUMENT otherwise)."""
+    fmts = [get_format(n) for n in formats]
+    plain = [f.name for f in fmts if not (f.k.uses_global_scale or f.v.uses_global_scale)]
+    require(not plain, Status.INVALID_ARGUMENT,
+            f"{', '.join(plain)} take no global scale; formats with one: {', '.join(global_formats())}")
+    return fmts
+
+
+def from_checkpoint_amax(amax: torch.Tensor, formats: list[str], *, num_kv_heads: int, head_dim: int,
+                         model: dict) -> KvCalibration:
+    """Scales (rule "checkpoint") from a checkpoint's per-layer amax `[L, 2, 1|H]` (`amax_from_checkpoint`). No
+    smoothing: the checkpoint's scales describe unsmoothed keys. `_rot` formats are refused: the scales describe
+    unrotated values."""
+    from .calibration import global_scale_for_amax
+
+    fmts = scale_formats(formats)
+    rotated = [f.name for f in fmts if f.rotate]
+    require(not rotated, Status.INVALID_ARGUMENT,
+            f"checkpoint k_scale / v_scale describe unrotated K/V, not {', '.join(rotated)}; calibrate those on text")
+    scales = {f.name: tuple((global_scale_for_amax(f.k, a[0]), global_scale_for_amax(f.v, a[1])) for a in amax)
+              for f in fmts}
+    return KvCalibration(int(amax.shape[0]), num_kv_heads, head_dim, model, None, "checkpoint", None, scales)
+
+
+def from_samples(obs, formats: list[str], *, rule: str | None, alpha: float | None, model: dict) -> KvCalibration:
+    """From calibration K/V (`calibration.SampleObserver`): smoothing vectors (`key_smoothing`, when `alpha`) and,
+    when `rule` ("amax" / "mse"), each format's scales fitted on the values as it stores them (`stored_values`)."""
+    from .calibration import key_smoothing, stored_values
+
+    fmts = scale_formats(formats) if rule is not None else []
+    require(rule is None or rule in RULES[1:], Status.INVALID_ARGUMENT, f"text calibration rule must be amax or mse, got {rule!r}")
+    k0 = obs.values(0)[0]
+    smooth = None if alpha is None else [key_smoothing(obs.values(i)[0], alpha) for i in range(obs.num_layers)]
+    scales = {f.name: tuple(stored_values(obs, smooth, f.rotate).global_scales(f, rule)) for f in fmts}
+    return KvCalibration(obs.num_layers, int(k0.shape[1]), int(k0.shape[2]), model, alpha, rule,
+                         None if smooth is None else tuple(smooth), scales)

@@ -1,0 +1,60 @@
+"""The run's KV-cache calibration file (`kvx_core.kv_calibration`) for TGI: `$KVX_KV_CALIBRATION`, else
+`kvx_kv_calibration.kvx` beside the checkpoint's weight files.
+
+Loaded when TGI's model files read their layers' KV scales (`kv_cache.get_kv_scales`, during model load, before
+any cache exists), checked there against the checkpoint (fingerprint and geometry, when its config.json and
+tokenizer.json are present) and the run's format; a refusal is a KvxError at startup. Each layer's KV cache then
+takes its smoothing and global scales from it (`kv_cache.KVCache`), keyed by the layer index in TGI's prefix.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from kvx_core.errors import Status, require
+from kvx_core.kv_calibration import FILENAME, KvCalibration, LayerValues, fingerprint_dict, load_kv_calibration
+from kvx_core.transfer import checkpoint_fingerprint
+
+from . import config
+
+ENV = "KVX_KV_CALIBRATION"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_loaded: dict[str, KvCalibration] = {}
+
+
+def _path(weights) -> str | None:
+    """The environment's file (which must exist), else the one beside the weights, else None."""
+    path = os.environ.get(ENV)
+    if path:
+        require(os.path.isfile(path), Status.INVALID_ARGUMENT, f"{ENV}={path!r}: no such file")
+        return path
+    files = sorted({str(f) for f in getattr(weights, "routing", {}).values()})
+    default = os.path.join(os.path.dirname(files[0]), FILENAME) if files else None
+    return default if default is not None and os.path.isfile(default) else None
+
+
+def active() -> bool:
+    """Whether this process serves with a calibration (its caches then keep per-KV-head global scales)."""
+    return bool(_loaded)
+
+
+def layer_values(weights, prefix: str) -> LayerValues | None:
+    """The layer of `prefix`'s (k_smoothing, k_global, v_global) for the run's format, or None without a file."""
+    path = _path(weights)
+    if path is None:
+        return None
+    if path not in _loaded:
+        cal = load_kv_calibration(path)
+        model_dir = os.path.dirname(sorted(str(f) for f in weights.routing.values())[0])
+        fp = checkpoint_fingerprint(model_dir)
+        cal.check_model(None if fp is None else fingerprint_dict(fp), path)
+        if fp is not None:
+            cal.check_geometry(fp.num_layers, fp.num_kv_heads, fp.head_dim, path)
+        cal.for_format(config.current().format)  # refused now, before any cache is built
+        _loaded[path] = cal
+    m = _LAYER.search(prefix)
+    require(m is not None, Status.UNSUPPORTED, f"KV calibration {path}: no layer index in TGI's prefix {prefix!r}")
+    i = int(m.group(1))
+    cal = _loaded[path]
+    require(i < cal.num_layers, Status.INCOMPATIBLE, f"KV calibration {path} has {cal.num_layers} layers, not layer {i}")
+    return cal.for_format(config.current().format)[i]

@@ -1,0 +1,81 @@
+"""The run's KV-cache calibration (`kvx_core.kv_calibration`): which file, checked against the served model and
+format at startup, and each layer's key smoothing and global scales for the backend's `CacheDesc`.
+
+The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<model dir>/kvx_kv_calibration.kvx`
+when the model is a local directory holding one. It is refused (ValueError at startup, before any K/V is written)
+when it is damaged, made for another model (fingerprint) or geometry, holds no scales for a run format that has a
+global scale, or the run is tensor-parallel (the per-KV-head vectors are not sliced per rank). The vLLM-native
+fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`selection`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm.logger import init_logger
+
+from kvx_core.errors import KvxError
+from kvx_core.formats import CacheFormat
+from kvx_core.kv_calibration import FILENAME, KvCalibration, LayerValues, fingerprint_dict, load_kv_calibration
+
+from .options import options_of
+
+_loaded: dict[str, KvCalibration] = {}
+"""Files loaded in this process, by path (every layer's impl and the connector ask; the file is read once)."""
+
+
+def calibration_path(vllm_config: Any) -> str | None:
+    """The file the run serves with: the option's path (ValueError when it is no file), else the model
+    directory's, else None."""
+    path = options_of(vllm_config).kv_calibration
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f'KVX: --additional-config kvx "kv_calibration" {path!r}: no such file')
+        return path
+    model = vllm_config.model_config.model
+    default = os.path.join(model, FILENAME)
+    return default if os.path.isdir(model) and os.path.isfile(default) else None
+
+
+def run_calibration(vllm_config: Any) -> KvCalibration | None:
+    """The run's calibration, loaded and checked against the served model (ValueError naming the file and the
+    problem), or None when the run has none."""
+    path = calibration_path(vllm_config)
+    if path is None:
+        return None
+    if path not in _loaded:
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError(f"KVX: KV calibration {path} with tensor parallelism is not served (its per-KV-head "
+                             "vectors are not split across ranks); serve with --tensor-parallel-size 1")
+        from .fingerprint import model_fingerprint
+
+        mc = vllm_config.model_config
+        try:
+            fp = fingerprint_dict(model_fingerprint(vllm_config))
+        except ValueError:
+            fp = None  # check_model refuses a file that names a model
+        try:
+            cal = load_kv_calibration(path)
+            cal.check_geometry(mc.get_num_layers(vllm_config.parallel_config), mc.get_total_num_kv_heads(),
+                               mc.get_head_size(), path)
+            cal.check_model(fp, path)
+        except KvxError as e:
+            raise ValueError(f"KVX: KV calibration refused: {e}") from None
+        _loaded[path] = cal
+        init_logger("vllm.plugins.kvx").info(
+            "KVX KV calibration %s: %s layers, key smoothing %s, %s scales for %s", path, cal.num_layers,
+            "alpha %s" % cal.alpha if cal.alpha else "off", cal.rule or "no", ", ".join(sorted(cal.scales)) or "-")
+    return _loaded[path]
+
+
+def layer_values(vllm_config: Any, fmt: CacheFormat) -> list[LayerValues] | None:
+    """Per layer (k_smoothing, k_global, v_global) for the run's format, or None without a calibration; ValueError
+    when the file cannot serve `fmt` (no scales for it, smoothing of an unquantized format)."""
+    cal = run_calibration(vllm_config)
+    if cal is None:
+        return None
+    try:
+        return cal.for_format(fmt)
+    except KvxError as e:
+        raise ValueError(f"KVX: KV calibration refused for --kv-cache-dtype {vllm_config.cache_config.cache_dtype}: "
+                         f"{e}") from None

@@ -1,0 +1,209 @@
+"""The KV-cache calibration file (`kvx_core.kv_calibration`): round trip, every refusal (shape, dtype, NaN, <= 0,
+version, geometry, model, damaged bytes, overwrite), the fitting rules against `calibration`'s own functions, and
+that a cache the file is applied to reads back exactly what `set_key_smoothing` + `set_global_scales` give."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvx_core.cache import PagedKVCache
+from kvx_core.calibration import SampleObserver, amax_from_checkpoint, global_scale_for_amax, key_smoothing, stored_values
+from kvx_core.errors import KvxError, Status
+from kvx_core.formats import get_format
+from kvx_core.kv_calibration import (META_KEY, KvCalibration, from_checkpoint_amax, from_samples, load_kv_calibration)
+from kvx_core.tensor_file import content_hash, read_tensor_file, write_tensor_file
+
+L, H, D, NB, BS = 3, 2, 32, 4, 8
+
+
+def _obs(seed: int = 0, tokens: int = 64) -> SampleObserver:
+    g = torch.Generator().manual_seed(seed)
+    obs = SampleObserver(L)
+    for layer in range(L):
+        k = torch.randn(tokens, H, D, generator=g) * torch.logspace(-1, 1.2, D)  # outlier channels
+        obs.observe(layer, k, torch.randn(tokens, H, D, generator=g))
+    return obs
+
+
+@pytest.fixture(scope="module")
+def cal() -> KvCalibration:
+    return from_samples(_obs(), ["nvfp4", "k8v4_rot"], rule="mse", alpha=0.5, model={"architecture": "x"})
+
+
+def test_round_trip(cal, tmp_path):
+    p = str(tmp_path / "c.safetensors")
+    ident = cal.save(p)
+    back = load_kv_calibration(p)
+    assert back.identity == ident and back.params() == cal.params()
+    assert back.params()["formats"] == ["k8v4_rot", "nvfp4"] and back.rule == "mse" and back.alpha == 0.5
+    got, want = back.tensors(), cal.tensors()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    with pytest.raises(KvxError, match="never overwrites"):
+        cal.save(p)
+    cal.save(p, overwrite=True)  # explicit
+    assert [f.name for f in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary file left
+
+
+def test_fitted_values_are_calibrations_own(cal):
+    obs = _obs()
+    for layer in range(L):
+        assert torch.equal(cal.smoothing[layer], key_smoothing(obs.values(layer)[0], 0.5))
+    for name in ("nvfp4", "k8v4_rot"):
+        fmt = get_format(name)
+        want = stored_values(obs, list(cal.smoothing), fmt.rotate).global_scales(fmt, "mse")
+        for got, ref in zip(cal.scales[name], want):
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_checkpoint_rule():
+    sd = {f"model.layers.{i}.self_attn.{s}_scale": torch.tensor(0.5 + i) for i in range(L) for s in "kv"}
+    amax = amax_from_checkpoint(sd, L)
+    c = from_checkpoint_amax(amax, ["nvfp4", "fp8_e4m3"], num_kv_heads=H, head_dim=D, model={})
+    assert c.rule == "checkpoint" and c.smoothing is None
+    assert torch.equal(c.scales["nvfp4"][2][0], global_scale_for_amax(get_format("nvfp4").k, amax[2, 0]))
+    with pytest.raises(KvxError, match="unrotated"):
+        from_checkpoint_amax(amax, ["nvfp4_rot"], num_kv_heads=H, head_dim=D, model={})
+    with pytest.raises(KvxError, match="take no global scale"):
+        from_checkpoint_amax(amax, ["int4"], num_kv_heads=H, head_dim=D, model={})
+
+
+def _rewrite(cal: KvCalibration, path, *, tensors=None, params=None, identity=None) -> str:
+    """A file with `cal`'s contents edited, and a valid identity hash over the edit unless `identity` is given."""
+    t = dict(cal.tensors()) if tensors is None else tensors
+    p = cal.params() if params is None else params
+    write_tensor_file(str(path), t, {META_KEY: json.dumps(p), "identity": identity or content_hash(p, t)})
+    return str(path)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.update({"layer.1.k_smoothing": torch.ones(H, D + 1)}), "shape"),
+    (lambda t: t.update({"layer.1.k_smoothing": torch.ones(H, D, dtype=torch.float16)}), "FP32"),
+    (lambda t: t.update({"layer.0.k_smoothing": torch.full((H, D), float("nan"))}), "finite"),
+    (lambda t: t.update({"layer.2.nvfp4.v_global": torch.zeros(H)}), "> 0"),
+    (lambda t: t.update({"layer.2.nvfp4.v_global": -torch.ones(1)}), "> 0"),
+    (lambda t: t.update({"layer.2.nvfp4.v_global": torch.ones(H + 1)}), "shape"),
+    (lambda t: t.pop("layer.0.nvfp4.k_global"), "missing"),
+    (lambda t: t.update({"layer.9.k_smoothing": torch.ones(H, D)}), "unexpected"),
+])
+def test_bad_tensors_are_refused(cal, tmp_path, edit, match):
+    t = dict(cal.tensors())
+    edit(t)
+    with pytest.raises(KvxError, match=match) as e:
+        load_kv_calibration(_rewrite(cal, tmp_path / "bad.safetensors", tensors=t))
+    assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_bad_metadata_and_damage_are_refused(cal, tmp_path):
+    newer = {**cal.params(), "version": 2}
+    with pytest.raises(KvxError, match="version 2") as e:
+        load_kv_calibration(_rewrite(cal, tmp_path / "v.safetensors", params=newer))
+    assert e.value.status == Status.INCOMPATIBLE
+    for params, match in (({**cal.params(), "num_kv_heads": H + 1}, "shape"), ({**cal.params(), "rule": "best"}, "rule"),
+                          ({**cal.params(), "formats": ["int4"]}, "take no global scale"),
+                          ({k: v for k, v in cal.params().items() if k != "alpha"}, "malformed")):
+        with pytest.raises(KvxError, match=match):
+            load_kv_calibration(_rewrite(cal, tmp_path / f"m{len(match)}.safetensors", params=params))
+    with pytest.raises(KvxError, match="identity"):
+        load_kv_calibration(_rewrite(cal, tmp_path / "id.safetensors", identity="0" * 64))
+    p = tmp_path / "ok.safetensors"
+    cal.save(str(p))
+    raw = bytearray(p.read_bytes())
+    raw[-3] ^= 0x10  # a tensor byte
+    (tmp_path / "flip.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(KvxError, match="identity"):
+        load_kv_calibration(str(tmp_path / "flip.safetensors"))
+    (tmp_path / "cut.safetensors").write_bytes(bytes(raw[:len(raw) // 2]))
+    with pytest.raises(KvxError, match="not a readable safetensors"):
+        load_kv_calibration(str(tmp_path / "cut.safetensors"))
+    write_tensor_file(str(tmp_path / "other.safetensors"), {"w": torch.ones(2)}, {})
+    with pytest.raises(KvxError, match="not a KVX KV-cache calibration"):
+        load_kv_calibration(str(tmp_path / "other.safetensors"))
+    with pytest.raises(KvxError, match="no such file"):
+        load_kv_calibration(str(tmp_path / "absent.safetensors"))
+    assert read_tensor_file(str(p))[0]["identity"] == cal.identity
+
+
+def test_model_and_geometry_checks(cal):
+    cal.check_geometry(L, H, D, "f")
+    with pytest.raises(KvxError, match="2 KV heads") as e:
+        cal.check_geometry(L, H + 1, D, "f")
+    assert e.value.status == Status.INCOMPATIBLE
+    cal.check_model({"architecture": "x"}, "f")
+    for other in ({"architecture": "y"}, None):
+        with pytest.raises(KvxError, match="f ") as e:
+            cal.check_model(other, "f")
+        assert e.value.status == Status.INCOMPATIBLE
+
+
+def test_format_without_scales_is_refused(cal):
+    with pytest.raises(KvxError, match="recalibrate") as e:
+        cal.for_format(get_format("fp8_e4m3"))
+    assert e.value.status == Status.INCOMPATIBLE
+    assert [v[1:] for v in cal.for_format(get_format("int4"))] == [(None, None)] * L  # smoothing only
+    with pytest.raises(KvxError, match="not quantized"):
+        cal.for_format(get_format("bf16"))
+
+
+def _cache(fmt: str) -> PagedKVCache:
+    return PagedKVCache(fmt, num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H, head_dim=D,
+                        per_head_global_scale=True)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "k8v4_rot", "int4"])
+def test_applied_cache_reads_what_the_setters_give(cal, fmt):
+    """Oracle: a cache given the file reads back bit for bit what a cache given the same vectors by hand reads."""
+    via_file, by_hand = _cache(fmt), _cache(fmt)
+    cal.apply(via_file)
+    for layer, (s, k, v) in enumerate(cal.for_format(get_format(fmt))):
+        by_hand.set_key_smoothing(layer, s)
+        if k is not None:
+            by_hand.set_global_scales(layer, k, v)
+        assert torch.equal(via_file.layers[layer].k_smoothing, cal.smoothing[layer])
+    g = torch.Generator().manual_seed(3)
+    slots = torch.arange(NB * BS)
+    table, lens = torch.arange(NB, dtype=torch.int32).view(1, NB), torch.tensor([NB * BS], dtype=torch.int32)
+    for layer in range(L):
+        k = (torch.randn(NB * BS, H, D, generator=g) * torch.logspace(-1, 1.2, D)).bfloat16()
+        v = torch.randn(NB * BS, H, D, generator=g).bfloat16()
+        reads = []
+        for c in (via_file, by_hand):
+            c.write(layer, k, v, slots)
+            reads.append(c.gather(layer, table, lens, out_dtype=torch.float32))
+        assert torch.equal(reads[0][0], reads[1][0]) and torch.equal(reads[0][1], reads[1][1])
+
+
+def test_apply_refuses_without_changing_anything(cal):
+    c = PagedKVCache("nvfp4", num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H, head_dim=D)  # per tensor
+    with pytest.raises(KvxError, match="per_head_global_scale"):
+        cal.apply(c)
+    assert all(p.k_smoothing is None and bool((p.k_global == 1).all()) for p in c.layers)
+    other = PagedKVCache("nvfp4", num_layers=L + 1, num_blocks=NB, block_size=BS, num_kv_heads=H, head_dim=D)
+    with pytest.raises(KvxError, match="layers"):
+        cal.apply(other)
+
+
+def test_construction_refuses_nothing_and_halves():
+    with pytest.raises(KvxError, match="neither"):
+        KvCalibration(L, H, D, {}, None, None, None, {})
+    with pytest.raises(KvxError, match="together"):
+        KvCalibration(L, H, D, {}, 0.5, None, None, {})
+    with pytest.raises(KvxError, match="layers"):
+        KvCalibration(L, H, D, {}, 0.5, None, (torch.ones(H, D),), {})
+
+
+def test_write_without_hard_links(cal, tmp_path, monkeypatch):
+    """A file system without hard links: the new file is renamed into place; an existing one is still refused."""
+    import os
+
+    def no_links(*_a):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(os, "link", no_links)
+    p = str(tmp_path / "c.kvx")
+    cal.save(p)
+    assert load_kv_calibration(p).identity == cal.identity
+    with pytest.raises(KvxError, match="never overwrites"):
+        cal.save(p)
+    assert [f.name for f in tmp_path.iterdir()] == ["c.kvx"]

@@ -1,0 +1,104 @@
+"""`kvx calibrate-kv` on a tiny local Llama: from text (smoothing + MSE scales equal to the library's fit of the same
+observed K/V), from the checkpoint's own k_scale / v_scale (auto picks them), next to the model by default, never
+overwriting without --force, and one-line refusals (exit 2) before any model loads."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvx_cli.main import main
+from kvx_core.kv_calibration import FILENAME, from_samples, load_kv_calibration
+
+from .tiny_llama import save_tiny_llama
+
+TEXT = "The lighthouse keeper counted the ships that passed in the night, one by one. " * 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-cal"), hidden_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture
+def text(tmp_path):
+    p = tmp_path / "cal.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def test_text_source_writes_next_to_the_model(tiny, text, tmp_path, capsys):
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    args = ["calibrate-kv", "--model", str(model), "--text", str(text), "--window-len", "128", "--smooth-keys", "0.5",
+            "--formats", "nvfp4,k8v4_rot"]
+    assert main(args) == 0, capsys.readouterr().err
+    cal = load_kv_calibration(str(model / FILENAME))
+    assert (cal.num_layers, cal.num_kv_heads, cal.head_dim, cal.alpha, cal.rule) == (2, 2, 16, 0.5, "mse")
+    assert sorted(cal.scales) == ["k8v4_rot", "nvfp4"] and cal.model["num_kv_heads"] == 2
+
+    # the same fit from the demo's observation path, in process: equal to the file bit for bit
+    from kvx_cli.demo_cmd import observe_kv
+    from kvx_demo import load_model, load_windows, model_shape
+
+    lm = load_model(model)
+    obs = observe_kv(lm.model, load_windows(lm.tokenizer, 1, 128, TEXT), model_shape(lm.model), 16)
+    ref = from_samples(obs, ["nvfp4", "k8v4_rot"], rule="mse", alpha=0.5, model=cal.model)
+    assert ref.identity == cal.identity
+
+    before = (model / FILENAME).read_bytes()
+    assert main(args) == 2 and "--force" in capsys.readouterr().err  # never overwritten
+    assert (model / FILENAME).read_bytes() == before
+    assert main(args + ["--rule", "amax", "--force"]) == 0
+    assert load_kv_calibration(str(model / FILENAME)).rule == "amax"
+    assert sorted(p.name for p in model.iterdir() if p.name.startswith(".kvx-")) == []  # no temporary file left
+
+
+def test_checkpoint_source(tiny, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    save_file({f"model.layers.{i}.self_attn.{s}_scale": torch.tensor([0.25 * (i + 1)]) for i in range(2) for s in "kv"},
+              str(model / "kv_scales.safetensors"))
+    out = tmp_path / "c.safetensors"
+    assert main(["calibrate-kv", "--model", str(model), "--out", str(out)]) == 0, capsys.readouterr().err
+    cal = load_kv_calibration(str(out))
+    assert cal.rule == "checkpoint" and cal.smoothing is None and "nvfp4_rot" not in cal.scales
+    assert torch.allclose(cal.scales["fp8_e4m3"][1][0], torch.tensor([0.5]))  # amax 0.5 * 448 -> / 448
+    assert torch.allclose(cal.scales["nvfp4"][0][1], torch.tensor([0.25 * 448 / (6 * 448)]))
+    # auto + --text would leave the text unused: refused; --source text uses it
+    assert main(["calibrate-kv", "--model", str(model), "--out", str(tmp_path / "x"), "--rule", "amax"]) == 2
+    assert "--source text" in capsys.readouterr().err
+    assert main(["calibrate-kv", "--model", str(model), "--source", "checkpoint", "--smooth-keys"]) == 2
+    assert "unsmoothed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--source", "checkpoint"], "no k_scale"),
+    (["--formats", "int4"], "take no global scale"),
+    (["--formats", "nvfp4,nvfp4"], "each once"),
+    (["--source", "text", "--window-len", "4096"], "context"),
+    (["--smooth-keys", "1.5"], "ALPHA"),
+    (["--text", "/nonexistent.txt"], "cannot read"),
+])
+def test_refusals_are_one_line(tiny, tmp_path, capsys, extra, message):
+    out = tmp_path / "c.safetensors"
+    assert main(["calibrate-kv", "--model", str(tiny), "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_missing_model_dir_is_refused(tmp_path, capsys):
+    assert main(["calibrate-kv", "--model", str(tmp_path / "none")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_weight_file_name_beside_the_model_is_refused(tiny, capsys):
+    """vLLM and TGI would load it as a weight shard."""
+    assert main(["calibrate-kv", "--model", str(tiny), "--out", str(tiny / "kv.safetensors")]) == 2
+    assert "as weights" in capsys.readouterr().err and not (tiny / "kv.safetensors").exists()
