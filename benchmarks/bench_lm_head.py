@@ -5,9 +5,10 @@ Shapes: gpt-oss's head 201088 x 2880 and its TP=2 shard 100544 x 2880 (random we
 depend on the values). Reported per (shape, M): median us (L2 flushed before each run), the MXFP4 speed-up over BF16 (the bf16 decode the quantized head takes; the FP32 decode, for any scale, beside it),
 and each one's bytes read (weight + activations + logits) as % of the device's copy bandwidth. `--sweep` first times
 the kernel's tile configurations at M = 1 / 16 / 64 (the table `config()` is chosen from). vLLM's Marlin MXFP4 GEMM
-(`marlin_utils_fp4`: the same MXFP4 weight repacked by `prepare_fp4_layer_for_marlin`, run by
-`apply_fp4_marlin_linear`, what vLLM's W4A16 MXFP4 linear layers run on Hopper) is timed too when vLLM is importable,
-after checking that it computes the same logits as KVX's kernel; otherwise the first line says why it was not.
+(`marlin_utils_fp4`, through `kvx_vllm.marlin_head`: the same MXFP4 weight repacked by `prepare_fp4_layer_for_marlin`,
+what vLLM's W4A16 MXFP4 linear layers and the KVX head option run on Hopper) is timed too when vLLM is importable
+(with plugins/kvx_vllm on the path), after checking that it computes the same logits as KVX's kernel; otherwise a
+line says why it was not.
 
 Usage: python benchmarks/bench_lm_head.py [--out F.jsonl] [--sweep]
 """
@@ -36,21 +37,14 @@ SWEEP = [(bn, bk, w, 3) for bn in (64, 128, 256) for bk in (64, 128, 256) for w 
 
 
 def marlin_head(wq, n: int) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str | None]:
-    """vLLM's Marlin MXFP4 linear over KVX's quantized weight (OCP packing: element 2i in the low nibble, UE8M0
-    scales per 32 inputs, what Marlin takes from MXFP4 checkpoints), or None and why not."""
+    """vLLM's Marlin MXFP4 GEMM over KVX's quantized weight (`kvx_vllm.marlin_head`, what the vLLM head option runs),
+    or None and why not."""
     try:
-        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
-            apply_fp4_marlin_linear, is_fp4_marlin_supported, prepare_fp4_layer_for_marlin)
+        from kvx_vllm.marlin_head import marlin_mxfp4
     except Exception as e:  # noqa: BLE001
         return None, f"vLLM not importable here ({type(e).__name__}: {e}); Marlin not timed"
-    if not is_fp4_marlin_supported():
-        return None, "vLLM says this GPU has no FP4 Marlin"
-    layer = torch.nn.Module()  # the attributes vLLM's linear layers hand Marlin
-    layer.output_size_per_partition, layer.input_size_per_partition, layer.params_dtype = n, K, torch.bfloat16
-    layer.weight = torch.nn.Parameter(wq.payload.clone(), requires_grad=False)
-    layer.weight_scale = torch.nn.Parameter(wq.scales.clone(), requires_grad=False)
-    prepare_fp4_layer_for_marlin(layer)
-    return (lambda x: apply_fp4_marlin_linear(x, layer.weight, layer.weight_scale, None, layer.workspace, n, K)), None
+    marlin = marlin_mxfp4(wq, torch.bfloat16)
+    return (marlin, None) if marlin is not None else (None, "vLLM has no FP4 Marlin for this GPU")
 
 
 def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: bool) -> None:

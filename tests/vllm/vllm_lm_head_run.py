@@ -1,10 +1,11 @@
-"""One vLLM instance (CPU, SmolLM2-135M) with `--additional-config '{"kvx": {"lm_head": MODE}}'`; prints one JSON line.
+"""One vLLM instance (CPU, or CUDA on the GPU machine; SmolLM2-135M) with `--additional-config '{"kvx": {"lm_head": MODE}}'`; prints one JSON line.
 
     python tests/vllm/vllm_lm_head_run.py CKPT MODE     (MODE: mxfp4 or none)
 
 Scores PROMPTS (prompt_logprobs: the top-5 log-probabilities at every prompt position) and inspects the loaded
 model through `LLM.apply_model`: the head's method, whether its MXFP4 copy equals the formats' codec of the
-embedding weight, and whether the embedding kept its BF16 weight.
+embedding weight (on CUDA with Marlin: how far Marlin's logits of 8 random rows are from the codec's reference
+product), and whether the embedding kept its BF16 weight.
 """
 from __future__ import annotations
 
@@ -19,11 +20,21 @@ def inspect(model) -> dict:
 
     from kvx_core.mxfp4_linear import quantize_mxfp4
 
+    from kvx_core.mxfp4_linear import mxfp4_linear
+
     head, embed = model.lm_head, model.model.embed_tokens
     out = {"method": type(head.quant_method).__name__, "tied": head.weight is embed.weight,
            "embed_dtype": str(embed.weight.dtype)}
-    if hasattr(head, "kvx_mxfp4"):
+    if getattr(head, "kvx_marlin", None) is not None:  # CUDA: Marlin's repacked copy of the codec's weight
         ref = quantize_mxfp4(embed.weight.data)
+        g = torch.Generator(device=embed.weight.device).manual_seed(0)
+        x = torch.randn(8, ref.in_features, generator=g, device=embed.weight.device).to(embed.weight.dtype)
+        want = mxfp4_linear(x, ref, backend="torch").float()
+        out["kernel"] = "marlin"
+        out["marlin_rel_diff"] = float((head.kvx_marlin(x).float() - want).abs().max() / want.abs().max())
+    elif getattr(head, "kvx_mxfp4", None) is not None:
+        ref = quantize_mxfp4(embed.weight.data)
+        out["kernel"] = "kvx" if ref.payload.is_cuda else "reference"
         out["codec_equal"] = bool(torch.equal(head.kvx_mxfp4.payload, ref.payload)
                                   and torch.equal(head.kvx_mxfp4.scales, ref.scales))
     return out

@@ -4,13 +4,14 @@ vLLM builds the head as `ParallelLMHead` with an unquantized method even when as
 registers an out-of-tree `ParallelLMHead` (vLLM's `PluggableLayer.register_oot`, vLLM 0.26 and 0.32) that, with the
 option on, hands the head `Mxfp4HeadMethod`: after the weights load (and after a tied head shares the embedding's
 weight), it quantizes its own MXFP4 copy with the formats' codec (`kvx_core.mxfp4_linear`: E2M1 + UE8M0 per 32
-inputs, 4.25 bits per weight) and computes logits from it: on CUDA with KVX's Triton kernel
-(`kvx_core.ops.triton.mxfp4_gemv`), on CPU with the torch reference. A tied embedding keeps its BF16 weight; an
+inputs, 4.25 bits per weight) and computes logits from it: on CUDA with vLLM's Marlin FP4 GEMM over that copy
+(`marlin_head`: faster than KVX's kernel at every M measured) or, where vLLM has no FP4 Marlin, KVX's Triton kernel
+(`kvx_core.ops.triton.mxfp4_gemv`); on CPU with the torch reference. A tied embedding keeps its BF16 weight; an
 untied head's BF16 weight is freed once its copy exists (the memory goes to the KV cache). Without the option the
 subclass does exactly what `ParallelLMHead` does.
 
-Refused at model construction (ValueError naming the reason): GPUs other than NVIDIA Hopper (sm_90: the kernel is
-verified there only), LoRA and speculative decoding (both read the head's weight), a head dtype other than the
+Refused at model construction (ValueError naming the reason): GPUs other than NVIDIA Hopper (sm_90: verified there
+only), LoRA and speculative decoding (both read the head's weight), a head dtype other than the
 model's (`head_dtype` float32 would multiply the BF16 weight instead), and a head the checkpoint's quantization
 config already quantizes. Accuracy is the user's call: on SmolLM2-135M's small tied head it is poor (README
 "MXFP4 lm_head").
@@ -25,6 +26,7 @@ from vllm.platforms import current_platform
 from kvx_core.errors import KvxError
 from kvx_core.mxfp4_linear import mxfp4_linear, quantize_mxfp4
 
+from .marlin_head import marlin_mxfp4
 from .options import options_of
 
 
@@ -37,21 +39,24 @@ class Mxfp4HeadMethod(UnquantizedEmbeddingMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         try:
-            layer.kvx_mxfp4 = quantize_mxfp4(layer.weight.data)
+            q = quantize_mxfp4(layer.weight.data)
         except KvxError as e:
             raise ValueError(f"KVX lm_head mxfp4: {e}") from None
+        # CUDA: vLLM's Marlin where it ships one (the faster kernel, KVX's codec), else KVX's kernel; CPU: reference
+        layer.kvx_marlin = marlin_mxfp4(q, layer.weight.dtype)
+        layer.kvx_mxfp4 = q if layer.kvx_marlin is None else None  # Marlin's repacked copy replaces the payload
         if not (getattr(layer, "kvx_tied", False) or layer.kvx_may_be_tied):
             w = layer.weight
             layer.weight = torch.nn.Parameter(w.data.new_empty((0, w.shape[1])), requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = mxfp4_linear(x, layer.kvx_mxfp4)
+        out = layer.kvx_marlin(x) if layer.kvx_marlin is not None else mxfp4_linear(x, layer.kvx_mxfp4)
         return out if bias is None else out + bias
 
 
 def platform_refusal() -> str | None:
     """Why this platform cannot run the MXFP4 head (None when it can): CPU runs the torch reference, NVIDIA
-    Hopper the Triton kernel; other GPUs are not verified (the kernel's bf16 decode uses sm_90 instructions)."""
+    Hopper Marlin or KVX's kernel; other GPUs are not verified (KVX's bf16 decode uses sm_90 instructions)."""
     if current_platform.is_cpu():
         return None
     if current_platform.is_cuda():
@@ -59,8 +64,8 @@ def platform_refusal() -> str | None:
         if cap is not None and (cap.major, cap.minor) == (9, 0):
             return None
         sm = f"sm_{cap.major}{cap.minor}" if cap is not None else "unknown compute capability"
-        return (f"GPU {current_platform.get_device_name()} ({sm}): KVX's MXFP4 head kernel is verified on Hopper "
-                "(sm_90) only")
+        return (f"GPU {current_platform.get_device_name()} ({sm}): KVX's MXFP4 head is verified on Hopper (sm_90) "
+                "only")
     return f"platform {current_platform.device_name}: KVX's MXFP4 head runs on CPU and NVIDIA Hopper only"
 
 
