@@ -75,6 +75,7 @@ def _gaps(run: dict, oracles) -> tuple[list[float], list[float]]:
 
 def test_the_head_is_the_codecs_mxfp4_copy_and_the_embedding_stays_bf16(runs):
     m = runs["mxfp4"]["model"]
+    print("head:", m)  # the record of which kernel served and how close (pytest -rA shows it)
     assert {k: m[k] for k in ("method", "tied", "embed_dtype")} == {
         "method": "Mxfp4HeadMethod", "tied": True, "embed_dtype": "torch.bfloat16"}
     if m["kernel"] == "marlin":  # CUDA: the same exact products, bf16 output rounding (~0.4% of the largest logit)
@@ -89,6 +90,7 @@ def test_the_head_is_the_codecs_mxfp4_copy_and_the_embedding_stays_bf16(runs):
 def test_logprobs_match_the_mxfp4_oracle_only_with_the_option(runs, oracles, mode):
     mx, bf = _gaps(runs[mode], oracles)
     near, far = (mx, bf) if mode == "mxfp4" else (bf, mx)
+    print(f"{mode}: matching oracle max {max(near):.3f} mean {sum(near) / len(near):.3f}, other {sum(far) / len(far):.3f}")
     assert len(near) > 50
     assert max(near) <= MAX_BOUND and sum(near) / len(near) <= MEAN_BOUND, (max(near), sum(near) / len(near))
     assert sum(far) / len(far) >= APART_BOUND, sum(far) / len(far)
