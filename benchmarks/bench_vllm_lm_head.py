@@ -42,8 +42,9 @@ MODES = ("none", "mxfp4")
 
 def _head(model) -> dict:
     head = model.lm_head
+    kernel = next((k for k in ("kvx_marlin", "kvx_mxfp4") if getattr(head, k, None) is not None), None)
     return {"method": type(head.quant_method).__name__, "bf16_weight_numel": head.weight.numel(),
-            "mxfp4_bytes": head.kvx_mxfp4.nbytes if hasattr(head, "kvx_mxfp4") else None}
+            "kernel": kernel, "mxfp4_bytes": getattr(head, kernel).nbytes if kernel else None}
 
 
 def run_one(mode: str, out: str | None, steps: int) -> None:
