@@ -26,7 +26,7 @@ from ..formats import CacheFormat, get_format, rotate
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec
-from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows, require_unsmoothed
+from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows, smoothing_of
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,6 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     `segment_bytes`: the checksum segment size it declares."""
     require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
             f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
-    for cache in caches:  # before the first byte is written
-        require_unsmoothed(cache)
     first = caches[0]
     fmt = format_of(first)
     a, b = _head_range(kv_heads, model, "export_bundle")
@@ -101,16 +99,21 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     require(token_ids is None or len(token_ids) == slots.numel(), Status.INVALID_ARGUMENT,
             f"export_bundle: {len(token_ids or [])} token ids for {slots.numel()} slots")
     geometry = (first.num_kv_heads, first.head_dim)
+    smoothed = smoothing_of(first) is not None
     for i, cache in enumerate(caches):
         require(format_of(cache) == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
                 f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
-    specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in format_specs(fmt, *geometry).items()]
+        require((smoothing_of(cache) is not None) == smoothed, Status.INVALID_ARGUMENT,
+                f"export_bundle: layer {i}'s cache {'lacks' if smoothed else 'has'} key smoothing, layer 0's "
+                f"{'has' if smoothed else 'lacks'} it (a bundle's layers are all smoothed or none)")
+    specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS)
+             for n, (dt, sh) in format_specs(fmt, *geometry, smoothed).items()]
     return {"model": asdict(model),
             "tokens": {"count": int(slots.numel()),
                        "ids": None if token_ids is None else [int(t) for t in token_ids],
                        "ids_sha256": None if token_ids is None else _token_hash(token_ids)},
             "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
-                      "head_dim": first.head_dim, "kv_heads": [a, b]},
+                      "head_dim": first.head_dim, "kv_heads": [a, b], "key_smoothing": smoothed},
             "tensors": [s.to_json() for s in specs], "created_by": "kvx",
             "checksum": {"algorithm": "xxh64", "segment_bytes": segment_bytes}}
 
@@ -144,8 +147,10 @@ def _check_bundle(reader: BundleReader, model: ModelFingerprint, token_ids: Sequ
             Status.INVALID_ARGUMENT, f"KVX bundle rejected: cache geometry {cache!r} does not fit its model")
     fmt = get_format(cache.get("format")) if isinstance(cache.get("format"), str) else None
     require(fmt is not None, Status.INVALID_ARGUMENT, "KVX bundle rejected: cache.format is not a format name")
-    want = {n: (dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in format_specs(fmt, cache["num_kv_heads"],
-                                                                                 model.head_dim).items()}
+    smoothed = cache.get("key_smoothing", False)  # absent in bundles written before key smoothing
+    require(isinstance(smoothed, bool), Status.INVALID_ARGUMENT, "KVX bundle rejected: cache.key_smoothing is not a bool")
+    want = {n: (dt, sh, n not in LAYER_TENSORS)
+            for n, (dt, sh) in format_specs(fmt, cache["num_kv_heads"], model.head_dim, smoothed).items()}
     got = {s.name: (s.dtype, s.shape, s.per_token) for s in reader.specs}
     require(got == want, Status.INVALID_ARGUMENT,
             f"KVX bundle rejected: its tensors {sorted(got)} do not match what format {fmt.name} stores")
@@ -173,20 +178,23 @@ def _assemble(shards: list[tuple[int, int, list[dict]]], a: int, b: int) -> list
 
 
 def decode_rows(rows: dict[str, torch.Tensor], fmt: CacheFormat) -> list[torch.Tensor]:
-    """[K, V] FP32 `[T, H, D]` in the model's domain from a layer's stored rows of format `fmt`."""
+    """[K, V] FP32 `[T, H, D]` in the model's domain from a layer's stored rows of format `fmt` (keys times the
+    layer's smoothing vector when the rows carry one, after the inverse rotation: as the cache's reads)."""
     kv = []
     for which, tf in (("k", fmt.k), ("v", fmt.v)):
         data = rows[f"{which}_data"]
         scales = rows.get(f"{which}_scales", torch.empty(*data.shape[:2], 0, dtype=torch.uint8, device=data.device))
         x = tf.decode(data, scales, rows.get(f"{which}_global"))
         kv.append(rotate(x) if fmt.rotate else x)
+    if "k_smoothing" in rows:
+        kv[0] = kv[0] * rows["k_smoothing"].to(kv[0].device)
     return kv
 
 
 def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict:
-    """Re-encode a bundle in another format (global scales 1.0 where the new format has them), layer by layer:
-    each layer's rows are what writing the source's dequantized K/V into a cache of `fmt` stores. Returns the new
-    header."""
+    """Re-encode a bundle in another format (global scales 1.0 where the new format has them, no key smoothing),
+    layer by layer: each layer's rows are what writing the source's dequantized K/V into a cache of `fmt` stores.
+    Returns the new header."""
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     reader = BundleReader(src)
     header = reader.header
@@ -194,7 +202,7 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     fmt.check_head_dim(d)
     src_fmt = get_format(header["cache"]["format"])
     specs = format_specs(fmt, heads, d)
-    new = {**header, "cache": {**header["cache"], "format": fmt.name},
+    new = {**header, "cache": {**header["cache"], "format": fmt.name, "key_smoothing": False},
            "tensors": [TensorSpec(n, dt, sh, n not in LAYER_TENSORS).to_json() for n, (dt, sh) in specs.items()]}
     rows_in = reader.read_all()  # the whole source verified before the first byte of the output
     w = BundleWriter(out, new)
@@ -220,9 +228,13 @@ def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slo
     if key not in wheres:
         wheres[key] = check_slots(cache, slots)
     src, dst = get_format(src_name), format_of(cache)
-    if src == dst:
+    if src == dst:  # the stored bytes, when they mean the same K/V here: same scales, same smoothing
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
-        if all(g is None or torch.equal(g, rows[n].to(g.device)) for n, g in (("k_global", kg), ("v_global", vg))):
+        ours, theirs = smoothing_of(cache), rows.get("k_smoothing")
+        same_smoothing = (ours is None and theirs is None) or (
+            ours is not None and theirs is not None and torch.equal(ours.float(), theirs.to(ours.device)))
+        if same_smoothing and all(g is None or torch.equal(g, rows[n].to(g.device))
+                                  for n, g in (("k_global", kg), ("v_global", vg))):
             return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
                                       where=wheres[key])
     kv = decode_rows(rows, src)

@@ -13,20 +13,18 @@ from ..errors import Status, require
 from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
 
-LAYER_TENSORS = ("k_global", "v_global")
-"""Per-layer FP32 [H] global scales (formats with one)."""
+LAYER_TENSORS = ("k_global", "v_global", "k_smoothing")
+"""Per-layer tensors: FP32 [H] global scales (formats with one) and the FP32 [H, D] key smoothing vector of a
+smoothed cache (its rows hold K / s: they mean K only with s)."""
 
 
-def require_unsmoothed(cache: CacheDesc) -> None:
-    """KV bundles do not carry key smoothing (`QuantDesc.k_smoothing`) yet: such a cache is refused (UNSUPPORTED)."""
-    require(cache.quant is None or cache.quant.k_smoothing is None, Status.UNSUPPORTED,
-            "KV bundles do not carry key smoothing yet: export / import a cache without quant.k_smoothing")
+def smoothing_of(cache: CacheDesc) -> torch.Tensor | None:
+    """The cache's key smoothing vector `[H, D]` (`QuantDesc.k_smoothing`), or None."""
+    return None if cache.quant is None else cache.quant.k_smoothing
 
 
 def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of each slot, after checking they are distinct and inside the cache (and that the cache
-    stores its keys as they are)."""
-    require_unsmoothed(cache)
+    """(block, offset) of each slot, after checking they are distinct and inside the cache."""
     require(isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64),
             Status.INVALID_ARGUMENT, "slots must be a 1-D int32/int64 tensor")
     s = slots.to(device=cache.k.tensor.device, dtype=torch.int64)
@@ -54,12 +52,16 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
             out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)  # no host sync: a read copies what is stored
     out.update({name: g for name, g in (("k_global", kg), ("v_global", vg)) if g is not None})
+    if smoothing_of(cache) is not None:
+        out["k_smoothing"] = smoothing_of(cache).to(device=cache.k.tensor.device, dtype=torch.float32, copy=True)
     return out
 
 
-def format_specs(fmt, num_kv_heads: int, head_dim: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def format_specs(fmt, num_kv_heads: int, head_dim: int, smoothed: bool = False
+                 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """`{name: (dtype, per-token row shape or per-layer shape)}` of what a cache of format `fmt` stores for
-    `num_kv_heads` x `head_dim`: the tensors `read_rows` returns and a bundle of that format declares."""
+    `num_kv_heads` x `head_dim` (`smoothed`: with a key smoothing vector): the tensors `read_rows` returns and a
+    bundle of that format declares."""
     out = {}
     for which, tf in (("k", fmt.k), ("v", fmt.v)):
         out[f"{which}_data"] = (tf.torch_data_dtype, (num_kv_heads, tf.payload_dim(head_dim)))
@@ -68,13 +70,15 @@ def format_specs(fmt, num_kv_heads: int, head_dim: int) -> dict[str, tuple[torch
     for which, tf in (("k", fmt.k), ("v", fmt.v)):
         if tf.uses_global_scale:
             out[f"{which}_global"] = (torch.float32, (num_kv_heads,))
+    if smoothed:
+        out["k_smoothing"] = (torch.float32, (num_kv_heads, head_dim))
     return out
 
 
 def write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
     """Store rows `read_rows` gave (of a cache of the same format and geometry) at `slots`, after checking them all.
-    The caller checks the layer's global scales match (rows mean something only under the scales they were
-    encoded with)."""
+    The caller checks the layer's global scales and key smoothing match (rows mean something only under the scales
+    and smoothing they were encoded with)."""
     store = prepare_write_rows(cache, slots, rows)
     store()
 

@@ -1,10 +1,8 @@
 """Per-channel key smoothing (`ops.smoothing`, `QuantDesc.k_smoothing`): the calibration rule against hand values;
 a smoothed cache stores exactly what an unsmoothed cache stores for `K / s` (composition oracle) and reads back
 `decode * s`; attention over it equals attention over the keys it reads back; refusals (plain formats, bad vectors,
-the C ABI and KV bundles, which carry no smoothing yet) change nothing."""
+the C ABI, which has no field for it yet) change nothing. KV bundles carry it: tests/transfer/test_bundle_smoothing.py."""
 from __future__ import annotations
-
-import io
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from kvx_core.calibration import key_smoothing
 from kvx_core.descriptors import BlockTable, SeqLens
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import dispatch
-from kvx_core.transfer import ModelFingerprint, export_bundle
 
 H, D, NB, BS = 2, 32, 6, 4
 
@@ -103,7 +100,3 @@ def test_refusals_change_nothing(tmp_path):
     with pytest.raises(KvxError) as e:
         c.descriptor(0).quant.to_ctypes()
     assert e.value.status == Status.UNSUPPORTED and "C ABI" in str(e.value)
-    out = io.BytesIO()
-    with pytest.raises(KvxError) as e:
-        export_bundle(out, [c.descriptor(0)], torch.arange(4), model=ModelFingerprint("LlamaForCausalLM", 1, H, D, {}, "c" * 64, "t" * 64))
-    assert e.value.status == Status.UNSUPPORTED and out.getvalue() == b""

@@ -199,12 +199,8 @@ def test_refusals(fresh, model_dir, tmp_path):
         fresh.layer_values(_config(str(other)), get_format("nvfp4"))
 
 
-def test_connector_and_native_dtypes_refuse_it(fresh, model_dir, monkeypatch):
-    from kvx_vllm import connector, selection
-
-    with pytest.raises(ValueError, match="do not carry"):
-        connector._refuse_smoothed(_config(str(model_dir)))
-    connector._refuse_smoothed(_config(str(model_dir), dtype="auto"))  # vLLM's own cache: no KVX calibration
+def test_native_dtypes_refuse_it(fresh, model_dir, monkeypatch):
+    from kvx_vllm import selection
     import vllm.config
 
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none",

@@ -60,20 +60,6 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
 
 
-def _refuse_smoothed(vllm_config: VllmConfig) -> None:
-    """KV bundles carry no key smoothing yet (`kvx_core.transfer.rows.require_unsmoothed`): a run whose KV
-    calibration smooths keys is refused at startup rather than failing every save and load."""
-    from .calibration import run_calibration
-    from .dtypes import is_kvx_dtype
-
-    if not is_kvx_dtype(vllm_config.cache_config.cache_dtype):
-        return
-    cal = run_calibration(vllm_config)
-    if cal is not None and cal.smoothing is not None:
-        raise ValueError("KVX connector: the run's KV calibration smooths keys, which KV bundles do not carry yet; "
-                         "serve the connector with a calibration made without --smooth-keys, or without one")
-
-
 class KvxConnector(KVConnectorBase_V1):
     """Moves prompts' KV between vLLM instances (and to / from a store) as KVX bundles."""
 
@@ -100,7 +86,6 @@ class KvxConnector(KVConnectorBase_V1):
                              '"KvxConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
                              '{"kvx_store": "/dev/shm/kvx"}}\'')
         self.model = model_fingerprint(vllm_config)
-        _refuse_smoothed(vllm_config)
         kvtc = cfg.get_from_extra_config("kvx_kvtc", None)  # a `kvx kvtc calibrate` file: KVTC-coded entries
         try:
             self.store = BundleStore(root, kvtc=calibration_for(kvtc, self.model) if kvtc else None)
