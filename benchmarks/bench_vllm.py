@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -164,23 +163,11 @@ def main() -> None:
     if a.one:
         run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s)
         return
-    failed = []
-    for dtype in a.dtypes.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", dtype, "--steps", str(a.steps),
-               "--steps-b1", str(a.steps_b1), "--long-prefill-s", str(a.long_prefill_s)]
-        if a.out:
-            cmd += ["--out", a.out]
-        t = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, timeout=a.timeout_s, check=False).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"# {dtype}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
-        if rc != 0:
-            failed.append(dtype)
-    if failed:
-        sys.exit(f"bench_vllm: failed for {', '.join(failed)}")
+    from common import run_per_process
 
+    run_per_process(os.path.abspath(__file__), a.dtypes.split(","),
+                    ["--steps", str(a.steps), "--steps-b1", str(a.steps_b1), "--long-prefill-s", str(a.long_prefill_s)],
+                    a.out, a.timeout_s)
 
 if __name__ == "__main__":
     main()

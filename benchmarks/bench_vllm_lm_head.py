@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -110,22 +109,9 @@ def main() -> None:
     if a.one:
         run_one(a.one, a.out, a.steps)
         return
-    failed = []
-    for mode in MODES:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", mode, "--steps", str(a.steps)]
-        if a.out:
-            cmd += ["--out", a.out]
-        t = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, timeout=a.timeout_s, check=False).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"# lm_head {mode}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
-        if rc != 0:
-            failed.append(mode)
-    if failed:
-        sys.exit(f"bench_vllm_lm_head: failed for {', '.join(failed)}")
+    from common import run_per_process
 
+    run_per_process(os.path.abspath(__file__), list(MODES), ["--steps", str(a.steps)], a.out, a.timeout_s)
 
 if __name__ == "__main__":
     main()

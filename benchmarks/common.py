@@ -5,6 +5,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -94,3 +95,21 @@ def emit(path: str | None, rec: dict) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def run_per_process(script: str, names: list[str], args: list[str], out: str | None, timeout_s: int) -> None:
+    """`script --one NAME ARGS [--out OUT]` for each name, one process each (an engine setting gets a fresh process
+    and GPU memory); exits naming the ones that failed or ran past `timeout_s`."""
+    failed = []
+    for name in names:
+        cmd = [sys.executable, script, "--one", name, *args] + (["--out", out] if out else [])
+        t = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, timeout=timeout_s, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        print(f"# {name}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+    if failed:
+        sys.exit(f"{os.path.basename(script)}: failed for {', '.join(failed)}")
