@@ -94,3 +94,20 @@ def test_logprobs_match_the_mxfp4_oracle_only_with_the_option(runs, oracles, mod
     assert len(near) > 50
     assert max(near) <= MAX_BOUND and sum(near) / len(near) <= MEAN_BOUND, (max(near), sum(near) / len(near))
     assert sum(far) / len(far) >= APART_BOUND, sum(far) / len(far)
+
+
+def test_refusals_on_real_vllm_configs(checkpoint):
+    """What the option refuses at model construction, on vLLM's own config objects: LoRA and an fp32 head_dtype
+    (vLLM would multiply the BF16 weight instead of the MXFP4 copy); a plain run is accepted on this CPU."""
+    from vllm.config import LoRAConfig, ModelConfig, VllmConfig
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from kvx_vllm.lm_head import refusals
+
+    class Head:  # refusals reads the head's quant method only
+        quant_method = UnquantizedEmbeddingMethod()
+
+    fp32_head = ModelConfig(model=checkpoint, dtype="bfloat16", hf_overrides={"head_dtype": "float32"})
+    reasons = refusals(VllmConfig(model_config=fp32_head, lora_config=LoRAConfig()), Head())
+    assert len(reasons) == 2 and "LoRA" in reasons[0] and "head_dtype torch.float32" in reasons[1], reasons
+    assert refusals(VllmConfig(model_config=ModelConfig(model=checkpoint, dtype="bfloat16")), Head()) == []
