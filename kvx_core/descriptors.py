@@ -15,8 +15,8 @@ from typing import ClassVar
 import torch
 
 from .abi import structs
-from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory, QuantFormat,
-                    ScaleGranularity, as_enum, kvx_dtype, require_enum, torch_dtype)
+from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, QUANT_FLAG_KEY_SMOOTHING, BlockTableFormat, DType, Layout, Memory,
+                    QuantFormat, ScaleGranularity, as_enum, kvx_dtype, require_enum, torch_dtype)
 from .errors import KvxError, Status, int_value, require
 from .layouts import Geometry, check_shape, detect_layout, footprint
 
@@ -225,7 +225,8 @@ class ScaleDesc(_Enums):
 
 @dataclass
 class QuantDesc(_Enums):
-    """v1.1 `kvx_quant_desc_t`: the cache format, group size, scale pools and global scales."""
+    """`kvx_quant_desc_t` (v1.1; v1.2 `k_smoothing`): the cache format, group size, scale pools, global scales and key
+    smoothing."""
 
     _ENUMS: ClassVar[dict[str, type]] = {"format": QuantFormat, "k_data_dtype": DType, "v_data_dtype": DType}
 
@@ -239,8 +240,9 @@ class QuantDesc(_Enums):
     v_global_scale: torch.Tensor | None = None
     flags: int = 0
     k_smoothing: torch.Tensor | None = None
-    """FP32 `[num_kv_heads, head_dim]` per-channel key smoothing (`ops.smoothing`): K is stored divided by it. Python
-    descriptors only: C ABI v1.1 has no field for it, so `to_ctypes` refuses a smoothed cache."""
+    """FP32 `[num_kv_heads, head_dim]` per-channel key smoothing (`ops.smoothing`): K is stored divided by it. In the
+    C ABI (v1.2) `kvx_quant_desc_t.k_smoothing` with `KVX_QUANT_FLAG_KEY_SMOOTHING`, which `to_ctypes` sets (the
+    Python `flags` keep the format's own bits)."""
 
     @property
     def global_scale_count(self) -> int:
@@ -250,17 +252,22 @@ class QuantDesc(_Enums):
     def to_ctypes(self):
         for name in ("k_scales", "v_scales"):
             _require_type(getattr(self, name), TensorDesc, f"quant.{name}", optional=True)
-        require(self.k_smoothing is None, Status.UNSUPPORTED,
-                "quant.k_smoothing: the C ABI (v1.1) has no key-smoothing field; a smoothed cache is described to "
-                "Python consumers only")
+        s = self.k_smoothing
+        _require_type(s, torch.Tensor, "quant.k_smoothing", optional=True)
+        require(s is None or (s.dtype == torch.float32 and s.dim() == 2 and s.is_contiguous()),
+                Status.INVALID_ARGUMENT, "quant.k_smoothing must be a contiguous FP32 [num_kv_heads, head_dim] "
+                "tensor (the C ABI reads it row-major)")
+        require(not self.flags & QUANT_FLAG_KEY_SMOOTHING, Status.INVALID_ARGUMENT,
+                "quant.flags: KVX_QUANT_FLAG_KEY_SMOOTHING is set from quant.k_smoothing, not by hand")
         empty = structs.new(structs.TensorDescC)
         return structs.new(
-            structs.QuantDescC, format=self.format, flags=self.flags, group_size=self.group_size,
+            structs.QuantDescC, format=self.format,
+            flags=self.flags | (QUANT_FLAG_KEY_SMOOTHING if s is not None else 0), group_size=self.group_size,
             k_data_dtype=self.k_data_dtype, v_data_dtype=self.v_data_dtype,
             k_scales=self.k_scales.to_ctypes() if self.k_scales else empty,
             v_scales=self.v_scales.to_ctypes() if self.v_scales else empty,
             k_global_scale=_f32_ptr(self.k_global_scale), v_global_scale=_f32_ptr(self.v_global_scale),
-            global_scale_count=self.global_scale_count)
+            global_scale_count=self.global_scale_count, k_smoothing=_f32_ptr(s))
 
 
 def _f32_ptr(t: torch.Tensor | None):

@@ -89,6 +89,8 @@ QUANT_FLAG_V_SCALE_INTERLEAVE4 = 1 << 2
 """`KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4`: V scale bytes are interleaved by 4 tokens (TRT-LLM's NVFP4 KV for its
 trtllm-gen kernels): in each (block, head) plane, the byte of (token t, group j) is at `(t // 4) * 4 * S + j * 4 +
 t % 4` instead of `t * S + j` (`kvx_core/scale_layout.py`)."""
+QUANT_FLAG_KEY_SMOOTHING = 1 << 3
+"""`KVX_QUANT_FLAG_KEY_SMOOTHING` (v1.2): keys are stored divided by `kvx_quant_desc_t.k_smoothing`."""
 
 KVCACHEINDEX_SECONDARY_BIT = 1 << 31
 KVCACHEINDEX_NULL = -1  # all bits set in int32

@@ -25,6 +25,7 @@ from kvx_core.abi import (
     CACHE_DESC_V1_0_SIZE,
     HEADER_PATH,
     MAX_DIMS,
+    QUANT_DESC_V1_1_SIZE,
     V1_0_SIZES,
     CacheDescC,
     PoolDescC,
@@ -36,6 +37,7 @@ from kvx_core.abi import (
     negotiate,
     new,
     quant_of,
+    smoothing_of,
 )
 from kvx_core.enums import BlockTableFormat, DType, Layout, Memory, QuantFormat, ScaleGranularity
 from kvx_core.errors import KvxError, Status
@@ -80,7 +82,9 @@ MACROS: dict[str, int] = {
     "KVX_QUANT_FLAG_HADAMARD": enums.QUANT_FLAG_HADAMARD,
     "KVX_QUANT_FLAG_MX_SCALE_FLOOR": enums.QUANT_FLAG_MX_SCALE_FLOOR,
     "KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4": enums.QUANT_FLAG_V_SCALE_INTERLEAVE4,
+    "KVX_QUANT_FLAG_KEY_SMOOTHING": enums.QUANT_FLAG_KEY_SMOOTHING,
     "KVX_CACHE_DESC_V1_0_SIZE": CACHE_DESC_V1_0_SIZE,
+    "KVX_QUANT_DESC_V1_1_SIZE": QUANT_DESC_V1_1_SIZE,
 }
 #: Object-like macros that carry no value (include guard, export attribute).
 NON_VALUE_MACROS = {"KVX_ABI_H", "KVX_API"}
@@ -340,7 +344,7 @@ def test_get_version():
     v = get_version()
     assert isinstance(v, VersionC)
     assert v.size == ctypes.sizeof(VersionC) == 16
-    assert (v.major, v.minor, v.patch) == ABI_VERSION == (1, 1, 0)
+    assert (v.major, v.minor, v.patch) == ABI_VERSION == (1, 2, 0)
 
 
 def test_negotiate_accepts_same_major_any_minor():
@@ -369,7 +373,8 @@ def test_cache_desc_v1_0_size_is_offset_of_quant():
     assert CACHE_DESC_V1_0_SIZE == CacheDescC.quant.offset
     assert CACHE_DESC_V1_0_SIZE + ctypes.sizeof(ctypes.c_void_p) == ctypes.sizeof(CacheDescC)
     assert V1_0_SIZES[CacheDescC] == CACHE_DESC_V1_0_SIZE
-    assert V1_0_SIZES[QuantDescC] == ctypes.sizeof(QuantDescC)
+    assert V1_0_SIZES[QuantDescC] == QUANT_DESC_V1_1_SIZE == QuantDescC.k_smoothing.offset
+    assert QUANT_DESC_V1_1_SIZE + ctypes.sizeof(ctypes.c_void_p) == ctypes.sizeof(QuantDescC)
 
 
 def test_v1_0_cache_desc_is_accepted_with_quant_absent():
@@ -437,3 +442,26 @@ def test_new_sets_sizes_recursively_and_fills_arrays():
         new(TensorDescC, shape=[1] * (MAX_DIMS + 1))
     with pytest.raises(KvxError):
         new(TensorDescC, no_such_field=1)
+
+
+def test_v1_2_key_smoothing_needs_its_flag_and_a_v1_2_size():
+    """`k_smoothing` is read only from a v1.2-sized descriptor, and only together with KVX_QUANT_FLAG_KEY_SMOOTHING
+    (which a v1.1 consumer does not know and so refuses); a v1.1-sized one has none."""
+    s = (ctypes.c_float * 4)(1.0, 2.0, 0.5, 4.0)
+    ptr = ctypes.cast(s, ctypes.POINTER(ctypes.c_float))
+    quant = new(QuantDescC, format=QuantFormat.NVFP4, group_size=16, flags=enums.QUANT_FLAG_KEY_SMOOTHING,
+                k_smoothing=ptr)
+    assert ctypes.addressof(smoothing_of(quant).contents) == ctypes.addressof(s)
+    assert smoothing_of(new(QuantDescC, format=QuantFormat.NVFP4)) is None
+    v1_1 = new(QuantDescC, format=QuantFormat.NVFP4)
+    v1_1.size = QUANT_DESC_V1_1_SIZE  # a v1.1 producer: whatever lies beyond is not its
+    v1_1.k_smoothing = ptr
+    assert check_struct_size(v1_1, QuantDescC) == QUANT_DESC_V1_1_SIZE and smoothing_of(v1_1) is None
+    for bad in (new(QuantDescC, flags=enums.QUANT_FLAG_KEY_SMOOTHING),  # flag, no vector
+                new(QuantDescC, k_smoothing=ptr)):  # vector, no flag: a v1.1 consumer would read K / s as K
+        with pytest.raises(KvxError) as e:
+            smoothing_of(bad)
+        assert e.value.status is Status.INVALID_ARGUMENT
+    v1_1.flags = enums.QUANT_FLAG_KEY_SMOOTHING  # a flag in a v1.1-sized struct: no vector to read
+    with pytest.raises(KvxError):
+        smoothing_of(v1_1)

@@ -7,6 +7,7 @@ from .structs import (
     C_NAMES,
     CACHE_DESC_V1_0_SIZE,
     MAX_DIMS,
+    QUANT_DESC_V1_1_SIZE,
     V1_0_SIZES,
     BlockTableC,
     CacheDescC,
@@ -22,7 +23,7 @@ from .structs import (
     WriteDescC,
     new,
 )
-from .version import ABI_VERSION, check_struct_size, get_version, negotiate, quant_of
+from .version import ABI_VERSION, check_struct_size, get_version, negotiate, quant_of, smoothing_of
 
 HEADER_PATH: Path = Path(__file__).with_name("kvx_abi.h")
 """Path of the installed kvx_abi.h (add its folder to a C compiler's include path)."""
@@ -33,6 +34,7 @@ __all__ = [
     "CACHE_DESC_V1_0_SIZE",
     "HEADER_PATH",
     "MAX_DIMS",
+    "QUANT_DESC_V1_1_SIZE",
     "V1_0_SIZES",
     "BlockTableC",
     "CacheDescC",
@@ -51,4 +53,5 @@ __all__ = [
     "negotiate",
     "new",
     "quant_of",
+    "smoothing_of",
 ]

@@ -1,5 +1,5 @@
 /*
- * kvx_abi.h - the KVX C ABI, version 1.1 (KVX v1 specification, sections 3-8).
+ * kvx_abi.h - the KVX C ABI, version 1.2 (KVX v1 specification, sections 3-8).
  *
  * Paged KV cache descriptors, block tables, slot mappings and the entry points
  * that write and gather K/V through them. C99 and C++ compatible.
@@ -16,6 +16,10 @@
  *
  * v1.1 (minor) adds packed/quantized dtypes, KVX_SCALE_GRANULARITY_PER_GROUP,
  * kvx_quant_format_t, kvx_quant_desc_t and the trailing kvx_cache_desc_t.quant.
+ * v1.2 (minor) appends kvx_quant_desc_t.k_smoothing with KVX_QUANT_FLAG_KEY_SMOOTHING:
+ * keys stored divided by a per-channel vector. A producer sets the flag, so a v1.1
+ * consumer (which rejects quant flags it does not know) refuses the cache instead
+ * of reading K / s as K.
  * The Python mirror of this file is kvx_core/abi/structs.py; tests/test_abi.py
  * compiles this header and checks every size, offset and constant against it.
  */
@@ -48,7 +52,7 @@ extern "C" {
 /* ------------------------------------------------------------------------- */
 
 #define KVX_VERSION_MAJOR 1
-#define KVX_VERSION_MINOR 1
+#define KVX_VERSION_MINOR 2
 #define KVX_VERSION_PATCH 0
 
 /** Maximum tensor rank carried by a descriptor (HND_PACKED needs 5). */
@@ -155,6 +159,9 @@ typedef enum kvx_quant_format_t {
  *  block_size x S bytes, (token t, group j) is at (t / 4) * 4 * S + j * 4 + t % 4, not t * S + j.
  *  Needs block_size % 4 == 0 and an HND V scale pool with contiguous planes. */
 #define KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4 0x4u
+/** v1.2: keys are stored divided by kvx_quant_desc_t.k_smoothing (per KV head and channel); readers multiply
+ *  decoded keys by it, attention multiplies queries by it. Set iff k_smoothing is non-NULL. */
+#define KVX_QUANT_FLAG_KEY_SMOOTHING 0x8u
 
 /* Enum-typed fields are 4 bytes (see the ABI rules above). C99-compatible
  * static assert: a negative array size fails to compile. */
@@ -262,7 +269,13 @@ typedef struct kvx_quant_desc_t {
     const float* k_global_scale;  /**< FP32 global scale(s) for K, or NULL */
     const float* v_global_scale;  /**< FP32 global scale(s) for V, or NULL */
     uint32_t global_scale_count;  /**< 0 = none, 1 = per tensor, num_kv_heads = per head */
+    const float* k_smoothing;     /**< v1.2: FP32 [num_kv_heads, head_dim] row-major, > 0, or NULL; with
+                                       KVX_QUANT_FLAG_KEY_SMOOTHING */
 } kvx_quant_desc_t;
+
+/** Size of a v1.1 kvx_quant_desc_t: everything before `k_smoothing`. A v1.2
+ *  consumer accepts it and reads k_smoothing as NULL (the flag must then be clear). */
+#define KVX_QUANT_DESC_V1_1_SIZE offsetof(kvx_quant_desc_t, k_smoothing)
 
 /** A paged KV cache: separate K and V tensors of num_blocks blocks of
  *  block_size tokens (spec section 4.1, 6.1).

@@ -104,7 +104,8 @@ class PoolDescC(ctypes.Structure):
 
 
 class QuantDescC(ctypes.Structure):
-    """`kvx_quant_desc_t` (v1.1): quantized cache format, scale pools and global scales."""
+    """`kvx_quant_desc_t` (v1.1, `k_smoothing` appended in v1.2): quantized cache format, scale pools, global scales
+    and key smoothing."""
 
     _fields_ = [
         ("size", _u32),
@@ -118,6 +119,7 @@ class QuantDescC(ctypes.Structure):
         ("k_global_scale", ctypes.POINTER(ctypes.c_float)),
         ("v_global_scale", ctypes.POINTER(ctypes.c_float)),
         ("global_scale_count", _u32),
+        ("k_smoothing", ctypes.POINTER(ctypes.c_float)),  # v1.2
     ]
 
 
@@ -195,10 +197,14 @@ C_NAMES: dict[type[ctypes.Structure], str] = {
 CACHE_DESC_V1_0_SIZE: int = CacheDescC.quant.offset
 """`KVX_CACHE_DESC_V1_0_SIZE`: a v1.0 `kvx_cache_desc_t` ends where `quant` begins."""
 
-#: Smallest `size` a consumer accepts per struct: its v1.0 size, or its full size when the
-#: struct is newer than v1.0 or has not grown since.
+QUANT_DESC_V1_1_SIZE: int = QuantDescC.k_smoothing.offset
+"""`KVX_QUANT_DESC_V1_1_SIZE`: a v1.1 `kvx_quant_desc_t` ends where `k_smoothing` begins."""
+
+#: Smallest `size` a consumer accepts per struct: the size of its first version (v1.0, or v1.1 for
+#: `kvx_quant_desc_t`), or its full size when the struct has not grown since.
 V1_0_SIZES: dict[type[ctypes.Structure], int] = {
-    cls: (CACHE_DESC_V1_0_SIZE if cls is CacheDescC else ctypes.sizeof(cls)) for cls in C_NAMES
+    cls: {CacheDescC: CACHE_DESC_V1_0_SIZE, QuantDescC: QUANT_DESC_V1_1_SIZE}.get(cls, ctypes.sizeof(cls))
+    for cls in C_NAMES
 }
 
 S = TypeVar("S", bound=ctypes.Structure)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 
 from ..errors import KvxError, Status, int_value
+from ..enums import QUANT_FLAG_KEY_SMOOTHING
 from .structs import CACHE_DESC_V1_0_SIZE, V1_0_SIZES, CacheDescC, QuantDescC, VersionC, field_type, fits
 
 __all__ = [
@@ -14,9 +15,10 @@ __all__ = [
     "get_version",
     "negotiate",
     "quant_of",
+    "smoothing_of",
 ]
 
-ABI_VERSION: tuple[int, int, int] = (1, 1, 0)
+ABI_VERSION: tuple[int, int, int] = (1, 2, 0)
 """(KVX_VERSION_MAJOR, KVX_VERSION_MINOR, KVX_VERSION_PATCH) of kvx_abi.h."""
 
 
@@ -88,3 +90,18 @@ def quant_of(cache: CacheDescC) -> QuantDescC | None:
     quant = cache.quant.contents
     check_struct_size(quant, QuantDescC)
     return quant
+
+
+def smoothing_of(quant: QuantDescC):
+    """The v1.2 key smoothing pointer (`float*` to `[num_kv_heads, head_dim]`) of a quantization descriptor, or
+    None: a v1.1-sized descriptor has none. The flag and the pointer must agree (INVALID_ARGUMENT otherwise): a
+    flag without a vector, or a vector a v1.1 consumer would not know to apply."""
+    readable = check_struct_size(quant, QuantDescC)
+    ptr = quant.k_smoothing if readable >= ctypes.sizeof(QuantDescC) and quant.k_smoothing else None
+    flagged = bool(quant.flags & QUANT_FLAG_KEY_SMOOTHING)
+    if flagged != (ptr is not None):
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       "kvx_quant_desc_t: KVX_QUANT_FLAG_KEY_SMOOTHING and k_smoothing disagree "
+                       f"(flag {'set' if flagged else 'clear'}, k_smoothing "
+                       f"{'set' if ptr is not None else 'NULL or beyond a v1.1 size'})")
+    return ptr

@@ -1,15 +1,20 @@
 """Per-channel key smoothing (`ops.smoothing`, `QuantDesc.k_smoothing`): the calibration rule against hand values;
 a smoothed cache stores exactly what an unsmoothed cache stores for `K / s` (composition oracle) and reads back
-`decode * s`; attention over it equals attention over the keys it reads back; refusals (plain formats, bad vectors,
-the C ABI, which has no field for it yet) change nothing. KV bundles carry it: tests/transfer/test_bundle_smoothing.py."""
+`decode * s`; attention over it equals attention over the keys it reads back; refusals (plain formats, bad vectors) change nothing; the C ABI (v1.2) carries it with its flag. KV bundles carry it
+too: tests/transfer/test_bundle_smoothing.py."""
 from __future__ import annotations
+
+import ctypes
+from dataclasses import replace
 
 import pytest
 import torch
 
+from kvx_core.abi import smoothing_of
 from kvx_core.cache import PagedKVCache
 from kvx_core.calibration import key_smoothing
 from kvx_core.descriptors import BlockTable, SeqLens
+from kvx_core.enums import QUANT_FLAG_KEY_SMOOTHING
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import dispatch
 
@@ -97,6 +102,13 @@ def test_refusals_change_nothing(tmp_path):
             c.set_key_smoothing(0, bad)
         assert c.layers[0].k_smoothing is None
     c.set_key_smoothing(0, _smoothing(1))
-    with pytest.raises(KvxError) as e:
-        c.descriptor(0).quant.to_ctypes()
-    assert e.value.status == Status.UNSUPPORTED and "C ABI" in str(e.value)
+    q = c.descriptor(0).quant  # C ABI v1.2: the vector's address with KVX_QUANT_FLAG_KEY_SMOOTHING
+    qc = q.to_ctypes()
+    assert qc.flags == q.flags | QUANT_FLAG_KEY_SMOOTHING
+    assert ctypes.addressof(smoothing_of(qc).contents) == q.k_smoothing.data_ptr()
+    for bad in (q.k_smoothing.t(), q.k_smoothing.double()):  # the C side reads contiguous FP32 rows
+        with pytest.raises(KvxError) as e:
+            replace(q, k_smoothing=bad).to_ctypes()
+        assert e.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(KvxError):  # the flag follows the vector; set by hand it is refused
+        replace(q, flags=q.flags | QUANT_FLAG_KEY_SMOOTHING).to_ctypes()
