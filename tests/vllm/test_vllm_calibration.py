@@ -46,18 +46,8 @@ CONTROL = 0.75
 
 
 @pytest.fixture(scope="module")
-def model_dir(checkpoint, tmp_path_factory) -> Path:
-    """The checkpoint's files as symlinks plus a calibration file written by the CLI."""
-    from kvx_cli.main import main
-    from kvx_core.kv_calibration import FILENAME
-
-    d = tmp_path_factory.mktemp("calibrated")
-    for f in Path(checkpoint).iterdir():
-        if f.name != FILENAME:
-            (d / f.name).symlink_to(f.resolve())
-    assert main(["calibrate-kv", "--model", str(d), "--source", "text", "--smooth-keys", "0.5", "--formats", "nvfp4",
-                 "--window-len", "256"]) == 0
-    return d
+def model_dir(smoothed_model_dir) -> Path:
+    return smoothed_model_dir
 
 
 @pytest.fixture(scope="module")

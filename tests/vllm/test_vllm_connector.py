@@ -27,6 +27,7 @@ top-5 sets and a different first token (negative control run while setting these
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -37,6 +38,8 @@ from pathlib import Path
 import pytest
 
 import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
+
+from kvx_core.transfer.bundle import BundleReader
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -175,3 +178,34 @@ def test_kvtc_coded_handoff_decodes_like_a_single_instance(kvtc_pd):
         assert h["cached"] == h["prompt_tokens"] - 1 and loc["cached"] == 0
         _, first, mean = _agreement(h, loc)
         assert first <= KVTC_FIRST_BOUND and mean <= KVTC_MEAN_BOUND, (first, mean)
+
+
+SMOOTHED_INSTANCES = {"F": ("kvx_nvfp4", 128, "kv_producer", ["--produce", "a"]),
+                      "G": ("kvx_nvfp4", 64, "kv_consumer", ["--consume", "a"])}
+
+
+@pytest.fixture(scope="module")
+def smoothed_pd(smoothed_model_dir, tmp_path_factory) -> dict[str, dict]:
+    """F and G serve the same model directory holding a key-smoothing KV calibration (`kvx calibrate-kv
+    --smooth-keys 0.5`) on a new store: F prefills set "a", G (another block size) decodes it from F's bundles."""
+    store = tmp_path_factory.mktemp("smoothed") / "store"
+    out = _instances(str(smoothed_model_dir), store, SMOOTHED_INSTANCES)
+    out["headers"] = [BundleReader(io.BytesIO(f.read_bytes())).header for f in sorted(store.glob("*.kvx"))]
+    return out
+
+
+def test_smoothed_handoff_carries_the_smoothing_and_decodes_like_a_single_instance(smoothed_pd):
+    """Every bundle F stored says its rows hold K / s and carries s per layer; G (the same calibration) takes them
+    and decodes within kvx_nvfp4's bounds of its own full computation with that calibration."""
+    headers = smoothed_pd["headers"]
+    assert len(headers) == 3 and all(h["cache"]["key_smoothing"] is True for h in headers)
+    assert all({"name": "k_smoothing", "dtype": "float32", "per_token": False, "shape": [h["cache"]["num_kv_heads"],
+                                                                                         h["cache"]["head_dim"]]}
+               in h["tensors"] for h in headers)
+    g = smoothed_pd["G"]
+    assert smoothed_pd["F"]["produced"] == [h["prompt_tokens"] for h in g["consumed"]["handoff"]]
+    for h, loc in zip(g["consumed"]["handoff"], g["consumed"]["local"]):
+        assert h["cached"] == h["prompt_tokens"] - 1 and loc["cached"] == 0
+        agree, first, mean = _agreement(h, loc)
+        print(f"smoothed handoff: {agree} greedy tokens agree, first-token top-5 gap {first:.3f}, mean {mean:.3f}")
+        assert agree >= 1 and first <= FIRST_BOUND["kvx_nvfp4"] and mean <= MEAN_BOUND["kvx_nvfp4"], (first, mean)
