@@ -9,7 +9,8 @@ Options under the "kvx" key of vLLM's `additional_config`:
   format's error). "cache": everything over the quantized pages with KVX's prefill kernel (bit-identical
   prefix reuse; 3-5x slower attention in prefill).
 - `lm_head` ("mxfp4", default unset): the output projection quantized to MXFP4 after loading (`lm_head`), any
-  cache dtype; CPU only so far (see `lm_head` for what it refuses).
+  cache dtype; CPU (torch reference) and NVIDIA Hopper (vLLM's Marlin over the codec's weight); see `lm_head` for
+  what it refuses.
 - `kv_calibration` (a path, default unset): the KV-cache calibration file to serve with (`calibration`); without
   it, `<model dir>/kvx_kv_calibration.kvx` when that exists. `kvx_*` cache dtypes only.
 Anything else under "kvx" is refused, so a typo never silently does nothing. Also refused: an
