@@ -189,11 +189,12 @@ def test_refusals(fresh, model_dir, tmp_path):
         fresh.layer_values(_config(str(other)), get_format("nvfp4"))
 
 
-def test_native_dtypes_refuse_it(fresh, model_dir, monkeypatch):
-    from kvx_vllm import selection
-    import vllm.config
+def test_native_dtypes_refuse_it(fresh, model_dir):
+    """The option is refused where vLLM's options are parsed (every run builds its head from them), whichever
+    attention backend is named."""
+    from kvx_vllm.options import options_of
 
-    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none",
-                        lambda: _config(str(model_dir), option=os.fspath(model_dir / "x"), dtype="fp8"))
-    with pytest.raises(ValueError, match="applies to kvx_"):
-        selection._refuse_kvx_cache_options()
+    for dtype in ("fp8", "auto"):
+        with pytest.raises(ValueError, match="applies to kvx_"):
+            options_of(_config(str(model_dir), option=os.fspath(model_dir / "x"), dtype=dtype))
+    assert options_of(_config(str(model_dir), option=os.fspath(model_dir / "x"))).kv_calibration is not None

@@ -5,7 +5,7 @@ The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<mo
 when the model is a local directory holding one. It is refused (ValueError at startup, before any K/V is written)
 when it is damaged, made for another model (fingerprint) or geometry, holds no scales for a run format that has a
 global scale, or the run is tensor-parallel (the per-KV-head vectors are not sliced per rank). The vLLM-native
-fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`selection`).
+fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`options.options_of`).
 """
 from __future__ import annotations
 

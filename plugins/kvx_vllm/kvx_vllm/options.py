@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .dtypes import format_name
+from .dtypes import format_name, is_kvx_dtype
 
 _KNOWN = {"rotate", "prefill", "lm_head", "kv_calibration"}
 LM_HEAD_FORMATS = ("mxfp4",)
@@ -83,6 +83,13 @@ def options_of(vllm_config: Any) -> KvxOptions:
     kv_calibration = raw.get("kv_calibration")
     if kv_calibration is not None and not (isinstance(kv_calibration, str) and kv_calibration):
         raise ValueError(f'KVX: --additional-config kvx "kv_calibration" must be a file path, got {kv_calibration!r}')
+    dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    if kv_calibration is not None and dtype is not None and not is_kvx_dtype(dtype):
+        # refused here, not at backend selection: every run parses its options (the head is built for every model),
+        # so an explicit --attention-backend cannot bypass it and leave the file silently unused
+        raise ValueError(f'KVX: --additional-config kvx "kv_calibration" applies to kvx_* cache dtypes; '
+                         f"--kv-cache-dtype {dtype} is vLLM's own cache (its fp8 takes the checkpoint's k_scale / "
+                         "v_scale)")
     return KvxOptions(rotate=rotate, prefill=prefill, lm_head=lm_head, kv_calibration=kv_calibration)
 
 

@@ -36,19 +36,6 @@ def current_cache_dtype() -> str | None:
     return None if cfg is None or cfg.cache_config is None else cfg.cache_config.cache_dtype
 
 
-def _refuse_kvx_cache_options() -> None:
-    """A KV calibration named for a vLLM-native cache dtype (auto, fp8) would be ignored: refused."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    from .options import options_of
-
-    cfg = get_current_vllm_config_or_none()
-    if cfg is not None and options_of(cfg).kv_calibration is not None:
-        raise ValueError(f'KVX: --additional-config kvx "kv_calibration" applies to kvx_* cache dtypes; '
-                         f"--kv-cache-dtype {cfg.cache_config.cache_dtype} is vLLM's own cache (its fp8 takes the "
-                         "checkpoint's k_scale / v_scale)")
-
-
 def __getattr__(name: str) -> Any:
     if name != "DefaultAttentionBackend":
         raise AttributeError(name)
@@ -56,7 +43,6 @@ def __getattr__(name: str) -> Any:
         from .backend import KvxAttentionBackend
 
         return KvxAttentionBackend
-    _refuse_kvx_cache_options()
     from .compat import default_backend_path
 
     module, cls = default_backend_path()[1].rsplit(".", 1)
