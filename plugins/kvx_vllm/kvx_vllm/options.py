@@ -85,8 +85,8 @@ def options_of(vllm_config: Any) -> KvxOptions:
         raise ValueError(f'KVX: --additional-config kvx "kv_calibration" must be a file path, got {kv_calibration!r}')
     dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
     if kv_calibration is not None and dtype is not None and not is_kvx_dtype(dtype):
-        # refused here, not at backend selection: every run parses its options (the head is built for every model),
-        # so an explicit --attention-backend cannot bypass it and leave the file silently unused
+        # refused here, not at backend selection, which an explicit --attention-backend bypasses: every language
+        # model parses these options when it builds its head (the plugin's ParallelLMHead)
         raise ValueError(f'KVX: --additional-config kvx "kv_calibration" applies to kvx_* cache dtypes; '
                          f"--kv-cache-dtype {dtype} is vLLM's own cache (its fp8 takes the checkpoint's k_scale / "
                          "v_scale)")
