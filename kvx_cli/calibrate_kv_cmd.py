@@ -14,15 +14,14 @@ import argparse
 import os
 import re
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from kvx_core.calibration import SCALE_RULES, amax_from_checkpoint
 from kvx_core.errors import KvxError, Status, require
-from kvx_core.kv_calibration import (FILENAME, WEIGHT_SUFFIXES, KvCalibration, from_checkpoint_amax, from_samples, global_formats,
-                                     scale_formats)
+from kvx_core.kv_calibration import (FILENAME, WEIGHT_SUFFIXES, KvCalibration, fingerprint_dict, from_checkpoint_amax,
+                                     from_samples, global_formats, scale_formats)
 
 from .args import bounded_int
 from .demo_cmd import MAX_WINDOW_LEN, _alpha, _read_text
@@ -120,8 +119,7 @@ def run(a: argparse.Namespace) -> int:
     shape = model_shape(config)
     from kvx_core.transfer import checkpoint_fingerprint
 
-    fp = checkpoint_fingerprint(str(source))
-    model = {} if fp is None else asdict(fp)
+    model = fingerprint_dict(checkpoint_fingerprint(str(source)))
     amax = None if a.source == "text" else _checkpoint_amax(Path(source), shape["num_layers"])
     require(a.source != "checkpoint" or amax is not None, Status.INVALID_ARGUMENT,
             f"{source} has no k_scale / v_scale tensors; use --source text")

@@ -195,8 +195,7 @@ class PagedKVCache:
             kd, vd, ks, vs = self._page_views()
         else:
             kd, vd, ks, vs = self._pool(f.k, False), self._pool(f.v, False), self._pool(f.k, True), self._pool(f.v, True)
-        uses_g = f.k.uses_global_scale or f.v.uses_global_scale
-        g = (lambda: torch.ones(self._g_shape, dtype=torch.float32, device=self.device)) if uses_g else (lambda: None)
+        g = (lambda: torch.ones(self._g_shape, dtype=torch.float32, device=self.device)) if f.uses_global_scale else (lambda: None)
         return LayerPools(kd, vd, ks, vs, g(), g())
 
     # ------------------------------------------------------------ global scales
@@ -216,7 +215,7 @@ class PagedKVCache:
                             v: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
         """Both of a layer's global scales checked, so a bad V scale cannot leave a new K scale behind."""
         f = self.format
-        require(f.k.uses_global_scale or f.v.uses_global_scale, Status.INVALID_ARGUMENT,
+        require(f.uses_global_scale, Status.INVALID_ARGUMENT,
                 f"format {f.name} takes no global scales")
         return self._checked_scale(f.k, k, "K"), self._checked_scale(f.v, v, "V")
 

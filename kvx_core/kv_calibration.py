@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .cache import PagedKVCache
+from .enums import QuantFormat
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, get_format, list_formats
 from .tensor_file import content_hash, read_tensor_file, write_tensor_file
@@ -86,7 +87,7 @@ class KvCalibration:
         for name, layers in self.scales.items():
             require(name in list_formats(), Status.INVALID_ARGUMENT, f"global scales for unknown format {name!r}")
             fmt = get_format(name)
-            require(fmt.k.uses_global_scale or fmt.v.uses_global_scale, Status.INVALID_ARGUMENT,
+            require(fmt.uses_global_scale, Status.INVALID_ARGUMENT,
                     f"{name} has no global scale; the calibration holds scales for it")
             require(len(layers) == self.num_layers, Status.INVALID_ARGUMENT,
                     f"{name}: global scales for {len(layers)} layers, the calibration has {self.num_layers}")
@@ -120,9 +121,9 @@ class KvCalibration:
         """Per layer (k_smoothing, k_global, v_global) to serve `fmt` with. Refused: smoothing for an unquantized
         format, and a format with a global scale the file holds no scales for (its default 1.0, or a checkpoint's
         scale of unsmoothed keys, would not be this calibration)."""
-        require(self.smoothing is None or fmt.quant != 0, Status.INVALID_ARGUMENT,
+        require(self.smoothing is None or fmt.quant != QuantFormat.NONE, Status.INVALID_ARGUMENT,
                 f"{fmt.name} is not quantized: the calibration's key smoothing has nothing to flatten")
-        uses = fmt.k.uses_global_scale or fmt.v.uses_global_scale
+        uses = fmt.uses_global_scale
         require(not uses or fmt.name in self.scales, Status.INCOMPATIBLE,
                 f"the calibration holds global scales for {', '.join(sorted(self.scales)) or 'no format'}, not for "
                 f"{fmt.name}; recalibrate with that format (kvx calibrate-kv --formats {fmt.name})")
@@ -217,16 +218,15 @@ def fingerprint_dict(fingerprint) -> dict:
     return {} if fingerprint is None else asdict(fingerprint)
 
 
-
 def global_formats() -> list[str]:
     """The cache formats with a global scale (what a calibration can hold scales for)."""
-    return [n for n in list_formats() if get_format(n).k.uses_global_scale or get_format(n).v.uses_global_scale]
+    return [n for n in list_formats() if get_format(n).uses_global_scale]
 
 
 def scale_formats(formats: list[str]) -> list[CacheFormat]:
     """The named formats, each of which must have a global scale (INVALID_ARGUMENT otherwise)."""
     fmts = [get_format(n) for n in formats]
-    plain = [f.name for f in fmts if not (f.k.uses_global_scale or f.v.uses_global_scale)]
+    plain = [f.name for f in fmts if not f.uses_global_scale]
     require(not plain, Status.INVALID_ARGUMENT,
             f"{', '.join(plain)} take no global scale; formats with one: {', '.join(global_formats())}")
     return fmts

@@ -43,8 +43,8 @@ def write_tensor_file(path: str, tensors: dict[str, torch.Tensor], metadata: dic
     unless `overwrite`, also when another writer creates it meanwhile."""
     from safetensors.torch import save_file
 
-    require(overwrite or not os.path.exists(path), Status.INVALID_ARGUMENT,
-            f"{path} exists; KVX never overwrites a file without an explicit overwrite")
+    exists = f"{path} exists; KVX never overwrites a file without an explicit overwrite"
+    require(overwrite or not os.path.exists(path), Status.INVALID_ARGUMENT, exists)
     folder = os.path.dirname(os.path.abspath(path))
     require(os.path.isdir(folder), Status.INVALID_ARGUMENT, f"{folder}: no such directory")
     fd, tmp = tempfile.mkstemp(prefix=".kvx-", suffix=".tmp", dir=folder)
@@ -57,10 +57,9 @@ def write_tensor_file(path: str, tensors: dict[str, torch.Tensor], metadata: dic
             try:
                 os.link(tmp, path)  # atomic, and fails if the name exists
             except FileExistsError:
-                raise KvxError(Status.INVALID_ARGUMENT, f"{path} exists; KVX never overwrites a file without an explicit overwrite") from None
+                raise KvxError(Status.INVALID_ARGUMENT, exists) from None
             except OSError:  # a file system without hard links: check, then rename (a concurrent writer could race)
-                require(not os.path.exists(path), Status.INVALID_ARGUMENT,
-                        f"{path} exists; KVX never overwrites a file without an explicit overwrite")
+                require(not os.path.exists(path), Status.INVALID_ARGUMENT, exists)
                 os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

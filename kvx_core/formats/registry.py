@@ -40,6 +40,11 @@ class CacheFormat:
         return self.k.quant
 
     @property
+    def uses_global_scale(self) -> bool:
+        """Whether K or V takes a per-layer FP32 global scale (fp8_*, nvfp4, k8v4 and their `_rot` variants)."""
+        return self.k.uses_global_scale or self.v.uses_global_scale
+
+    @property
     def flags(self) -> int:
         """Quantization descriptor flags: `QUANT_FLAG_HADAMARD` when rotated, `QUANT_FLAG_MX_SCALE_FLOOR`
         when MXFP4 scales use the OCP FLOOR rule."""

@@ -75,7 +75,7 @@ def _kernel_pools(cache: CacheDesc):
         return None
     q = cache.quant
     fmt = format_of(cache)
-    if q is None and (fmt.k.uses_global_scale or fmt.v.uses_global_scale):
+    if q is None and fmt.uses_global_scale:
         return None  # v1.0 FP8: the scale comes with each write/gather call
     if q is not None and q.flags & QUANT_FLAG_V_SCALE_INTERLEAVE4:
         return None  # the kernels address scale rows by strides; the interleave is no strided view

@@ -23,10 +23,11 @@ from ..codec import format_of
 from ..descriptors import CacheDesc, KvIoDesc, SlotMapping, WriteDesc
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format, rotate
+from ..ops import smoothing
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec
-from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows, smoothing_of
+from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,11 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     require(token_ids is None or len(token_ids) == slots.numel(), Status.INVALID_ARGUMENT,
             f"export_bundle: {len(token_ids or [])} token ids for {slots.numel()} slots")
     geometry = (first.num_kv_heads, first.head_dim)
-    smoothed = smoothing_of(first) is not None
+    smoothed = smoothing.of(first) is not None
     for i, cache in enumerate(caches):
         require(format_of(cache) == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
                 f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
-        require((smoothing_of(cache) is not None) == smoothed, Status.INVALID_ARGUMENT,
+        require((smoothing.of(cache) is not None) == smoothed, Status.INVALID_ARGUMENT,
                 f"export_bundle: layer {i}'s cache {'lacks' if smoothed else 'has'} key smoothing, layer 0's "
                 f"{'has' if smoothed else 'lacks'} it (a bundle's layers are all smoothed or none)")
     specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS)
@@ -230,7 +231,7 @@ def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slo
     src, dst = get_format(src_name), format_of(cache)
     if src == dst:  # the stored bytes, when they mean the same K/V here: same scales, same smoothing
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
-        ours, theirs = smoothing_of(cache), rows.get("k_smoothing")
+        ours, theirs = smoothing.of(cache), rows.get("k_smoothing")
         same_smoothing = (ours is None and theirs is None) or (
             ours is not None and theirs is not None and torch.equal(ours.float(), theirs.to(ours.device)))
         if same_smoothing and all(g is None or torch.equal(g, rows[n].to(g.device))

@@ -10,17 +10,13 @@ import torch
 from ..codec import format_of
 from ..descriptors import CacheDesc
 from ..errors import Status, require
+from ..ops import smoothing
 from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
 
 LAYER_TENSORS = ("k_global", "v_global", "k_smoothing")
 """Per-layer tensors: FP32 [H] global scales (formats with one) and the FP32 [H, D] key smoothing vector of a
 smoothed cache (its rows hold K / s: they mean K only with s)."""
-
-
-def smoothing_of(cache: CacheDesc) -> torch.Tensor | None:
-    """The cache's key smoothing vector `[H, D]` (`QuantDesc.k_smoothing`), or None."""
-    return None if cache.quant is None else cache.quant.k_smoothing
 
 
 def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +48,9 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
             out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)  # no host sync: a read copies what is stored
     out.update({name: g for name, g in (("k_global", kg), ("v_global", vg)) if g is not None})
-    if smoothing_of(cache) is not None:
-        out["k_smoothing"] = smoothing_of(cache).to(device=cache.k.tensor.device, dtype=torch.float32, copy=True)
+    s = smoothing.of(cache)
+    if s is not None:
+        out["k_smoothing"] = s.to(device=cache.k.tensor.device, dtype=torch.float32, copy=True)
     return out
 
 

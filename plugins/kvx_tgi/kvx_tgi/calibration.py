@@ -12,14 +12,21 @@ import os
 import re
 
 from kvx_core.errors import Status, require
-from kvx_core.kv_calibration import FILENAME, KvCalibration, LayerValues, fingerprint_dict, load_kv_calibration
+from kvx_core.kv_calibration import FILENAME, LayerValues, fingerprint_dict, load_kv_calibration
 from kvx_core.transfer import checkpoint_fingerprint
 
 from . import config
 
 ENV = "KVX_KV_CALIBRATION"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-_loaded: dict[str, KvCalibration] = {}
+_loaded: dict[str, list[LayerValues]] = {}
+"""Per file: every layer's values for the run's format (checked and computed once, at the first layer)."""
+
+
+def _weights_dir(weights) -> str | None:
+    """The directory of the checkpoint's (first) weight file, None when TGI routes no files."""
+    files = sorted(str(f) for f in getattr(weights, "routing", {}).values())
+    return os.path.dirname(files[0]) if files else None
 
 
 def _path(weights) -> str | None:
@@ -28,8 +35,8 @@ def _path(weights) -> str | None:
     if path:
         require(os.path.isfile(path), Status.INVALID_ARGUMENT, f"{ENV}={path!r}: no such file")
         return path
-    files = sorted({str(f) for f in getattr(weights, "routing", {}).values()})
-    default = os.path.join(os.path.dirname(files[0]), FILENAME) if files else None
+    folder = _weights_dir(weights)
+    default = os.path.join(folder, FILENAME) if folder is not None else None
     return default if default is not None and os.path.isfile(default) else None
 
 
@@ -45,16 +52,15 @@ def layer_values(weights, prefix: str) -> LayerValues | None:
         return None
     if path not in _loaded:
         cal = load_kv_calibration(path)
-        model_dir = os.path.dirname(sorted(str(f) for f in weights.routing.values())[0])
-        fp = checkpoint_fingerprint(model_dir)
+        folder = _weights_dir(weights)
+        fp = checkpoint_fingerprint(folder) if folder is not None else None
         cal.check_model(None if fp is None else fingerprint_dict(fp), path)
         if fp is not None:
             cal.check_geometry(fp.num_layers, fp.num_kv_heads, fp.head_dim, path)
-        cal.for_format(config.current().format)  # refused now, before any cache is built
-        _loaded[path] = cal
+        _loaded[path] = cal.for_format(config.current().format)  # refused now, before any cache is built
     m = _LAYER.search(prefix)
     require(m is not None, Status.UNSUPPORTED, f"KV calibration {path}: no layer index in TGI's prefix {prefix!r}")
     i = int(m.group(1))
-    cal = _loaded[path]
-    require(i < cal.num_layers, Status.INCOMPATIBLE, f"KV calibration {path} has {cal.num_layers} layers, not layer {i}")
-    return cal.for_format(config.current().format)[i]
+    values = _loaded[path]
+    require(i < len(values), Status.INCOMPATIBLE, f"KV calibration {path} has {len(values)} layers, not layer {i}")
+    return values[i]

@@ -114,7 +114,7 @@ class KVCache:
             return
         pools = self.cache.layers[0]
         fmt = self.format
-        if not (fmt.k.uses_global_scale or fmt.v.uses_global_scale):
+        if not fmt.uses_global_scale:
             log_once(logger.info, f"KVX {fmt.name}: checkpoint k_scale/v_scale ignored (the format keeps per-block "
                                   "scales)")
             return
