@@ -16,7 +16,7 @@ from typing import IO, Any, Iterator
 import torch
 
 from kvx_core.cache import PagedKVCache, bytes_per_token, capacity_ratio_vs_bf16
-from kvx_core.calibration import SCALE_RULES, SampleObserver, key_smoothing, stored_values
+from kvx_core.calibration import SCALE_RULES, SampleObserver, key_center, key_smoothing, stored_values
 from kvx_core.enums import QuantFormat
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
@@ -64,8 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="per-channel key smoothing for the quantized formats (keys stored divided by s, queries "
                         "times s: attention unchanged), s = (channel amax / head geometric mean) ** ALPHA calibrated "
                         "on the calibration window (default ALPHA 0.5; 0 < ALPHA <= 1)")
+    p.add_argument("--center-keys", action="store_true",
+                   help="per-channel key centering for the quantized formats (keys stored minus c, their mean on "
+                        "the calibration window; read back plus c; attention is shift invariant); with "
+                        "--smooth-keys, s is fitted on the centered keys")
     p.add_argument("--calibration-text", type=Path,
-                   help="with --calibrate or --smooth-keys: calibrate on the first window of this UTF-8 text file "
+                   help="with --calibrate, --smooth-keys or --center-keys: calibrate on the first window of this UTF-8 text file "
                         "instead of the window after the evaluated ones (a text the evaluation does not see)")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), help=f"torch CPU threads, 1..{MAX_THREADS}")
     p.add_argument("--json", type=Path,
@@ -195,8 +199,9 @@ def run(a: argparse.Namespace) -> int:
     """
     fmts = _formats(a.formats)
     text = _read_text(a.text)
-    require(a.calibration_text is None or a.calibrate or a.smooth_keys is not None, Status.INVALID_ARGUMENT,
-            "--calibration-text needs --calibrate or --smooth-keys (it is the text they are calibrated on)")
+    require(a.calibration_text is None or _calibrating(a), Status.INVALID_ARGUMENT,
+            "--calibration-text needs --calibrate, --smooth-keys or --center-keys (it is the text they are "
+            "calibrated on)")
     cal_text = _read_text(a.calibration_text, "--calibration-text")
     with _json_output(a.json) as out:
         try:
@@ -222,7 +227,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
     from kvx_demo.kvx_cache import KvxCache
 
     shape = model_shape(loaded.model)
-    calibrating = bool(a.calibrate) or a.smooth_keys is not None
+    calibrating = _calibrating(a)
     need = a.windows + (1 if calibrating and cal_text is None else 0)
     windows = load_windows(loaded.tokenizer, need, a.window_len, text)
     eval_windows = windows[:a.windows]
@@ -232,21 +237,26 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
           f"{a.windows} windows x {a.window_len} tokens, chunk {min(a.chunk_size, a.window_len)}, "
           f"block size {a.block_size}", flush=True)
     obs = observe_kv(loaded.model, cal_windows, shape, a.block_size) if calibrating else None
-    smooth = None if a.smooth_keys is None else [key_smoothing(obs.values(layer)[0], a.smooth_keys)
-                                                 for layer in range(shape["num_layers"])]
-    if smooth is not None and a.calibrate:  # global scales for the keys as stored: divided by s
-        obs = stored_values(obs, smooth)
+    layers = range(shape["num_layers"])
+    center = [key_center(obs.values(layer)[0]) for layer in layers] if a.center_keys else None
+    smooth = None if a.smooth_keys is None else [
+        key_smoothing(obs.values(layer)[0] - (0 if center is None else center[layer]), a.smooth_keys)
+        for layer in layers]
+    # global scales are fitted on the values as each format stores them: (K - c) / s, rotated for `_rot`
+    stored = {rot: stored_values(obs, smooth, rot, center) for rot in (False, True)} if a.calibrate else None
     with torch.inference_mode():  # warm-up, so the first format's tokens/s is not the one-time setup
         loaded.model(input_ids=eval_windows[:1, :min(64, a.window_len)])
 
     rows, base = [], None
     for fmt in fmts:
         paged = _paged(fmt, shape, a.window_len, a.block_size)
-        smoothed = smooth is not None and fmt.quant != QuantFormat.NONE
-        for layer, s in enumerate(smooth if smoothed else []):
-            paged.set_key_smoothing(layer, s)
+        quantized = fmt.quant != QuantFormat.NONE
+        smoothed, centered = smooth is not None and quantized, center is not None and quantized
+        for layer in layers:
+            paged.set_key_smoothing(layer, smooth[layer] if smoothed else None)
+            paged.set_key_center(layer, center[layer] if centered else None)
         if a.calibrate and paged.layers[0].k_global is not None:
-            for layer, (kg, vg) in enumerate(obs.global_scales(fmt, a.calibrate)):
+            for layer, (kg, vg) in enumerate(stored[fmt.rotate].global_scales(fmt, a.calibrate)):
                 paged.set_global_scales(layer, kg if kg is not None else 1.0, vg if vg is not None else 1.0)
         live: list[KvxCache] = []
 
@@ -270,6 +280,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
                "tokens_per_s": res.tokens_processed / res.seconds,
                "calibrated": a.calibrate if a.calibrate and paged.layers[0].k_global is not None else None,
                "key_smoothing": a.smooth_keys if smoothed else None,
+               "key_centering": centered,
                "windows": a.windows, "window_len": a.window_len}
         if not rows:
             print(_header(), flush=True)
@@ -278,13 +289,19 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
     return rows
 
 
+def _calibrating(a: argparse.Namespace) -> bool:
+    """Whether the run observes K/V on a calibration window (scales, smoothing or centering)."""
+    return bool(a.calibrate) or a.smooth_keys is not None or a.center_keys
+
+
 def _header() -> str:
-    return (f"{'format':<28}{'bytes/token':>12}{'vs BF16':>9}{'perplexity':>12}{'delta':>9}"
-            f"{'top-1 agree':>13}{'tok/s':>9}\n" + "-" * 92)
+    return (f"{'format':<38}{'bytes/token':>12}{'vs BF16':>9}{'perplexity':>12}{'delta':>9}"
+            f"{'top-1 agree':>13}{'tok/s':>9}\n" + "-" * 102)
 
 
 def _fmt_row(r: dict) -> str:
-    tags = [t for t in (r["calibrated"], f"smooth {r['key_smoothing']}" if r.get("key_smoothing") else None) if t]
+    tags = [t for t in (r["calibrated"], "center" if r.get("key_centering") else None,
+                        f"smooth {r['key_smoothing']}" if r.get("key_smoothing") else None) if t]
     name = r["format"] + (f" ({', '.join(tags)})" if tags else "")
-    return (f"{name:<28}{r['bytes_per_token']:>12,.0f}{r['capacity_vs_bf16']:>8.2f}x{r['perplexity']:>12.3f}"
+    return (f"{name:<38}{r['bytes_per_token']:>12,.0f}{r['capacity_vs_bf16']:>8.2f}x{r['perplexity']:>12.3f}"
             f"{r['ppl_delta_pct']:>+8.2f}%{100 * r['top1_agreement']:>12.2f}%{r['tokens_per_s']:>9.0f}")

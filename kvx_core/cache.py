@@ -21,7 +21,7 @@ import torch
 from .allocator import BlockAllocator, as_int
 from .codec import quant_desc
 from .descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc,
-                          check_key_smoothing)
+                          check_key_center, check_key_smoothing)
 from .enums import Layout, QuantFormat
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, TensorFormat, get_format
@@ -41,6 +41,7 @@ class LayerPools:
     k_global: torch.Tensor | None
     v_global: torch.Tensor | None
     k_smoothing: torch.Tensor | None = None  # FP32 [H, D] (ops.smoothing), None: keys stored as they are
+    k_center: torch.Tensor | None = None  # FP32 [H, D] (ops.smoothing): keys stored as (K - c) / s
 
 
 def _round_up(n: int, m: int) -> int:
@@ -242,14 +243,24 @@ class PagedKVCache:
         """Set (or clear, None) a layer's per-channel key smoothing `[num_kv_heads, head_dim]` (`ops.smoothing`:
         keys are stored divided by it, readers and attention undo it). Set it before the layer holds keys: keys
         written before were stored under the old vector. Quantized formats only."""
-        pools = self._layer(layer)
-        if s is not None:
-            require(self.format.quant != QuantFormat.NONE, Status.INVALID_ARGUMENT,
-                    f"format {self.format.name} is not quantized: key smoothing has nothing to flatten")
-            require(isinstance(s, torch.Tensor), Status.INVALID_ARGUMENT, "key smoothing must be a tensor")
-            s = s.detach().to(device=self.device, dtype=torch.float32).contiguous()
-            check_key_smoothing(s, self.num_kv_heads, self.head_dim, self.device)
-        pools.k_smoothing = s
+        self._layer(layer).k_smoothing = self._key_vector(s, "smoothing", check_key_smoothing)
+
+    def set_key_center(self, layer: int, c: torch.Tensor | None) -> None:
+        """Set (or clear, None) a layer's per-channel key centering `[num_kv_heads, head_dim]` (`ops.smoothing`:
+        keys are stored as `(K - c) / s`, readers add c back, attention is shift invariant). Set it before the layer
+        holds keys. Quantized formats only."""
+        self._layer(layer).k_center = self._key_vector(c, "centering", check_key_center)
+
+    def _key_vector(self, v: torch.Tensor | None, what: str, check) -> torch.Tensor | None:
+        """A checked FP32 copy of a key smoothing / centering vector on the pools' device (None stays None)."""
+        if v is None:
+            return None
+        require(self.format.quant != QuantFormat.NONE, Status.INVALID_ARGUMENT,
+                f"format {self.format.name} is not quantized: key {what} has nothing to flatten")
+        require(isinstance(v, torch.Tensor), Status.INVALID_ARGUMENT, f"key {what} must be a tensor")
+        v = v.detach().to(device=self.device, dtype=torch.float32).contiguous()
+        check(v, self.num_kv_heads, self.head_dim, self.device)
+        return v
 
     # ------------------------------------------------------------ KVX view
     def _layer(self, layer: int) -> LayerPools:
@@ -263,7 +274,7 @@ class PagedKVCache:
         p = self._layer(layer)
         q = quant_desc(self.format, self.head_dim, p.k_scales, p.v_scales, p.k_global, p.v_global)
         if q is not None:
-            q.k_smoothing = p.k_smoothing
+            q.k_smoothing, q.k_center = p.k_smoothing, p.k_center
         return CacheDesc.from_torch(p.k_data, p.v_data, block_size=self.block_size, num_kv_heads=self.num_kv_heads,
                                     head_dim=self.head_dim, k_layout=Layout.HND, v_layout=Layout.HND, quant=q)
 

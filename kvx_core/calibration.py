@@ -204,14 +204,17 @@ class SampleObserver:
 
 
 def stored_values(obs: SampleObserver, smoothing: list[torch.Tensor] | None = None,
-                  rotate: bool = False) -> SampleObserver:
-    """The observer's K/V as a cache stores them, for fitting global scales: keys divided by each layer's
-    smoothing vector `[H, D]`, then K and V rotated (`formats.rotation`) for a `_rot` format."""
+                  rotate: bool = False, center: list[torch.Tensor] | None = None) -> SampleObserver:
+    """The observer's K/V as a cache stores them, for fitting global scales: keys minus each layer's centering
+    vector `[H, D]`, divided by its smoothing vector, then K and V rotated (`formats.rotation`) for a `_rot`
+    format."""
     from .formats.rotation import rotate as hadamard_rotate
 
     out = SampleObserver(obs.num_layers, obs.max_tokens)
     for layer in range(obs.num_layers):
         k, v = obs.values(layer)
+        if center is not None:
+            k = k - center[layer]
         if smoothing is not None:
             k = k / smoothing[layer]
         out.observe(layer, *((hadamard_rotate(k), hadamard_rotate(v)) if rotate else (k, v)))
@@ -235,3 +238,15 @@ def key_smoothing(keys: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     amax = torch.maximum(amax, top * 2.0 ** -20)
     g = amax.log().mean(-1, keepdim=True).exp()
     return ((amax / g) ** float(alpha)).contiguous()
+
+
+def key_center(keys: torch.Tensor) -> torch.Tensor:
+    """Per-channel key centering (`ops.smoothing`) from calibration keys `[T, H, D]`: each (KV head, channel)'s mean
+    over the tokens, FP32 `[H, D]` (the cache stores `K - c`; attention is shift invariant). The mean, not the
+    midrange: the slow RoPE channels sit at an offset with a spread around it, and the mean minimises the squared
+    distance the quantizer is left with. Fit `key_smoothing` on the centered keys."""
+    require(isinstance(keys, torch.Tensor) and keys.dim() == 3 and keys.shape[0] > 0 and keys.is_floating_point(),
+            Status.INVALID_ARGUMENT, "key_center expects float keys [tokens > 0, heads, head_dim]")
+    c = keys.detach().double().mean(0).float()
+    require(bool(torch.isfinite(c).all()), Status.INVALID_ARGUMENT, "calibration keys hold NaN or inf")
+    return c.contiguous()

@@ -243,6 +243,9 @@ class QuantDesc(_Enums):
     """FP32 `[num_kv_heads, head_dim]` per-channel key smoothing (`ops.smoothing`): K is stored divided by it. In the
     C ABI (v1.2) `kvx_quant_desc_t.k_smoothing` with `KVX_QUANT_FLAG_KEY_SMOOTHING`, which `to_ctypes` sets (the
     Python `flags` keep the format's own bits)."""
+    k_center: torch.Tensor | None = None
+    """FP32 `[num_kv_heads, head_dim]` per-channel key centering (`ops.smoothing`): K is stored as `(K - c) / s`.
+    Not in the C ABI yet: `to_ctypes` refuses a descriptor that has it."""
 
     @property
     def global_scale_count(self) -> int:
@@ -257,6 +260,8 @@ class QuantDesc(_Enums):
         require(s is None or (s.dtype == torch.float32 and s.dim() == 2 and s.is_contiguous()),
                 Status.INVALID_ARGUMENT, "quant.k_smoothing must be a contiguous FP32 [num_kv_heads, head_dim] "
                 "tensor (the C ABI reads it row-major)")
+        require(self.k_center is None, Status.UNSUPPORTED,
+                "quant.k_center: the C ABI (v1.2) has no key centering; a C consumer would read K - c as K")
         require(not self.flags & QUANT_FLAG_KEY_SMOOTHING, Status.INVALID_ARGUMENT,
                 "quant.flags: KVX_QUANT_FLAG_KEY_SMOOTHING is set from quant.k_smoothing, not by hand")
         empty = structs.new(structs.TensorDescC)
@@ -448,20 +453,35 @@ def _validate_quant(q: QuantDesc, cache: CacheDesc) -> None:
         if g is not None and g.device != device:
             raise KvxError(Status.INVALID_ARGUMENT, f"quant.{name} is on {g.device}, the data pools on {device}")
     check_key_smoothing(q.k_smoothing, cache.num_kv_heads, cache.head_dim, device)
+    check_key_center(q.k_center, cache.num_kv_heads, cache.head_dim, device)
+
+
+def _check_key_vector(name: str, v: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> bool:
+    """None (False), or FP32 `[num_kv_heads, head_dim]` on the pools' device (True)."""
+    _require_type(v, torch.Tensor, f"quant.{name}", optional=True)
+    if v is None:
+        return False
+    require(v.dtype == torch.float32 and tuple(v.shape) == (num_kv_heads, head_dim), Status.INVALID_ARGUMENT,
+            f"quant.{name} must be FP32 [{num_kv_heads}, {head_dim}], got {v.dtype} {tuple(v.shape)}")
+    require(v.device == torch.device(device), Status.INVALID_ARGUMENT,
+            f"quant.{name} is on {v.device}, the data pools on {device}")
+    return True
 
 
 def check_key_smoothing(s: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> None:
     """A key-smoothing vector: None, or FP32 `[num_kv_heads, head_dim]` on the pools' device, finite and > 0 (one
     host sync)."""
-    _require_type(s, torch.Tensor, "quant.k_smoothing", optional=True)
-    if s is None:
-        return
-    require(s.dtype == torch.float32 and tuple(s.shape) == (num_kv_heads, head_dim), Status.INVALID_ARGUMENT,
-            f"quant.k_smoothing must be FP32 [{num_kv_heads}, {head_dim}], got {s.dtype} {tuple(s.shape)}")
-    require(s.device == torch.device(device), Status.INVALID_ARGUMENT,
-            f"quant.k_smoothing is on {s.device}, the data pools on {device}")
-    require(bool((torch.isfinite(s) & (s > 0)).all()), Status.INVALID_ARGUMENT,
-            "quant.k_smoothing must be finite and > 0 (keys are divided by it)")
+    if _check_key_vector("k_smoothing", s, num_kv_heads, head_dim, device):
+        require(bool((torch.isfinite(s) & (s > 0)).all()), Status.INVALID_ARGUMENT,
+                "quant.k_smoothing must be finite and > 0 (keys are divided by it)")
+
+
+def check_key_center(c: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> None:
+    """A key-centering vector: None, or FP32 `[num_kv_heads, head_dim]` on the pools' device, finite (one host
+    sync)."""
+    if _check_key_vector("k_center", c, num_kv_heads, head_dim, device):
+        require(bool(torch.isfinite(c).all()), Status.INVALID_ARGUMENT,
+                "quant.k_center must be finite (it is subtracted from every key)")
 
 
 @dataclass

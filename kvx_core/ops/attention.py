@@ -68,6 +68,9 @@ def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_len
     kernel path of `ops.dispatch` runs it too."""
     check_options(what, sm_scale=sm_scale, softcap=softcap, window=window, causal=causal)
     require_type(cache, CacheDesc, f"{what}: cache")
+    require(not softcap or cache.quant is None or cache.quant.k_center is None, Status.UNSUPPORTED,
+            f"{what}: a soft cap over a cache with key centering (tanh is not shift invariant: the kernels' logits "
+            "are q . (k - c)); use a calibration without centering for soft-capped models")
     check_table_types(table, seq_lens)
     require_type(query, torch.Tensor, f"{what}: query")
     require(query.dim() == 3 and query.shape[-1] == cache.head_dim, Status.INVALID_ARGUMENT,

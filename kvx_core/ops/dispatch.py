@@ -11,6 +11,8 @@ interleaved by 4 tokens (TRT-LLM's layout, `QUANT_FLAG_V_SCALE_INTERLEAVE4`: the
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -132,7 +134,7 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
         bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(kd.device).contiguous()
         lens = gather.seq_lens.lengths.to(kd.device)
     from .triton import gather_kv as triton_gather
-    smoothed = smoothing.of(cache) is not None  # keys decoded to FP32, times s, then cast once
+    smoothed = smoothing.transforms_keys(cache)  # keys decoded to FP32, times s plus c, then cast once
     k, v = triton_gather(kd, ks, vd, vs, bt, lens, fmt, plan.k_gs, plan.v_gs, max_seq_len=plan.max_seq_len,
                          out_dtype=torch.float32 if smoothed else out_dtype,
                          out=(out.key, out.value) if out is not None and not smoothed else None)
@@ -234,9 +236,13 @@ class AttentionPlan:
             return self._reference(query, cache, out, lse)  # reads keys through the reference gather (times s)
         s = smoothing.of(cache)
         if s is not None and self.what == "paged_decode":  # the decode scales the queries as it loads them
-            return self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s)
-        return self.kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens, out=out,
-                               lse=lse)
+            o, l = self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s)
+        else:
+            o, l = self.kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
+                                   out=out, lse=lse)
+        sm_scale = self.options["sm_scale"]
+        return o, smoothing.center_lse(cache, query, l, 1.0 / math.sqrt(cache.head_dim) if sm_scale is None
+                                       else sm_scale)
 
     def _reference(self, query, cache, out, lse):
         opts = self.options
