@@ -217,8 +217,11 @@ class AttentionPlan:
     lens: torch.Tensor | None  # int32 [B] for the kernels
 
     def run(self, query: torch.Tensor, cache: CacheDesc, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of `query` over `cache` (this layer's) -> (`out`, `lse`), written in place when given."""
+            lse: torch.Tensor | None = None, *, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of `query` over `cache` (this layer's) -> (`out`, `lse`), written in place when given.
+        `want_lse=False` (callers that only read `out`, e.g. an engine's decode) returns `(out, None)` and skips the
+        LSE's centering correction (`ops.smoothing.center_lse`), a few small launches per layer."""
+        require(want_lse or lse is None, Status.INVALID_ARGUMENT, f"{self.what}: an lse buffer with want_lse=False")
         attention.check_args(query, cache, self.table, self.seq_lens, self.what, **self.options)
         fmt = format_of(cache)
         require(fmt == self.fmt, Status.INVALID_ARGUMENT,
@@ -232,14 +235,17 @@ class AttentionPlan:
             else:
                 kernel_table(cache, self.table, self.seq_lens, check=True)
         args = None if self.kernel is None else _kernel_args(cache, self.table, self.check)
-        if args is None:
-            return self._reference(query, cache, out, lse)  # reads keys through the reference gather (times s)
+        if args is None:  # reads keys through the reference gather (times s, plus c)
+            o, l = self._reference(query, cache, out, lse)
+            return o, l if want_lse else None
         s = smoothing.of(cache)
         if s is not None and self.what == "paged_decode":  # the decode scales the queries as it loads them
             o, l = self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s)
         else:
             o, l = self.kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
                                    out=out, lse=lse)
+        if not want_lse:
+            return o, None
         sm_scale = self.options["sm_scale"]
         return o, smoothing.center_lse(cache, query, l, 1.0 / math.sqrt(cache.head_dim) if sm_scale is None
                                        else sm_scale)

@@ -81,6 +81,8 @@ def center_lse(cache: CacheDesc, query: torch.Tensor, lse: torch.Tensor, sm_scal
     over a centered cache's stored keys, which the kernels computed from `q . (k - c)`; a no-op without centering.
     `query [T, Hq, D]` as the caller passed it (before any smoothing of its own)."""
     c = center_of(cache)
-    if c is not None:
-        lse.add_((query.float() * _per_query_head(c, query)).sum(-1) * sm_scale)
+    if c is not None:  # one FP32 product per (row, KV head, query head of the group): q . c
+        t, hq, d = query.shape
+        qc = torch.einsum("thgd,hd->thg", query.reshape(t, c.shape[0], hq // c.shape[0], d).float(), c.to(query.device))
+        lse.add_(qc.reshape(t, hq), alpha=sm_scale)
     return lse

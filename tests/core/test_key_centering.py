@@ -84,6 +84,11 @@ def test_attention_and_lse_over_a_centered_cache_are_those_over_the_keys_it_read
     table = BlockTable.packed(torch.arange(NB, dtype=torch.int32).view(1, NB).repeat(3, 1))
     lens = SeqLens(torch.tensor([NB * BS, 5, 17], dtype=torch.int32))
     o, lse = dispatch.paged_decode(q, c.descriptor(0), table, lens)
+    plan = dispatch.plan_decode(table, lens, fmt=fmt, num_qo_heads=2 * H, num_kv_heads=H, head_dim=D, block_size=BS,
+                                q_dtype=q.dtype)
+    assert plan.run(q, c.descriptor(0), want_lse=False)[1] is None
+    with pytest.raises(KvxError):  # a buffer for an LSE the caller says it does not want
+        plan.run(q, c.descriptor(0), lse=torch.empty(3, 2 * H), want_lse=False)
     for b, n in enumerate((NB * BS, 5, 17)):
         kq, vq = kk[:n].double().repeat_interleave(2, dim=1), vv[:n].double().repeat_interleave(2, dim=1)
         logits = torch.einsum("hd,thd->ht", q[b].double(), kq) / D ** 0.5

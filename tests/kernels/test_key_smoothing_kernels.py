@@ -44,6 +44,10 @@ def test_transformed_kernel_paths_match_the_reference(name, transform, device, m
     qp = torch.randn(5, 2 * H, D, generator=g).bfloat16().to(device)
     qo = torch.tensor([0, 3, 5], dtype=torch.int32)
     ref_p = attention.paged_prefill(qp, qo, desc, table, lens)
+    plan = dispatch.plan_decode(table, lens, fmt=name, num_qo_heads=2 * H, num_kv_heads=H, head_dim=D, block_size=BS,
+                                q_dtype=q.dtype, device=device)
+    o_only = plan.run(q, desc, want_lse=False)  # an engine's decode: the same output, no LSE
+    assert o_only[1] is None and torch.equal(o_only[0], plan.run(q, desc)[0])
     for got, want in ((dispatch.paged_decode(q, desc, table, lens), ref_d),
                       (dispatch.paged_prefill(qp, qo, desc, table, lens), ref_p)):
         o, ro = got[0].float().cpu(), want[0].float().cpu()

@@ -91,7 +91,7 @@ def attention(*, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     _refuse(window_size_left, causal)
     plan = _plan("prefill", query, kv_cache, block_tables, seqlen, softmax_scale, softcap, None)
     out = torch.empty_like(query)
-    plan.run(query, kv_cache.desc, out=out)
+    plan.run(query, kv_cache.desc, out=out, want_lse=False)
     return out
 
 
@@ -103,7 +103,7 @@ def paged_attention(query: torch.Tensor, kv_cache: KVCache, kv_head_mapping: tor
     _refuse(window_size_left)
     plan = _plan("decode", query, kv_cache, block_tables, seqlen, softmax_scale, softcap, max_s)
     out = torch.empty_like(query)
-    plan.run(query, kv_cache.desc, out=out)
+    plan.run(query, kv_cache.desc, out=out, want_lse=False)
     return out
 
 

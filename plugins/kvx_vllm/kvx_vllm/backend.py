@@ -276,5 +276,5 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         if isinstance(m.plan, SplitPrefill):
             m.plan.run(query[:n], key[:n], value[:n], self.cache_desc(layer, kv_cache), out)
         else:
-            m.plan.run(query[:n], self.cache_desc(layer, kv_cache), out=out)
+            m.plan.run(query[:n], self.cache_desc(layer, kv_cache), out=out, want_lse=False)
         return output

@@ -1,8 +1,10 @@
-"""Decode time of one layer with and without key smoothing (`PagedKVCache.set_key_smoothing`): the same random-filled
-cache and plan, CUDA-graph replay (`common.bench_graph`), Hq 32 / Hkv 8 / D 128, per format and (batch, tokens).
-The decode kernels multiply the queries by s as they load them, so the difference is that work alone.
+"""Decode time of one layer with and without the key transforms (`PagedKVCache.set_key_smoothing` /
+`set_key_center`): the same random-filled cache and plan, CUDA-graph replay (`common.bench_graph`), Hq 32 / Hkv 8 /
+D 128, per format and (batch, tokens). The decode kernels multiply the queries by s as they load them; centering
+adds `sm_scale * q . c` to the LSE after the kernel (`ops.smoothing.center_lse`), skipped with `want_lse=False`
+(vLLM's and TGI's decode): the differences are that work.
 
-Usage: python benchmarks/bench_key_smoothing.py   (GPU machine)
+Usage: python benchmarks/bench_key_transform.py   (GPU machine)
 """
 import os
 import sys
@@ -37,13 +39,17 @@ def main() -> None:
             plan = dispatch.plan_decode(table, lens, fmt=fmt, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
                                         block_size=BS, q_dtype=q.dtype, max_seq_len=n, check=False)
             out = {}
-            for name, s in (("plain", None), ("smoothed", torch.rand(HKV, D, device="cuda") + 0.5)):
-                c.set_key_smoothing(0, s)
+            s, cen = torch.rand(HKV, D, device="cuda") + 0.5, torch.randn(HKV, D, device="cuda")
+            for name, (ss, cc) in (("plain", (None, None)), ("smoothed", (s, None)), ("centered", (None, cen)),
+                                   ("both", (s, cen))):
+                c.set_key_smoothing(0, ss)
+                c.set_key_center(0, cc)
                 desc = c.descriptor(0)
-                r = bench_graph(lambda: plan.run(q, desc), n=50)
-                out[name] = r["ms"] * 1e3
+                for lse in (True, False):  # an engine's decode reads only the output: no LSE correction
+                    r = bench_graph(lambda: plan.run(q, desc, want_lse=lse), n=50)
+                    out[name + ("" if lse else " no-lse")] = r["ms"] * 1e3
             print(fmt, b, n, {k: round(v, 1) for k, v in out.items()}, "overhead %",
-                  round(100 * (out["smoothed"] / out["plain"] - 1), 2), flush=True)
+                  {k: round(100 * (v / out["plain"] - 1), 2) for k, v in out.items() if k != "plain"}, flush=True)
             del c
             torch.cuda.empty_cache()
 
