@@ -2,7 +2,7 @@
 a smoothed cache stores exactly what an unsmoothed cache stores for `K / s` (composition oracle) and reads back
 `decode * s`; attention over it equals attention over the keys it reads back; refusals (plain formats, bad vectors) change nothing; the C ABI (v1.2) carries it with its flag, and (v1.3)
 key centering `k_center` beside it. KV bundles carry it
-too: tests/transfer/test_bundle_smoothing.py."""
+too (and centering): tests/transfer/test_bundle_smoothing.py."""
 from __future__ import annotations
 
 import ctypes
