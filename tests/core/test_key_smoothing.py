@@ -1,8 +1,8 @@
 """Per-channel key smoothing (`ops.smoothing`, `QuantDesc.k_smoothing`): the calibration rule against hand values;
 a smoothed cache stores exactly what an unsmoothed cache stores for `K / s` (composition oracle) and reads back
-`decode * s`; attention over it equals attention over the keys it reads back; refusals (plain formats, bad vectors) change nothing; the C ABI (v1.2) carries it with its flag, and (v1.3)
-key centering `k_center` beside it. KV bundles carry it
-too (and centering): tests/transfer/test_bundle_smoothing.py."""
+`decode * s`; attention over it equals attention over the keys it reads back; refusals (plain formats, bad vectors)
+change nothing; the C ABI (v1.2) carries it with its flag, and (v1.3) key centering `k_center` beside it. KV bundles
+carry both: tests/transfer/test_bundle_smoothing.py."""
 from __future__ import annotations
 
 import ctypes
