@@ -15,8 +15,9 @@ from typing import ClassVar
 import torch
 
 from .abi import structs
-from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, QUANT_FLAG_KEY_SMOOTHING, BlockTableFormat, DType, Layout, Memory,
-                    QuantFormat, ScaleGranularity, as_enum, kvx_dtype, require_enum, torch_dtype)
+from .abi.version import KEY_VECTORS
+from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory, QuantFormat,
+                    ScaleGranularity, as_enum, kvx_dtype, require_enum, torch_dtype)
 from .errors import KvxError, Status, int_value, require
 from .layouts import Geometry, check_shape, detect_layout, footprint
 
@@ -225,8 +226,8 @@ class ScaleDesc(_Enums):
 
 @dataclass
 class QuantDesc(_Enums):
-    """`kvx_quant_desc_t` (v1.1; v1.2 `k_smoothing`): the cache format, group size, scale pools, global scales and key
-    smoothing."""
+    """`kvx_quant_desc_t` (v1.1; v1.2 `k_smoothing`; v1.3 `k_center`): the cache format, group size, scale pools,
+    global scales and key transform."""
 
     _ENUMS: ClassVar[dict[str, type]] = {"format": QuantFormat, "k_data_dtype": DType, "v_data_dtype": DType}
 
@@ -244,8 +245,8 @@ class QuantDesc(_Enums):
     C ABI (v1.2) `kvx_quant_desc_t.k_smoothing` with `KVX_QUANT_FLAG_KEY_SMOOTHING`, which `to_ctypes` sets (the
     Python `flags` keep the format's own bits)."""
     k_center: torch.Tensor | None = None
-    """FP32 `[num_kv_heads, head_dim]` per-channel key centering (`ops.smoothing`): K is stored as `(K - c) / s`.
-    Not in the C ABI yet: `to_ctypes` refuses a descriptor that has it."""
+    """FP32 `[num_kv_heads, head_dim]` per-channel key centering (`ops.smoothing`): K is stored as `(K - c) / s`. In
+    the C ABI (v1.3) `kvx_quant_desc_t.k_center` with `KVX_QUANT_FLAG_KEY_CENTERING`, which `to_ctypes` sets."""
 
     @property
     def global_scale_count(self) -> int:
@@ -255,24 +256,25 @@ class QuantDesc(_Enums):
     def to_ctypes(self):
         for name in ("k_scales", "v_scales"):
             _require_type(getattr(self, name), TensorDesc, f"quant.{name}", optional=True)
-        s = self.k_smoothing
-        _require_type(s, torch.Tensor, "quant.k_smoothing", optional=True)
-        require(s is None or (s.dtype == torch.float32 and s.dim() == 2 and s.is_contiguous()),
-                Status.INVALID_ARGUMENT, "quant.k_smoothing must be a contiguous FP32 [num_kv_heads, head_dim] "
-                "tensor (the C ABI reads it row-major)")
-        require(self.k_center is None, Status.UNSUPPORTED,
-                "quant.k_center: the C ABI (v1.2) has no key centering; a C consumer would read K - c as K")
-        require(not self.flags & QUANT_FLAG_KEY_SMOOTHING, Status.INVALID_ARGUMENT,
-                "quant.flags: KVX_QUANT_FLAG_KEY_SMOOTHING is set from quant.k_smoothing, not by hand")
+        flags = self.flags
+        for name, (flag, flag_name, _) in KEY_VECTORS.items():
+            v = getattr(self, name)
+            _require_type(v, torch.Tensor, f"quant.{name}", optional=True)
+            require(v is None or (v.dtype == torch.float32 and v.dim() == 2 and v.is_contiguous()),
+                    Status.INVALID_ARGUMENT, f"quant.{name} must be a contiguous FP32 [num_kv_heads, head_dim] "
+                    "tensor (the C ABI reads it row-major)")
+            require(not self.flags & flag, Status.INVALID_ARGUMENT,
+                    f"quant.flags: {flag_name} is set from quant.{name}, not by hand")
+            flags |= flag if v is not None else 0
         empty = structs.new(structs.TensorDescC)
         return structs.new(
-            structs.QuantDescC, format=self.format,
-            flags=self.flags | (QUANT_FLAG_KEY_SMOOTHING if s is not None else 0), group_size=self.group_size,
+            structs.QuantDescC, format=self.format, flags=flags, group_size=self.group_size,
             k_data_dtype=self.k_data_dtype, v_data_dtype=self.v_data_dtype,
             k_scales=self.k_scales.to_ctypes() if self.k_scales else empty,
             v_scales=self.v_scales.to_ctypes() if self.v_scales else empty,
             k_global_scale=_f32_ptr(self.k_global_scale), v_global_scale=_f32_ptr(self.v_global_scale),
-            global_scale_count=self.global_scale_count, k_smoothing=_f32_ptr(s))
+            global_scale_count=self.global_scale_count,
+            **{name: _f32_ptr(getattr(self, name)) for name in KEY_VECTORS})
 
 
 def _f32_ptr(t: torch.Tensor | None):

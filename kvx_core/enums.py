@@ -91,6 +91,8 @@ trtllm-gen kernels): in each (block, head) plane, the byte of (token t, group j)
 t % 4` instead of `t * S + j` (`kvx_core/scale_layout.py`)."""
 QUANT_FLAG_KEY_SMOOTHING = 1 << 3
 """`KVX_QUANT_FLAG_KEY_SMOOTHING` (v1.2): keys are stored divided by `kvx_quant_desc_t.k_smoothing`."""
+QUANT_FLAG_KEY_CENTERING = 1 << 4
+"""`KVX_QUANT_FLAG_KEY_CENTERING` (v1.3): keys are stored as `(K - c) / s`, c = `kvx_quant_desc_t.k_center`."""
 
 KVCACHEINDEX_SECONDARY_BIT = 1 << 31
 KVCACHEINDEX_NULL = -1  # all bits set in int32

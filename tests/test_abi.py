@@ -26,12 +26,14 @@ from kvx_core.abi import (
     HEADER_PATH,
     MAX_DIMS,
     QUANT_DESC_V1_1_SIZE,
+    QUANT_DESC_V1_2_SIZE,
     V1_0_SIZES,
     CacheDescC,
     PoolDescC,
     QuantDescC,
     TensorDescC,
     VersionC,
+    center_of,
     check_struct_size,
     get_version,
     negotiate,
@@ -83,8 +85,10 @@ MACROS: dict[str, int] = {
     "KVX_QUANT_FLAG_MX_SCALE_FLOOR": enums.QUANT_FLAG_MX_SCALE_FLOOR,
     "KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4": enums.QUANT_FLAG_V_SCALE_INTERLEAVE4,
     "KVX_QUANT_FLAG_KEY_SMOOTHING": enums.QUANT_FLAG_KEY_SMOOTHING,
+    "KVX_QUANT_FLAG_KEY_CENTERING": enums.QUANT_FLAG_KEY_CENTERING,
     "KVX_CACHE_DESC_V1_0_SIZE": CACHE_DESC_V1_0_SIZE,
     "KVX_QUANT_DESC_V1_1_SIZE": QUANT_DESC_V1_1_SIZE,
+    "KVX_QUANT_DESC_V1_2_SIZE": QUANT_DESC_V1_2_SIZE,
 }
 #: Object-like macros that carry no value (include guard, export attribute).
 NON_VALUE_MACROS = {"KVX_ABI_H", "KVX_API"}
@@ -344,7 +348,7 @@ def test_get_version():
     v = get_version()
     assert isinstance(v, VersionC)
     assert v.size == ctypes.sizeof(VersionC) == 16
-    assert (v.major, v.minor, v.patch) == ABI_VERSION == (1, 2, 0)
+    assert (v.major, v.minor, v.patch) == ABI_VERSION == (1, 3, 0)
 
 
 def test_negotiate_accepts_same_major_any_minor():
@@ -373,8 +377,17 @@ def test_cache_desc_v1_0_size_is_offset_of_quant():
     assert CACHE_DESC_V1_0_SIZE == CacheDescC.quant.offset
     assert CACHE_DESC_V1_0_SIZE + ctypes.sizeof(ctypes.c_void_p) == ctypes.sizeof(CacheDescC)
     assert V1_0_SIZES[CacheDescC] == CACHE_DESC_V1_0_SIZE
-    assert V1_0_SIZES[QuantDescC] == QUANT_DESC_V1_1_SIZE == QuantDescC.k_smoothing.offset
-    assert QUANT_DESC_V1_1_SIZE + ctypes.sizeof(ctypes.c_void_p) == ctypes.sizeof(QuantDescC)
+    ptr = ctypes.sizeof(ctypes.c_void_p)
+    assert V1_0_SIZES[QuantDescC] == QUANT_DESC_V1_1_SIZE == QuantDescC.k_smoothing.offset == 272
+    assert QUANT_DESC_V1_2_SIZE == QuantDescC.k_center.offset == QUANT_DESC_V1_1_SIZE + ptr == 280
+    assert QUANT_DESC_V1_2_SIZE + ptr == ctypes.sizeof(QuantDescC) == 288
+
+
+def test_quant_flags_are_distinct_bits():
+    """v1.3's KVX_QUANT_FLAG_KEY_CENTERING takes a bit no earlier flag uses."""
+    flags = [getattr(enums, n) for n in dir(enums) if n.startswith("QUANT_FLAG_")]
+    assert len(flags) == 5 and all(f & (f - 1) == 0 for f in flags) and len(set(flags)) == len(flags)
+    assert enums.QUANT_FLAG_KEY_CENTERING == 0x10
 
 
 def test_v1_0_cache_desc_is_accepted_with_quant_absent():
@@ -444,24 +457,42 @@ def test_new_sets_sizes_recursively_and_fills_arrays():
         new(TensorDescC, no_such_field=1)
 
 
-def test_v1_2_key_smoothing_needs_its_flag_and_a_v1_2_size():
-    """`k_smoothing` is read only from a v1.2-sized descriptor, and only together with KVX_QUANT_FLAG_KEY_SMOOTHING
-    (which a v1.1 consumer does not know and so refuses); a v1.1-sized one has none."""
+KEY_VECTOR_CASES = [  # (reader, field, its flag, the size of the version before the field)
+    pytest.param(smoothing_of, "k_smoothing", enums.QUANT_FLAG_KEY_SMOOTHING, QUANT_DESC_V1_1_SIZE, id="v1.2_smoothing"),
+    pytest.param(center_of, "k_center", enums.QUANT_FLAG_KEY_CENTERING, QUANT_DESC_V1_2_SIZE, id="v1.3_centering"),
+]
+
+
+@pytest.mark.parametrize("reader, field, flag, older_size", KEY_VECTOR_CASES)
+def test_key_vector_needs_its_flag_and_a_size_that_holds_it(reader, field, flag, older_size):
+    """`k_smoothing` (v1.2) / `k_center` (v1.3) is read only from a descriptor whose size holds it, and only
+    together with its flag (which an older consumer does not know and so refuses); an older-sized one has none."""
     s = (ctypes.c_float * 4)(1.0, 2.0, 0.5, 4.0)
     ptr = ctypes.cast(s, ctypes.POINTER(ctypes.c_float))
-    quant = new(QuantDescC, format=QuantFormat.NVFP4, group_size=16, flags=enums.QUANT_FLAG_KEY_SMOOTHING,
-                k_smoothing=ptr)
-    assert ctypes.addressof(smoothing_of(quant).contents) == ctypes.addressof(s)
-    assert smoothing_of(new(QuantDescC, format=QuantFormat.NVFP4)) is None
-    v1_1 = new(QuantDescC, format=QuantFormat.NVFP4)
-    v1_1.size = QUANT_DESC_V1_1_SIZE  # a v1.1 producer: whatever lies beyond is not its
-    v1_1.k_smoothing = ptr
-    assert check_struct_size(v1_1, QuantDescC) == QUANT_DESC_V1_1_SIZE and smoothing_of(v1_1) is None
-    for bad in (new(QuantDescC, flags=enums.QUANT_FLAG_KEY_SMOOTHING),  # flag, no vector
-                new(QuantDescC, k_smoothing=ptr)):  # vector, no flag: a v1.1 consumer would read K / s as K
+    quant = new(QuantDescC, format=QuantFormat.NVFP4, group_size=16, flags=flag, **{field: ptr})
+    assert ctypes.addressof(reader(quant).contents) == ctypes.addressof(s)
+    assert reader(new(QuantDescC, format=QuantFormat.NVFP4)) is None
+    older = new(QuantDescC, format=QuantFormat.NVFP4)
+    older.size = older_size  # an older producer: whatever lies beyond is not its
+    setattr(older, field, ptr)
+    assert check_struct_size(older, QuantDescC) == older_size and reader(older) is None
+    for bad in (new(QuantDescC, flags=flag),  # flag, no vector
+                new(QuantDescC, **{field: ptr})):  # vector, no flag: an older consumer would misread the keys
         with pytest.raises(KvxError) as e:
-            smoothing_of(bad)
+            reader(bad)
         assert e.value.status is Status.INVALID_ARGUMENT
-    v1_1.flags = enums.QUANT_FLAG_KEY_SMOOTHING  # a flag in a v1.1-sized struct: no vector to read
+    older.flags = flag  # a flag in a struct too small to hold the vector
     with pytest.raises(KvxError):
-        smoothing_of(v1_1)
+        reader(older)
+
+
+def test_a_v1_2_descriptor_keeps_its_smoothing_and_has_no_centering():
+    """A v1.2-sized descriptor: k_smoothing is read, k_center is not (even when bytes lie beyond the size)."""
+    s = (ctypes.c_float * 4)(1.0, 2.0, 0.5, 4.0)
+    ptr = ctypes.cast(s, ctypes.POINTER(ctypes.c_float))
+    q = new(QuantDescC, format=QuantFormat.NVFP4, flags=enums.QUANT_FLAG_KEY_SMOOTHING, k_smoothing=ptr, k_center=ptr)
+    q.size = QUANT_DESC_V1_2_SIZE
+    assert ctypes.addressof(smoothing_of(q).contents) == ctypes.addressof(s) and center_of(q) is None
+    both = new(QuantDescC, flags=enums.QUANT_FLAG_KEY_SMOOTHING | enums.QUANT_FLAG_KEY_CENTERING, k_smoothing=ptr,
+               k_center=ptr)
+    assert smoothing_of(both) is not None and center_of(both) is not None

@@ -8,6 +8,7 @@ from .structs import (
     CACHE_DESC_V1_0_SIZE,
     MAX_DIMS,
     QUANT_DESC_V1_1_SIZE,
+    QUANT_DESC_V1_2_SIZE,
     V1_0_SIZES,
     BlockTableC,
     CacheDescC,
@@ -23,7 +24,7 @@ from .structs import (
     WriteDescC,
     new,
 )
-from .version import ABI_VERSION, check_struct_size, get_version, negotiate, quant_of, smoothing_of
+from .version import ABI_VERSION, center_of, check_struct_size, get_version, negotiate, quant_of, smoothing_of
 
 HEADER_PATH: Path = Path(__file__).with_name("kvx_abi.h")
 """Path of the installed kvx_abi.h (add its folder to a C compiler's include path)."""
@@ -35,6 +36,7 @@ __all__ = [
     "HEADER_PATH",
     "MAX_DIMS",
     "QUANT_DESC_V1_1_SIZE",
+    "QUANT_DESC_V1_2_SIZE",
     "V1_0_SIZES",
     "BlockTableC",
     "CacheDescC",
@@ -48,6 +50,7 @@ __all__ = [
     "TensorDescC",
     "VersionC",
     "WriteDescC",
+    "center_of",
     "check_struct_size",
     "get_version",
     "negotiate",

@@ -1,5 +1,5 @@
 /*
- * kvx_abi.h - the KVX C ABI, version 1.2 (KVX v1 specification, sections 3-8).
+ * kvx_abi.h - the KVX C ABI, version 1.3 (KVX v1 specification, sections 3-8).
  *
  * Paged KV cache descriptors, block tables, slot mappings and the entry points
  * that write and gather K/V through them. C99 and C++ compatible.
@@ -20,6 +20,10 @@
  * keys stored divided by a per-channel vector. A producer sets the flag, so a v1.1
  * consumer (which rejects quant flags it does not know) refuses the cache instead
  * of reading K / s as K.
+ * v1.3 (minor) appends kvx_quant_desc_t.k_center with KVX_QUANT_FLAG_KEY_CENTERING:
+ * keys stored as (K - c) / s for a per-channel vector c. A v1.2 (or v1.1) consumer
+ * rejects the unknown flag and so refuses a centered cache instead of reading
+ * (K - c) / s as K / s.
  * The Python mirror of this file is kvx_core/abi/structs.py; tests/test_abi.py
  * compiles this header and checks every size, offset and constant against it.
  */
@@ -52,7 +56,7 @@ extern "C" {
 /* ------------------------------------------------------------------------- */
 
 #define KVX_VERSION_MAJOR 1
-#define KVX_VERSION_MINOR 2
+#define KVX_VERSION_MINOR 3
 #define KVX_VERSION_PATCH 0
 
 /** Maximum tensor rank carried by a descriptor (HND_PACKED needs 5). */
@@ -162,6 +166,12 @@ typedef enum kvx_quant_format_t {
 /** v1.2: keys are stored divided by kvx_quant_desc_t.k_smoothing (per KV head and channel); readers multiply
  *  decoded keys by it, attention multiplies queries by it. Set iff k_smoothing is non-NULL. */
 #define KVX_QUANT_FLAG_KEY_SMOOTHING 0x8u
+/** v1.3: keys are stored as (K - c) / s, c = kvx_quant_desc_t.k_center (per KV head and channel; s = k_smoothing,
+ *  or 1 without KVX_QUANT_FLAG_KEY_SMOOTHING); readers add c after multiplying decoded keys by s. Attention over
+ *  the stored keys is shift invariant (q . (k - c) differs from q . k by q . c, the same for every key of a query);
+ *  a consumer that returns a log-sum-exp adds sm_scale * q . c to it. Set iff k_center is non-NULL. A v1.2
+ *  consumer does not know the flag and refuses the cache. */
+#define KVX_QUANT_FLAG_KEY_CENTERING 0x10u
 
 /* Enum-typed fields are 4 bytes (see the ABI rules above). C99-compatible
  * static assert: a negative array size fails to compile. */
@@ -271,11 +281,16 @@ typedef struct kvx_quant_desc_t {
     uint32_t global_scale_count;  /**< 0 = none, 1 = per tensor, num_kv_heads = per head */
     const float* k_smoothing;     /**< v1.2: FP32 [num_kv_heads, head_dim] row-major, > 0, or NULL; with
                                        KVX_QUANT_FLAG_KEY_SMOOTHING */
+    const float* k_center;        /**< v1.3: FP32 [num_kv_heads, head_dim] row-major, finite, or NULL; with
+                                       KVX_QUANT_FLAG_KEY_CENTERING */
 } kvx_quant_desc_t;
 
 /** Size of a v1.1 kvx_quant_desc_t: everything before `k_smoothing`. A v1.2
  *  consumer accepts it and reads k_smoothing as NULL (the flag must then be clear). */
 #define KVX_QUANT_DESC_V1_1_SIZE offsetof(kvx_quant_desc_t, k_smoothing)
+/** Size of a v1.2 kvx_quant_desc_t: everything before `k_center`. A v1.3
+ *  consumer accepts it and reads k_center as NULL (the flag must then be clear). */
+#define KVX_QUANT_DESC_V1_2_SIZE offsetof(kvx_quant_desc_t, k_center)
 
 /** A paged KV cache: separate K and V tensors of num_blocks blocks of
  *  block_size tokens (spec section 4.1, 6.1).

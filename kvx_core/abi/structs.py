@@ -104,8 +104,8 @@ class PoolDescC(ctypes.Structure):
 
 
 class QuantDescC(ctypes.Structure):
-    """`kvx_quant_desc_t` (v1.1, `k_smoothing` appended in v1.2): quantized cache format, scale pools, global scales
-    and key smoothing."""
+    """`kvx_quant_desc_t` (v1.1, `k_smoothing` appended in v1.2, `k_center` in v1.3): quantized cache format, scale
+    pools, global scales and the key transform (smoothing, centering)."""
 
     _fields_ = [
         ("size", _u32),
@@ -120,6 +120,7 @@ class QuantDescC(ctypes.Structure):
         ("v_global_scale", ctypes.POINTER(ctypes.c_float)),
         ("global_scale_count", _u32),
         ("k_smoothing", ctypes.POINTER(ctypes.c_float)),  # v1.2
+        ("k_center", ctypes.POINTER(ctypes.c_float)),  # v1.3
     ]
 
 
@@ -199,6 +200,9 @@ CACHE_DESC_V1_0_SIZE: int = CacheDescC.quant.offset
 
 QUANT_DESC_V1_1_SIZE: int = QuantDescC.k_smoothing.offset
 """`KVX_QUANT_DESC_V1_1_SIZE`: a v1.1 `kvx_quant_desc_t` ends where `k_smoothing` begins."""
+
+QUANT_DESC_V1_2_SIZE: int = QuantDescC.k_center.offset
+"""`KVX_QUANT_DESC_V1_2_SIZE`: a v1.2 `kvx_quant_desc_t` ends where `k_center` begins."""
 
 #: Smallest `size` a consumer accepts per struct: the size of its first version (v1.0, or v1.1 for
 #: `kvx_quant_desc_t`), or its full size when the struct has not grown since.

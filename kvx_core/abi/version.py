@@ -5,12 +5,13 @@ from __future__ import annotations
 import ctypes
 
 from ..errors import KvxError, Status, int_value
-from ..enums import QUANT_FLAG_KEY_SMOOTHING
+from ..enums import QUANT_FLAG_KEY_CENTERING, QUANT_FLAG_KEY_SMOOTHING
 from .structs import CACHE_DESC_V1_0_SIZE, V1_0_SIZES, CacheDescC, QuantDescC, VersionC, field_type, fits
 
 __all__ = [
     "ABI_VERSION",
     "CACHE_DESC_V1_0_SIZE",
+    "center_of",
     "check_struct_size",
     "get_version",
     "negotiate",
@@ -18,7 +19,7 @@ __all__ = [
     "smoothing_of",
 ]
 
-ABI_VERSION: tuple[int, int, int] = (1, 2, 0)
+ABI_VERSION: tuple[int, int, int] = (1, 3, 0)
 """(KVX_VERSION_MAJOR, KVX_VERSION_MINOR, KVX_VERSION_PATCH) of kvx_abi.h."""
 
 
@@ -92,16 +93,38 @@ def quant_of(cache: CacheDescC) -> QuantDescC | None:
     return quant
 
 
-def smoothing_of(quant: QuantDescC):
-    """The v1.2 key smoothing pointer (`float*` to `[num_kv_heads, head_dim]`) of a quantization descriptor, or
-    None: a v1.1-sized descriptor has none. The flag and the pointer must agree (INVALID_ARGUMENT otherwise): a
-    flag without a vector, or a vector a v1.1 consumer would not know to apply."""
+KEY_VECTORS: dict[str, tuple[int, str, str]] = {
+    "k_smoothing": (QUANT_FLAG_KEY_SMOOTHING, "KVX_QUANT_FLAG_KEY_SMOOTHING", "v1.2"),
+    "k_center": (QUANT_FLAG_KEY_CENTERING, "KVX_QUANT_FLAG_KEY_CENTERING", "v1.3"),
+}
+"""The key-transform vectors of `kvx_quant_desc_t`: field -> (the quant flag set iff it is non-NULL, the flag's C
+name, the ABI version that appended it). An older consumer refuses the unknown flag instead of misreading keys."""
+
+
+def _key_vector_of(quant: QuantDescC, field: str):
+    """Key-transform pointer `field` of `quant`, or None when NULL or beyond the descriptor's `size` (a producer
+    older than the field). The flag and the pointer must agree (INVALID_ARGUMENT otherwise): a flag without a
+    vector, or a vector an older consumer would not know to apply."""
+    flag, flag_name, since = KEY_VECTORS[field]
     readable = check_struct_size(quant, QuantDescC)
-    ptr = quant.k_smoothing if readable >= ctypes.sizeof(QuantDescC) and quant.k_smoothing else None
-    flagged = bool(quant.flags & QUANT_FLAG_KEY_SMOOTHING)
+    end = getattr(QuantDescC, field).offset + ctypes.sizeof(ctypes.c_void_p)
+    ptr = getattr(quant, field) if readable >= end and getattr(quant, field) else None
+    flagged = bool(quant.flags & flag)
     if flagged != (ptr is not None):
         raise KvxError(Status.INVALID_ARGUMENT,
-                       "kvx_quant_desc_t: KVX_QUANT_FLAG_KEY_SMOOTHING and k_smoothing disagree "
-                       f"(flag {'set' if flagged else 'clear'}, k_smoothing "
-                       f"{'set' if ptr is not None else 'NULL or beyond a v1.1 size'})")
+                       f"kvx_quant_desc_t: {flag_name} and {field} disagree (flag {'set' if flagged else 'clear'}, "
+                       f"{field} {'set' if ptr is not None else f'NULL or beyond a pre-{since} size'})")
     return ptr
+
+
+def smoothing_of(quant: QuantDescC):
+    """The v1.2 key smoothing pointer (`float*` to `[num_kv_heads, head_dim]`) of a quantization descriptor, or
+    None: a v1.1-sized descriptor has none. The flag and the pointer must agree (INVALID_ARGUMENT otherwise)."""
+    return _key_vector_of(quant, "k_smoothing")
+
+
+def center_of(quant: QuantDescC):
+    """The v1.3 key centering pointer (`float*` to `[num_kv_heads, head_dim]`) of a quantization descriptor, or
+    None: a v1.2-sized (or older) descriptor has none. The flag and the pointer must agree (INVALID_ARGUMENT
+    otherwise)."""
+    return _key_vector_of(quant, "k_center")

@@ -51,7 +51,12 @@ def smooth_keys(cache: CacheDesc, key: torch.Tensor) -> torch.Tensor:
 
 def unsmooth_keys(cache: CacheDesc, key: torch.Tensor) -> torch.Tensor:
     """Decoded keys `[T, H, D]` (FP32 for exactness) times `s`, plus `c`."""
-    s, c = of(cache), center_of(cache)
+    return untransform_keys(key, of(cache), center_of(cache))
+
+
+def untransform_keys(key: torch.Tensor, s: torch.Tensor | None, c: torch.Tensor | None) -> torch.Tensor:
+    """`key * s + c` (either optional): what `unsmooth_keys` computes, for vectors that travel without their cache
+    (a KV bundle's rows), so both give the same bits."""
     if s is not None:
         key = key * s.to(key.device)
     if c is not None:

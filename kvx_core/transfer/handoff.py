@@ -3,10 +3,11 @@
 Export reads the stored rows of the sequence's slots (`rows.read_rows`), layer by layer, so the bundle holds the
 source format's exact bytes; any layout and block size. Import checks the bundle against the destination (model
 fingerprint, layers, KV heads, head_dim, token ids), reads and verifies the whole bundle, converts every layer,
-and only then writes: a bundle that fails anywhere leaves the destination untouched. Conversion: the same format
-and global scales -> the rows are stored as they are (bit-identical); otherwise the rows are decoded in the
-source format (undoing its rotation) and written through the destination's own encode (`ops.reference.write_kv`),
-so the result is what writing the source's dequantized K/V into the destination gives.
+and only then writes: a bundle that fails anywhere leaves the destination untouched. Conversion: the same format,
+global scales and key transform (smoothing, centering) -> the rows are stored as they are (bit-identical);
+otherwise the rows are decoded in the source format (undoing its rotation and key transform) and written through
+the destination's own encode (`ops.reference.write_kv`, with the destination's own key transform), so the result
+is what writing the source's dequantized K/V into the destination gives.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from ..ops import smoothing
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec
-from .rows import LAYER_TENSORS, check_slots, format_specs, prepare_write_rows, read_rows
+from .rows import (KEY_TRANSFORMS, LAYER_TENSORS, check_slots, format_specs, key_transforms, prepare_write_rows,
+                   read_rows)
 
 
 @dataclass(frozen=True)
@@ -100,23 +102,40 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     require(token_ids is None or len(token_ids) == slots.numel(), Status.INVALID_ARGUMENT,
             f"export_bundle: {len(token_ids or [])} token ids for {slots.numel()} slots")
     geometry = (first.num_kv_heads, first.head_dim)
-    smoothed = smoothing.of(first) is not None
+    transforms = key_transforms(first)
     for i, cache in enumerate(caches):
         require(format_of(cache) == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
                 f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
-        require((smoothing.of(cache) is not None) == smoothed, Status.INVALID_ARGUMENT,
-                f"export_bundle: layer {i}'s cache {'lacks' if smoothed else 'has'} key smoothing, layer 0's "
-                f"{'has' if smoothed else 'lacks'} it (a bundle's layers are all smoothed or none)")
+        for t in KEY_TRANSFORMS:
+            has = t.tensor in transforms
+            require((t.of(cache) is not None) == has, Status.INVALID_ARGUMENT,
+                    f"export_bundle: layer {i}'s cache {'lacks' if has else 'has'} {t.what}, layer 0's "
+                    f"{'has' if has else 'lacks'} it (a bundle's layers all carry the same key transforms)")
     specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS)
-             for n, (dt, sh) in format_specs(fmt, *geometry, smoothed).items()]
+             for n, (dt, sh) in format_specs(fmt, *geometry, transforms).items()]
     return {"model": asdict(model),
             "tokens": {"count": int(slots.numel()),
                        "ids": None if token_ids is None else [int(t) for t in token_ids],
                        "ids_sha256": None if token_ids is None else _token_hash(token_ids)},
             "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
-                      "head_dim": first.head_dim, "kv_heads": [a, b], "key_smoothing": smoothed},
+                      "head_dim": first.head_dim, "kv_heads": [a, b], **_transform_flags(transforms)},
             "tensors": [s.to_json() for s in specs], "created_by": "kvx",
             "checksum": {"algorithm": "xxh64", "segment_bytes": segment_bytes}}
+
+
+def _transform_flags(transforms: frozenset[str]) -> dict[str, bool]:
+    """The header's `cache.key_smoothing` / `cache.key_centering` for key transforms `transforms` (tensor names)."""
+    return {t.header: t.tensor in transforms for t in KEY_TRANSFORMS}
+
+
+def header_transforms(header: dict) -> frozenset[str]:
+    """The key transforms (tensor names) a bundle header declares; a flag absent (a bundle written before it) reads
+    as False."""
+    cache = header["cache"]
+    for t in KEY_TRANSFORMS:
+        require(isinstance(cache.get(t.header, False), bool), Status.INVALID_ARGUMENT,
+                f"KVX bundle rejected: cache.{t.header} is not a bool")
+    return frozenset(t.tensor for t in KEY_TRANSFORMS if cache.get(t.header, False))
 
 
 def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
@@ -148,10 +167,8 @@ def _check_bundle(reader: BundleReader, model: ModelFingerprint, token_ids: Sequ
             Status.INVALID_ARGUMENT, f"KVX bundle rejected: cache geometry {cache!r} does not fit its model")
     fmt = get_format(cache.get("format")) if isinstance(cache.get("format"), str) else None
     require(fmt is not None, Status.INVALID_ARGUMENT, "KVX bundle rejected: cache.format is not a format name")
-    smoothed = cache.get("key_smoothing", False)  # absent in bundles written before key smoothing
-    require(isinstance(smoothed, bool), Status.INVALID_ARGUMENT, "KVX bundle rejected: cache.key_smoothing is not a bool")
-    want = {n: (dt, sh, n not in LAYER_TENSORS)
-            for n, (dt, sh) in format_specs(fmt, cache["num_kv_heads"], model.head_dim, smoothed).items()}
+    specs = format_specs(fmt, cache["num_kv_heads"], model.head_dim, header_transforms(header))
+    want = {n: (dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in specs.items()}
     got = {s.name: (s.dtype, s.shape, s.per_token) for s in reader.specs}
     require(got == want, Status.INVALID_ARGUMENT,
             f"KVX bundle rejected: its tensors {sorted(got)} do not match what format {fmt.name} stores")
@@ -180,20 +197,20 @@ def _assemble(shards: list[tuple[int, int, list[dict]]], a: int, b: int) -> list
 
 def decode_rows(rows: dict[str, torch.Tensor], fmt: CacheFormat) -> list[torch.Tensor]:
     """[K, V] FP32 `[T, H, D]` in the model's domain from a layer's stored rows of format `fmt` (keys times the
-    layer's smoothing vector when the rows carry one, after the inverse rotation: as the cache's reads)."""
+    layer's smoothing vector, plus its centering vector, when the rows carry them, after the inverse rotation: as the
+    cache's reads)."""
     kv = []
     for which, tf in (("k", fmt.k), ("v", fmt.v)):
         data = rows[f"{which}_data"]
         scales = rows.get(f"{which}_scales", torch.empty(*data.shape[:2], 0, dtype=torch.uint8, device=data.device))
         x = tf.decode(data, scales, rows.get(f"{which}_global"))
         kv.append(rotate(x) if fmt.rotate else x)
-    if "k_smoothing" in rows:
-        kv[0] = kv[0] * rows["k_smoothing"].to(kv[0].device)
+    kv[0] = smoothing.untransform_keys(kv[0], rows.get("k_smoothing"), rows.get("k_center"))
     return kv
 
 
 def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict:
-    """Re-encode a bundle in another format (global scales 1.0 where the new format has them, no key smoothing),
+    """Re-encode a bundle in another format (global scales 1.0 where the new format has them, no key transform),
     layer by layer: each layer's rows are what writing the source's dequantized K/V into a cache of `fmt` stores.
     Returns the new header."""
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
@@ -203,7 +220,7 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     fmt.check_head_dim(d)
     src_fmt = get_format(header["cache"]["format"])
     specs = format_specs(fmt, heads, d)
-    new = {**header, "cache": {**header["cache"], "format": fmt.name, "key_smoothing": False},
+    new = {**header, "cache": {**header["cache"], "format": fmt.name, **_transform_flags(frozenset())},
            "tensors": [TensorSpec(n, dt, sh, n not in LAYER_TENSORS).to_json() for n, (dt, sh) in specs.items()]}
     rows_in = reader.read_all()  # the whole source verified before the first byte of the output
     w = BundleWriter(out, new)
@@ -222,6 +239,13 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     return new
 
 
+def _same(ours: torch.Tensor | None, theirs: torch.Tensor | None) -> bool:
+    """Whether a cache's key-transform vector and a bundle's are the same bits (or both absent)."""
+    if ours is None or theirs is None:
+        return ours is None and theirs is None
+    return torch.equal(ours.float(), theirs.to(ours.device))
+
+
 def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slots: torch.Tensor, wheres: dict):
     """The store of one layer's bundled `rows` (source format `src_name`) into `cache` at `slots`, checked and
     converted now; the returned callable only stores. `wheres` caches `check_slots` per cache geometry."""
@@ -229,13 +253,10 @@ def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slo
     if key not in wheres:
         wheres[key] = check_slots(cache, slots)
     src, dst = get_format(src_name), format_of(cache)
-    if src == dst:  # the stored bytes, when they mean the same K/V here: same scales, same smoothing
+    if src == dst:  # the stored bytes, when they mean the same K/V here: same scales, same key transform
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
-        ours, theirs = smoothing.of(cache), rows.get("k_smoothing")
-        same_smoothing = (ours is None and theirs is None) or (
-            ours is not None and theirs is not None and torch.equal(ours.float(), theirs.to(ours.device)))
-        if same_smoothing and all(g is None or torch.equal(g, rows[n].to(g.device))
-                                  for n, g in (("k_global", kg), ("v_global", vg))):
+        if all(_same(t.of(cache), rows.get(t.tensor)) for t in KEY_TRANSFORMS) and all(
+                g is None or torch.equal(g, rows[n].to(g.device)) for n, g in (("k_global", kg), ("v_global", vg))):
             return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
                                       where=wheres[key])
     kv = decode_rows(rows, src)
@@ -265,8 +286,9 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     ranges = [_check_bundle(r, model, token_ids) for r in readers]
     first = readers[0].header
     for r in readers[1:]:
-        require(r.header["cache"]["format"] == first["cache"]["format"] and r.header["tokens"] == first["tokens"],
-                Status.INCOMPATIBLE, "import_bundle: the shards differ in format or tokens")
+        require(r.header["cache"]["format"] == first["cache"]["format"] and r.header["tokens"] == first["tokens"]
+                and header_transforms(r.header) == header_transforms(first),
+                Status.INCOMPATIBLE, "import_bundle: the shards differ in format, tokens or key transform")
     covered = sorted(ranges)
     require(all(p[1] <= q[0] for p, q in zip(covered, covered[1:])), Status.INVALID_ARGUMENT,
             f"import_bundle: shards overlap in KV heads: {covered}")

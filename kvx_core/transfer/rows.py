@@ -1,9 +1,13 @@
 """Raw token rows of a cache, by slot: the stored bytes of K/V payloads and scales, no decoding.
 
 A bundle carries a sequence's rows exactly as its cache stores them, so a cache of the same format takes them
-back bit for bit whatever its layout or block size; only the global scales live per layer.
+back bit for bit whatever its layout or block size; only the global scales and the key transform (smoothing,
+centering) live per layer.
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -14,9 +18,33 @@ from ..ops import smoothing
 from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
 
-LAYER_TENSORS = ("k_global", "v_global", "k_smoothing")
-"""Per-layer tensors: FP32 [H] global scales (formats with one) and the FP32 [H, D] key smoothing vector of a
-smoothed cache (its rows hold K / s: they mean K only with s)."""
+
+
+@dataclass(frozen=True)
+class KeyTransform:
+    """A per-layer key-transform vector a cache may carry (`ops.smoothing`): its bundle tensor (FP32 [H, D]), the
+    header flag `cache.<header>` saying the bundle carries it, and how to read it off a cache."""
+
+    tensor: str
+    header: str
+    what: str
+    of: Callable[[CacheDesc], torch.Tensor | None]
+
+
+KEY_TRANSFORMS: tuple[KeyTransform, ...] = (
+    KeyTransform("k_smoothing", "key_smoothing", "key smoothing", smoothing.of),
+    KeyTransform("k_center", "key_centering", "key centering", smoothing.center_of),
+)
+"""The key transforms in bundle tensor order: rows of a cache with them hold `(K - c) / s` (then rotated in `_rot`
+formats), so they mean K only with the same vectors."""
+
+LAYER_TENSORS = ("k_global", "v_global", *(t.tensor for t in KEY_TRANSFORMS))
+"""Per-layer tensors: FP32 [H] global scales (formats with one) and the FP32 [H, D] key-transform vectors."""
+
+
+def key_transforms(cache: CacheDesc) -> frozenset[str]:
+    """The tensor names of the key transforms `cache` has (`KEY_TRANSFORMS`)."""
+    return frozenset(t.tensor for t in KEY_TRANSFORMS if t.of(cache) is not None)
 
 
 def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,17 +76,18 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
             out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)  # no host sync: a read copies what is stored
     out.update({name: g for name, g in (("k_global", kg), ("v_global", vg)) if g is not None})
-    s = smoothing.of(cache)
-    if s is not None:
-        out["k_smoothing"] = s.to(device=cache.k.tensor.device, dtype=torch.float32, copy=True)
+    for t in KEY_TRANSFORMS:
+        v = t.of(cache)
+        if v is not None:
+            out[t.tensor] = v.to(device=cache.k.tensor.device, dtype=torch.float32, copy=True)
     return out
 
 
-def format_specs(fmt, num_kv_heads: int, head_dim: int, smoothed: bool = False
+def format_specs(fmt, num_kv_heads: int, head_dim: int, transforms: Collection[str] = ()
                  ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """`{name: (dtype, per-token row shape or per-layer shape)}` of what a cache of format `fmt` stores for
-    `num_kv_heads` x `head_dim` (`smoothed`: with a key smoothing vector): the tensors `read_rows` returns and a
-    bundle of that format declares."""
+    `num_kv_heads` x `head_dim` with the key transforms `transforms` (tensor names, `key_transforms`): the tensors
+    `read_rows` returns and a bundle of that format declares."""
     out = {}
     for which, tf in (("k", fmt.k), ("v", fmt.v)):
         out[f"{which}_data"] = (tf.torch_data_dtype, (num_kv_heads, tf.payload_dim(head_dim)))
@@ -67,15 +96,15 @@ def format_specs(fmt, num_kv_heads: int, head_dim: int, smoothed: bool = False
     for which, tf in (("k", fmt.k), ("v", fmt.v)):
         if tf.uses_global_scale:
             out[f"{which}_global"] = (torch.float32, (num_kv_heads,))
-    if smoothed:
-        out["k_smoothing"] = (torch.float32, (num_kv_heads, head_dim))
+    out.update({t.tensor: (torch.float32, (num_kv_heads, head_dim))
+                for t in KEY_TRANSFORMS if t.tensor in transforms})
     return out
 
 
 def write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
     """Store rows `read_rows` gave (of a cache of the same format and geometry) at `slots`, after checking them all.
-    The caller checks the layer's global scales and key smoothing match (rows mean something only under the scales
-    and smoothing they were encoded with)."""
+    The caller checks the layer's global scales and key transforms match (rows mean something only under the scales
+    and transform they were encoded with)."""
     store = prepare_write_rows(cache, slots, rows)
     store()
 

@@ -1,7 +1,8 @@
 """Per-channel key smoothing (`ops.smoothing`, `QuantDesc.k_smoothing`): the calibration rule against hand values;
 a smoothed cache stores exactly what an unsmoothed cache stores for `K / s` (composition oracle) and reads back
-`decode * s`; attention over it equals attention over the keys it reads back; refusals (plain formats, bad vectors) change nothing; the C ABI (v1.2) carries it with its flag. KV bundles carry it
-too: tests/transfer/test_bundle_smoothing.py."""
+`decode * s`; attention over it equals attention over the keys it reads back; refusals (plain formats, bad vectors)
+change nothing; the C ABI (v1.2) carries it with its flag, and (v1.3) key centering `k_center` beside it. KV bundles
+carry both: tests/transfer/test_bundle_smoothing.py."""
 from __future__ import annotations
 
 import ctypes
@@ -10,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvx_core.abi import smoothing_of
+from kvx_core.abi import center_of, smoothing_of
 from kvx_core.cache import PagedKVCache
 from kvx_core.calibration import key_smoothing
 from kvx_core.descriptors import BlockTable, SeqLens
-from kvx_core.enums import QUANT_FLAG_KEY_SMOOTHING
+from kvx_core.enums import QUANT_FLAG_KEY_CENTERING, QUANT_FLAG_KEY_SMOOTHING
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import dispatch
 
@@ -112,3 +113,24 @@ def test_refusals_change_nothing(tmp_path):
         assert e.value.status == Status.INVALID_ARGUMENT
     with pytest.raises(KvxError):  # the flag follows the vector; set by hand it is refused
         replace(q, flags=q.flags | QUANT_FLAG_KEY_SMOOTHING).to_ctypes()
+
+
+@pytest.mark.parametrize("smoothed", [False, True], ids=["center", "center_and_smoothing"])
+def test_c_abi_v1_3_carries_the_key_center(smoothed):
+    """`to_ctypes` sets `k_center` and KVX_QUANT_FLAG_KEY_CENTERING together (and the smoothing beside them), with
+    the checks smoothing has: contiguous FP32 rows, the flag never set by hand."""
+    c = _cache("nvfp4", _smoothing(1) if smoothed else None)
+    c.set_key_center(0, torch.randn(H, D, generator=torch.Generator().manual_seed(5)))
+    q = c.descriptor(0).quant
+    qc = q.to_ctypes()
+    assert qc.flags == q.flags | QUANT_FLAG_KEY_CENTERING | (QUANT_FLAG_KEY_SMOOTHING if smoothed else 0)
+    assert ctypes.addressof(center_of(qc).contents) == q.k_center.data_ptr()
+    assert (smoothing_of(qc) is not None) == smoothed
+    for bad in (q.k_center.t(), q.k_center.double()):
+        with pytest.raises(KvxError) as e:
+            replace(q, k_center=bad).to_ctypes()
+        assert e.value.status == Status.INVALID_ARGUMENT and "k_center" in str(e.value)
+    with pytest.raises(KvxError) as e:
+        replace(q, flags=q.flags | QUANT_FLAG_KEY_CENTERING).to_ctypes()
+    assert "KVX_QUANT_FLAG_KEY_CENTERING" in str(e.value)
+    assert center_of(replace(q, k_center=None).to_ctypes()) is None
