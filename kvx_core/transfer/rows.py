@@ -19,7 +19,6 @@ from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
 
 
-
 @dataclass(frozen=True)
 class KeyTransform:
     """A per-layer key-transform vector a cache may carry (`ops.smoothing`): its bundle tensor (FP32 [H, D]), the
