@@ -3,8 +3,10 @@ and the TGI backend load from the checkpoint directory.
 
 Source of the global scales: the checkpoint's own `k_scale` / `v_scale` where it has them (rule "checkpoint"),
 else K/V observed on calibration text through an FP32 KVX cache, as `kvx demo --calibrate` does (rule "mse" or
-"amax"). Key smoothing (`--smooth-keys`) always comes from text: it needs the keys themselves, and then the scales
-do too (a checkpoint's k_scale describes unsmoothed keys), so `--source checkpoint --smooth-keys` is refused.
+"amax"). Key smoothing (`--smooth-keys`) and centering (`--center-keys`) always come from text: they need the keys
+themselves, and then the scales do too (a checkpoint's k_scale describes the keys as the model makes them, not as
+the cache stores them), so `--source checkpoint` with either is refused. With both, smoothing is fitted on the
+centered keys, as `kvx demo --smooth-keys --center-keys` does.
 Every input is checked before the model loads; the output is a new file (an existing one only with --force),
 written through a temporary file and renamed into place.
 """
@@ -31,16 +33,19 @@ _SCALE_KEY = re.compile(r"(?:^|\.)layers\.\d+\..*\b[kv]_scale$")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate-kv", help="write a model's KV-cache calibration (key smoothing, global scales)",
+    p = sub.add_parser("calibrate-kv", help="write a model's KV-cache calibration (key smoothing and centering, "
+                                            "global scales)",
                        description="Fit per-layer K/V global scales (fp8_*, nvfp4, k8v4 and their _rot variants) "
-                                   "and optionally key smoothing for a Hugging Face checkpoint, and write them as "
+                                   "and optionally key smoothing and centering for a Hugging Face checkpoint, and "
+                                   "write them as "
                                    f"<checkpoint>/{FILENAME} (or --out), the file the vLLM plugin and the TGI "
                                    "backend load. Exit 2 with one line when an input is refused.")
     p.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory (default: the demo's SmolLM2-135M "
                                               "checkpoint, built once as `kvx demo` does)")
     p.add_argument("--source", choices=SOURCES, default="auto",
                    help="where the global scales come from: the checkpoint's k_scale / v_scale, or calibration text; "
-                        "auto (default): the checkpoint where it has them (and no --smooth-keys), else text")
+                        "auto (default): the checkpoint where it has them (and no --smooth-keys / --center-keys), "
+                        "else text")
     p.add_argument("--text", type=Path, help="calibration text, UTF-8 (default: the demo's text, pydoc_data.topics)")
     p.add_argument("--window-len", type=bounded_int(2, MAX_WINDOW_LEN), default=1024,
                    help="tokens of calibration text, one window (default 1024; at most the model's context)")
@@ -48,6 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--smooth-keys", nargs="?", const=0.5, type=_alpha, default=None, metavar="ALPHA",
                    help="also fit per-channel key smoothing, s = (channel amax / head geometric mean) ** ALPHA "
                         "(default ALPHA 0.5); the scales are then fitted on the smoothed keys")
+    p.add_argument("--center-keys", action="store_true",
+                   help="also fit per-channel key centering, c = each channel's mean key (the cache stores K - c, "
+                        "readers add c back; attention is shift invariant, so not for models with a logit soft "
+                        "cap); with --smooth-keys, s is fitted on the centered keys; the scales on (K - c) / s")
     p.add_argument("--formats", default=None,
                    help=f"comma-separated formats to fit scales for (default: every one with a global scale: "
                         f"{', '.join(global_formats())}; the checkpoint source: those without _rot)")
@@ -81,7 +90,7 @@ def _checkpoint_amax(model_dir: Path, num_layers: int) -> torch.Tensor | None:
 
 def _from_text(source: Path, a: argparse.Namespace, text: str | None, shape: dict, formats: list[str],
                model: dict) -> KvCalibration:
-    """Observe K/V on one window of text (the demo's path), then fit smoothing and scales."""
+    """Observe K/V on one window of text (the demo's path), then fit centering, smoothing and scales."""
     from kvx_demo import load_model, load_windows
 
     from .demo_cmd import observe_kv
@@ -89,7 +98,7 @@ def _from_text(source: Path, a: argparse.Namespace, text: str | None, shape: dic
     lm = load_model(source)
     ids = load_windows(lm.tokenizer, 1, a.window_len, text)
     obs = observe_kv(lm.model, ids, shape, block_size=16)
-    return from_samples(obs, formats, rule=a.rule or "mse", alpha=a.smooth_keys, model=model)
+    return from_samples(obs, formats, rule=a.rule or "mse", alpha=a.smooth_keys, model=model, center=a.center_keys)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -98,9 +107,10 @@ def run(a: argparse.Namespace) -> int:
     if a.formats is not None:
         scale_formats(_formats(a.formats, a.source))  # before the model loads
     require(a.model is None or a.model.is_dir(), Status.INVALID_ARGUMENT, f"--model {a.model}: not a directory")
-    require(a.source != "checkpoint" or a.smooth_keys is None, Status.INVALID_ARGUMENT,
-            "--smooth-keys needs the keys themselves: the checkpoint's k_scale describes unsmoothed keys; use "
-            "--source text (or auto)")
+    transform = [f for f, on in (("--smooth-keys", a.smooth_keys is not None), ("--center-keys", a.center_keys)) if on]
+    require(a.source != "checkpoint" or not transform, Status.INVALID_ARGUMENT,
+            f"{' and '.join(transform)}: fitted on the keys themselves, and then the scales too (the checkpoint's "
+            "k_scale describes unsmoothed, uncentered keys); use --source text (or auto)")
     require(a.source != "checkpoint" or (a.text is None and a.rule is None), Status.INVALID_ARGUMENT,
             "--text and --rule apply to calibration on text, not --source checkpoint")
     try:
@@ -123,7 +133,7 @@ def run(a: argparse.Namespace) -> int:
     amax = None if a.source == "text" else _checkpoint_amax(Path(source), shape["num_layers"])
     require(a.source != "checkpoint" or amax is not None, Status.INVALID_ARGUMENT,
             f"{source} has no k_scale / v_scale tensors; use --source text")
-    use_ckpt = amax is not None and a.smooth_keys is None
+    use_ckpt = amax is not None and not transform
     require(not use_ckpt or (a.text is None and a.rule is None), Status.INVALID_ARGUMENT,
             f"{source} has k_scale / v_scale, which --source auto uses: --text / --rule would be unused; pass "
             "--source text to calibrate on text")
@@ -138,7 +148,8 @@ def run(a: argparse.Namespace) -> int:
     else:
         cal = _from_text(Path(source), a, text, shape, formats, model)
     ident = cal.save(out, overwrite=a.force)
-    what = ", ".join(filter(None, [f"key smoothing alpha {cal.alpha}" if cal.alpha else None,
+    what = ", ".join(filter(None, ["key centering" if cal.center is not None else None,
+                                   f"key smoothing alpha {cal.alpha}" if cal.alpha else None,
                                    f"{cal.rule} scales for {', '.join(sorted(cal.scales))}"]))
     print(f"{out}: KV calibration {ident[:16]}... ({cal.num_layers} layers: {what}; "
           f"{'checkpoint k_scale / v_scale' if use_ckpt else f'{a.window_len} tokens of text'}, "

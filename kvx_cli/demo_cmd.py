@@ -16,7 +16,7 @@ from typing import IO, Any, Iterator
 import torch
 
 from kvx_core.cache import PagedKVCache, bytes_per_token, capacity_ratio_vs_bf16
-from kvx_core.calibration import SCALE_RULES, SampleObserver, key_center, key_smoothing, stored_values
+from kvx_core.calibration import SCALE_RULES, SampleObserver, key_transform, stored_values
 from kvx_core.enums import QuantFormat
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
@@ -238,10 +238,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
           f"block size {a.block_size}", flush=True)
     obs = observe_kv(loaded.model, cal_windows, shape, a.block_size) if calibrating else None
     layers = range(shape["num_layers"])
-    center = [key_center(obs.values(layer)[0]) for layer in layers] if a.center_keys else None
-    smooth = None if a.smooth_keys is None else [
-        key_smoothing(obs.values(layer)[0] - (0 if center is None else center[layer]), a.smooth_keys)
-        for layer in layers]
+    smooth, center = key_transform(obs, a.smooth_keys, a.center_keys) if calibrating else (None, None)
     # global scales are fitted on the values as each format stores them: (K - c) / s, rotated for `_rot`
     stored = {rot: stored_values(obs, smooth, rot, center) for rot in (False, True)} if a.calibrate else None
     with torch.inference_mode():  # warm-up, so the first format's tokens/s is not the one-time setup

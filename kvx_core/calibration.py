@@ -250,3 +250,16 @@ def key_center(keys: torch.Tensor) -> torch.Tensor:
     c = keys.detach().double().mean(0).float()
     require(bool(torch.isfinite(c).all()), Status.INVALID_ARGUMENT, "calibration keys hold NaN or inf")
     return c.contiguous()
+
+
+def key_transform(obs: SampleObserver, alpha: float | None = None, center: bool = False
+                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Per layer `(smoothing, centering)` vectors `[H, D]` fitted on the observer's keys, None for one not asked
+    for: centering `key_center(K)` when `center`, smoothing `key_smoothing(K - c, alpha)` when `alpha` is given
+    (fitted on the centered keys, which is what the quantizer then sees). One rule for `kvx demo` and
+    `kvx calibrate-kv`, so a file serves what the demo measured."""
+    layers = range(obs.num_layers)
+    centers = [key_center(obs.values(i)[0]) for i in layers] if center else None
+    smooth = None if alpha is None else [
+        key_smoothing(obs.values(i)[0] - (0 if centers is None else centers[i]), alpha) for i in layers]
+    return smooth, centers

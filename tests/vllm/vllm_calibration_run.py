@@ -2,11 +2,12 @@
 
     python tests/vllm/vllm_calibration_run.py MODEL_DIR CACHE_DTYPE PREFILL PROMPT_IDS_JSON    (PREFILL: split, cache)
 
-MODEL_DIR holds `kvx_kv_calibration.safetensors` (found there, no option). One greedy request over the given prompt
+MODEL_DIR holds `kvx_kv_calibration.kvx` (found there, no option). One greedy request over the given prompt
 token ids, prefilled in chunks of `CHUNK` tokens (split prefill: each chunk over its own exact K/V plus the cached,
 calibrated prefix; cache prefill: everything over the pages) then decoded for `GEN` tokens, returns the prompt's top-5 log-probabilities at every position and
 each generated token with its log-probability. `LLM.apply_model` reports, per attention layer, how far the
-CacheDesc the backend built lies from the file's values for this format (key smoothing, K / V global scales).
+CacheDesc the backend built lies from the file's values for this format (key smoothing, key centering, K / V global
+scales).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ _MODEL: list[str] = []  # the model dir (the engine runs in this process: 'uni' 
 
 
 def inspect(model) -> list[dict]:
-    """Per KVX attention layer: max |CacheDesc value - file value| of the smoothing and the global scales."""
+    """Per KVX attention layer: max |CacheDesc value - file value| of the smoothing, the centering (None: neither
+    has one, inf: only one has) and the global scales."""
     import torch
 
     from kvx_core.kv_calibration import FILENAME, load_kv_calibration
@@ -36,8 +38,11 @@ def inspect(model) -> list[dict]:
             continue
         q = impl._desc[1].quant
         i = extract_layer_index(m.layer_name)
-        s, k, v = cal.for_format(impl.format)[i]
-        out.append({"layer": i, "format": impl.format.name,
+        s, c, k, v = cal.for_format(impl.format)[i]
+        center_diff = None if c is None and q.k_center is None else float("inf") if c is None or q.k_center is None \
+            else float((q.k_center.cpu() - c).abs().max())
+        out.append({"layer": i, "format": impl.format.name, "center_diff": center_diff,
+                    "centered": c is not None and bool(torch.any(c != 0)),
                     "smoothing_diff": float((q.k_smoothing.cpu() - s).abs().max()),
                     "k_global_diff": float((q.k_global_scale.cpu() - k).abs().max()),
                     "v_global_diff": float((q.v_global_scale.cpu() - v).abs().max()),

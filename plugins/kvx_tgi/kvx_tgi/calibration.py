@@ -4,7 +4,7 @@
 Loaded when TGI's model files read their layers' KV scales (`kv_cache.get_kv_scales`, during model load, before
 any cache exists), checked there against the checkpoint (fingerprint and geometry, when its config.json and
 tokenizer.json are present) and the run's format; a refusal is a KvxError at startup. Each layer's KV cache then
-takes its smoothing and global scales from it (`kv_cache.KVCache`), keyed by the layer index in TGI's prefix.
+takes its key smoothing, key centering and global scales from it (`kv_cache.KVCache`), keyed by the layer index in TGI's prefix.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def active() -> bool:
 
 
 def layer_values(weights, prefix: str) -> LayerValues | None:
-    """The layer of `prefix`'s (k_smoothing, k_global, v_global) for the run's format, or None without a file."""
+    """The layer of `prefix`'s `LayerValues` for the run's format, or None without a file."""
     path = _path(weights)
     if path is None:
         return None

@@ -5,8 +5,8 @@ so TGI's `FlashCausalLM.init_kv_cache` builds these, one per layer, with its own
 files call `store(key=, value=, slots=, kv_scales=)` before attention; the K/V are quantized into the pools
 by `kvx_core.ops.dispatch.write_kv` (the fused Triton write on CUDA, the torch reference on CPU).
 
-KV calibration file (`calibration`): when the run has one, each layer takes its key smoothing and global scales
-from it (they replace checkpoint scales), set before the first write.
+KV calibration file (`calibration`): when the run has one, each layer takes its key smoothing, key centering and
+global scales from it (they replace checkpoint scales), set before the first write.
 
 Checkpoint KV scales: TGI's `get_kv_scales` reads `{prefix}.k_scale` / `v_scale` (FP8 convention
 `amax / 448`, as vLLM and ModelOpt write them). Formats with a per-tensor global scale (fp8_*, nvfp4, k8v4)
@@ -124,15 +124,12 @@ class KVCache:
                 g.fill_(float(scale[0]))
 
     def _apply_calibration(self, values: LayerValues, checkpoint: tuple[float, float]) -> None:
-        """Set the layer's key smoothing and global scales from the run's calibration file once, before the first
-        write (its scales replace a checkpoint's k_scale / v_scale, logged once)."""
+        """Set the layer's key smoothing, key centering and global scales from the run's calibration file once,
+        before the first write (its scales replace a checkpoint's k_scale / v_scale, logged once)."""
         if self._calibrated:
             return
-        s, k, v = values
-        if (k is not None or v is not None) and checkpoint != (1.0, 1.0):
+        if (values.k_global is not None or values.v_global is not None) and checkpoint != (1.0, 1.0):
             log_once(logger.info, "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
-        if k is not None or v is not None:
-            self.cache.set_global_scales(0, k if k is not None else 1.0, v if v is not None else 1.0)
-        self.cache.set_key_smoothing(0, s)
+        values.apply(self.cache, 0)
         self.desc = self.cache.descriptor(0)
         self._calibrated = True

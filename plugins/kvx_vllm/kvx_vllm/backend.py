@@ -214,22 +214,22 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         self._desc: tuple[tuple, CacheDesc] | None = None
         self._quant: tuple[torch.Tensor | None, ...] | None = None
         cfg = get_current_vllm_config_or_none()  # layers are built inside the run's config: startup refusals here
-        self._calibration = None if cfg is None else layer_values(cfg, self.format)
+        self._calibration = None if cfg is None else layer_values(cfg, self.format, softcap=self.softcap)
 
     # ------------------------------------------------------------ cache view
     def _layer_quant(self, layer: AttentionLayer, device: torch.device):
-        """The layer's FP32 (k_global, v_global, k_smoothing) on `device`: from the run's KV calibration file when
-        it has one (`calibration`; its scales replace a checkpoint's k_scale / v_scale, logged), else the
+        """The layer's FP32 (k_global, v_global, k_smoothing, k_center) on `device`: from the run's KV calibration
+        file when it has one (`calibration`; its scales replace a checkpoint's k_scale / v_scale, logged), else the
         checkpoint's k_scale / v_scale when it declares KV cache scales (vLLM loads them into the layer), else
-        1.0 (the formats' default) and no smoothing."""
+        1.0 (the formats' default) and no smoothing or centering."""
         if self._quant is None:
             fmt = self.format
             ckpt = isinstance(getattr(layer, "quant_method", None), BaseKVCacheMethod)
-            s = k = v = None
+            s = c = k = v = None
             if self._calibration is not None:
                 from vllm.model_executor.models.utils import extract_layer_index
 
-                s, k, v = self._calibration[extract_layer_index(layer.layer_name)]
+                s, c, k, v = self._calibration[extract_layer_index(layer.layer_name)]
                 if ckpt and (k is not None or v is not None):
                     init_logger("vllm.plugins.kvx").info_once(
                         "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
@@ -242,15 +242,15 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
                 k, v = (ones if fmt.k.uses_global_scale else None), (ones if fmt.v.uses_global_scale else None)
             self._quant = tuple(None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
                                 for t in (k.reshape(-1) if k is not None else None,
-                                          v.reshape(-1) if v is not None else None, s))
+                                          v.reshape(-1) if v is not None else None, s, c))
         return self._quant
 
     def cache_desc(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> CacheDesc:
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
         if self._desc is None or self._desc[0] != key:
-            kg, vg, s = self._layer_quant(layer, kv_cache.device)
+            kg, vg, s, c = self._layer_quant(layer, kv_cache.device)
             self._desc = (key, page_cache_desc(kv_cache, self.format, self.num_kv_heads, self.head_size, kg, vg,
-                                               k_smoothing=s))
+                                               k_smoothing=s, k_center=c))
         return self._desc[1]
 
     # ------------------------------------------------------------ data path

@@ -1,10 +1,11 @@
 """The run's KV-cache calibration (`kvx_core.kv_calibration`): which file, checked against the served model and
-format at startup, and each layer's key smoothing and global scales for the backend's `CacheDesc`.
+format at startup, and each layer's key smoothing, key centering and global scales for the backend's `CacheDesc`.
 
 The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<model dir>/kvx_kv_calibration.kvx`
 when the model is a local directory holding one. It is refused (ValueError at startup, before any K/V is written)
 when it is damaged, made for another model (fingerprint) or geometry, holds no scales for a run format that has a
-global scale, or the run is tensor-parallel (the per-KV-head vectors are not sliced per rank). The vLLM-native
+global scale, centers keys for a model with a logit soft cap (tanh is not shift invariant), or the run is
+tensor-parallel (the per-KV-head vectors are not sliced per rank). The vLLM-native
 fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`options.options_of`).
 """
 from __future__ import annotations
@@ -63,17 +64,23 @@ def run_calibration(vllm_config: Any) -> KvCalibration | None:
             raise ValueError(f"KVX: KV calibration refused: {e}") from None
         _loaded[path] = cal
         init_logger("vllm.plugins.kvx").info(
-            "KVX KV calibration %s: %s layers, key smoothing %s, %s scales for %s", path, cal.num_layers,
-            "alpha %s" % cal.alpha if cal.alpha else "off", cal.rule or "no", ", ".join(sorted(cal.scales)) or "-")
+            "KVX KV calibration %s: %s layers, key smoothing %s, key centering %s, %s scales for %s", path,
+            cal.num_layers, "alpha %s" % cal.alpha if cal.alpha else "off", "on" if cal.center is not None else "off",
+            cal.rule or "no", ", ".join(sorted(cal.scales)) or "-")
     return _loaded[path]
 
 
-def layer_values(vllm_config: Any, fmt: CacheFormat) -> list[LayerValues] | None:
-    """Per layer (k_smoothing, k_global, v_global) for the run's format, or None without a calibration; ValueError
-    when the file cannot serve `fmt` (no scales for it, smoothing of an unquantized format)."""
+def layer_values(vllm_config: Any, fmt: CacheFormat, softcap: float | None = None) -> list[LayerValues] | None:
+    """Per layer `LayerValues` for the run's format, or None without a calibration; ValueError when the file cannot
+    serve `fmt` (no scales for it, smoothing or centering of an unquantized format) or centers keys while the
+    model's attention has a logit soft cap `softcap` (the KVX attention would refuse it at the first step)."""
     cal = run_calibration(vllm_config)
     if cal is None:
         return None
+    if softcap and cal.center is not None:
+        raise ValueError(f"KVX: KV calibration refused: it centers keys (kvx calibrate-kv --center-keys) and this "
+                         f"model caps its attention logits (soft cap {softcap}); tanh is not shift invariant, so "
+                         "attention over centered keys would change: recalibrate without --center-keys")
     try:
         return cal.for_format(fmt)
     except KvxError as e:

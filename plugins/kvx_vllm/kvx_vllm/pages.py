@@ -40,10 +40,10 @@ def check_page(fmt: CacheFormat, block_size: int, num_kv_heads: int, head_dim: i
 
 def page_cache_desc(kv_cache: torch.Tensor, fmt: CacheFormat, num_kv_heads: int, head_dim: int,
                     k_global: torch.Tensor | None, v_global: torch.Tensor | None,
-                    k_smoothing: torch.Tensor | None = None) -> CacheDesc:
-    """KVX descriptor over a layer's vLLM cache `[num_blocks, 1, block_size, C]` bytes (zero-copy); `k_smoothing`:
-    the layer's FP32 `[num_kv_heads, head_dim]` key smoothing (`ops.smoothing`), which every KVX path then
-    applies."""
+                    k_smoothing: torch.Tensor | None = None, k_center: torch.Tensor | None = None) -> CacheDesc:
+    """KVX descriptor over a layer's vLLM cache `[num_blocks, 1, block_size, C]` bytes (zero-copy); `k_smoothing`,
+    `k_center`: the layer's FP32 `[num_kv_heads, head_dim]` key smoothing and centering (`ops.smoothing`: the pages
+    hold `(K - c) / s`), which every KVX path then applies."""
     n, slots, block_size, c = kv_cache.shape
     if slots != 1 or kv_cache.dtype != torch.uint8 or kv_cache.stride(2) != c or kv_cache.stride(3) != 1:
         raise ValueError(f"KVX: expected a uint8 [num_blocks, 1, block_size, C] page view with contiguous pages, "
@@ -62,6 +62,6 @@ def page_cache_desc(kv_cache: torch.Tensor, fmt: CacheFormat, num_kv_heads: int,
     kd, vd, ks, vs = views
     q = quant_desc(fmt, head_dim, ks, vs, k_global, v_global)
     if q is not None:
-        q.k_smoothing = k_smoothing
+        q.k_smoothing, q.k_center = k_smoothing, k_center
     return CacheDesc.from_torch(kd, vd, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                 k_layout=Layout.HND, v_layout=Layout.HND, quant=q)

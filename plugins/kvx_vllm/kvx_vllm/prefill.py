@@ -15,9 +15,13 @@ K/V of earlier chunks or of a prefix-cache hit, so logprobs of a prompt computed
 prompt over a cached prefix agree within the format's error, not bit for bit. `{"kvx": {"prefill": "cache"}}`
 attends everything over the pages instead (bit-identical prefix reuse, slower prefill).
 
-Key smoothing (a KV calibration's `k_smoothing`): the new tokens attend over their own K/V as the model made them,
-unsmoothed, and the prefix plan over the pages the KVX way (queries times s against the stored K / s, or keys read
-back times s): both give the logits q . k, so the two LSEs share one scale and merge as without smoothing.
+Key smoothing and centering (a KV calibration's `k_smoothing` s and `k_center` c; the pages hold `(K - c) / s`):
+the new tokens attend over their own K/V as the model made them, untransformed, and the prefix plan over the pages
+the KVX way: on the kernels, queries times s against the stored keys, whose logits are `q . (k - c)` and whose LSE
+`dispatch.AttentionPlan.run` corrects by `sm_scale * q . c` (`ops.smoothing.center_lse`, in place in the `lse` this
+module passes); on the reference, keys read back times s plus c. Either way both LSEs are of the logits `q . k`, so
+they share one scale and merge as without the transform (the outputs need no correction: the shift cancels in the
+softmax). Not with a logit soft cap: a calibration that centers keys is refused at startup for such a model.
 
 Off CUDA (vLLM CPU, the CI path) the new-token attention is KVX's FP64 reference core (`ops.attention.attend`),
 per request: the same math, for testing the route on small models.
