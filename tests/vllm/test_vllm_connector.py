@@ -185,27 +185,30 @@ SMOOTHED_INSTANCES = {"F": ("kvx_nvfp4", 128, "kv_producer", ["--produce", "a"])
 
 
 @pytest.fixture(scope="module")
-def smoothed_pd(smoothed_model_dir, tmp_path_factory) -> dict[str, dict]:
-    """F and G serve the same model directory holding a key-smoothing KV calibration (`kvx calibrate-kv
-    --smooth-keys 0.5`) on a new store: F prefills set "a", G (another block size) decodes it from F's bundles."""
+def smoothed_pd(centered_model_dir, tmp_path_factory) -> dict[str, dict]:
+    """F and G serve the same model directory holding a key centering + smoothing KV calibration (`kvx calibrate-kv
+    --smooth-keys 0.5 --center-keys`) on a new store: F prefills set "a", G (another block size) decodes it from F's
+    bundles."""
     store = tmp_path_factory.mktemp("smoothed") / "store"
-    out = _instances(str(smoothed_model_dir), store, SMOOTHED_INSTANCES)
+    out = _instances(str(centered_model_dir), store, SMOOTHED_INSTANCES)
     out["headers"] = [BundleReader(io.BytesIO(f.read_bytes())).header for f in sorted(store.glob("*.kvx"))]
     return out
 
 
-def test_smoothed_handoff_carries_the_smoothing_and_decodes_like_a_single_instance(smoothed_pd):
-    """Every bundle F stored says its rows hold K / s and carries s per layer; G (the same calibration) takes them
-    and decodes within kvx_nvfp4's bounds of its own full computation with that calibration."""
+def test_transformed_handoff_carries_the_key_vectors_and_decodes_like_a_single_instance(smoothed_pd):
+    """Every bundle F stored says its rows hold (K - c) / s and carries s and c per layer; G (the same calibration)
+    takes them and decodes within kvx_nvfp4's bounds of its own full computation with that calibration."""
     headers = smoothed_pd["headers"]
-    assert len(headers) == 3 and all(h["cache"]["key_smoothing"] is True for h in headers)
-    assert all({"name": "k_smoothing", "dtype": "float32", "per_token": False, "shape": [h["cache"]["num_kv_heads"],
-                                                                                         h["cache"]["head_dim"]]}
-               in h["tensors"] for h in headers)
+    assert len(headers) == 3
+    for flag, name in (("key_smoothing", "k_smoothing"), ("key_centering", "k_center")):
+        assert all(h["cache"][flag] is True for h in headers), flag
+        assert all({"name": name, "dtype": "float32", "per_token": False,
+                    "shape": [h["cache"]["num_kv_heads"], h["cache"]["head_dim"]]} in h["tensors"] for h in headers)
     g = smoothed_pd["G"]
     assert smoothed_pd["F"]["produced"] == [h["prompt_tokens"] for h in g["consumed"]["handoff"]]
     for h, loc in zip(g["consumed"]["handoff"], g["consumed"]["local"]):
         assert h["cached"] == h["prompt_tokens"] - 1 and loc["cached"] == 0
         agree, first, mean = _agreement(h, loc)
-        print(f"smoothed handoff: {agree} greedy tokens agree, first-token top-5 gap {first:.3f}, mean {mean:.3f}")
+        print(f"centered + smoothed handoff: {agree} greedy tokens agree, first-token top-5 gap {first:.3f}, "
+              f"mean {mean:.3f}")
         assert agree >= 1 and first <= FIRST_BOUND["kvx_nvfp4"] and mean <= MEAN_BOUND["kvx_nvfp4"], (first, mean)
