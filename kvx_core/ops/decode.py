@@ -200,13 +200,22 @@ def _workspace_sizes(fmt: CacheFormat, batch: int, num_qo_heads: int, num_splits
     return rows * num_splits * d, rows * num_splits, rows * d if fmt.rotate else 0
 
 
+def _same_device(a: torch.device, b) -> bool:
+    """`a` is `b`, where `b` may name a CUDA device without its index ("cuda": the current one)."""
+    b = torch.device(b)
+    if b.type == "cuda" and b.index is None:
+        b = torch.device("cuda", torch.cuda.current_device())
+    return a == b
+
+
 def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device):
     """(mid_o, mid_l, rotated output or None): views of `workspace`, or new tensors when it is None."""
     sizes = _workspace_sizes(fmt, batch, num_qo_heads, num_splits, d)
     if workspace is None:
         workspace = torch.empty(sum(sizes), dtype=torch.float32, device=device)
     elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32 or workspace.dim() != 1 \
-            or not workspace.is_contiguous() or workspace.device != device or workspace.numel() < sum(sizes):
+            or not workspace.is_contiguous() or not _same_device(workspace.device, device) \
+            or workspace.numel() < sum(sizes):
         raise KvxError(Status.INVALID_ARGUMENT, f"workspace must be a contiguous 1-D fp32 tensor on {device} of at "
                        f"least {sum(sizes)} elements for this step (see workspace_size), got "
                        f"{getattr(workspace, 'dtype', type(workspace).__name__)} {tuple(getattr(workspace, 'shape', ()))}")
