@@ -21,6 +21,8 @@ from kvx_core.enums import QuantFormat
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
 
+from kvx_demo.text import TEXT_NAME
+
 from .args import bounded_int
 
 # Upper bounds of the numeric options: beyond them a run cannot be meant (and would exhaust memory).
@@ -278,6 +280,9 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
                "calibrated": a.calibrate if a.calibrate and paged.layers[0].k_global is not None else None,
                "key_smoothing": a.smooth_keys if smoothed else None,
                "key_centering": centered,
+               "text": str(a.text) if a.text is not None else TEXT_NAME,
+               "calibration_text": None if not calibrating else (
+                   str(a.calibration_text) if a.calibration_text is not None else "the window after the evaluated ones"),
                "windows": a.windows, "window_len": a.window_len}
         if not rows:
             print(_header(), flush=True)

@@ -99,3 +99,23 @@ def test_demo_model_option_only_reads_the_checkpoint(loaded, capsys):
     assert state() == before
     out = capsys.readouterr().out
     assert f"model {loaded.source.name}:" in out and "int8" in out
+
+
+def test_demo_key_centering_end_to_end(tmp_path):
+    """`--center-keys --smooth-keys` with scales: the quantized rows say what their caches stored and on which text
+    the vectors were fitted; the baseline stays untransformed."""
+    from kvx_cli.main import main
+
+    cal = tmp_path / "cal.txt"
+    cal.write_text("def f(x):\n    return x * 2  # a small calibration text\n" * 60, encoding="utf-8")
+    out = tmp_path / "demo.jsonl"
+    assert main(["demo", "--windows", "1", "--window-len", "128", "--formats", "nvfp4_rot,fp8_e4m3", "--center-keys",
+                 "--smooth-keys", "0.25", "--calibrate", "--calibration-text", str(cal), "--no-progress",
+                 "--json", str(out)]) == 0
+    rows = {r["format"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["bf16"]["key_centering"] is False and rows["bf16"]["key_smoothing"] is None
+    for name in ("nvfp4_rot", "fp8_e4m3"):
+        r = rows[name]
+        assert r["key_centering"] is True and r["key_smoothing"] == 0.25 and r["calibrated"] == "mse", r
+        assert r["text"] == "pydoc_data.topics" and r["calibration_text"] == str(cal)
+        assert 0.0 <= r["top1_agreement"] <= 1.0 and r["perplexity"] > 0
