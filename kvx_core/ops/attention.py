@@ -50,6 +50,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return out.reshape(tq, hq, d), lse.reshape(tq, hq)
 
 
+def softmax_scale(sm_scale: float | None, head_dim: int) -> float:
+    """The logits' scale: `sm_scale`, or 1 / sqrt(head_dim) when None (FlashInfer's default)."""
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+
+
 def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal=True) -> None:
     """The attention options: finite numbers, softcap >= 0, an int window (host only)."""
     require(isinstance(causal, bool), Status.INVALID_ARGUMENT, f"{what}: causal must be a bool, got {causal!r}")
@@ -131,7 +136,7 @@ def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_l
     require(query.shape[0] == rows, Status.INVALID_ARGUMENT,
             f"paged_decode: {query.shape[0]} queries for {seq_lens.seq_count} sequences"
             + (f" x {table.beam_width} beams" if table.beam_width > 1 else ""))
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
+    scale = softmax_scale(sm_scale, cache.head_dim)
     io, lens, starts = _gather_all(cache, table, seq_lens)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
@@ -158,7 +163,7 @@ def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc
             f"paged_prefill: a table of {table.beam_width} beams (prefill runs before beams fork: one beam)")
     ip = check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), query.shape[0],
                          queries_cached(causal, window))
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
+    scale = softmax_scale(sm_scale, cache.head_dim)
     io, lens, starts = _gather_all(cache, table, seq_lens)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)

@@ -11,8 +11,6 @@ interleaved by 4 tokens (TRT-LLM's layout, `QUANT_FLAG_V_SCALE_INTERLEAVE4`: the
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -246,9 +244,8 @@ class AttentionPlan:
                                    out=out, lse=lse)
         if not want_lse:
             return o, None
-        sm_scale = self.options["sm_scale"]
-        return o, smoothing.center_lse(cache, query, l, 1.0 / math.sqrt(cache.head_dim) if sm_scale is None
-                                       else sm_scale)
+        return o, smoothing.center_lse(cache, query, l, attention.softmax_scale(self.options["sm_scale"],
+                                                                                 cache.head_dim))
 
     def _reference(self, query, cache, out, lse):
         opts = self.options

@@ -71,14 +71,11 @@ def smooth_queries(cache: CacheDesc, query: torch.Tensor) -> torch.Tensor:
     return query if s is None else scale_queries(query, s)
 
 
-def _per_query_head(v: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """`v [Hkv, D]` repeated for the query heads (GQA: query head h reads KV head h // (Hq / Hkv))."""
-    return v.to(query.device).repeat_interleave(query.shape[1] // v.shape[0], dim=0)
-
-
 def scale_queries(query: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """`query [T, Hq, D]` times `s [Hkv, D]` in FP32, rounded to the queries' dtype."""
-    return (query.float() * _per_query_head(s, query)).to(query.dtype)
+    """`query [T, Hq, D]` times `s [Hkv, D]` (GQA: query head h reads KV head h // (Hq / Hkv)) in FP32, rounded
+    to the queries' dtype."""
+    sq = s.to(query.device).repeat_interleave(query.shape[1] // s.shape[0], dim=0)
+    return (query.float() * sq).to(query.dtype)
 
 
 def center_lse(cache: CacheDesc, query: torch.Tensor, lse: torch.Tensor, sm_scale: float) -> torch.Tensor:
