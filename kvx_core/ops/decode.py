@@ -21,7 +21,7 @@ from ..formats import CacheFormat
 from ..formats.rotation import rotate
 from .checks import check_max_seq_len
 from .smoothing import scale_queries
-from .cuda import choose
+from .cuda import Choice, choose
 from .cuda import decode as cuda_decode
 from .kernel_format import FormatCode, kernel_format
 from .triton import decode as triton_decode
@@ -72,13 +72,16 @@ def requested_backend(backend: str | None) -> str:
 
 
 def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, batch: int,
-                   num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_warps) -> str:
-    """"cuda" or "triton": which kernel serves a step of this geometry (see `paged_decode`'s `backend` argument)."""
+                   num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_warps) -> Choice:
+    """Which kernel serves a step of this geometry ("cuda" or "triton", see `paged_decode`'s `backend` argument),
+    and why not CUDA."""
     backend = requested_backend(backend)
     if backend not in BACKENDS:
         raise KvxError(Status.INVALID_ARGUMENT, f"decode backend must be auto, cuda or triton, got {backend!r}")
-    if backend == "triton" or (backend == "auto" and (interpreting() or device.type != "cuda")):
-        return "triton"
+    if backend == "triton":
+        return Choice("triton", None)
+    if backend == "auto" and (interpreting() or device.type != "cuda"):
+        return Choice("triton", "interpreting (TRITON_INTERPRET=1)" if interpreting() else "not a CUDA device")
     why = cuda_decode.plan_reason(fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, head_dim, block_size)
     if why is None and backend == "auto" and kernel_format(fmt.k).code == kernel_format(fmt.v).code == FormatCode.FP8 \
             and batch * num_kv_heads < sm_count(device) // 8:
@@ -118,6 +121,7 @@ class DecodePlan:
     mid_o: torch.Tensor  # fp32 [B, Hq, S, D] per-split partial outputs
     mid_l: torch.Tensor  # fp32 [B, Hq, S] per-split log2-sum-exps
     rotated_out: torch.Tensor | None  # fp32 [B, Hq, D]: the merged output before its rotation back (rotated formats)
+    reason: str | None = None  # why Triton and not the CUDA kernel (None: CUDA, or Triton was asked for)
 
     def run(self, q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=None, lse=None,
             k_smoothing: torch.Tensor | None = None):
@@ -184,14 +188,15 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
     if window is not None and window >= 0:
         max_seq_len = min(max_seq_len, window + 1)
     sb = batch if split_batch is None else max(batch, int(split_batch))
-    chosen = choose_backend(backend, fmt, q_dtype, device, sb, num_qo_heads, num_kv_heads, d, block_size, num_warps)
+    chosen, reason = choose_backend(backend, fmt, q_dtype, device, sb, num_qo_heads, num_kv_heads, d, block_size,
+                                    num_warps)
     if num_splits is None:
         num_splits = choose_splits(chosen, sb, num_kv_heads, max_seq_len, block_n, device)
     mid_o, mid_l, rotated = _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device)
     forced = requested_backend(backend) != "auto"
     return DecodePlan(fmt, batch, num_qo_heads, num_kv_heads, d, block_size, q_dtype, chosen, forced, num_splits, block_n,
                       num_warps, num_stages, 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
-                      softcap, window, mid_o, mid_l, rotated)
+                      softcap, window, mid_o, mid_l, rotated, reason)
 
 
 def _workspace_sizes(fmt: CacheFormat, batch: int, num_qo_heads: int, num_splits: int, d: int) -> tuple[int, ...]:
@@ -237,7 +242,7 @@ def workspace_size(fmt: CacheFormat | str, *, max_batch: int, num_qo_heads: int,
     best = 0
     for batch in range(1, max_batch + 1):
         chosen = choose_backend(None, fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, head_dim, block_size,
-                                None)
+                                None).backend
         splits = choose_splits(chosen, batch, num_kv_heads, max_seq_len, block_n, device)
         best = max(best, sum(_workspace_sizes(fmt, batch, num_qo_heads, splits, head_dim)))
     return best

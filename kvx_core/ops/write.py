@@ -15,7 +15,7 @@ import torch
 from ..errors import KvxError, Status
 from ..formats import CacheFormat, rotate
 from .checks import WriteArgs, check_write_args
-from .cuda import choose
+from .cuda import Choice, choose
 from .cuda import write as cuda_write
 from .kernel_format import kernel_format
 from .triton import write as triton_write
@@ -32,13 +32,16 @@ BACKENDS = ("auto", "cuda", "triton")
 
 
 def choose_backend(backend: str | None, key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat,
-                   k_data: torch.Tensor, v_data: torch.Tensor) -> str:
-    """"cuda" or "triton" for this write (KvxError UNSUPPORTED when "cuda" is asked for and cannot serve it)."""
+                   k_data: torch.Tensor, v_data: torch.Tensor) -> Choice:
+    """The kernel for this write ("cuda" or "triton") and why not CUDA (KvxError UNSUPPORTED when "cuda" is asked
+    for and cannot serve it)."""
     backend = backend or os.environ.get("KVX_WRITE_BACKEND", "auto")
     if backend not in BACKENDS:
         raise KvxError(Status.INVALID_ARGUMENT, f"write backend must be auto, cuda or triton, got {backend!r}")
-    if backend == "triton" or (backend == "auto" and (interpreting() or key.device.type != "cuda")):
-        return "triton"
+    if backend == "triton":
+        return Choice("triton", None)
+    if backend == "auto" and (interpreting() or key.device.type != "cuda"):
+        return Choice("triton", "interpreting (TRITON_INTERPRET=1)" if interpreting() else "not a CUDA device")
     why = cuda_write.reason(key, value, fmt, k_data, v_data)
     return choose(why, backend, lambda: cuda_write.kernel_library(key.device), "write")
 
@@ -48,7 +51,7 @@ def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data
                  fmt: CacheFormat, *, backend: str | None = None) -> None:
     """The fused write of arguments `check_write_args` accepted, on the chosen backend; the pools are checked
     before either kernel launches, so a rejected call stores nothing."""
-    if choose_backend(backend, key, value, fmt, k_data, v_data) == "triton":
+    if choose_backend(backend, key, value, fmt, k_data, v_data).backend == "triton":
         triton_write.launch_write(key, value, args, k_data, k_scales, v_data, v_scales, fmt)
         return
     check_device(key, value, args.slots, k_data, v_data)

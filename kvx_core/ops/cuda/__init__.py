@@ -1,39 +1,39 @@
 """CUDA kernels of KVX: the paged decode on tensor cores (`paged_decode_mma.cu`: NVFP4, MXFP4, INT4, INT8 and FP8
-caches) and the fused quantize-and-write (`paged_write.cu`), built with nvcc into one library on first use.
+caches) and the fused quantize-and-write (`paged_write.cu`), one shared library loaded with ctypes; kernels run on
+torch's current CUDA stream (graph capturable).
 
-The library is compiled for the current GPU's architecture (SM 8.9+, `sm_90a` on Hopper) into
-`$KVX_CUDA_CACHE` (default `~/.cache/kvx/cuda`), keyed by the sources' hash, the architecture and the
-nvcc version, then loaded with ctypes; kernels run on torch's current CUDA stream (graph capturable).
-`build()` also runs without a GPU (CI compiles the source for `sm_90a`).
+Where the library comes from (`locate`), in order:
+1. **prebuilt**: the library a wheel ships in `prebuilt/` (`toolchain.build_prebuilt`, compiled where the wheel was
+   built: SASS for `toolchain.WHEEL_SASS`, PTX for newer GPUs), when it was built from these sources, covers this
+   GPU, and the driver supports the CUDA release it was built with (its CUDA runtime is linked statically);
+2. **nvcc**: compiled at first use for this GPU's architecture into `$KVX_CUDA_CACHE` (default `~/.cache/kvx/cuda`),
+   keyed by the sources' hash, the architecture and the nvcc version (a source checkout, a GPU the wheel does not
+   cover, a driver older than the wheel's CUDA);
+3. neither: KvxError UNSUPPORTED saying why both failed; `choose` then falls back to Triton and records the reason
+   (`kvx doctor` and the engine plugins print it).
+`build()` also runs without a GPU (CI compiles the sources for `sm_90a`).
 """
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import hashlib
+import json
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ...errors import KvxError, Status
+from . import toolchain
+from .toolchain import nvcc_path
 
-SOURCE = Path(__file__).with_name("paged_decode_mma.cu")
-WRITE_SOURCE = Path(__file__).with_name("paged_write.cu")
+SOURCE, WRITE_SOURCE = toolchain.SOURCES
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
-
-
-def nvcc_path() -> str | None:
-    """nvcc from `$CUDA_HOME/bin`, `$PATH` or /usr/local/cuda, else None."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    for cand in ([os.path.join(home, "bin", "nvcc")] if home else []) + [shutil.which("nvcc") or "",
-                                                                         "/usr/local/cuda/bin/nvcc"]:
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
+_ORIGINS: dict[str, "LibrarySource"] = {}
 
 
 def cache_dir() -> Path:
@@ -54,38 +54,126 @@ def build(arch: str, nvcc: str | None = None, out_dir: Path | None = None) -> Pa
     by content."""
     nvcc = nvcc or nvcc_path()
     if nvcc is None:
-        raise KvxError(Status.UNSUPPORTED, "nvcc not found (set CUDA_HOME): KVX builds its CUDA decode kernel "
-                                           "on first use; without it the Triton kernels are used")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
-    sources = (SOURCE, WRITE_SOURCE)
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + arch.encode() + version.encode()).hexdigest()[:16]
+        raise KvxError(Status.UNSUPPORTED, "nvcc not found (set CUDA_HOME to a CUDA toolkit)")
+    version = toolchain.nvcc_version(nvcc)
+    key = hashlib.sha256(toolchain.sources_digest().encode() + arch.encode() + version.encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"kvx_paged_decode_mma-{arch}-{key}.so"
     if lib.exists():
         return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
     base = arch.rstrip("a")
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp_lib = Path(tmp) / lib.name
-        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{base},code=compute_{base}",
-               *(str(s) for s in sources), "-o", str(tmp_lib)]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            raise KvxError(Status.INTERNAL_ERROR, f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
-        os.replace(tmp_lib, lib)  # atomic: concurrent builders never load a half-written file
+    try:
+        toolchain.compile_library(nvcc, lib, (arch,), base)
+    except RuntimeError as e:
+        raise KvxError(Status.INTERNAL_ERROR, str(e)) from None
     return lib
 
 
+def driver_cuda_version() -> tuple[int, int] | None:
+    """(major, minor) of the CUDA release the installed NVIDIA driver supports (`cuDriverGetVersion`), None without
+    a driver."""
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    try:
+        fn = ctypes.CDLL(name).cuDriverGetVersion
+    except (OSError, AttributeError):
+        return None
+    v = ctypes.c_int(0)
+    if fn(ctypes.byref(v)) != 0:
+        return None
+    return v.value // 1000, (v.value % 1000) // 10
+
+
+def prebuilt_manifest(directory: Path = toolchain.PREBUILT_DIR) -> dict | None:
+    """The manifest of the library this install ships (None: none ships, e.g. a source checkout or a wheel built
+    without nvcc)."""
+    try:
+        return json.loads((directory / toolchain.MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def prebuilt_reason(manifest: dict | None, capability: tuple[int, int],
+                    driver: tuple[int, int] | None) -> str | None:
+    """None when the prebuilt library described by `manifest` serves a GPU of `capability` under a driver supporting
+    CUDA `driver`, else why not."""
+    if manifest is None:
+        return "this install ships no prebuilt kernels (a source checkout, or a wheel built without nvcc)"
+    if manifest.get("sources_sha256") != toolchain.sources_digest():
+        return "the prebuilt kernels were built from other CUDA sources than this install's"
+    arch = arch_of(capability)
+    ptx = manifest.get("ptx")
+    if arch not in manifest.get("sass", []) and not (ptx and capability >= (int(ptx[:-1]), int(ptx[-1]))):
+        return (f"the prebuilt kernels cover sm_{', sm_'.join(manifest.get('sass', []))}"
+                f"{f' and PTX {ptx}+' if ptx else ''}, not sm_{arch}")
+    need = tuple(int(x) for x in str(manifest.get("cuda", "0.0")).split(".")[:2])
+    if driver is None or driver < need:
+        have = "no NVIDIA driver" if driver is None else f"a driver supporting CUDA {driver[0]}.{driver[1]}"
+        return (f"the prebuilt kernels need a driver supporting CUDA {need[0]}.{need[1]} (their CUDA runtime is "
+                f"linked statically), this machine has {have}: update the driver, or install a CUDA toolkit "
+                "(CUDA_HOME) so KVX builds them for this driver")
+    return None
+
+
+@dataclass(frozen=True)
+class LibrarySource:
+    """Where the kernel library of an architecture comes from: `origin` "prebuilt", "nvcc" or "unavailable";
+    `detail` says which file and why (why not the prebuilt one, or why none)."""
+
+    arch: str
+    origin: str
+    path: Path | None
+    detail: str
+
+
+def locate(capability: tuple[int, int], *, manifest_dir: Path = toolchain.PREBUILT_DIR) -> LibrarySource:
+    """The library that serves a GPU of `capability` here (see the module docstring), building it with nvcc when
+    no prebuilt one serves; never raises for a missing toolchain (origin "unavailable")."""
+    arch = arch_of(capability)
+    manifest = prebuilt_manifest(manifest_dir)
+    why = prebuilt_reason(manifest, capability, driver_cuda_version())
+    if why is None:
+        return LibrarySource(arch, "prebuilt", manifest_dir / toolchain.PREBUILT_LIBRARY,
+                             f"prebuilt in this install (CUDA {manifest['cuda']}, SASS sm_{', sm_'.join(manifest['sass'])})")
+    try:
+        path = build(arch)
+    except KvxError as e:
+        if e.status != Status.UNSUPPORTED:
+            raise
+        return LibrarySource(arch, "unavailable", None, f"{why}; and {e.message}")
+    return LibrarySource(arch, "nvcc", path, f"built by nvcc for sm_{arch} ({why})")
+
+
 def library(device) -> ctypes.CDLL:
-    """The loaded kernel library for a torch CUDA device (built on first use; `decode.kernel_library` sets the
-    kernel's signature and checks its parameter struct)."""
+    """The loaded kernel library for a torch CUDA device (`locate`; `decode.kernel_library` sets the kernel's
+    signature and checks its parameter struct). KvxError UNSUPPORTED when none can be had here."""
     import torch
-    arch = arch_of(torch.cuda.get_device_capability(device))
+    cap = torch.cuda.get_device_capability(device)
+    arch = arch_of(cap)
     with _LOCK:
         if arch not in _LIBS:
-            _LIBS[arch] = ctypes.CDLL(str(build(arch)))
+            src = _ORIGINS.get(arch) or locate(cap)
+            _ORIGINS[arch] = src
+            if src.path is None:
+                raise KvxError(Status.UNSUPPORTED, f"no KVX CUDA kernels for sm_{arch}: {src.detail}")
+            try:
+                _LIBS[arch] = ctypes.CDLL(str(src.path))
+            except OSError as e:
+                raise KvxError(Status.UNSUPPORTED, f"cannot load the KVX CUDA kernels {src.path}: {e}") from None
         return _LIBS[arch]
+
+
+def library_source(device) -> LibrarySource:
+    """Where this device's kernel library came from (loading it first if needed; never raises UNSUPPORTED)."""
+    import torch
+    arch = arch_of(torch.cuda.get_device_capability(device))
+    try:
+        library(device)
+    except KvxError as e:
+        if e.status != Status.UNSUPPORTED:
+            raise
+        if arch not in _ORIGINS:
+            return LibrarySource(arch, "unavailable", None, e.message)
+    return _ORIGINS[arch]
 
 
 def checked_library(device, entry: str, argtypes: list, size_entry: str, params, source: str) -> ctypes.CDLL:
@@ -103,19 +191,26 @@ def checked_library(device, entry: str, argtypes: list, size_entry: str, params,
     return lib
 
 
-def choose(why: str | None, backend: str, load: Callable[[], object], what: str) -> str:
-    """"cuda" or "triton" for a call the CUDA kernel `what` cannot serve because of `why` (None: it can):
-    `backend` "auto" also falls back when the library cannot be built here (no nvcc), "cuda" refuses instead."""
+class Choice(NamedTuple):
+    """The kernel that serves a call ("cuda" or "triton") and, for Triton, why not CUDA (None when asked for)."""
+
+    backend: str
+    reason: str | None
+
+
+def choose(why: str | None, backend: str, load: Callable[[], object], what: str) -> Choice:
+    """The kernel for a call the CUDA kernel `what` cannot serve because of `why` (None: it can): `backend` "auto"
+    also falls back when no library can be had here (no prebuilt one serves, no nvcc), "cuda" refuses instead."""
     if why is None and backend == "auto":
         try:
             load()
         except KvxError as e:
             if e.status != Status.UNSUPPORTED:
                 raise
-            why = str(e)  # no nvcc here: Triton serves the call
+            why = e.message  # no library here: Triton serves the call
     if why is not None and backend == "cuda":
         raise KvxError(Status.UNSUPPORTED, f"CUDA {what} cannot serve this call: {why}")
-    return "triton" if why is not None else "cuda"
+    return Choice("triton", why) if why is not None else Choice("cuda", None)
 
 
 def cuda_error_name(code: int) -> str:

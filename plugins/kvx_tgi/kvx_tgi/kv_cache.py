@@ -29,6 +29,7 @@ from kvx_core.calibration import amax_from_kv_scale, global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.errors import Status, require
 from kvx_core.kv_calibration import LayerValues
+from kvx_core.ops import backends
 from kvx_core.ops.dispatch import write_kv
 
 from . import calibration, config
@@ -91,6 +92,8 @@ class KVCache:
         self._scales: tuple[float, float] | None = None
         self._calibrated = False
         self.desc: CacheDesc = self.cache.descriptor(0)
+        geometry = backends.Geometry(num_heads, num_heads, head_size, run.block_size, dtype)  # dtype: the model's
+        log_once(logger.info, f"KVX {self.format.name} on {device}: {backends.summary(self.format, device, geometry)}")
 
     def store(self, *, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, kv_scales: KVScales) -> None:
         """Quantize `[T, H, D]` K/V into the pools at TGI's int64 `slots` (one per token)."""

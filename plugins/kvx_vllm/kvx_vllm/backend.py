@@ -21,6 +21,7 @@ import torch
 from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.formats import CacheFormat, get_format
+from kvx_core.ops import backends
 from kvx_core.ops.dispatch import AttentionPlan, plan_decode, plan_prefill, write_kv
 from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
 from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
@@ -150,8 +151,11 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
                                q_dtype=self.q_dtype, device=device,
                                max_seq_len=self.max_model_len)
             self.workspace = torch.empty(n, dtype=torch.float32, device=device)
-        init_logger("vllm.plugins.kvx").info("KVX attention backend: format %s for %d layers in pid %d",
-                                             self.format.name, len(layer_names), os.getpid())
+        geometry = backends.Geometry(self.num_qo_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
+                                     kv_cache_spec.block_size, self.q_dtype, vllm_config.scheduler_config.max_num_seqs)
+        init_logger("vllm.plugins.kvx").info("KVX attention backend: format %s for %d layers in pid %d on %s: %s",
+                                             self.format.name, len(layer_names), os.getpid(), device,
+                                             backends.summary(self.format, device, geometry))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvxMetadata:
