@@ -282,10 +282,10 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     t0, t1 = (0, count) if token_range is None else token_range
     require(isinstance(slots, torch.Tensor) and slots.numel() == t1 - t0, Status.INVALID_ARGUMENT,
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
+    wheres = layer_slots(caches, slots)  # the destination checked before any payload is read
     dev = caches[0].k.tensor.device
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
     rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
-    wheres = layer_slots(caches, slots)
     stores = [_prepare(layer_rows, readers[0].format, cache, slots, where)
               for layer_rows, cache, where in zip(rows, caches, wheres)]
     for store in stores:

@@ -85,15 +85,20 @@ class BundleStore:
             bundle.seek(0)
             coded = encode_bundle(bundle, self.kvtc)
             write = lambda f: f.write(coded)  # noqa: E731
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kvx", dir=self.root)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kvx", dir=self.root)
+        except OSError as e:
+            raise _failed(final, "written", e) from None
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as e:
             os.unlink(tmp)
+            if isinstance(e, OSError):  # a full disk, a directory in the entry's place
+                raise _failed(final, "written", e) from None
             raise
         return final
 
@@ -106,7 +111,7 @@ class BundleStore:
         except FileNotFoundError:
             return None, None
         except OSError as e:
-            raise _unreadable(path, e) from None
+            raise _failed(path, "read", e) from None
         try:
             if f.read(len(KVTC_MAGIC)) != KVTC_MAGIC:
                 f.seek(0)
@@ -115,7 +120,7 @@ class BundleStore:
                 return None, KVTC_MAGIC + f.read()
         except OSError as e:
             f.close()
-            raise _unreadable(path, e) from None
+            raise _failed(path, "read", e) from None
 
     def open_entry(self, model: ModelFingerprint, token_ids: Sequence[int]) -> BinaryIO | None:
         """The entry of `token_ids` as a bundle stream (the caller closes it), None when absent; a KVTC entry is
@@ -144,7 +149,7 @@ class BundleStore:
             try:
                 return BundleReader(f).header
             except OSError as e:
-                raise _unreadable(self.path(model, token_ids), e) from None
+                raise _failed(self.path(model, token_ids), "read", e) from None
 
     def get(self, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
             token_ids: Sequence[int], token_range: tuple[int, int] | None = None) -> bool:
@@ -157,7 +162,7 @@ class BundleStore:
             try:
                 import_bundle(f, caches, slots, model=model, token_ids=token_ids, token_range=token_range)
             except OSError as e:
-                raise _unreadable(self.path(model, token_ids), e) from None
+                raise _failed(self.path(model, token_ids), "read", e) from None
         return True
 
     def remove(self, model: ModelFingerprint, token_ids: Sequence[int]) -> bool:
@@ -168,10 +173,10 @@ class BundleStore:
         except FileNotFoundError:
             return False
         except OSError as e:
-            raise KvxError(Status.INVALID_ARGUMENT, f"bundle store entry {path} cannot be removed: "
-                                                    f"{e.strerror or e}") from None
+            raise _failed(path, "removed", e) from None
         return True
 
 
-def _unreadable(path: Path, e: OSError) -> KvxError:
-    return KvxError(Status.INVALID_ARGUMENT, f"bundle store entry {path} cannot be read: {e.strerror or e}")
+def _failed(path: Path, doing: str, e: OSError) -> KvxError:
+    """The KvxError of a store entry the OS refused to read, write or remove."""
+    return KvxError(Status.INVALID_ARGUMENT, f"bundle store entry {path} cannot be {doing}: {e.strerror or e}")
