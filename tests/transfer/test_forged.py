@@ -388,3 +388,24 @@ def test_the_forger_models_the_format():
     blob, _ = _transformed()
     header, payloads = split(blob)
     assert build(header, payloads) == blob and len(payloads) == LAYERS
+
+
+# ------------------------------------------------------------------ a checkpoint's config.json
+@pytest.mark.parametrize("change", [{"num_hidden_layers": 2.5}, {"num_hidden_layers": "2"}, {"num_hidden_layers": True},
+                                    {"num_key_value_heads": 0}, {"head_dim": 64.9}, {"num_hidden_layers": None},
+                                    {"architectures": "Llama"}, {"head_dim": None, "hidden_size": 102},
+                                    {"rope_theta": math.nan}])
+def test_a_config_json_with_non_integer_counts_is_refused(tmp_path, change):
+    """The fingerprint's counts are integers as written (never `int()`-truncated), the file strict JSON."""
+    from kvx_core.transfer import fingerprint_from_files  # noqa: PLC0415
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 32, "hidden_size": 128, "rope_theta": 10000.0}
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    good = fingerprint_from_files(str(tmp_path / "config.json"), str(tmp_path / "tokenizer.json"))
+    assert (good.num_layers, good.num_kv_heads, good.head_dim) == (2, 2, 32)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in {**cfg, **change}.items() if v is not None}))
+    with pytest.raises(KvxError) as e:
+        fingerprint_from_files(str(tmp_path / "config.json"), str(tmp_path / "tokenizer.json"))
+    assert e.value.status == Status.INVALID_ARGUMENT
