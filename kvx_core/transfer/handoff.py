@@ -137,16 +137,16 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     return header
 
 
-def _check_bundle(reader: BundleReader, model: ModelFingerprint, token_hash_: str | None) -> tuple[int, int]:
+def _check_bundle(reader: BundleReader, model: ModelFingerprint, ids_sha256: str | None) -> tuple[int, int]:
     """A bundle's header (its meaning checked by the reader: `schema.check_header`) against the importer's model
-    and tokens (`token_hash_`: theirs, None when not given) -> the KV-head range it holds."""
+    and tokens (`ids_sha256`: the hash of the ids given, None when none are) -> the KV-head range it holds."""
     header = reader.header
     theirs, ours = header["model"], asdict(model)
     if theirs != ours:
         diff = sorted(k for k in ours if theirs.get(k) != ours[k])
         raise KvxError(Status.INCOMPATIBLE, f"bundle of another model: {', '.join(diff) or 'extra fields'} differ")
-    if token_hash_ is not None:
-        require(header["tokens"].get("ids_sha256") == token_hash_, Status.INCOMPATIBLE,
+    if ids_sha256 is not None:
+        require(header["tokens"].get("ids_sha256") == ids_sha256, Status.INCOMPATIBLE,
                 "bundle holds the KV of other tokens than the ones given")
     a, b = header["cache"]["kv_heads"]
     return a, b
