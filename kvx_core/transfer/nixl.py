@@ -123,10 +123,10 @@ class NixlPeer:
         try:  # NIXL parses the metadata and checks the remote range against what the sender registered
             if t.metadata not in self._remotes:
                 name = self.agent.add_remote_agent(t.metadata)
-                name = name.decode() if isinstance(name, bytes) else name
-                require(name == t.agent, Status.INVALID_ARGUMENT,
-                        f"not a KVX NIXL ticket: agent {short(t.agent)}, its metadata names {short(name)}")
-                self._remotes[t.metadata] = name
+                self._remotes[t.metadata] = name.decode() if isinstance(name, bytes) else name
+            name = self._remotes[t.metadata]
+            require(name == t.agent, Status.INVALID_ARGUMENT,
+                    f"not a KVX NIXL ticket: agent {short(t.agent)}, its metadata names {short(name)}")
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs([local]),
                                                 self.agent.get_xfer_descs([(t.addr, n, 0)], "DRAM"),
                                                 self._remotes[t.metadata])
