@@ -29,7 +29,8 @@ from ..ops import smoothing
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec
-from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms, layer_slots, prepare_write_rows, read_rows
+from .rows import (KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms, layer_slots, prepare_write_rows,
+                   read_rows)
 from .schema import ModelFingerprint, header_transforms, token_hash, token_list
 
 
@@ -245,8 +246,8 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
                   kv_heads: tuple[int, int] | None = None, token_range: tuple[int, int] | None = None) -> list[dict]:
     """Read, verify and store bundles into `caches` (layer i -> `caches[i]`) at `slots` (one per bundled token, in
     order). `src`: one bundle (a stream, bytes, or a uint8 host tensor holding it: `host.HostBundle`, checked in
-    parallel and copied to the caches' device at copy speed), or a list of the shards of several tensor-parallel ranks; the
-    destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards
+    parallel and copied to the caches' device at copy speed), or a list of the shards of several tensor-parallel
+    ranks; the destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards
     hold them (resharding: split, merge or both). `token_range` = `[start, stop)` stores only those bundled tokens
     (`slots` then has one entry per token of the range): what an engine loads beside a prefix it already holds.
     All or nothing: every check, every bundle's checksums and every layer's conversion happen before the first

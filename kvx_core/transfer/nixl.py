@@ -145,7 +145,8 @@ class NixlPeer:
             self.agent.release_xfer_handle(handle)
         return local
 
-    def receive(self, ticket: dict | str | bytes, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+    def receive(self, ticket: dict | str | bytes, caches: Sequence[CacheDesc], slots: torch.Tensor, *,
+                model: ModelFingerprint,
                 token_ids: Sequence[int] | None = None, token_range: tuple[int, int] | None = None) -> dict:
         """`fetch` and import into `caches` at `slots` (all or nothing); returns the bundle header."""
         (header,) = import_bundle(self.fetch(ticket), caches, slots, model=model, token_ids=token_ids,

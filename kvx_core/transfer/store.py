@@ -8,8 +8,9 @@ calibration of the model) entries are stored KVTC-coded (`kvx_core.kvtc.bundle`)
 read entries decompressed into BF16 bundles that import into any format; a KVTC entry needs a store opened with its
 calibration. An entry is outside bytes like any bundle (another process may have written, or forged, it): every read
 checks it as `BundleReader` does, and a damaged, forged or unreadable entry (a directory in its place, an I/O
-error) is a KvxError, which the connectors log and treat as a miss. The store owns only its directory: it creates it with a marker file and refuses a non-empty directory without that marker, and it only
-ever writes, renames or deletes its own `*.kvx` / `.tmp-*` files.
+error) is a KvxError, which the connectors log and treat as a miss. The store owns only its directory: it creates
+it with a marker file and refuses a non-empty directory without that marker, and it only ever writes, renames or
+deletes its own `*.kvx` / `.tmp-*` files.
 """
 from __future__ import annotations
 

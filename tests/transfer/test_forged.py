@@ -20,7 +20,7 @@ from kvx_core.transfer import BundleReader, convert_bundle, export_bundle, impor
 from kvx_core.transfer.bundle import MAX_TOKENS
 from kvx_core.transfer.host import export_to_host
 from kvx_core.transfer.nixl import MAX_METADATA_CHARS, parse_ticket
-from kvx_core.transfer.store import BundleStore
+from kvx_core.transfer.store import MARKER, BundleStore
 from tests.fuzz import DEEP, run_capped
 
 from .forge import build, split, tensor_at
@@ -109,7 +109,8 @@ def _filled(block_size: int, num_blocks: int, seed: int) -> PagedKVCache:
     g = torch.Generator().manual_seed(seed)
     n = block_size * num_blocks
     for layer in range(LAYERS):
-        c.write(layer, torch.randn(n, HEADS, DIM, generator=g), torch.randn(n, HEADS, DIM, generator=g), torch.arange(n))
+        c.write(layer, torch.randn(n, HEADS, DIM, generator=g), torch.randn(n, HEADS, DIM, generator=g),
+                torch.arange(n))
     return c
 
 
@@ -249,7 +250,7 @@ def test_non_integer_token_ids_are_refused_never_truncated(tmp_path):
             export_bundle(out, _descs(other), slots, model=MODEL, token_ids=bad)
         assert out.getvalue() == b""
     assert store.path(MODEL, [1, 2, 3]).read_bytes() == entry and _unchanged(dst, before)
-    assert sorted(p.name for p in store.root.iterdir()) == sorted(["kvx_bundle_store.json", store.path(MODEL, [1, 2, 3]).name])
+    assert sorted(p.name for p in store.root.iterdir()) == sorted([MARKER, store.path(MODEL, [1, 2, 3]).name])
     key = BundleStore.key(MODEL, [1, 2, 3])
     assert BundleStore.key(MODEL, np.array([1, 2, 3])) == key == BundleStore.key(MODEL, torch.tensor([1, 2, 3]))
 
