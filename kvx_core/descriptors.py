@@ -458,32 +458,34 @@ def _validate_quant(q: QuantDesc, cache: CacheDesc) -> None:
     check_key_center(q.k_center, cache.num_kv_heads, cache.head_dim, device)
 
 
-def _check_key_vector(name: str, v: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> bool:
+def _check_key_vector(what: str, v: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> bool:
     """None (False), or FP32 `[num_kv_heads, head_dim]` on the pools' device (True)."""
-    _require_type(v, torch.Tensor, f"quant.{name}", optional=True)
+    _require_type(v, torch.Tensor, what, optional=True)
     if v is None:
         return False
     require(v.dtype == torch.float32 and tuple(v.shape) == (num_kv_heads, head_dim), Status.INVALID_ARGUMENT,
-            f"quant.{name} must be FP32 [{num_kv_heads}, {head_dim}], got {v.dtype} {tuple(v.shape)}")
+            f"{what} must be FP32 [{num_kv_heads}, {head_dim}], got {v.dtype} {tuple(v.shape)}")
     require(v.device == torch.device(device), Status.INVALID_ARGUMENT,
-            f"quant.{name} is on {v.device}, the data pools on {device}")
+            f"{what} is on {v.device}, the data pools on {device}")
     return True
 
 
-def check_key_smoothing(s: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> None:
+def check_key_smoothing(s: torch.Tensor | None, num_kv_heads: int, head_dim: int, device,
+                        what: str = "quant.k_smoothing") -> None:
     """A key-smoothing vector: None, or FP32 `[num_kv_heads, head_dim]` on the pools' device, finite and > 0 (one
-    host sync)."""
-    if _check_key_vector("k_smoothing", s, num_kv_heads, head_dim, device):
+    host sync). `what` names it in errors (a KV bundle's vector is checked by the same rule)."""
+    if _check_key_vector(what, s, num_kv_heads, head_dim, device):
         require(bool((torch.isfinite(s) & (s > 0)).all()), Status.INVALID_ARGUMENT,
-                "quant.k_smoothing must be finite and > 0 (keys are divided by it)")
+                f"{what} must be finite and > 0 (keys are divided by it)")
 
 
-def check_key_center(c: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> None:
+def check_key_center(c: torch.Tensor | None, num_kv_heads: int, head_dim: int, device,
+                     what: str = "quant.k_center") -> None:
     """A key-centering vector: None, or FP32 `[num_kv_heads, head_dim]` on the pools' device, finite (one host
-    sync)."""
-    if _check_key_vector("k_center", c, num_kv_heads, head_dim, device):
+    sync). `what` as for `check_key_smoothing`."""
+    if _check_key_vector(what, c, num_kv_heads, head_dim, device):
         require(bool(torch.isfinite(c).all()), Status.INVALID_ARGUMENT,
-                "quant.k_center must be finite (it is subtracted from every key)")
+                f"{what} must be finite (it is subtracted from every key)")
 
 
 @dataclass

@@ -12,6 +12,7 @@ the runner. Cases use the seeds `seed .. seed + cases - 1`; run one by hand: `py
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -82,6 +83,12 @@ _DEEP_JSON = json.dumps(DEEP)
 _DEEP_TEXT = "[" * 100_000 + "]" * 100_000
 
 
+def _extreme(rng: random.Random):
+    """A copy of one of `EXTREME_JSON` (a later mutation in the same tree must not grow the shared list or dict, which
+    would leak into every later case and, appended into itself, nest without end)."""
+    return copy.deepcopy(rng.choice(EXTREME_JSON))
+
+
 def mutate_json(obj, rng: random.Random):
     """A copy of the JSON tree `obj` with one to three values replaced by extreme ones (`EXTREME_JSON`, a
     100k-deep nesting, a neighbour's value), a key deleted, or a key added."""
@@ -91,7 +98,7 @@ def mutate_json(obj, rng: random.Random):
         path, _ = rng.choice(spots)
         op = rng.randrange(5)
         if op == 0:
-            new = rng.choice(EXTREME_JSON)
+            new = _extreme(rng)
         elif op == 1:
             new = DEEP
         elif op == 2:
@@ -110,9 +117,9 @@ def mutate_json(obj, rng: random.Random):
             del parent[key]
         elif op == 4:
             if isinstance(parent, dict):
-                parent[f"extra{rng.randrange(100)}"] = rng.choice(EXTREME_JSON)
+                parent[f"extra{rng.randrange(100)}"] = _extreme(rng)
             else:
-                parent.append(rng.choice(EXTREME_JSON))
+                parent.append(_extreme(rng))
         else:
             parent[key] = new
     return obj

@@ -9,12 +9,15 @@ hash), each segment hashed with seed=header hash: the segments of one payload ha
 
 Little-endian. One chunk per layer, in layer order; a payload is the layer's tensors in the header's order, each
 exactly the size the header gives it. Everything a reader accepts is checked before it is returned: magic,
-version, header size and schema, header hash, chunk tags, layer order, payload sizes, chunk checksums, chunk
-count, trailer offset and digest, and end of file right after the trailer. Any failure is a KvxError naming it.
-No pickle: the header is JSON, payloads are raw little-endian tensor bytes.
+version, header size and schema (strict JSON, then what it means: `schema`), header hash, the bundle's size against
+the bytes present (before anything sized by the header is allocated), chunk tags, layer order, payload sizes, chunk
+checksums, each layer's scales and key vectors, chunk count, trailer offset and digest, and end of file right after
+the trailer. Any failure is a KvxError naming it. No pickle: the header is JSON, payloads are raw little-endian
+tensor bytes.
 """
 from __future__ import annotations
 
+import io
 import json
 import struct
 from collections.abc import Iterator
@@ -24,6 +27,8 @@ from typing import BinaryIO
 import torch
 
 from ..errors import KvxError, Status, require
+from ..jsonsafe import loads_object
+from .schema import check_header, check_layer, rejected, short
 
 MAGIC = b"KVXBNDL\0"
 CHUNK_TAG = b"KVXC"
@@ -34,6 +39,14 @@ SEGMENT_BYTES = 1 << 23
 power of two in [64 KiB, 64 MiB])."""
 MAX_HEADER_BYTES = 64 << 20
 """A header larger than this is refused before it is read (the token ids of a 1M-token sequence take ~8 MB)."""
+MAX_TOKENS = 1 << 24
+"""`tokens.count` above this (16M tokens) is refused by readers and writers."""
+MAX_CHUNK_BYTES = 1 << 36
+"""A layer's payload above this (64 GiB) is refused by readers and writers. Below it, a reader still allocates
+nothing the header sizes before checking it against the bytes present: the stream's size when it can seek (files),
+the buffer's length (host bundles); from a pipe, buffers grow with the bytes that actually arrive."""
+READ_STEP = 16 << 20
+"""From a stream of unknown size, a part larger than this is read into a buffer that grows as bytes arrive."""
 
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -81,13 +94,12 @@ class TensorSpec:
                 "per_token": self.per_token}
 
 
-def _bad(what: str) -> KvxError:
-    return KvxError(Status.INVALID_ARGUMENT, f"KVX bundle rejected: {what}")
+_bad = rejected
 
 
 def _uint(v, what: str, limit: int = 2**63) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
-        raise _bad(f"header field {what} must be an integer in [0, {limit}), got {v!r}")
+        raise _bad(f"header field {what} must be an integer in [0, {limit}), got {short(v)}")
     return v
 
 
@@ -101,18 +113,34 @@ def parse_specs(header: dict) -> tuple[int, int, list[TensorSpec], int]:
                 or not 1 << 16 <= segment <= 1 << 26 or segment & (segment - 1)):
             raise _bad(f"checksum {check!r}: expected xxh64 over power-of-two segments of 64 KiB to 64 MiB")
         layers = _uint(cache["num_layers"], "cache.num_layers", 1 << 16)
-        count = _uint(tokens["count"], "tokens.count", 1 << 31)
+        count = _uint(tokens["count"], "tokens.count", MAX_TOKENS + 1)
         specs = []
         for t in tensors:
-            shape = tuple(_uint(s, f"tensors[{t['name']}].shape", 1 << 20) for s in t["shape"])
-            if t["dtype"] not in DTYPES or not isinstance(t["name"], str) or not isinstance(t["per_token"], bool):
-                raise _bad(f"tensor entry {t!r}")
+            if (not isinstance(t, dict) or not isinstance(t["name"], str) or not isinstance(t["dtype"], str)
+                    or t["dtype"] not in DTYPES or not isinstance(t["per_token"], bool)
+                    or not isinstance(t["shape"], list) or len(t["shape"]) > 8):
+                raise _bad(f"tensor entry {short(t)}")
+            shape = tuple(_uint(s, f"tensors[{short(t['name'])}].shape", 1 << 20) for s in t["shape"])
             specs.append(TensorSpec(t["name"], DTYPES[t["dtype"]], shape, t["per_token"]))
     except (KeyError, TypeError, AttributeError) as e:
-        raise _bad(f"header misses or mistypes a required field ({e!r})") from None
+        raise _bad(f"header misses or mistypes a required field ({short(e)})") from None
     require(len({s.name for s in specs}) == len(specs), Status.INVALID_ARGUMENT,
             "KVX bundle rejected: a tensor name repeats in the header")
+    payload = sum(s.nbytes(count) for s in specs)
+    if payload > MAX_CHUNK_BYTES:
+        raise _bad(f"a layer of {payload} bytes exceeds {MAX_CHUNK_BYTES}")
     return layers, count, specs, segment
+
+
+def chunk_at(first: int, payload: int, layer: int) -> int:
+    """Offset of chunk `layer`'s 16-byte head (its payload follows, then its 8-byte checksum) in a bundle whose
+    first chunk starts at `first`."""
+    return first + layer * (16 + payload + 8)
+
+
+def bundle_bytes(first: int, payload: int, layers: int) -> int:
+    """The size of a bundle of `layers` chunks of `payload` bytes whose first chunk starts at `first`."""
+    return chunk_at(first, payload, layers) + 24
 
 
 def bundle_prefix(header: dict) -> tuple[bytes, int]:
@@ -262,13 +290,31 @@ class BundleWriter:
         self._put(trailer(self.sums, self.offset, self.seed))
 
 
+def _stream_left(src) -> int | None:
+    """The bytes from a seekable stream's position to its end; None for pipes, sockets and other streams."""
+    try:
+        if not src.seekable():
+            return None
+        here = src.tell()
+        end = src.seek(0, io.SEEK_END)
+        src.seek(here)
+    except (AttributeError, OSError, ValueError):
+        return None
+    return end - here
+
+
 class BundleReader:
     """Reads and checks a bundle from a binary stream: `header` at once, `layers()` one verified chunk at a time
-    (the trailer is checked after the last; the stream must end there)."""
+    (the trailer is checked after the last; the stream must end there). `size`: the bytes the stream holds from
+    here, when the caller knows (a buffer's length); else a seekable stream's own, else unknown (pipes)."""
 
-    def __init__(self, src: BinaryIO):
+    def __init__(self, src: BinaryIO, size: int | None = None):
+        if not hasattr(src, "readinto") and not hasattr(src, "read"):
+            raise KvxError(Status.INVALID_ARGUMENT, f"a KVX bundle is read from a binary stream (a file opened 'rb', "
+                                                    f"io.BytesIO), got {type(src).__name__}")
         self.src = src
         self.offset = 0
+        self.left = _stream_left(src) if size is None else size
         head = self._take(16, "the fixed header")
         if head[:8] != MAGIC:
             raise _bad("not a KVX bundle (bad magic)")
@@ -281,31 +327,41 @@ class BundleReader:
         (seed,) = struct.unpack("<Q", self._take(8, "the header hash"))
         if _xxh64(head + raw) != seed:
             raise _bad("header checksum mismatch (corrupted header)")
-        try:
-            self.header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise _bad("header is not UTF-8 JSON") from None
-        if not isinstance(self.header, dict) or canonical_json(self.header) != raw:
-            raise _bad("header is not a canonical JSON object")
+        self.header = loads_object(raw, "KVX bundle rejected: the header")
+        if canonical_json(self.header) != raw:
+            raise _bad("header is not canonical JSON (keys sorted, no spaces)")
         self.version = (major, minor)
         self.seed = seed
         self.num_layers, self.tokens, self.specs, self.segment = parse_specs(self.header)
+        self.format = check_header(self.header, self.specs)
+        self.payload = sum(s.nbytes(self.tokens) for s in self.specs)
+        self.total = bundle_bytes(self.offset, self.payload, self.num_layers)
+        if self.left is not None and self.left != self.total:
+            raise _bad(f"its header declares {self.total} bytes, the input holds {self.left} "
+                       f"({'truncated' if self.left < self.total else 'larger than declared'})")
 
     def _take(self, n: int, what: str) -> bytes:
         return bytes(self._take_into(n, what))
 
     def _take_into(self, n: int, what: str) -> bytearray:
         """Exactly `n` bytes read into a new buffer (the chunk's tensors become views of it), over as many reads as
-        the stream needs (pipes and sockets return short reads); fewer before end of stream is a truncation."""
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
+        the stream needs (pipes and sockets return short reads); fewer before end of stream is a truncation. The
+        buffer is allocated whole only where the input is known to hold the bytes; else it grows as they arrive."""
+        if self.left is not None and self.offset + n > self.left:
+            raise _bad(f"truncated in {what} (offset {self.offset}: {n} bytes needed, {self.left - self.offset} "
+                       f"left)")
+        buf = bytearray(n if self.left is not None else min(n, READ_STEP))
+        got = 0
         while got < n:
-            if hasattr(self.src, "readinto"):
-                k = self.src.readinto(view[got:])
-            else:
-                data = self.src.read(n - got)
-                k = len(data)
-                view[got:got + k] = data
+            if got == len(buf):  # unknown size: double the buffer, as far as the bytes that came
+                buf.extend(bytes(min(n - got, len(buf))))
+            with memoryview(buf) as view:
+                if hasattr(self.src, "readinto"):
+                    k = self.src.readinto(view[got:])
+                else:
+                    data = self.src.read(len(buf) - got)
+                    k = len(data)
+                    view[got:got + k] = data
             if not k:
                 raise _bad(f"truncated in {what} (offset {self.offset + got})")
             got += k
@@ -314,15 +370,17 @@ class BundleReader:
 
     def layers(self) -> Iterator[dict[str, torch.Tensor]]:
         """Each layer's tensors (host memory), checked, in order; then the trailer and end of stream."""
-        size = sum(s.nbytes(self.tokens) for s in self.specs)
+        size = self.payload
         sums = []
         for layer in range(self.num_layers):
             check_chunk_head(self._take(16, f"chunk {layer}"), layer, size)
             payload = self._take_into(size, f"chunk {layer}'s payload")
             sums.append(check_chunk_sum(layer, chunk_checksum(layer, payload, self.seed, self.segment),
                                         self._take(8, f"chunk {layer}'s checksum")))
-            yield split_payload(torch.frombuffer(payload, dtype=torch.uint8) if payload else
-                                torch.empty(0, dtype=torch.uint8), self.specs, self.tokens)
+            tensors = split_payload(torch.frombuffer(payload, dtype=torch.uint8) if payload else
+                                    torch.empty(0, dtype=torch.uint8), self.specs, self.tokens)
+            check_layer(layer, tensors, self.format)
+            yield tensors
         start = self.offset
         check_trailer(self._take(24, "the trailer"), self.num_layers, start, sums, self.seed)
         if self.src.read(1):

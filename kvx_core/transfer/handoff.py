@@ -12,69 +12,64 @@ is what writing the source's dequantized K/V into the destination gives.
 from __future__ import annotations
 
 import hashlib
-import json
+import io
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import BinaryIO
 
 import torch
 
 from ..codec import format_of
 from ..descriptors import CacheDesc, KvIoDesc, SlotMapping, WriteDesc
-from ..errors import KvxError, Status, require
+from ..errors import KvxError, Status, int_value, require
 from ..formats import CacheFormat, get_format, rotate
+from ..jsonsafe import loads_object
 from ..ops import smoothing
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec
-from .rows import (KEY_TRANSFORMS, LAYER_TENSORS, check_slots, format_specs, key_transforms, prepare_write_rows,
+from .rows import (KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms, layer_slots, prepare_write_rows,
                    read_rows)
+from .schema import ModelFingerprint, header_transforms, token_hash, token_list
 
 
-@dataclass(frozen=True)
-class ModelFingerprint:
-    """What must agree for KV to mean the same thing in two engines: the attention geometry, RoPE and hashes of
-    the model config and tokenizer (`fingerprint_from_files`)."""
-
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    rope: dict
-    config_sha256: str
-    tokenizer_sha256: str
+def _config_count(cfg: dict, *keys: str) -> int:
+    """The first of `keys` that `cfg` sets, a positive integer (KvxError otherwise: never truncated)."""
+    v = next((cfg[k] for k in keys if cfg.get(k) is not None), None)
+    n = int_value(v)
+    require(n is not None and n > 0, Status.INVALID_ARGUMENT,
+            f"config.json: {' / '.join(keys)} must be a positive integer, got {v!r}")
+    return n
 
 
 def fingerprint_from_files(config_json: str, tokenizer_json: str) -> ModelFingerprint:
     """The fingerprint of a Hugging Face checkpoint from its config.json and tokenizer.json paths."""
     with open(config_json, "rb") as f:
         raw = f.read()
-    cfg = json.loads(raw)
+    cfg = loads_object(raw, config_json)
     with open(tokenizer_json, "rb") as f:
         tok = hashlib.sha256(f.read()).hexdigest()
-    heads = cfg.get("num_key_value_heads", cfg.get("num_attention_heads"))
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads = _config_count(cfg, "num_key_value_heads", "num_attention_heads")
+    if cfg.get("head_dim"):
+        head_dim = _config_count(cfg, "head_dim")
+    else:
+        hidden, attention = _config_count(cfg, "hidden_size"), _config_count(cfg, "num_attention_heads")
+        require(hidden % attention == 0, Status.INVALID_ARGUMENT,
+                f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {attention}")
+        head_dim = hidden // attention
+    arch = cfg.get("architectures") or ["?"]
+    require(isinstance(arch, list) and isinstance(arch[0], str), Status.INVALID_ARGUMENT,
+            f"config.json: architectures must be a list of names, got {arch!r}")
     rope = {k: cfg[k] for k in ("rope_theta", "rope_scaling", "max_position_embeddings") if k in cfg}
-    return ModelFingerprint((cfg.get("architectures") or ["?"])[0], int(cfg["num_hidden_layers"]), int(heads),
-                            int(head_dim), rope, hashlib.sha256(raw).hexdigest(), tok)
+    return ModelFingerprint(arch[0], _config_count(cfg, "num_hidden_layers"), heads, head_dim, rope,
+                            hashlib.sha256(raw).hexdigest(), tok)
 
 
 def checkpoint_fingerprint(directory: str) -> ModelFingerprint | None:
     """The fingerprint of a checkpoint directory holding config.json and tokenizer.json, else None."""
     cfg, tok = os.path.join(directory, "config.json"), os.path.join(directory, "tokenizer.json")
     return fingerprint_from_files(cfg, tok) if os.path.isfile(cfg) and os.path.isfile(tok) else None
-
-
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as u32 little-endian (what `tokens.ids_sha256` and store keys hash); KvxError outside u32."""
-    ids = [int(t) for t in token_ids]
-    require(all(0 <= t < 2**32 for t in ids), Status.INVALID_ARGUMENT, "token ids must lie in [0, 2**32)")
-    return b"".join(t.to_bytes(4, "little") for t in ids)
-
-
-def _token_hash(token_ids: Sequence[int]) -> str:
-    return hashlib.sha256(token_bytes(token_ids)).hexdigest()
 
 
 def _head_range(kv_heads, model: ModelFingerprint, what: str) -> tuple[int, int]:
@@ -99,8 +94,10 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     require(first.num_kv_heads == b - a and first.head_dim == model.head_dim, Status.INCOMPATIBLE,
             f"export_bundle: the cache has {first.num_kv_heads} KV heads x {first.head_dim}, KV heads [{a}, {b}) of "
             f"the model are {b - a} x {model.head_dim}")
-    require(token_ids is None or len(token_ids) == slots.numel(), Status.INVALID_ARGUMENT,
-            f"export_bundle: {len(token_ids or [])} token ids for {slots.numel()} slots")
+    ids = None if token_ids is None else token_list(token_ids)
+    require(isinstance(slots, torch.Tensor), Status.INVALID_ARGUMENT, "export_bundle: slots must be a tensor")
+    require(ids is None or len(ids) == slots.numel(), Status.INVALID_ARGUMENT,
+            f"export_bundle: {len(ids or [])} token ids for {slots.numel()} slots")
     geometry = (first.num_kv_heads, first.head_dim)
     transforms = key_transforms(first)
     for i, cache in enumerate(caches):
@@ -114,9 +111,7 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS)
              for n, (dt, sh) in format_specs(fmt, *geometry, transforms).items()]
     return {"model": asdict(model),
-            "tokens": {"count": int(slots.numel()),
-                       "ids": None if token_ids is None else [int(t) for t in token_ids],
-                       "ids_sha256": None if token_ids is None else _token_hash(token_ids)},
+            "tokens": {"count": int(slots.numel()), "ids": ids, "ids_sha256": None if ids is None else token_hash(ids)},
             "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
                       "head_dim": first.head_dim, "kv_heads": [a, b], **_transform_flags(transforms)},
             "tensors": [s.to_json() for s in specs], "created_by": "kvx",
@@ -128,54 +123,34 @@ def _transform_flags(transforms: frozenset[str]) -> dict[str, bool]:
     return {t.header: t.tensor in transforms for t in KEY_TRANSFORMS}
 
 
-def header_transforms(header: dict) -> frozenset[str]:
-    """The key transforms (tensor names) a bundle header declares; a flag absent (a bundle written before it) reads
-    as False."""
-    cache = header["cache"]
-    for t in KEY_TRANSFORMS:
-        require(isinstance(cache.get(t.header, False), bool), Status.INVALID_ARGUMENT,
-                f"KVX bundle rejected: cache.{t.header} is not a bool")
-    return frozenset(t.tensor for t in KEY_TRANSFORMS if cache.get(t.header, False))
-
-
 def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
                   token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None) -> dict:
     """Write the bundle of one sequence: `caches[i]` is layer i's cache, `slots` the sequence's token slots in
     order (shared by every layer). A tensor-parallel rank exports its shard: `kv_heads` = the model's KV heads its
-    caches hold, `[start, stop)`. Returns the header. Streams layer by layer."""
+    caches hold, `[start, stop)`. Returns the header. Streams layer by layer, after every layer's cache and slots
+    are checked (a refused export writes nothing)."""
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
+    wheres = layer_slots(caches, slots)
     w = BundleWriter(out, header)
-    for cache in caches:
-        w.add_layer(read_rows(cache, slots))
+    for cache, where in zip(caches, wheres):
+        w.add_layer(read_rows(cache, slots, where=where))
     w.close()
     return header
 
 
-def _check_bundle(reader: BundleReader, model: ModelFingerprint, token_ids: Sequence[int] | None) -> tuple[int, int]:
-    """A bundle's header against the importer's model and tokens -> the KV-head range it holds."""
+def _check_bundle(reader: BundleReader, model: ModelFingerprint, ids_sha256: str | None) -> tuple[int, int]:
+    """A bundle's header (its meaning checked by the reader: `schema.check_header`) against the importer's model
+    and tokens (`ids_sha256`: the hash of the ids given, None when none are) -> the KV-head range it holds."""
     header = reader.header
-    theirs = header.get("model")
-    ours = asdict(model)
+    theirs, ours = header["model"], asdict(model)
     if theirs != ours:
-        diff = sorted(k for k in ours if not isinstance(theirs, dict) or theirs.get(k) != ours[k])
-        raise KvxError(Status.INCOMPATIBLE, f"bundle of another model: {', '.join(diff)} differ")
-    cache = header["cache"]
-    heads = cache.get("kv_heads")
-    require(isinstance(heads, list) and len(heads) == 2 and all(isinstance(h, int) for h in heads)
-            and 0 <= heads[0] < heads[1] <= model.num_kv_heads and cache.get("num_kv_heads") == heads[1] - heads[0]
-            and cache.get("head_dim") == model.head_dim and cache.get("num_layers") == model.num_layers,
-            Status.INVALID_ARGUMENT, f"KVX bundle rejected: cache geometry {cache!r} does not fit its model")
-    fmt = get_format(cache.get("format")) if isinstance(cache.get("format"), str) else None
-    require(fmt is not None, Status.INVALID_ARGUMENT, "KVX bundle rejected: cache.format is not a format name")
-    specs = format_specs(fmt, cache["num_kv_heads"], model.head_dim, header_transforms(header))
-    want = {n: (dt, sh, n not in LAYER_TENSORS) for n, (dt, sh) in specs.items()}
-    got = {s.name: (s.dtype, s.shape, s.per_token) for s in reader.specs}
-    require(got == want, Status.INVALID_ARGUMENT,
-            f"KVX bundle rejected: its tensors {sorted(got)} do not match what format {fmt.name} stores")
-    if token_ids is not None:
-        require(header["tokens"].get("ids_sha256") == _token_hash(token_ids), Status.INCOMPATIBLE,
+        diff = sorted(k for k in ours if theirs.get(k) != ours[k])
+        raise KvxError(Status.INCOMPATIBLE, f"bundle of another model: {', '.join(diff) or 'extra fields'} differ")
+    if ids_sha256 is not None:
+        require(header["tokens"].get("ids_sha256") == ids_sha256, Status.INCOMPATIBLE,
                 "bundle holds the KV of other tokens than the ones given")
-    return heads[0], heads[1]
+    a, b = header["cache"]["kv_heads"]
+    return a, b
 
 
 def _assemble(shards: list[tuple[int, int, list[dict]]], a: int, b: int) -> list[dict[str, torch.Tensor]]:
@@ -211,22 +186,21 @@ def decode_rows(rows: dict[str, torch.Tensor], fmt: CacheFormat) -> list[torch.T
 
 def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict:
     """Re-encode a bundle in another format (global scales 1.0 where the new format has them, no key transform),
-    layer by layer: each layer's rows are what writing the source's dequantized K/V into a cache of `fmt` stores.
-    Returns the new header."""
-    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    each layer's rows are what writing the source's dequantized K/V into a cache of `fmt` stores. The source is read
+    with every check of import and every layer converted before the first byte of `out` is written. Returns the new
+    header."""
+    fmt = fmt if isinstance(fmt, CacheFormat) else get_format(fmt)
     reader = BundleReader(src)
     header = reader.header
     heads, d = header["cache"]["num_kv_heads"], header["cache"]["head_dim"]
     fmt.check_head_dim(d)
-    src_fmt = get_format(header["cache"]["format"])
     specs = format_specs(fmt, heads, d)
     new = {**header, "cache": {**header["cache"], "format": fmt.name, **_transform_flags(frozenset())},
            "tensors": [TensorSpec(n, dt, sh, n not in LAYER_TENSORS).to_json() for n, (dt, sh) in specs.items()]}
-    rows_in = reader.read_all()  # the whole source verified before the first byte of the output
-    w = BundleWriter(out, new)
-    for rows in rows_in:
+    layers = []
+    for rows in reader.read_all():
         layer = {}
-        for (which, tf), x in zip((("k", fmt.k), ("v", fmt.v)), decode_rows(rows, src_fmt)):
+        for (which, tf), x in zip((("k", fmt.k), ("v", fmt.v)), decode_rows(rows, reader.format)):
             g = torch.ones(heads) if tf.uses_global_scale else None
             payload, scales = tf.encode(rotate(x) if fmt.rotate else x, g)
             layer[f"{which}_data"] = payload
@@ -234,6 +208,9 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
                 layer[f"{which}_scales"] = scales
             if g is not None:
                 layer[f"{which}_global"] = g
+        layers.append(layer)
+    w = BundleWriter(out, new)
+    for layer in layers:
         w.add_layer(layer)
     w.close()
     return new
@@ -246,19 +223,17 @@ def _same(ours: torch.Tensor | None, theirs: torch.Tensor | None) -> bool:
     return torch.equal(ours.float(), theirs.to(ours.device))
 
 
-def _prepare(rows: dict[str, torch.Tensor], src_name: str, cache: CacheDesc, slots: torch.Tensor, wheres: dict):
-    """The store of one layer's bundled `rows` (source format `src_name`) into `cache` at `slots`, checked and
-    converted now; the returned callable only stores. `wheres` caches `check_slots` per cache geometry."""
-    key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
-    if key not in wheres:
-        wheres[key] = check_slots(cache, slots)
-    src, dst = get_format(src_name), format_of(cache)
+def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
+             where: tuple[torch.Tensor, torch.Tensor]):
+    """The store of one layer's bundled `rows` (source format `src`) into `cache` at `slots` (`where`: their
+    `check_slots` in this cache), checked and converted now; the returned callable only stores."""
+    dst = format_of(cache)
     if src == dst:  # the stored bytes, when they mean the same K/V here: same scales, same key transform
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
         if all(_same(t.of(cache), rows.get(t.tensor)) for t in KEY_TRANSFORMS) and all(
                 g is None or torch.equal(g, rows[n].to(g.device)) for n, g in (("k_global", kg), ("v_global", vg))):
             return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
-                                      where=wheres[key])
+                                      where=where)
     kv = decode_rows(rows, src)
     dev = cache.k.tensor.device
     write = WriteDesc(KvIoDesc(kv[0].to(dev), kv[1].to(dev)), SlotMapping(slots.to(dev)))
@@ -270,20 +245,19 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
                   slots: torch.Tensor, *, model: ModelFingerprint, token_ids: Sequence[int] | None = None,
                   kv_heads: tuple[int, int] | None = None, token_range: tuple[int, int] | None = None) -> list[dict]:
     """Read, verify and store bundles into `caches` (layer i -> `caches[i]`) at `slots` (one per bundled token, in
-    order). `src`: one bundle (a stream, or a uint8 host tensor holding it: `host.HostBundle`, checked in parallel
-    and copied to the caches' device at copy speed), or the shards of several tensor-parallel ranks; the
-    destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards
+    order). `src`: one bundle (a stream, bytes, or a uint8 host tensor holding it: `host.HostBundle`, checked in
+    parallel and copied to the caches' device at copy speed), or a list of the shards of several tensor-parallel
+    ranks; the destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards
     hold them (resharding: split, merge or both). `token_range` = `[start, stop)` stores only those bundled tokens
     (`slots` then has one entry per token of the range): what an engine loads beside a prefix it already holds.
     All or nothing: every check, every bundle's checksums and every layer's conversion happen before the first
     byte is stored. Returns the bundle headers."""
-    from .host import HostBundle  # host.py builds on this module
-
-    srcs = [src] if hasattr(src, "read") or isinstance(src, torch.Tensor) else list(src)
-    readers = [HostBundle(s) if isinstance(s, torch.Tensor) else BundleReader(s) for s in srcs]
-    require(len(readers) > 0, Status.INVALID_ARGUMENT, "import_bundle: no bundle given")
+    require(isinstance(model, ModelFingerprint), Status.INVALID_ARGUMENT,
+            f"import_bundle: model must be a ModelFingerprint, got {type(model).__name__}")
+    readers = _readers(src)
     a, b = _head_range(kv_heads, model, "import_bundle")
-    ranges = [_check_bundle(r, model, token_ids) for r in readers]
+    theirs = None if token_ids is None else token_hash(token_ids)
+    ranges = [_check_bundle(r, model, theirs) for r in readers]
     first = readers[0].header
     for r in readers[1:]:
         require(r.header["cache"]["format"] == first["cache"]["format"] and r.header["tokens"] == first["tokens"]
@@ -309,12 +283,36 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     t0, t1 = (0, count) if token_range is None else token_range
     require(isinstance(slots, torch.Tensor) and slots.numel() == t1 - t0, Status.INVALID_ARGUMENT,
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
+    wheres = layer_slots(caches, slots)  # the destination checked before any payload is read
     dev = caches[0].k.tensor.device
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
     rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
-    fmt = first["cache"]["format"]
-    wheres: dict = {}
-    stores = [_prepare(layer_rows, fmt, cache, slots, wheres) for layer_rows, cache in zip(rows, caches)]
+    stores = [_prepare(layer_rows, readers[0].format, cache, slots, where)
+              for layer_rows, cache, where in zip(rows, caches, wheres)]
     for store in stores:
         store()
     return [r.header for r in readers]
+
+
+_BYTES = (bytes, bytearray, memoryview)
+
+
+def _readers(src) -> list:
+    """Readers (`BundleReader`, `host.HostBundle`) of `import_bundle`'s `src`: one bundle (a binary stream, a uint8
+    host tensor, bytes) or a list of them; KvxError for anything else."""
+    from .host import HostBundle  # host.py builds on this module
+
+    if hasattr(src, "read") or isinstance(src, (torch.Tensor, *_BYTES)):
+        src = [src]
+    require(isinstance(src, (list, tuple)) and len(src) > 0, Status.INVALID_ARGUMENT,
+            f"import_bundle: src must be a bundle (a binary stream, bytes or a uint8 host tensor) or a non-empty list "
+            f"of them, got {type(src).__name__}")
+    readers = []
+    for s in src:
+        if isinstance(s, torch.Tensor):
+            readers.append(HostBundle(s))
+        elif isinstance(s, _BYTES):
+            readers.append(BundleReader(io.BytesIO(s)))
+        else:
+            readers.append(BundleReader(s))  # refuses what is not a stream
+    return readers

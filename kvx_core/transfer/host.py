@@ -18,10 +18,12 @@ import torch
 
 from ..descriptors import CacheDesc
 from ..errors import Status, require
-from .bundle import (SEGMENT_BYTES, BundleReader, bundle_prefix, check_chunk_head, check_chunk_sum, check_trailer, chunk_head,
-                     combine_segments, parse_specs, segment_digest, segments, split_payload, trailer)
+from .bundle import (SEGMENT_BYTES, BundleReader, bundle_bytes, bundle_prefix, check_chunk_head, check_chunk_sum,
+                     check_trailer, chunk_at, chunk_head, combine_segments, parse_specs, segment_digest, segments,
+                     split_payload, trailer)
 from .handoff import ModelFingerprint, bundle_header
-from .rows import check_slots, read_rows
+from .rows import layer_slots, read_rows
+from .schema import check_layer
 
 GPU_SEGMENT_BYTES = 1 << 16
 """Checksum segments of bundles exported from CUDA caches: 64 KiB, one GPU program each (thousands per bundle)."""
@@ -62,18 +64,8 @@ def bundle_size(header: dict) -> tuple[int, int, int]:
     """(offset of the first chunk, payload bytes per chunk, total bytes) of the bundle of `header`."""
     layers, tokens, specs, _ = parse_specs(header)
     first = len(bundle_prefix(header)[0])
-    return first, *_layout(layers, tokens, specs, first)
-
-
-def _layout(layers: int, tokens: int, specs, first: int) -> tuple[int, int]:
-    """(payload bytes per chunk, total bytes) of a bundle whose first chunk starts at `first`."""
     payload = sum(s.nbytes(tokens) for s in specs)
-    return payload, _chunk_at(first, payload, layers) + 24
-
-
-def _chunk_at(first: int, payload: int, layer: int) -> int:
-    """Offset of chunk `layer`'s 16-byte head (its payload follows, then its 8-byte checksum)."""
-    return first + layer * (16 + payload + 8)
+    return first, payload, bundle_bytes(first, payload, layers)
 
 
 def _host_bytes(buf: torch.Tensor, what: str) -> None:
@@ -87,14 +79,16 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The bundle of one sequence (as `export_bundle` writes it) in host memory: `out[:n]` when `out` (a uint8 CPU
     tensor, pinned for speed, reused across calls) is given and large enough, else a new pinned (on CUDA) tensor.
-    From CUDA caches the checksum segments are 64 KiB and hashed on the GPU before each chunk is copied out."""
+    From CUDA caches the checksum segments are 64 KiB and hashed on the GPU before each chunk is copied out.
+    Every check (caches, every layer's slots, `out`) passes before the first byte of `out` is written."""
     cuda = caches[0].k.tensor.device.type == "cuda" if caches else False
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,
                            segment_bytes=GPU_SEGMENT_BYTES if cuda else SEGMENT_BYTES)
     layers, tokens, specs, segment = parse_specs(header)
     prefix, seed = bundle_prefix(header)
-    first = len(prefix)
-    size, total = _layout(layers, tokens, specs, first)
+    first, size = len(prefix), sum(s.nbytes(tokens) for s in specs)
+    total = bundle_bytes(first, size, layers)
+    wheres = layer_slots(caches, slots)  # each layer's own block / offset split (layers may differ in block size)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     _host_bytes(out, "export_to_host: out")
@@ -103,7 +97,6 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     buf = out[:total]
     mem = buf.numpy()
     mem[:first] = memoryview(prefix)
-    where = check_slots(caches[0], slots)
     whole = size // segment * segment  # hashed on the GPU; the tail segment (if any) on the host
     pool, landed, futures, on_gpu = _hash_pool(), [], [], []
 
@@ -115,14 +108,14 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
                 if not block:
                     return
                 done.synchronize()
-            at = _chunk_at(first, size, i) + 16
+            at = chunk_at(first, size, i) + 16
             host = segments(size, segment) if not cuda else ([(whole, size)] if whole < size else [])
             futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
     dev = caches[0].k.tensor.device
-    for i, cache in enumerate(caches):  # queue each layer's gather and copy; hash the layers already landed
+    for i, (cache, where) in enumerate(zip(caches, wheres)):  # queue each layer's gather and copy; hash the landed
         rows = read_rows(cache, slots, where=where)
-        at = _chunk_at(first, size, i)
+        at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if size:
             chunk = torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
@@ -148,7 +141,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     sums = [combine_segments(i, [int(d) for d in (gpu[i] if cuda else [])] + [f.result() for f in fs], seed)
             for i, fs in enumerate(futures)]
     for i, c in enumerate(sums):
-        at = _chunk_at(first, size, i) + 16 + size
+        at = chunk_at(first, size, i) + 16 + size
         mem[at:at + 8] = memoryview(c.to_bytes(8, "little"))
     mem[total - 24:] = memoryview(trailer(sums, total - 24, seed))
     return buf
@@ -180,15 +173,11 @@ class HostBundle:
     def __init__(self, buf: torch.Tensor):
         _host_bytes(buf, "a host bundle")
         self.buf, self.mem = buf, buf.numpy()
-        reader = BundleReader(_View(memoryview(self.mem)))
+        reader = BundleReader(_View(memoryview(self.mem)), size=buf.numel())  # the buffer's length checked there
         self.header, self.version, self.seed = reader.header, reader.version, reader.seed
         self.num_layers, self.tokens, self.specs = reader.num_layers, reader.tokens, reader.specs
-        self.segment = reader.segment
-        self.first = reader.offset
-        self.size, self.total = _layout(self.num_layers, self.tokens, self.specs, self.first)
-        require(buf.numel() == self.total, Status.INVALID_ARGUMENT,
-                f"KVX bundle rejected: {buf.numel()} bytes where its header declares {self.total} "
-                f"({'truncated' if buf.numel() < self.total else 'larger than declared'})")
+        self.segment, self.format = reader.segment, reader.format
+        self.first, self.size, self.total = reader.offset, reader.payload, reader.total
 
     def read_all(self, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
         """Every layer's tensors on `device` (default: views of the host buffer), after every check passed. Onto a
@@ -202,7 +191,7 @@ class HostBundle:
         whole = n // self.segment * self.segment if on_gpu else 0
         pool, futures, gpu = _hash_pool(), [], []
         for i in range(self.num_layers):
-            at = _chunk_at(self.first, n, i)
+            at = chunk_at(self.first, n, i)
             check_chunk_head(bytes(m[at:at + 16]), i, n)
             futures.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
                             for a, b in segments(n, self.segment) if a >= whole])
@@ -217,10 +206,11 @@ class HostBundle:
         gpu_sums = torch.stack(gpu).cpu().numpy().view(np.uint64).tolist() if gpu else [[] for _ in futures]
         sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in gpu_sums[i]] + [f.result() for f in fs],
                                                     self.seed),
-                                bytes(m[_chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
+                                bytes(m[chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
-        if cuda:
-            return [split_payload(staged[i * stride:i * stride + n], self.specs, self.tokens)
-                    for i in range(self.num_layers)]
-        return [split_payload(self.buf[_chunk_at(self.first, n, i) + 16:][:n], self.specs, self.tokens)
-                for i in range(self.num_layers)]
+        layers = [split_payload(staged[i * stride:i * stride + n] if cuda else
+                                self.buf[chunk_at(self.first, n, i) + 16:][:n], self.specs, self.tokens)
+                  for i in range(self.num_layers)]
+        for i, tensors in enumerate(layers):
+            check_layer(i, tensors, self.format)
+        return layers

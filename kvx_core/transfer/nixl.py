@@ -1,12 +1,18 @@
 """KV bundles over NIXL (NVIDIA's inference transfer library; UCX underneath): the network transport.
 
 A `NixlPeer` owns one NIXL agent and one registered host buffer. The sending peer `publish`es a sequence: it
-exports the bundle into its buffer (`host.export_to_host`) and returns a `ticket`, a small JSON-safe dict (its
-agent's metadata and the buffer's descriptors) that the application passes to the receiver out of band (an HTTP
-response, vLLM's `kv_transfer_params`). The receiving peer `fetch`es by a one-sided NIXL READ of the remote buffer
-into its own and imports it with every check of `import_bundle`: the bundle's checksums cover the network, a
-stale or overwritten remote buffer is refused (other tokens / checksum), and nothing is written unless all passes.
-One buffer per peer: a ticket is valid until that peer's next `publish`.
+exports the bundle into its buffer (`host.export_to_host`) and returns a `ticket`, a small JSON-safe dict that the
+application passes to the receiver out of band (an HTTP response, vLLM's `kv_transfer_params`):
+
+    {"agent": name, "nbytes": bundle bytes, "addr": the bundle's address in the sender's buffer,
+     "metadata": base64 of the sender agent's NIXL metadata}
+
+The receiving peer `fetch`es by a one-sided NIXL READ of the remote buffer into its own and imports it with every
+check of `import_bundle`: the bundle's checksums cover the network, a stale or overwritten remote buffer is refused
+(other tokens / checksum), and nothing is written unless all passes. One buffer per peer: a ticket is valid until
+that peer's next `publish`. A ticket is outside input: `parse_ticket` checks every field's type and range (a
+JSON ticket strictly: no NaN / Infinity) before anything is allocated or sent, and the remote buffer travels as
+plain numbers (NIXL's own serialized descriptor lists are pickles: never loaded from a ticket).
 
 Needs `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` (`scripts/setup_env.sh` installs it; --no-deps because
 its declared dependencies pull CUDA builds). Without RDMA hardware UCX runs over
@@ -15,17 +21,65 @@ TCP (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo` on one machine; the CPU CI does this).
 from __future__ import annotations
 
 import base64
+import binascii
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..descriptors import CacheDesc
 from ..errors import KvxError, Status, require
+from ..formats.base import is_int
+from ..jsonsafe import loads_object
 from .handoff import ModelFingerprint, import_bundle
 from .host import export_to_host
+from .schema import short
 
 TIMEOUT_S = 60.0
+MAX_METADATA_CHARS = 1 << 20
+"""A ticket's base64 agent metadata longer than this is refused before decoding (UCX metadata takes ~400 chars)."""
+MAX_AGENT_NAME = 256
+"""A ticket's agent name longer than this is refused."""
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A checked ticket: the sender agent's name and NIXL metadata, and its bundle's address and size."""
+
+    agent: str
+    nbytes: int
+    addr: int
+    metadata: bytes
+
+
+def _bad_ticket(what: str) -> KvxError:
+    return KvxError(Status.INVALID_ARGUMENT, f"not a KVX NIXL ticket: {what} (a ticket is {{agent, nbytes, addr, "
+                                             f"metadata}} as NixlPeer.publish returns it)")
+
+
+def parse_ticket(ticket: dict | str | bytes) -> Ticket:
+    """The `Ticket` of a ticket dict (or its JSON text, parsed strictly); KvxError INVALID_ARGUMENT naming the field
+    that is missing, of another type or out of range: `agent` a name of 1 to `MAX_AGENT_NAME` characters, `nbytes`
+    an integer in [1, 2**63), `addr` an integer in [0, 2**64), `metadata` base64 of at most `MAX_METADATA_CHARS`."""
+    if isinstance(ticket, (str, bytes, bytearray)):
+        ticket = loads_object(ticket, "KVX NIXL ticket")
+    if not isinstance(ticket, dict):
+        raise _bad_ticket(f"a {type(ticket).__name__}, not an object")
+    agent, nbytes, addr, meta = (ticket.get(k) for k in ("agent", "nbytes", "addr", "metadata"))
+    if not isinstance(agent, str) or not 0 < len(agent) <= MAX_AGENT_NAME:
+        raise _bad_ticket(f"agent must be a name of 1 to {MAX_AGENT_NAME} characters, got {short(agent)}")
+    if not is_int(nbytes) or not 0 < nbytes < 2**63:
+        raise _bad_ticket(f"nbytes must be an integer in [1, 2**63), got {short(nbytes)}")
+    if not is_int(addr) or not 0 <= addr < 2**64:
+        raise _bad_ticket(f"addr must be an integer in [0, 2**64), got {short(addr)}")
+    if not isinstance(meta, str) or not 0 < len(meta) <= MAX_METADATA_CHARS:
+        raise _bad_ticket(f"metadata must be base64 text of 1 to {MAX_METADATA_CHARS} characters, got {short(meta)}")
+    try:
+        raw = base64.b64decode(meta, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad_ticket("metadata is not base64") from None
+    return Ticket(agent, nbytes, addr, raw)
 
 
 def _agent_class():
@@ -56,36 +110,43 @@ class NixlPeer:
                 token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None) -> dict:
         """Export a sequence into this peer's buffer; the returned ticket lets another peer fetch it."""
         bundle = export_to_host(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads, out=self.buf)
-        descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs([bundle]))
-        return {"agent": self.name, "nbytes": bundle.numel(),
-                "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                "descs": base64.b64encode(descs).decode()}
+        return {"agent": self.name, "nbytes": bundle.numel(), "addr": bundle.data_ptr(),
+                "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode()}
 
-    def fetch(self, ticket: dict, timeout_s: float = TIMEOUT_S) -> torch.Tensor:
+    def fetch(self, ticket: dict | str | bytes, timeout_s: float = TIMEOUT_S) -> torch.Tensor:
         """READ the bundle a ticket names into this peer's buffer; returns the bytes (a view of the buffer)."""
-        try:
-            n, meta = int(ticket["nbytes"]), base64.b64decode(ticket["metadata"])
-            remote_descs = base64.b64decode(ticket["descs"])
-        except (KeyError, TypeError, ValueError):
-            raise KvxError(Status.INVALID_ARGUMENT, "not a KVX NIXL ticket (needs agent, nbytes, metadata, descs)") from None
-        require(0 < n <= self.buf.numel(), Status.OUT_OF_RANGE,
+        t = parse_ticket(ticket)
+        n = t.nbytes
+        require(n <= self.buf.numel(), Status.OUT_OF_RANGE,
                 f"the bundle has {n} bytes; this peer's buffer holds {self.buf.numel()}")
-        if meta not in self._remotes:
-            self._remotes[meta] = self.agent.add_remote_agent(meta)
         local = self.buf[:n]
-        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs([local]),
-                                            self.agent.deserialize_descs(remote_descs), self._remotes[meta])
+        try:  # NIXL parses the metadata and checks the remote range against what the sender registered
+            if t.metadata not in self._remotes:
+                name = self.agent.add_remote_agent(t.metadata)
+                self._remotes[t.metadata] = name.decode() if isinstance(name, bytes) else name
+            name = self._remotes[t.metadata]
+            require(name == t.agent, Status.INVALID_ARGUMENT,
+                    f"not a KVX NIXL ticket: agent {short(t.agent)}, its metadata names {short(name)}")
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs([local]),
+                                                self.agent.get_xfer_descs([(t.addr, n, 0)], "DRAM"),
+                                                self._remotes[t.metadata])
+        except KvxError:
+            raise
+        except Exception as e:  # noqa: BLE001 - NIXL's own errors (nixlMismatchError, ...) for a forged ticket
+            raise KvxError(Status.INVALID_ARGUMENT, f"NIXL refused the ticket of {short(t.agent)}: "
+                                                    f"{type(e).__name__} {e}") from None
         try:
             state, deadline = self.agent.transfer(handle), time.monotonic() + timeout_s
             while state == "PROC" and time.monotonic() < deadline:
                 state = self.agent.check_xfer_state(handle)
             require(state == "DONE", Status.INTERNAL_ERROR,
-                    f"NIXL READ of {n} bytes from {ticket.get('agent')!r}: {state if state == 'ERR' else 'timed out'}")
+                    f"NIXL READ of {n} bytes from {t.agent!r}: {state if state == 'ERR' else 'timed out'}")
         finally:
             self.agent.release_xfer_handle(handle)
         return local
 
-    def receive(self, ticket: dict, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+    def receive(self, ticket: dict | str | bytes, caches: Sequence[CacheDesc], slots: torch.Tensor, *,
+                model: ModelFingerprint,
                 token_ids: Sequence[int] | None = None, token_range: tuple[int, int] | None = None) -> dict:
         """`fetch` and import into `caches` at `slots` (all or nothing); returns the bundle header."""
         (header,) = import_bundle(self.fetch(ticket), caches, slots, model=model, token_ids=token_ids,

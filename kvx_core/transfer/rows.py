@@ -6,13 +6,13 @@ centering) live per layer.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..codec import format_of
-from ..descriptors import CacheDesc
+from ..descriptors import CacheDesc, check_key_center, check_key_smoothing
 from ..errors import Status, require
 from ..ops import smoothing
 from ..ops.checks import cache_global_scales
@@ -22,17 +22,19 @@ from ..ops.reference import side_pools
 @dataclass(frozen=True)
 class KeyTransform:
     """A per-layer key-transform vector a cache may carry (`ops.smoothing`): its bundle tensor (FP32 [H, D]), the
-    header flag `cache.<header>` saying the bundle carries it, and how to read it off a cache."""
+    header flag `cache.<header>` saying the bundle carries it, how to read it off a cache, and the check of its
+    values that `QuantDesc` applies (`check(v, heads, head_dim, device, what=)`: a bundle's vector passes it too)."""
 
     tensor: str
     header: str
     what: str
     of: Callable[[CacheDesc], torch.Tensor | None]
+    check: Callable[..., None]
 
 
 KEY_TRANSFORMS: tuple[KeyTransform, ...] = (
-    KeyTransform("k_smoothing", "key_smoothing", "key smoothing", smoothing.of),
-    KeyTransform("k_center", "key_centering", "key centering", smoothing.center_of),
+    KeyTransform("k_smoothing", "key_smoothing", "key smoothing", smoothing.of, check_key_smoothing),
+    KeyTransform("k_center", "key_centering", "key centering", smoothing.center_of, check_key_center),
 )
 """The key transforms in bundle tensor order: rows of a cache with them hold `(K - c) / s` (then rotated in `_rot`
 formats), so they mean K only with the same vectors."""
@@ -56,6 +58,22 @@ def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, to
             f"slots must lie in [0, {capacity}) (num_blocks x block_size of the cache)")
     require(s.numel() == torch.unique(s).numel(), Status.INVALID_ARGUMENT, "slots must not repeat")
     return s // cache.block_size, s % cache.block_size
+
+
+def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`check_slots` of `slots` against every layer's own cache (layers may differ in block size and count), after
+    validating each cache as `read_rows` does: what an export or import checks before its first byte is written. One
+    slot check per distinct geometry (each is a host sync)."""
+    seen: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    out = []
+    for cache in caches:
+        cache.validate()
+        cache_global_scales(cache, format_of(cache), None, None, "read_rows", check_values=False)
+        key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
+        if key not in seen:
+            seen[key] = check_slots(cache, slots)
+        out.append(seen[key])
+    return out
 
 
 def read_rows(cache: CacheDesc, slots: torch.Tensor,

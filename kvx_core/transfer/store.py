@@ -6,8 +6,11 @@ temporary file in the store and renames it into place (readers never see a parti
 every check of `import_bundle` (a damaged file is refused and the cache left untouched). With `kvtc=` (a KVTC
 calibration of the model) entries are stored KVTC-coded (`kvx_core.kvtc.bundle`): written bundles are compressed,
 read entries decompressed into BF16 bundles that import into any format; a KVTC entry needs a store opened with its
-calibration. The store owns only its directory: it creates it with a marker file and refuses a non-empty directory without that marker, and it only
-ever writes, renames or deletes its own `*.kvx` / `.tmp-*` files.
+calibration. An entry is outside bytes like any bundle (another process may have written, or forged, it): every read
+checks it as `BundleReader` does, and a damaged, forged or unreadable entry (a directory in its place, an I/O
+error) is a KvxError, which the connectors log and treat as a miss. The store owns only its directory: it creates
+it with a marker file and refuses a non-empty directory without that marker, and it only ever writes, renames or
+deletes its own `*.kvx` / `.tmp-*` files.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from ..descriptors import CacheDesc
 from ..errors import KvxError, Status, require
 from ..kvtc.codec import MAGIC as KVTC_MAGIC
 from .bundle import BundleReader
-from .handoff import ModelFingerprint, export_bundle, import_bundle, token_bytes
+from .handoff import ModelFingerprint, export_bundle, import_bundle
+from .schema import token_bytes
 
 MARKER = "kvx_bundle_store.json"
 
@@ -82,29 +86,42 @@ class BundleStore:
             bundle.seek(0)
             coded = encode_bundle(bundle, self.kvtc)
             write = lambda f: f.write(coded)  # noqa: E731
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kvx", dir=self.root)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kvx", dir=self.root)
+        except OSError as e:
+            raise _failed(final, "written", e) from None
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as e:
             os.unlink(tmp)
+            if isinstance(e, OSError):  # a full disk, a directory in the entry's place
+                raise _failed(final, "written", e) from None
             raise
         return final
 
     def _open(self, model: ModelFingerprint, token_ids: Sequence[int]) -> tuple[BinaryIO | None, bytes | None]:
-        """(the entry's file, None) for a bundle entry, (None, its bytes) for a KVTC entry, (None, None) if absent."""
+        """(the entry's file, None) for a bundle entry, (None, its bytes) for a KVTC entry, (None, None) if absent;
+        KvxError for an entry that cannot be read (a directory in its place, no permission, an I/O error)."""
+        path = self.path(model, token_ids)
         try:
-            f = self.path(model, token_ids).open("rb")
+            f = path.open("rb")
         except FileNotFoundError:
             return None, None
-        if f.read(len(KVTC_MAGIC)) != KVTC_MAGIC:
-            f.seek(0)
-            return f, None
-        with f:
-            return None, KVTC_MAGIC + f.read()
+        except OSError as e:
+            raise _failed(path, "read", e) from None
+        try:
+            if f.read(len(KVTC_MAGIC)) != KVTC_MAGIC:
+                f.seek(0)
+                return f, None
+            with f:
+                return None, KVTC_MAGIC + f.read()
+        except OSError as e:
+            f.close()
+            raise _failed(path, "read", e) from None
 
     def open_entry(self, model: ModelFingerprint, token_ids: Sequence[int]) -> BinaryIO | None:
         """The entry of `token_ids` as a bundle stream (the caller closes it), None when absent; a KVTC entry is
@@ -130,7 +147,10 @@ class BundleStore:
         if f is None:
             return None
         with f:
-            return BundleReader(f).header
+            try:
+                return BundleReader(f).header
+            except OSError as e:
+                raise _failed(self.path(model, token_ids), "read", e) from None
 
     def get(self, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
             token_ids: Sequence[int], token_range: tuple[int, int] | None = None) -> bool:
@@ -140,13 +160,24 @@ class BundleStore:
         if f is None:
             return False
         with f:
-            import_bundle(f, caches, slots, model=model, token_ids=token_ids, token_range=token_range)
+            try:
+                import_bundle(f, caches, slots, model=model, token_ids=token_ids, token_range=token_range)
+            except OSError as e:
+                raise _failed(self.path(model, token_ids), "read", e) from None
         return True
 
     def remove(self, model: ModelFingerprint, token_ids: Sequence[int]) -> bool:
         """Delete the entry of `token_ids` (True when there was one)."""
+        path = self.path(model, token_ids)
         try:
-            self.path(model, token_ids).unlink()
+            path.unlink()
         except FileNotFoundError:
             return False
+        except OSError as e:
+            raise _failed(path, "removed", e) from None
         return True
+
+
+def _failed(path: Path, doing: str, e: OSError) -> KvxError:
+    """The KvxError of a store entry the OS refused to read, write or remove."""
+    return KvxError(Status.INVALID_ARGUMENT, f"bundle store entry {path} cannot be {doing}: {e.strerror or e}")

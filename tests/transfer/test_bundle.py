@@ -153,8 +153,12 @@ def test_reordered_duplicated_or_missing_chunks_are_refused(small):
     assert head + c0 + c1 + tail == blob
     _refused(head + c1 + c0 + tail, dst, torch.arange(3), match="chunk 0: holds layer 1")
     _refused(head + c0 + c0 + tail, dst, torch.arange(3), match="chunk 1: holds layer 0")
-    _refused(head + c0 + tail, dst, torch.arange(3), match="chunk 1: bad tag")
-    _refused(head + c0 + c1 + c1 + tail, dst, torch.arange(3), match="expected the trailer")
+    _refused(head + c0 + tail, dst, torch.arange(3), match="truncated")  # a file: its size differs from the header's
+    _refused(head + c0 + c1 + c1 + tail, dst, torch.arange(3), match="larger than declared")
+    with pytest.raises(KvxError, match="chunk 1: bad tag"):  # a pipe (size unknown): found where the chunk should be
+        BundleReader(_Trickle(head + c0 + tail)).read_all()
+    with pytest.raises(KvxError, match="expected the trailer"):
+        BundleReader(_Trickle(head + c0 + c1 + c1 + tail)).read_all()
 
 
 @pytest.mark.parametrize("major", [1, 3])

@@ -2,6 +2,7 @@
 across two; the bundle checks cover what crosses the wire."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -84,6 +85,30 @@ def test_stale_ticket_bad_ticket_and_small_buffer_are_refused_untouched():
         with pytest.raises(KvxError, match="ticket"):
             big.fetch(bad)
     assert _unchanged(dst, before)
+
+
+def test_a_refused_publish_keeps_the_published_bundle_and_forged_tickets_are_refused():
+    """A publish whose layer 1 cannot hold the slots is refused before the peer's buffer (the bundle its last ticket
+    names) changes; a ticket whose agent its metadata does not name, whose metadata NIXL cannot read or whose size
+    is not an integer is refused before any transfer."""
+    from kvx_core.cache import PagedKVCache  # noqa: PLC0415
+
+    a, slots = _cache("int8", 16, 4, tokens=20)
+    sender, receiver = NixlPeer("kvx-send4", 1 << 20), NixlPeer("kvx-recv4", 1 << 20)
+    ticket = sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))
+    published = sender.buf.clone()
+    small = PagedKVCache("int8", num_layers=LAYERS, num_blocks=1, block_size=16, num_kv_heads=a.num_kv_heads,
+                         head_dim=a.head_dim)
+    with pytest.raises(KvxError) as e:
+        sender.publish([a.descriptor(0), small.descriptor(1)], torch.arange(20, 40), model=MODEL)
+    assert e.value.status == Status.OUT_OF_RANGE and torch.equal(sender.buf, published)
+    assert torch.equal(receiver.fetch(ticket), published[:ticket["nbytes"]])
+    garbage = base64.b64encode(b"not nixl metadata").decode()
+    for forged in ({**ticket, "agent": "kvx-someone-else"}, {**ticket, "metadata": garbage},
+                   {**ticket, "nbytes": float("inf")}, json.dumps({**ticket, "nbytes": 1.5})):
+        with pytest.raises(KvxError, match="ticket") as e:
+            receiver.fetch(forged)
+        assert e.value.status == Status.INVALID_ARGUMENT
 
 
 SENDER = textwrap.dedent("""

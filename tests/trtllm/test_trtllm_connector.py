@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -221,6 +222,38 @@ def test_a_damaged_bundle_raises_and_writes_nothing(checkpoint, store):
     with pytest.raises(RuntimeError, match="nothing written"):
         cons.run(ShimRequest(2, list(prompt)))
     assert torch.equal(cons.pool, before)
+
+
+@pytest.mark.parametrize("forgery", ["nan", "deep", "huge count", "truncated", "directory"])
+def test_a_forged_store_entry_is_a_logged_miss(checkpoint, store, caplog, forgery):
+    """A forged entry in the shared store (checksums recomputed), a truncated one or a directory in its place: the
+    scheduler logs it and computes the prompt (0 matched tokens), never crashes."""
+    from tests.fuzz import DEEP
+    from tests.transfer.forge import build, split
+
+    prompt = list(range(400, 420))
+    _engine(checkpoint, 4, chunk=64).run(ShimRequest(1, list(prompt)))
+    cons = _engine(checkpoint, 4, chunk=64)
+    path = cons.sched.config.store.path(cons.sched.config.model, prompt)
+    blob = path.read_bytes()
+    header, payloads = split(blob)
+    if forgery == "directory":
+        path.unlink()
+        path.mkdir()
+    elif forgery == "truncated":
+        path.write_bytes(blob[:-100])
+    else:
+        if forgery == "huge count":
+            header["tokens"].update(count=2**24, ids=None, ids_sha256=None)
+        else:
+            header["model"]["rope"]["rope_theta"] = math.nan if forgery == "nan" else DEEP
+        path.write_bytes(build(header, payloads))
+    with caplog.at_level(logging.WARNING, logger="kvx_trtllm.connector"):
+        assert cons.sched.get_num_new_matched_tokens(ShimRequest(7, list(prompt)), 0) == (0, False)
+    assert "store entry refused" in caplog.text
+    cons.sched.request_finished(ShimRequest(7, []), [])
+    blocks = cons.run(ShimRequest(2, list(prompt)))
+    assert torch.equal(cons.stored(blocks, len(prompt)), cons.expected(prompt, len(prompt)))
 
 
 @pytest.mark.parametrize("change,words", [

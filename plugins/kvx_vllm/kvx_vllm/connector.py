@@ -182,8 +182,8 @@ class KvxConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata) and self._caches is not None
         for t in meta.loads:
-            f = self.store.open_entry(self.model, t.token_ids)
-            try:
+            try:  # opening is reading outside bytes too (a KVTC entry decodes, an entry may be forged or unreadable)
+                f = self.store.open_entry(self.model, t.token_ids)
                 if f is None:
                     raise FileNotFoundError("its store entry is gone")
                 with f:
