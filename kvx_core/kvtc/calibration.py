@@ -235,16 +235,19 @@ def _tensor_specs(p: dict) -> TensorSpecs:
 
 def _check_tensors(cal: Calibration, path: str) -> None:
     """The meaning of each group side's tensors: all finite, variances >= 0, FP8 scales > 0, and the basis columns
-    of unit length (an orthonormal basis; `BASIS_TOLERANCE`), so no forged tensor turns finite K/V into NaN or
-    inf."""
+    of unit length (an orthonormal basis, within `BASIS_TOLERANCE`), so no forged tensor turns finite K/V into NaN
+    or inf."""
     for i, g in enumerate(cal.groups):
         for s in SIDES:
             c = g[s]
-            ok = all(bool(torch.isfinite(t).all()) for t in (c.mean, c.basis, c.variance, c.fp8_scale))
-            ok = ok and bool((c.variance >= 0).all()) and bool((c.fp8_scale > 0).all())
-            ok = ok and bool((((c.basis.double() ** 2).sum(0) - 1).abs() <= BASIS_TOLERANCE).all())
-            require(ok, Status.INVALID_ARGUMENT, f"{path}: group {i} {s}: non-finite values, negative variances, "
-                    "FP8 scales <= 0 or basis columns not of unit length")
+            checks = (("non-finite values", lambda: all(bool(torch.isfinite(t).all()) for t in
+                                                        (c.mean, c.basis, c.variance, c.fp8_scale))),
+                      ("negative variances", lambda: bool((c.variance >= 0).all())),
+                      ("FP8 scales <= 0", lambda: bool((c.fp8_scale > 0).all())),
+                      ("basis columns not of unit length",
+                       lambda: bool((((c.basis.double() ** 2).sum(0) - 1).abs() <= BASIS_TOLERANCE).all())))
+            for what, ok in checks:
+                require(ok(), Status.INVALID_ARGUMENT, f"{path}: group {i} {s} holds {what}")
 
 
 def group_features(kv: Sequence[torch.Tensor], group: int, layers_per_group: int) -> torch.Tensor:
