@@ -6,12 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 
 import torch
 
 from .errors import KvxError, Status, require
+from .files import publish
 
 
 def content_hash(params: dict, tensors: dict[str, torch.Tensor]) -> str:
@@ -61,29 +61,10 @@ def read_tensor_file(path: str, *, max_bytes: int | None = None,
 
 def write_tensor_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
                       overwrite: bool = False) -> None:
-    """Write a safetensors file through a temporary file in the same directory, then link (new files) or rename
-    (`overwrite`) it into place: readers never see a partial file, and an existing file is refused (KvxError)
-    unless `overwrite`, also when another writer creates it meanwhile."""
+    """Write a safetensors file through a temporary file in the same directory (`files.publish`): readers never see
+    a partial file, and an existing file is refused (KvxError) unless `overwrite`, also when another writer creates
+    it meanwhile."""
     from safetensors.torch import save_file
 
-    exists = f"{path} exists; KVX never overwrites a file without an explicit overwrite"
-    require(overwrite or not os.path.exists(path), Status.INVALID_ARGUMENT, exists)
-    folder = os.path.dirname(os.path.abspath(path))
-    require(os.path.isdir(folder), Status.INVALID_ARGUMENT, f"{folder}: no such directory")
-    fd, tmp = tempfile.mkstemp(prefix=".kvx-", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)  # atomic, and fails if the name exists
-            except FileExistsError:
-                raise KvxError(Status.INVALID_ARGUMENT, exists) from None
-            except OSError:  # a file system without hard links: check, then rename (a concurrent writer could race)
-                require(not os.path.exists(path), Status.INVALID_ARGUMENT, exists)
-                os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    publish(path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp,
+                                        metadata=metadata), overwrite=overwrite)

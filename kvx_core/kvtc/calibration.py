@@ -163,8 +163,8 @@ def _check_params(meta: dict[str, str], path: str) -> dict:
     ranges = p["ranges"]
     require(isinstance(ranges, list) and len(ranges) == out["num_layers"] // lpg, Status.INVALID_ARGUMENT,
             f"{path}: calibration ranges must list one entry per group of layers ({out['num_layers'] // lpg})")
-    out["ranges"] = [{s: _check_ranges(g.get(s) if isinstance(g, dict) else None, features, rs, f"{path}: group {i} {s}")
-                      for s in SIDES} for i, g in enumerate(ranges)]
+    out["ranges"] = [{s: _check_ranges(g.get(s) if isinstance(g, dict) else None, features, rs,
+                                       f"{path}: group {i} {s}") for s in SIDES} for i, g in enumerate(ranges)]
     return out
 
 
@@ -186,7 +186,8 @@ def _check_settings(p: dict, geometry: dict[str, int], what: str) -> dict:
             f"{what}: ratio must be a finite number >= 1, got {p['ratio']!r}")
     theta = p["rope_theta"]
     out["rope_theta"] = None if theta is None else _real(theta)
-    require(theta is None or (out["rope_theta"] is not None and out["rope_theta"] > 0 and geometry["head_dim"] % 2 == 0),
+    even = geometry["head_dim"] % 2 == 0
+    require(theta is None or (out["rope_theta"] is not None and out["rope_theta"] > 0 and even),
             Status.INVALID_ARGUMENT, f"{what}: rope_theta must be null or a finite number > 0 (with an even "
             f"head_dim), got {theta!r}")
     out["model"] = _check_model(p["model"], geometry, what)
@@ -326,6 +327,13 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
                                 "sink_tokens": sink_tokens, "recent_tokens": recent_tokens, "model": model or {},
                                 "rope_theta": rope_theta},
                                {"num_layers": num_layers, "num_kv_heads": h, "head_dim": d}, "calibrate")
+    for w in windows:
+        n = w[0][0].shape[0]
+        require(len(w) == num_layers and all(tuple(x.shape) == (n, h, d) for pair in w for x in pair),
+                Status.INVALID_ARGUMENT, f"calibrate: every window must hold {num_layers} layers of K/V [T, {h}, {d}]")
+        require(n > sink_tokens, Status.INVALID_ARGUMENT,
+                f"calibrate: a window of {n} tokens has none after the {sink_tokens} sink tokens")
+
     def prepared(x: torch.Tensor, side: int) -> torch.Tensor:
         pos = torch.arange(sink_tokens, x.shape[0])
         x = x[sink_tokens:].float()
