@@ -94,7 +94,7 @@ class Calibration:
         for i, g in enumerate(self.groups):
             for s in SIDES:
                 c = g[s]
-                for name in ("mean", "basis", "variance", "fp8_scale"):
+                for name in TENSORS:
                     out[f"g{i}.{s}.{name}"] = getattr(c, name).contiguous()
         return out
 
@@ -140,9 +140,14 @@ def _int(p: dict, key: str, lo: int, hi: int, path: str) -> int:
 
 
 def _real(value: object) -> float | None:
-    """A finite JSON number as a float (not a bool); None otherwise."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
+    """A finite number (an int or float, not a bool) as a float; None otherwise (an int past the float range too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        v = float(value)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None
 
 
 def _check_params(meta: dict[str, str], path: str) -> dict:
@@ -322,6 +327,7 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
     of a group share one byte budget (twice the per-side one) instead of one budget each."""
     require(len(windows) > 0 and len(windows[0]) > 0, Status.INVALID_ARGUMENT, "calibrate: no K/V given")
     num_layers = len(windows[0])
+    require(windows[0][0][0].dim() == 3, Status.INVALID_ARGUMENT, "calibrate: K/V must be [tokens, H, D]")
     _, h, d = windows[0][0][0].shape
     settings = _check_settings({"layers_per_group": layers_per_group, "ratio": ratio, "range_size": range_size,
                                 "sink_tokens": sink_tokens, "recent_tokens": recent_tokens, "model": model or {},

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 import os
 import stat
+import struct
 import warnings
 import zlib
 from collections.abc import Sequence
@@ -309,7 +309,7 @@ def _file_bytes(f: BinaryIO, consumed: int) -> int | None:
         return None
 
 
-def read_file(f: BinaryIO, *, keep: bool = True) -> tuple[KvtcHeader, bytes | None]:
+def read_file(f: BinaryIO, *, keep: bool = True) -> tuple[KvtcHeader, bytearray | None]:
     """A buffer read from a binary file: the header is read and checked first, then the declared size against the
     file's (a regular file) and exactly the declared bytes are read, in chunks through the checksum. Returns the
     checked header and, with `keep`, the whole buffer (for `decompress`); without, nothing past the header is held
@@ -335,7 +335,9 @@ def read_file(f: BinaryIO, *, keep: bool = True) -> tuple[KvtcHeader, bytes | No
     require(len(digest) == CHECKSUM_BYTES and not f.read(1), Status.INVALID_ARGUMENT,
             f"KVTC: the buffer's length differs from the {total} bytes its header says (truncated or padded)")
     require(h.digest() == digest, Status.INVALID_ARGUMENT, "KVTC: checksum mismatch (the buffer is damaged)")
-    return hdr, None if out is None else bytes(out + digest)
+    if out is not None:
+        out += digest
+    return hdr, out
 
 
 class KvtcDecoded(NamedTuple):

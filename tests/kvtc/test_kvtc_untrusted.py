@@ -181,6 +181,7 @@ def _params_forged(tmp_path, **changes):
     ({"ratio": math.nan}, Status.INVALID_ARGUMENT),
     ({"ratio": 0.5}, Status.INVALID_ARGUMENT),
     ({"ratio": "3"}, Status.INVALID_ARGUMENT),
+    ({"ratio": 10**400}, Status.INVALID_ARGUMENT),
     ({"range_size": 6}, Status.INVALID_ARGUMENT),
     ({"rope_theta": -1.0}, Status.INVALID_ARGUMENT),
     ({"model": {"name": "x"}}, Status.INVALID_ARGUMENT),
