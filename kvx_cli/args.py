@@ -6,6 +6,7 @@ is refused before any work (no allocation, no model load) with one line and exit
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import BinaryIO, Callable, NoReturn
 
@@ -41,6 +42,22 @@ def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
         return value
 
     parse.__name__ = f"integer in [{lo}, {hi}]"
+    return parse
+
+
+def bounded_float(lo: float, hi: float) -> Callable[[str], float]:
+    """An argparse `type=` accepting a finite number in [lo, hi] and refusing anything else (nan, inf, words)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and lo <= value <= hi):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number in [{lo:g}, {hi:g}]")
+        return value
+
+    parse.__name__ = f"number in [{lo:g}, {hi:g}]"
     return parse
 
 

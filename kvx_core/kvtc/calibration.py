@@ -20,13 +20,25 @@ from functools import cached_property
 
 import torch
 
-from ..errors import Status, require
-from ..tensor_file import content_hash, read_tensor_file, write_tensor_file
+from ..errors import Status, int_value, require
+from ..jsonsafe import loads_object
+from ..tensor_file import TensorSpecs, content_hash, read_tensor_file, write_tensor_file
 from .quant import KINDS, RangeKind, dequantize_range, fp8_scales, quantize_range, range_bytes
 from .rope import rotate
 
 VERSION = 1
 SIDES = ("k", "v")
+TENSORS = ("mean", "basis", "variance", "fp8_scale")
+KIND_NAMES = tuple(str(k) for k in KINDS)
+MAX_CALIBRATION_BYTES = 1 << 34
+"""The largest calibration file read, 16 GiB (a 405B-class model, 126 layers x 8 KV heads x 128, in groups of 6
+layers is ~6 GiB): a larger one is refused before it is opened."""
+MAX_POSITION = 1 << 53
+"""Token positions (a buffer's `token_start + token_count`, a calibration's sink / recent counts) stay below 2^53:
+RoPE angles are computed from float64 positions, exact up to there."""
+UINT32_MAX = 2**32 - 1  # a buffer header's geometry fields are u32
+BASIS_TOLERANCE = 1e-3
+"""How far a basis column's squared length may be from 1 (float32 columns of an eigendecomposition are within 1e-5)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,7 @@ class Calibration:
         for i, g in enumerate(self.groups):
             for s in SIDES:
                 c = g[s]
-                for name in ("mean", "basis", "variance", "fp8_scale"):
+                for name in TENSORS:
                     out[f"g{i}.{s}.{name}"] = getattr(c, name).contiguous()
         return out
 
@@ -100,25 +112,148 @@ class Calibration:
 
 
 def load_calibration(path: str) -> Calibration:
-    """Read a calibration file (KvxError INVALID_ARGUMENT / INCOMPATIBLE for foreign, damaged or newer files)."""
-    meta, tensors = read_tensor_file(path)
-    require("kvx_kvtc" in meta, Status.INVALID_ARGUMENT, f"{path}: not a KVX KVTC calibration (no kvx_kvtc metadata)")
-    p = json.loads(meta["kvx_kvtc"])
-    require(p.get("version") == VERSION, Status.INCOMPATIBLE,
-            f"{path}: calibration version {p.get('version')}, this KVX reads version {VERSION}")
-    groups = []
-    for i, rg in enumerate(p["ranges"]):
-        g = {}
-        for s in SIDES:
-            t = {n: tensors.get(f"g{i}.{s}.{n}") for n in ("mean", "basis", "variance", "fp8_scale")}
-            require(all(v is not None for v in t.values()), Status.INVALID_ARGUMENT, f"{path}: group {i} {s} incomplete")
-            g[s] = SideCalibration(**t, ranges=tuple((int(a), int(b), str(k)) for a, b, k in rg[s]))
-        groups.append(g)
+    """Read a calibration file (KvxError INVALID_ARGUMENT / INCOMPATIBLE for foreign, damaged or newer files).
+
+    Its identity hash is no proof (anyone can recompute it), so everything is checked: the file size against
+    `MAX_CALIBRATION_BYTES` and every declared tensor shape against the parameters' geometry before any tensor is
+    read (`_check_params`, `_tensor_specs`), then the hash, then the tensors' meaning (`_check_tensors`)."""
+    meta, tensors = read_tensor_file(path, max_bytes=MAX_CALIBRATION_BYTES,
+                                     expect=lambda m: _tensor_specs(_check_params(m, path)))
+    p = _check_params(meta, path)
+    groups = tuple({s: SideCalibration(*(tensors[f"g{i}.{s}.{n}"] for n in TENSORS),
+                                       ranges=tuple(tuple(r) for r in rg[s])) for s in SIDES}
+                   for i, rg in enumerate(p["ranges"]))
     cal = Calibration(p["num_layers"], p["num_kv_heads"], p["head_dim"], p["layers_per_group"], p["sink_tokens"],
-                      p["recent_tokens"], p["ratio"], p["range_size"], p["model"], p["rope_theta"], tuple(groups))
+                      p["recent_tokens"], p["ratio"], p["range_size"], p["model"], p["rope_theta"], groups)
     require(cal.identity == meta.get("identity"), Status.INVALID_ARGUMENT,
             f"{path}: the identity hash does not match the contents (damaged or edited)")
+    _check_tensors(cal, path)
     return cal
+
+
+def _int(p: dict, key: str, lo: int, hi: int, path: str) -> int:
+    """`p[key]` when it is an integer (not a bool or a float) in [lo, hi]; KvxError otherwise."""
+    v = int_value(p.get(key))
+    require(v is not None and lo <= v <= hi, Status.INVALID_ARGUMENT,
+            f"{path}: {key} must be an integer in [{lo}, {hi}], got {p.get(key)!r}")
+    return v
+
+
+def _real(value: object) -> float | None:
+    """A finite number (an int or float, not a bool) as a float; None otherwise (an int past the float range too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        v = float(value)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _check_params(meta: dict[str, str], path: str) -> dict:
+    """The calibration parameters of a file's metadata, each checked for type and range, and the ranges of each
+    group side for their structure: what `calibrate` writes (KvxError otherwise)."""
+    require("kvx_kvtc" in meta, Status.INVALID_ARGUMENT, f"{path}: not a KVX KVTC calibration (no kvx_kvtc metadata)")
+    p = loads_object(meta["kvx_kvtc"], f"{path}: the kvx_kvtc metadata")
+    version = int_value(p.get("version"))
+    require(version == VERSION, Status.INCOMPATIBLE,
+            f"{path}: calibration version {p.get('version')!r}, this KVX reads version {VERSION}")
+    keys = set(Calibration.__dataclass_fields__) - {"groups"} | {"version", "ranges"}
+    require(set(p) == keys, Status.INVALID_ARGUMENT,
+            f"{path}: calibration parameters {sorted(p)}, expected {sorted(keys)}")
+    out = _check_settings(p, {k: _int(p, k, 1, UINT32_MAX, path) for k in ("num_layers", "num_kv_heads", "head_dim")},
+                          path)
+    lpg, rs = out["layers_per_group"], out["range_size"]
+    features = lpg * out["num_kv_heads"] * out["head_dim"]
+    ranges = p["ranges"]
+    require(isinstance(ranges, list) and len(ranges) == out["num_layers"] // lpg, Status.INVALID_ARGUMENT,
+            f"{path}: calibration ranges must list one entry per group of layers ({out['num_layers'] // lpg})")
+    out["ranges"] = [{s: _check_ranges(g.get(s) if isinstance(g, dict) else None, features, rs,
+                                       f"{path}: group {i} {s}") for s in SIDES} for i, g in enumerate(ranges)]
+    return out
+
+
+def _check_settings(p: dict, geometry: dict[str, int], what: str) -> dict:
+    """`geometry` (num_layers, num_kv_heads, head_dim) with the settings in `p` checked against it (KvxError
+    otherwise): layers_per_group dividing the layers, sink and recent token counts in [0, MAX_POSITION], range_size
+    a multiple of 4, a finite ratio >= 1, rope_theta null or finite > 0 (with an even head_dim), the model {} or its
+    fingerprint. `calibrate` checks its arguments and `load_calibration` a file's parameters with it."""
+    out = dict(geometry)
+    out["layers_per_group"] = lpg = _int(p, "layers_per_group", 1, geometry["num_layers"], what)
+    require(geometry["num_layers"] % lpg == 0, Status.INVALID_ARGUMENT,
+            f"{what}: layers_per_group {lpg} does not divide the {geometry['num_layers']} layers")
+    out["sink_tokens"] = _int(p, "sink_tokens", 0, MAX_POSITION, what)
+    out["recent_tokens"] = _int(p, "recent_tokens", 0, MAX_POSITION, what)
+    out["range_size"] = rs = _int(p, "range_size", 4, UINT32_MAX, what)
+    require(rs % 4 == 0, Status.INVALID_ARGUMENT, f"{what}: range_size {rs} is not a multiple of 4")
+    out["ratio"] = _real(p["ratio"])
+    require(out["ratio"] is not None and out["ratio"] >= 1, Status.INVALID_ARGUMENT,
+            f"{what}: ratio must be a finite number >= 1, got {p['ratio']!r}")
+    theta = p["rope_theta"]
+    out["rope_theta"] = None if theta is None else _real(theta)
+    even = geometry["head_dim"] % 2 == 0
+    require(theta is None or (out["rope_theta"] is not None and out["rope_theta"] > 0 and even),
+            Status.INVALID_ARGUMENT, f"{what}: rope_theta must be null or a finite number > 0 (with an even "
+            f"head_dim), got {theta!r}")
+    out["model"] = _check_model(p["model"], geometry, what)
+    return out
+
+
+def _check_ranges(ranges: object, features: int, range_size: int, what: str) -> list[tuple[int, int, str]]:
+    """A group side's kept ranges `[start, stop, kind]`: increasing, each one of `calibrate`'s ranges of
+    `range_size` components (`start` a multiple of it, `stop` the next one or the end), a kind that stores bytes."""
+    require(isinstance(ranges, list), Status.INVALID_ARGUMENT, f"{what}: ranges must be a list")
+    out, prev = [], -1
+    for r in ranges:
+        ok = isinstance(r, list) and len(r) == 3 and isinstance(r[2], str)
+        a, b = (int_value(r[0]), int_value(r[1])) if ok else (None, None)
+        ok = ok and a is not None and b is not None and prev < a < features and a % range_size == 0 \
+            and b == min(a + range_size, features) and r[2] in KIND_NAMES and r[2] != "drop"
+        require(ok, Status.INVALID_ARGUMENT, f"{what}: range {r!r} is not a kept range of {range_size} of the "
+                f"{features} components (start, stop, one of {', '.join(KIND_NAMES[1:])}) after the previous one")
+        out.append((a, b, r[2]))
+        prev = a
+    return out
+
+
+def _check_model(model: object, geometry: dict[str, int], path: str) -> dict:
+    """The model fingerprint a calibration names: {} or a `ModelFingerprint` as a dict, of the calibration's
+    geometry."""
+    fields = {"architecture": str, "num_layers": int, "num_kv_heads": int, "head_dim": int, "rope": dict,
+              "config_sha256": str, "tokenizer_sha256": str}
+    require(isinstance(model, dict) and (not model or set(model) == set(fields)), Status.INVALID_ARGUMENT,
+            f"{path}: model must be {{}} or a model fingerprint with {sorted(fields)}")
+    for k, t in fields.items() if model else ():
+        require(type(model[k]) is t, Status.INVALID_ARGUMENT, f"{path}: model {k} must be a {t.__name__}")
+    for k in geometry if model else ():
+        require(model[k] == geometry[k], Status.INVALID_ARGUMENT,
+                f"{path}: model {k} {model[k]} disagrees with the calibration's {geometry[k]}")
+    return dict(model)
+
+
+def _tensor_specs(p: dict) -> TensorSpecs:
+    """The tensors a calibration of parameters `p` holds: per group and side, mean `[F]`, basis `[F, F]`,
+    variance and FP8 scales `[F]`, float32 (`F`: the group's features)."""
+    f = p["layers_per_group"] * p["num_kv_heads"] * p["head_dim"]
+    shapes = {"mean": (f,), "basis": (f, f), "variance": (f,), "fp8_scale": (f,)}
+    return {f"g{i}.{s}.{n}": ("F32", shapes[n]) for i in range(len(p["ranges"])) for s in SIDES for n in TENSORS}
+
+
+def _check_tensors(cal: Calibration, path: str) -> None:
+    """The meaning of each group side's tensors: all finite, variances >= 0, FP8 scales > 0, and the basis columns
+    of unit length (an orthonormal basis, within `BASIS_TOLERANCE`), so no forged tensor turns finite K/V into NaN
+    or inf."""
+    for i, g in enumerate(cal.groups):
+        for s in SIDES:
+            c = g[s]
+            checks = (("non-finite values", lambda: all(bool(torch.isfinite(t).all()) for t in
+                                                        (c.mean, c.basis, c.variance, c.fp8_scale))),
+                      ("negative variances", lambda: bool((c.variance >= 0).all())),
+                      ("FP8 scales <= 0", lambda: bool((c.fp8_scale > 0).all())),
+                      ("basis columns not of unit length",
+                       lambda: bool((((c.basis.double() ** 2).sum(0) - 1).abs() <= BASIS_TOLERANCE).all())))
+            for what, ok in checks:
+                require(ok(), Status.INVALID_ARGUMENT, f"{path}: group {i} {s} holds {what}")
 
 
 def group_features(kv: Sequence[torch.Tensor], group: int, layers_per_group: int) -> torch.Tensor:
@@ -192,11 +327,19 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
     of a group share one byte budget (twice the per-side one) instead of one budget each."""
     require(len(windows) > 0 and len(windows[0]) > 0, Status.INVALID_ARGUMENT, "calibrate: no K/V given")
     num_layers = len(windows[0])
-    require(layers_per_group >= 1 and num_layers % layers_per_group == 0, Status.INVALID_ARGUMENT,
-            f"layers_per_group {layers_per_group} must divide the {num_layers} layers")
-    require(ratio >= 1.0 and range_size >= 4 and range_size % 4 == 0, Status.INVALID_ARGUMENT,
-            f"ratio must be >= 1 and range_size a multiple of 4, got {ratio}, {range_size}")
+    require(windows[0][0][0].dim() == 3, Status.INVALID_ARGUMENT, "calibrate: K/V must be [tokens, H, D]")
     _, h, d = windows[0][0][0].shape
+    settings = _check_settings({"layers_per_group": layers_per_group, "ratio": ratio, "range_size": range_size,
+                                "sink_tokens": sink_tokens, "recent_tokens": recent_tokens, "model": model or {},
+                                "rope_theta": rope_theta},
+                               {"num_layers": num_layers, "num_kv_heads": h, "head_dim": d}, "calibrate")
+    for w in windows:
+        n = w[0][0].shape[0]
+        require(len(w) == num_layers and all(tuple(x.shape) == (n, h, d) for pair in w for x in pair),
+                Status.INVALID_ARGUMENT, f"calibrate: every window must hold {num_layers} layers of K/V [T, {h}, {d}]")
+        require(n > sink_tokens, Status.INVALID_ARGUMENT,
+                f"calibrate: a window of {n} tokens has none after the {sink_tokens} sink tokens")
+
     def prepared(x: torch.Tensor, side: int) -> torch.Tensor:
         pos = torch.arange(sink_tokens, x.shape[0])
         x = x[sink_tokens:].float()
@@ -224,5 +367,5 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
             ranges = [_allocate([(fits[s][3], fits[s][4])], range_size, int(features * 2 / ratio))[0] for s in SIDES]
         groups.append({s: SideCalibration(fits[s][0].float(), fits[s][1].float(), fits[s][2].float(), fits[s][4], r)
                        for s, r in zip(SIDES, ranges)})
-    return Calibration(num_layers, h, d, layers_per_group, sink_tokens, recent_tokens, float(ratio), range_size,
-                       dict(model or {}), None if rope_theta is None else float(rope_theta), tuple(groups))
+    return Calibration(num_layers, h, d, layers_per_group, sink_tokens, recent_tokens, settings["ratio"], range_size,
+                       settings["model"], settings["rope_theta"], tuple(groups))

@@ -13,22 +13,29 @@ and body. The body: the raw head tokens, then the raw tail tokens (per layer, K 
 dtype), then per group, K then V, per kept range a 40-byte range header (`i32 quant_type (0 FP8, 1 IntX), i32
 int_bits, u64 start, u64 end, u64 packed_data_bytes, u64 metadata_bytes`), the range's metadata (IntX: fp16 min and
 step per component) and packed data (rows in token order).
+
+A buffer is untrusted even with a valid checksum (anyone can recompute one): `read_header` checks every header
+field's range and the declared sizes against the bytes present and `MAX_BODY_BYTES`, `open_body` checks them against
+the calibration's geometry before inflating a DEFLATE body (bounded by the declared size), and `decode_body` refuses
+a buffer that decodes to non-finite K/V (what `compress` never writes).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import struct
 import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import torch
 
 from ..errors import KvxError, Status, require
-from .calibration import SIDES, Calibration, group_features
+from .calibration import MAX_POSITION, SIDES, Calibration, group_features
 from .layout import body_layout, check_headers, decode_sections, encode_sections
 from .rope import rotate
 
@@ -41,6 +48,11 @@ FLAG_TOKEN_IDS = 2
 HEADER = struct.Struct("<4sHH32s32sIIIIQQIIB3xQQ")
 CHECKSUM_BYTES = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_BODY_BYTES = 1 << 36
+"""The largest body (stored or inflated) and the most K/V bytes one buffer may decode to, 64 GiB: a 128k-token
+sequence of a 70B-class model (80 layers x 8 KV heads x 128) is ~40 GiB of BF16 K/V. Larger declared sizes are
+refused before anything is allocated."""
+_READ_CHUNK = 1 << 24
 
 
 def model_hash(model) -> bytes:
@@ -76,17 +88,21 @@ class KvtcHeader:
         return d
 
 
-def _checksum(version: int, *parts) -> bytes:
-    """The 16-byte checksum of `parts` (bytes-like, hashed in place): XXH3-128 (canonical, big-endian) from version 2,
+def _checksum_state(version: int):
+    """A hash object (`update`, `digest`) of the 16-byte checksum: XXH3-128 (canonical, big-endian) from version 2,
     BLAKE2b-128 in version 1."""
     if version == 1:
-        h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
-    else:
-        try:
-            import xxhash
-        except ImportError:
-            raise KvxError(Status.UNSUPPORTED, "KVTC buffers need the xxhash package: pip install 'kvx[kvtc]'") from None
-        h = xxhash.xxh3_128()
+        return hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    try:
+        import xxhash
+    except ImportError:
+        raise KvxError(Status.UNSUPPORTED, "KVTC buffers need the xxhash package: pip install 'kvx[kvtc]'") from None
+    return xxhash.xxh3_128()
+
+
+def _checksum(version: int, *parts) -> bytes:
+    """The checksum of `parts` (bytes-like, hashed in place)."""
+    h = _checksum_state(version)
     for p in parts:
         h.update(p)
     return h.digest()
@@ -157,7 +173,8 @@ def encode_body(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibratio
 
 def decode_body(body: torch.Tensor, cal: Calibration, layout, hdr: KvtcHeader) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The device half of `decompress` (header and range headers checked): a body on the target device -> K/V per
-    layer `[token_count, H, D]` in the header's dtype on that device."""
+    layer `[token_count, H, D]` in the header's dtype on that device. KvxError when they are not all finite (forged
+    IntX metadata, FP8 NaN codes or raw tokens, or a sum that overflows the dtype)."""
     dev = body.device
     n, h, d = hdr.token_count, hdr.num_kv_heads, hdr.head_dim
     a, b = hdr.raw_head, n - hdr.raw_tail
@@ -182,6 +199,10 @@ def decode_body(body: torch.Tensor, cal: Calibration, layout, hdr: KvtcHeader) -
                     rows = rotate(rows, torch.arange(hdr.token_start + a, hdr.token_start + b, device=dev),
                                   cal.rope_theta)
                 out[g * cal.layers_per_group + j][i][a:b] = rows.to(hdr.dtype)
+    finite = torch.stack([torch.isfinite(x).all() for pair in out for x in pair]).cpu()  # one device sync
+    if not bool(finite.all()):
+        raise KvxError(Status.INVALID_ARGUMENT, f"KVTC: the buffer decodes to non-finite K/V in layer "
+                       f"{int((~finite).nonzero()[0]) // 2} (compress writes finite values only: forged or damaged)")
     return [(k, v) for k, v in out]
 
 
@@ -206,7 +227,8 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
     if not bool(finite.all()):
         raise KvxError(Status.INVALID_ARGUMENT, f"KVTC: layer {int((~finite).nonzero()[0]) // 2} holds non-finite "
                        "K/V values; KVTC codes finite values only")
-    require(token_start >= 0, Status.INVALID_ARGUMENT, f"KVTC: token_start must be >= 0, got {token_start}")
+    require(0 <= token_start and token_start + n <= MAX_POSITION, Status.INVALID_ARGUMENT,
+            f"KVTC: token positions must lie in [0, 2^53), got [{token_start}, {token_start + n})")
     ids = b""
     if token_ids is not None:
         require(len(token_ids) == n and all(0 <= int(t) < 2**32 for t in token_ids), Status.INVALID_ARGUMENT,
@@ -223,25 +245,99 @@ def compress(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
     return b"".join([header, stored, _checksum(VERSION, header, stored)])
 
 
-def read_header(buf: bytes) -> KvtcHeader:
-    """The header of a buffer, checked for magic, version, length and checksum (no calibration needed)."""
-    require(isinstance(buf, (bytes, bytearray, memoryview)), Status.INVALID_ARGUMENT, "KVTC: a buffer is bytes")
-    buf = memoryview(buf).cast("B")  # no copy
-    require(len(buf) >= HEADER.size + CHECKSUM_BYTES and buf[:4] == MAGIC, Status.INVALID_ARGUMENT,
+def _parse_header(head) -> tuple[int, KvtcHeader]:
+    """(version, header) of a buffer's first `HEADER.size` bytes, every field's range checked: magic, version,
+    flags, dtype, a non-empty geometry whose groups divide the layers, token positions below `MAX_POSITION`, raw
+    counts within the tokens, body sizes within `MAX_BODY_BYTES` and large enough for the token ids and raw tokens."""
+    require(len(head) >= HEADER.size and head[:4] == MAGIC, Status.INVALID_ARGUMENT,
             "KVTC: not a KVTC buffer (bad magic or shorter than a header)")
-    f = HEADER.unpack_from(buf)
+    f = HEADER.unpack_from(head)
     require(f[1] in (1, VERSION), Status.INCOMPATIBLE,
             f"KVTC: buffer version {f[1]}, this KVX reads versions 1 and {VERSION}")
     require(f[13] < len(_DTYPES) and f[2] & ~(FLAG_DEFLATE | FLAG_TOKEN_IDS) == 0, Status.INVALID_ARGUMENT,
             "KVTC: unknown dtype or flags in the header")
     hdr = KvtcHeader(f[2], f[3].hex(), f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], _DTYPES[f[13]],
                      f[14], f[15])
+    require(min(hdr.num_layers, hdr.num_kv_heads, hdr.head_dim, hdr.layers_per_group) >= 1
+            and hdr.num_layers % hdr.layers_per_group == 0, Status.INVALID_ARGUMENT,
+            f"KVTC: header geometry {hdr.num_layers} layers (groups of {hdr.layers_per_group}) x {hdr.num_kv_heads} "
+            f"KV heads x {hdr.head_dim} is not a model's")
+    require(hdr.token_start + hdr.token_count <= MAX_POSITION, Status.INVALID_ARGUMENT,
+            f"KVTC: header token range [{hdr.token_start}, +{hdr.token_count}) passes position 2^53")
+    require(hdr.raw_head + hdr.raw_tail <= hdr.token_count, Status.INVALID_ARGUMENT,
+            f"KVTC: header declares {hdr.raw_head} + {hdr.raw_tail} raw tokens of {hdr.token_count}")
+    require(max(hdr.body_bytes, hdr.raw_body_bytes) <= MAX_BODY_BYTES, Status.INVALID_ARGUMENT,
+            f"KVTC: header declares a body of {max(hdr.body_bytes, hdr.raw_body_bytes)} bytes, more than the "
+            f"{MAX_BODY_BYTES} a buffer may hold")
+    require(hdr.flags & FLAG_DEFLATE or hdr.body_bytes == hdr.raw_body_bytes, Status.INVALID_ARGUMENT,
+            "KVTC: header sizes of a body stored without DEFLATE disagree")
+    require(_raw_bytes(hdr) <= hdr.raw_body_bytes, Status.INVALID_ARGUMENT,
+            f"KVTC: header declares a {hdr.raw_body_bytes}-byte body, too small for its token ids and raw tokens")
+    return f[1], hdr
+
+
+def _raw_bytes(hdr: KvtcHeader) -> int:
+    """Body bytes before the coded sections: the token ids (when carried) and the raw head and tail tokens."""
+    es = torch.empty((), dtype=hdr.dtype).element_size()
+    ids = 4 * hdr.token_count if hdr.flags & FLAG_TOKEN_IDS else 0
+    return ids + (hdr.raw_head + hdr.raw_tail) * 2 * hdr.num_layers * hdr.num_kv_heads * hdr.head_dim * es
+
+
+def read_header(buf: bytes) -> KvtcHeader:
+    """The header of a buffer, checked for magic, version, every field's range, length and checksum (no
+    calibration needed)."""
+    require(isinstance(buf, (bytes, bytearray, memoryview)), Status.INVALID_ARGUMENT, "KVTC: a buffer is bytes")
+    buf = memoryview(buf).cast("B")  # no copy
+    require(len(buf) >= HEADER.size + CHECKSUM_BYTES, Status.INVALID_ARGUMENT,
+            "KVTC: not a KVTC buffer (bad magic or shorter than a header)")
+    version, hdr = _parse_header(buf[:HEADER.size])
     end = HEADER.size + hdr.body_bytes
     require(len(buf) == end + CHECKSUM_BYTES, Status.INVALID_ARGUMENT,
             f"KVTC: buffer is {len(buf)} bytes, its header says {end + CHECKSUM_BYTES} (truncated or padded)")
-    require(_checksum(f[1], buf[:HEADER.size], buf[HEADER.size:end]) == buf[end:], Status.INVALID_ARGUMENT,
+    require(_checksum(version, buf[:HEADER.size], buf[HEADER.size:end]) == buf[end:], Status.INVALID_ARGUMENT,
             "KVTC: checksum mismatch (the buffer is damaged)")
     return hdr
+
+
+def _file_bytes(f: BinaryIO, consumed: int) -> int | None:
+    """The bytes of `f` from where reading began (`consumed` bytes ago) when it is a regular file; None when
+    unknown (a BytesIO, a pipe)."""
+    try:
+        st = os.fstat(f.fileno())
+        return st.st_size - f.tell() + consumed if stat.S_ISREG(st.st_mode) else None
+    except (AttributeError, OSError, ValueError):  # no descriptor (io.UnsupportedOperation is both)
+        return None
+
+
+def read_file(f: BinaryIO, *, keep: bool = True) -> tuple[KvtcHeader, bytearray | None]:
+    """A buffer read from a binary file: the header is read and checked first, then the declared size against the
+    file's (a regular file) and exactly the declared bytes are read, in chunks through the checksum. Returns the
+    checked header and, with `keep`, the whole buffer (for `decompress`); without, nothing past the header is held
+    (`kvx kvtc inspect`). KvxError as `read_header`."""
+    head = f.read(HEADER.size)
+    version, hdr = _parse_header(head)
+    total = HEADER.size + hdr.body_bytes + CHECKSUM_BYTES
+    size = _file_bytes(f, len(head))
+    require(size is None or size == total, Status.INVALID_ARGUMENT,
+            f"KVTC: the file holds {size} bytes, its header says {total} (truncated or padded)")
+    h = _checksum_state(version)
+    h.update(head)
+    out = bytearray(head) if keep else None
+    left = hdr.body_bytes
+    while left:
+        chunk = f.read(min(left, _READ_CHUNK))
+        require(len(chunk) > 0, Status.INVALID_ARGUMENT, f"KVTC: the buffer ends {left} bytes before its header says")
+        h.update(chunk)
+        if out is not None:
+            out += chunk
+        left -= len(chunk)
+    digest = f.read(CHECKSUM_BYTES)
+    require(len(digest) == CHECKSUM_BYTES and not f.read(1), Status.INVALID_ARGUMENT,
+            f"KVTC: the buffer's length differs from the {total} bytes its header says (truncated or padded)")
+    require(h.digest() == digest, Status.INVALID_ARGUMENT, "KVTC: checksum mismatch (the buffer is damaged)")
+    if out is not None:
+        out += digest
+    return hdr, out
 
 
 class KvtcDecoded(NamedTuple):
@@ -257,6 +353,21 @@ def decompress(buf: bytes, cal: Calibration, *, model=None, device: torch.device
     return KvtcDecoded(hdr, decode_body(on_dev, cal, layout, hdr), ids)
 
 
+def _inflate(data: memoryview, size: int) -> bytes:
+    """`data` inflated, refused unless it is exactly one DEFLATE (zlib) stream of `size` bytes: at most `size + 1`
+    bytes are ever inflated, so a small forged body cannot expand into gigabytes."""
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, size + 1)
+    except zlib.error as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"KVTC: the DEFLATE body does not decode ({e})") from None
+    require(len(out) <= size, Status.INVALID_ARGUMENT,
+            f"KVTC: the DEFLATE body inflates to more than the {size} bytes its header declares")
+    require(d.eof and len(out) == size and not d.unused_data, Status.INVALID_ARGUMENT,
+            f"KVTC: the DEFLATE body is not one stream of the {size} bytes its header declares")
+    return out
+
+
 def open_body(buf: bytes, cal: Calibration, *, model=None, device: torch.device | str | None = None):
     """The host half of `decompress`: every check (header, checksum, calibration, model, range headers), then
     (header, body layout, the body copied to `device`, token ids or None)."""
@@ -269,22 +380,23 @@ def open_body(buf: bytes, cal: Calibration, *, model=None, device: torch.device 
     require((hdr.num_layers, hdr.num_kv_heads, hdr.head_dim, hdr.layers_per_group) ==
             (cal.num_layers, cal.num_kv_heads, cal.head_dim, cal.layers_per_group), Status.INVALID_ARGUMENT,
             "KVTC: the header's geometry disagrees with its calibration")
+    n, h, d, L = hdr.token_count, hdr.num_kv_heads, hdr.head_dim, hdr.num_layers
+    require((hdr.raw_head, hdr.raw_tail) == split_raw(n, hdr.token_start, cal), Status.INVALID_ARGUMENT,
+            f"KVTC: the header's {hdr.raw_head} + {hdr.raw_tail} raw tokens are not its calibration's sinks and "
+            "recent window")
+    kv_bytes = 2 * L * n * h * d * torch.empty((), dtype=hdr.dtype).element_size()
+    require(kv_bytes <= MAX_BODY_BYTES, Status.INVALID_ARGUMENT,
+            f"KVTC: the buffer decodes to {kv_bytes} bytes of K/V, more than the {MAX_BODY_BYTES} a buffer may hold")
+    layout = body_layout(cal, n - hdr.raw_head - hdr.raw_tail, _raw_bytes(hdr))
+    require(layout.end == hdr.raw_body_bytes, Status.INVALID_ARGUMENT,
+            f"KVTC: the header declares a {hdr.raw_body_bytes}-byte body, its geometry and calibration make "
+            f"{layout.end}")
     body = memoryview(buf).cast("B")[HEADER.size:HEADER.size + hdr.body_bytes]  # no copy
     if hdr.flags & FLAG_DEFLATE:
-        try:
-            body = zlib.decompress(body)
-        except zlib.error as e:
-            raise KvxError(Status.INVALID_ARGUMENT, f"KVTC: the DEFLATE body does not decode ({e})") from None
-    require(len(body) == hdr.raw_body_bytes, Status.INVALID_ARGUMENT, "KVTC: body size disagrees with the header")
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    n, h, d, L = hdr.token_count, hdr.num_kv_heads, hdr.head_dim, hdr.num_layers
-    require(hdr.raw_head + hdr.raw_tail <= n, Status.INVALID_ARGUMENT, "KVTC: more raw tokens than tokens")
-    a, b = hdr.raw_head, n - hdr.raw_tail
-    ids_bytes = 4 * n if hdr.flags & FLAG_TOKEN_IDS else 0
-    es = torch.empty((), dtype=hdr.dtype).element_size()
-    layout = body_layout(cal, b - a, ids_bytes + (hdr.raw_head + hdr.raw_tail) * 2 * L * h * d * es)
+        body = _inflate(body, hdr.raw_body_bytes)
     check_headers(body, layout)
-    ids = list(struct.unpack_from(f"<{n}I", body)) if ids_bytes else None
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    ids = list(struct.unpack_from(f"<{n}I", body)) if hdr.flags & FLAG_TOKEN_IDS else None
     with warnings.catch_warnings():  # a read-only buffer: only ever read (copied out of) below
         warnings.simplefilter("ignore", UserWarning)
         on_dev = torch.frombuffer(body, dtype=torch.uint8).to(dev) if len(body) else \

@@ -18,6 +18,8 @@ from kvx_core.kvtc.codec import HEADER, VERSION
 from kvx_core.kvtc.quant import KINDS, RangeKind, dequantize_range, quantize_range, range_bytes
 
 L, H, D = 4, 2, 16
+MODEL = {"architecture": "LlamaForCausalLM", "num_layers": L, "num_kv_heads": H, "head_dim": D, "rope": {},
+         "config_sha256": "c" * 64, "tokenizer_sha256": "t" * 64}  # a ModelFingerprint as a dict
 
 
 def _kv(n: int, seed: int, bases, noise=0.05):
@@ -40,7 +42,7 @@ def bases():
 @pytest.fixture(scope="module")
 def cal(bases):
     return calibrate([_kv(300, s, bases) for s in range(3)], layers_per_group=2, ratio=6, range_size=8,
-                     sink_tokens=4, recent_tokens=16, model={"name": "shim"})
+                     sink_tokens=4, recent_tokens=16, model=MODEL)
 
 
 def _rel(a, b):

@@ -4,6 +4,7 @@ error."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -83,3 +84,116 @@ def test_refusals_are_one_line(argv, words, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------ refusals change nothing
+def _one_line_refusal(argv, capsys, *words) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+@pytest.fixture
+def small_cal(tmp_path):
+    """The forgers' small calibration (tests/kvtc/forge.py) as a file, and a valid buffer of it."""
+    from .forge import buffers, calibration
+
+    path = tmp_path / "small_cal.safetensors"
+    calibration().save(str(path))
+    return path, buffers()
+
+
+def test_decompress_leaves_nothing_when_the_input_is_refused(small_cal, tmp_path, capsys):
+    from .forge import forge, raw_body, with_raw_body
+
+    cal, bufs = small_cal
+    out = tmp_path / "out" / "back.kvxb"
+    out.parent.mkdir()
+    good = bufs[0]  # of the calibration's model, no token ids: the body starts with the raw tokens
+    nan = b"\xc0\x7f" + raw_body(good)[2:]  # the first raw bf16 value NaN: refused while the bundle is written
+    inputs = {"junk": b"junk" * 20, "token_start near 2^64": forge(good, token_start=2**64 - 1),
+              "truncated": good[:-1], "decodes to NaN": with_raw_body(good, nan)}
+    for name, data in inputs.items():
+        src = tmp_path / f"{name}.kvtc"
+        src.write_bytes(data)
+        _one_line_refusal(["kvtc", "decompress", str(cal), str(src), str(out)], capsys, "KVTC")
+        assert list(out.parent.iterdir()) == [], name  # no output, no temporary file
+    src = tmp_path / "good.kvtc"
+    src.write_bytes(good)
+    assert main(["kvtc", "decompress", str(cal), str(src), str(out)]) == 0
+    written = out.read_bytes()
+    assert written[:4] != b"KVTC" and [p.name for p in out.parent.iterdir()] == ["back.kvxb"]
+    _one_line_refusal(["kvtc", "decompress", str(cal), str(src), str(out)], capsys, "exists")
+    assert out.read_bytes() == written  # never replaced
+
+
+@pytest.mark.parametrize("action", ["compress", "decompress"])
+def test_the_output_path_is_checked_before_any_work(action, tmp_path, capsys):
+    """A missing directory, a dangling symlink, an existing file or a directory as OUT: one line, exit 2, before the
+    (missing) calibration is even opened, and nothing changed."""
+    (tmp_path / "existing").write_bytes(b"user data")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "adir").mkdir()
+    cases = {"no/such/dir/out": "no such directory", "dangling": "exists", "existing": "exists",
+             "adir": "is a directory"}
+    for out, words in cases.items():
+        _one_line_refusal(["kvtc", action, "/nonexistent/cal.safetensors", "/nonexistent/in", str(tmp_path / out)],
+                          capsys, words)
+    assert (tmp_path / "existing").read_bytes() == b"user data"
+    assert not (tmp_path / "nowhere").exists() and (tmp_path / "dangling").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "dangling", "existing"]
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--sink", "1000", "--window-len", "128"], "--sink 1000"),
+    (["--recent", "-5"], "--recent"),
+    (["--ratio", "inf"], "--ratio"),
+    (["--ratio", "nan"], "--ratio"),
+    (["--ratio", "0.5"], "--ratio"),
+    (["--range-size", "6"], "--range-size 6"),
+    (["--layers-per-group", "0"], "--layers-per-group"),
+    (["--windows", "0"], "--windows"),
+    (["--window-len", "1"], "--window-len"),
+    ([], "not a directory holding a Hugging Face checkpoint"),
+])
+def test_calibrate_checks_every_argument_before_loading_a_model(extra, words, tmp_path, capsys):
+    out = tmp_path / "cal.safetensors"
+    _one_line_refusal(["kvtc", "calibrate", str(out), "--model", str(tmp_path / "no-model"), *extra], capsys, words)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_checks_the_group_size_against_the_model_before_loading_it(tiny, tmp_path, capsys):
+    out = tmp_path / "cal.safetensors"
+    _one_line_refusal(["kvtc", "calibrate", str(out), "--model", str(tiny), "--layers-per-group", "3"], capsys,
+                      "does not divide the model's 2 layers")
+    assert not out.exists()
+
+
+def inspect_target(rng) -> None:
+    """Run under the fuzz harness's memory cap: `kvx kvtc inspect` of a 3 GiB file (sparse) whose header is bad or
+    declares a body larger than the file must refuse it (exit 2) without reading it."""
+    import os
+
+    for path in os.environ["KVX_TEST_HUGE"].split(os.pathsep):
+        assert main(["kvtc", "inspect", path]) == 2, path
+
+
+def test_inspect_reads_the_header_first(small_cal, tmp_path):
+    from kvx_core.kvtc.codec import HEADER
+
+    from ..fuzz import run_capped
+    from .forge import forge
+
+    _, bufs = small_cal
+    paths = []
+    for name, head in {"junk": b"junk" * 40, "too long": forge(bufs[0], body_bytes=(3 << 30) - 500)[:HEADER.size],
+                       "cut": forge(bufs[0], body_bytes=(3 << 30) + 500)[:HEADER.size]}.items():
+        p = tmp_path / name
+        with open(p, "wb") as f:
+            f.write(head)
+            f.truncate(3 << 30)  # sparse: no disk used
+        paths.append(str(p))
+    run_capped("tests.kvtc.test_kvtc_cli:inspect_target", cases=1, env={"KVX_TEST_HUGE": os.pathsep.join(paths)})
