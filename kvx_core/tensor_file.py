@@ -23,12 +23,17 @@ def content_hash(params: dict, tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def read_tensor_file(path: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """(metadata, tensors) of a safetensors file on the CPU; KvxError INVALID_ARGUMENT when it is missing, foreign
-    or damaged."""
+def read_tensor_file(path: str, max_bytes: int | None = None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a safetensors file on the CPU; KvxError INVALID_ARGUMENT when it is missing, not a
+    regular file, larger than `max_bytes` (the caller's stated cap, checked before a byte is read, so what is
+    allocated is bounded by it), foreign or damaged. safetensors itself refuses a tensor whose declared dtype and
+    shape do not match the bytes present."""
     from safetensors import safe_open
 
     require(os.path.isfile(path), Status.INVALID_ARGUMENT, f"{path}: no such file")
+    size = os.path.getsize(path)
+    require(max_bytes is None or size <= max_bytes, Status.INVALID_ARGUMENT,
+            f"{path}: {size} bytes, more than the {max_bytes} this file type may hold")
     try:
         with safe_open(path, framework="pt") as f:
             return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
