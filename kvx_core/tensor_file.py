@@ -45,14 +45,20 @@ def write_tensor_file(path: str, tensors: dict[str, torch.Tensor], metadata: dic
                       overwrite: bool = False) -> None:
     """Write a safetensors file through a temporary file in the same directory, then link (new files) or rename
     (`overwrite`) it into place: readers never see a partial file, and an existing file is refused (KvxError)
-    unless `overwrite`, also when another writer creates it meanwhile."""
+    unless `overwrite`, also when another writer creates it meanwhile; `overwrite` replaces regular files only (not
+    a directory, device or FIFO); a folder it cannot create the temporary file in is refused (KvxError) too."""
     from safetensors.torch import save_file
 
     exists = f"{path} exists; KVX never overwrites a file without an explicit overwrite"
-    require(overwrite or not os.path.exists(path), Status.INVALID_ARGUMENT, exists)
+    require(overwrite or not os.path.lexists(path), Status.INVALID_ARGUMENT, exists)
+    require(not os.path.lexists(path) or os.path.isfile(path), Status.INVALID_ARGUMENT,
+            f"{path} exists and is not a regular file (a directory, device or FIFO): KVX replaces only files")
     folder = os.path.dirname(os.path.abspath(path))
     require(os.path.isdir(folder), Status.INVALID_ARGUMENT, f"{folder}: no such directory")
-    fd, tmp = tempfile.mkstemp(prefix=".kvx-", suffix=".tmp", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kvx-", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{folder}: cannot write there ({e.strerror})") from None
     os.close(fd)
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)

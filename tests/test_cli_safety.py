@@ -414,6 +414,16 @@ def test_demo_refuses_bad_calibration_text_before_loading(content, tmp_path, no_
     assert not (tmp_path / "o.jsonl").exists()
 
 
+@pytest.mark.parametrize("flag", ["--text", "--calibration-text"])
+def test_demo_refuses_devices_and_fifos_as_text(flag, tmp_path, no_model_work, capsys):
+    """/dev/zero was read until memory ran out, and a FIFO blocks: text must be a regular file."""
+    os.mkfifo(tmp_path / "fifo")
+    for path in ("/dev/zero", str(tmp_path / "fifo")):
+        err = refused(["demo", "--calibrate", flag, path, "--json", str(tmp_path / "o.jsonl")], capsys)
+        assert f"{flag} {path} is not a regular file" in err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_demo_calibration_text_needs_calibrate(tmp_path, no_model_work, capsys):
     (tmp_path / "cal.txt").write_text("some calibration text")
     err = refused(["demo", "--calibration-text", str(tmp_path / "cal.txt"), "--json", str(tmp_path / "o.jsonl")],

@@ -126,6 +126,23 @@ def test_forged_tensors_are_refused(tmp_path, name, tensor, match):
     assert match in e.message
 
 
+def test_save_replaces_only_regular_files(tmp_path):
+    """`save(overwrite=True)` onto a directory raised IsADirectoryError after the work; a FIFO would be replaced:
+    both refused before anything is written, and a dangling link counts as an existing name."""
+    cal = _valid()
+    (tmp_path / "d").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("d", "fifo"):
+        with pytest.raises(KvxError, match="not a regular file") as e:
+            cal.save(str(tmp_path / name), overwrite=True)
+        assert e.value.status == Status.INVALID_ARGUMENT
+    os.symlink(tmp_path / "nowhere", tmp_path / "link")
+    with pytest.raises(KvxError, match="never overwrites"):
+        cal.save(str(tmp_path / "link"))
+    assert (tmp_path / "d").is_dir() and not any((tmp_path / "d").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "fifo", "link"]  # no temporary file left
+
+
 # ------------------------------------------------------------------ fuzz
 def _safetensors_parts(data: bytes) -> tuple[dict, bytes]:
     (n,) = struct.unpack("<Q", data[:8])
