@@ -28,6 +28,7 @@ from kvx_cli.main import main
 from kvx_demo import model as demo_model
 from kvx_core.errors import KvxError, Status
 
+from .procs import run
 from .tiny_llama import save_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -518,8 +519,7 @@ def test_demo_without_the_model_package_is_exit_2(monkeypatch, capsys):
 def _kvx(args: list[str], env_home: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HOME=str(env_home), KVX_CACHE_DIR=str(env_home / "kvx-cache"), HF_HUB_OFFLINE="1")
     env.pop("XDG_CACHE_HOME", None)
-    return subprocess.run([sys.executable, "-m", "kvx_cli.main", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run([sys.executable, "-m", "kvx_cli.main", *args], cwd=REPO, env=env)
 
 
 @pytest.mark.parametrize("args", [
