@@ -191,3 +191,15 @@ def fuzz_file(rng: random.Random) -> None:
 
 def test_fuzz_calibration_file():
     run_capped("tests.core.test_kv_calibration_untrusted:fuzz_file", cases=400)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_checkpoint_scales_must_be_finite_and_non_negative(bad):
+    """A negative k_scale became the default scale 1.0 without a word; NaN / inf are refused as well."""
+    from kvx_core.calibration import amax_from_checkpoint
+
+    sd = {f"model.layers.{i}.self_attn.{s}_scale": torch.tensor(0.5) for i in range(L) for s in "kv"}
+    sd["model.layers.1.self_attn.v_scale"] = torch.tensor([0.5, bad])
+    with pytest.raises(KvxError, match="v_scale' must be finite and >= 0") as e:
+        amax_from_checkpoint(sd, L)
+    assert e.value.status == Status.INVALID_ARGUMENT
