@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvx_core.allocator import as_int
 from kvx_core.block_tables import blocks_needed, is_power_of_two, make_kv_cache_index, split_kv_cache_index
 from kvx_core.descriptors import BlockTable, CacheDesc, PoolDesc, SeqLens, memory_of
 from kvx_core.enums import Layout
@@ -43,14 +44,22 @@ from . import (_as_cache_dtype, _check_geometry, _describe, _index_tensor, _logi
 KV_LAYOUTS = ("NHD", "HND")
 
 
-def _check_tokens_per_block(tokens_per_block: int) -> None:
-    require(is_power_of_two(int(tokens_per_block)), Status.INVALID_ARGUMENT,
-            f"TRT-LLM tokens_per_block must be a power of two (KVBlockArray shifts by mTokensPerBlockLog2), "
-            f"got {tokens_per_block}")
+def _check_tokens_per_block(tokens_per_block: int) -> int:
+    """The checked int (a float or bool is refused, never truncated)."""
+    t = as_int(tokens_per_block, "TRT-LLM tokens_per_block", 1)
+    require(is_power_of_two(t), Status.INVALID_ARGUMENT,
+            f"TRT-LLM tokens_per_block must be a power of two (KVBlockArray shifts by mTokensPerBlockLog2), got {t}")
+    return t
 
 
-def _check_kv_factor(kv_factor: int) -> None:
-    require(kv_factor in (1, 2), Status.INVALID_ARGUMENT, f"kv_factor must be 1 (K only) or 2 (K, V), got {kv_factor}")
+def _check_kv_factor(kv_factor: int) -> int:
+    k = as_int(kv_factor, "kv_factor")
+    require(k in (1, 2), Status.INVALID_ARGUMENT, f"kv_factor must be 1 (K only) or 2 (K, V), got {k}")
+    return k
+
+
+def _check_heads(num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    return as_int(num_kv_heads, "num_kv_heads", 1), as_int(head_dim, "head_dim", 1)
 
 
 def bytes_per_block(tokens_per_block: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -98,9 +107,8 @@ def from_trtllm_pool(primary_pool: torch.Tensor, *, tokens_per_block: int, num_k
     `layer=0`, absolute offsets `(mem_idx * num_layers + layer) * kv_factor + kv` index it instead.
     `secondary_pool` (the pinned host pool, same layout) serves offsets with bit 31 set.
     """
-    _check_tokens_per_block(tokens_per_block)
-    _check_kv_factor(kv_factor)
-    t, h, d = int(tokens_per_block), int(num_kv_heads), int(head_dim)
+    t, kv_factor = _check_tokens_per_block(tokens_per_block), _check_kv_factor(kv_factor)
+    h, d = _check_heads(num_kv_heads, head_dim)
     pools = []
     for what, raw in (("primary_pool", primary_pool), ("secondary_pool", secondary_pool)):
         if raw is None:
@@ -126,12 +134,13 @@ def from_trtllm_offsets(offsets: torch.Tensor, *, beam_width: int | None = None)
     Takes `[B, W, 2, M]` int32 KVCacheIndex values, or the `[B * W, 2, M]` slice of the PyTorch
     backend's `kv_cache_block_offsets[pool_idx]` with `beam_width` (default 1).
     """
+    beam_width = None if beam_width is None else as_int(beam_width, "beam_width", 1)
     o = _index_tensor(offsets, "TRT-LLM block offsets", (3, 4), (torch.int32,))
     require(o.shape[-2] == 2, Status.INVALID_ARGUMENT,
             f"TRT-LLM block offsets need a K/V dim of 2 at dim -2, got shape {tuple(o.shape)}")
     if o.dim() == 3:
-        w = 1 if beam_width is None else int(beam_width)
-        require(w >= 1 and o.shape[0] % w == 0, Status.INVALID_ARGUMENT,
+        w = beam_width or 1
+        require(o.shape[0] % w == 0, Status.INVALID_ARGUMENT,
                 f"{o.shape[0]} offset rows are not a whole number of beams of width {w}")
         o = o.view(o.shape[0] // w, w, 2, o.shape[2])
     require(beam_width is None or o.shape[1] == beam_width, Status.INVALID_ARGUMENT,
@@ -182,9 +191,9 @@ def from_trtllm_layer(primary_pool: torch.Tensor, layer: int, *, tokens_per_bloc
     `num_layers`). `kv_layout="HND"` (default) is the C++ KVBlockArray interior `[H, T, D]`; `"NHD"`
     matches `get_buffers(layer, "NHD")`.
     """
-    _check_tokens_per_block(tokens_per_block)
+    t = _check_tokens_per_block(tokens_per_block)
     require(kv_layout in KV_LAYOUTS, Status.INVALID_ARGUMENT, f"kv_layout must be NHD or HND, got {kv_layout!r}")
-    t, h, d = int(tokens_per_block), int(num_kv_heads), int(head_dim)
+    h, d = _check_heads(num_kv_heads, head_dim)
     p = _typed_pool(primary_pool, cache_dtype, "TRT-LLM primary_pool")
     if p.dim() == 4:
         _check_geometry("TRT-LLM pool", {"num_layers": p.shape[1]}, num_layers=num_layers)

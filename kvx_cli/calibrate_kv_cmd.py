@@ -7,8 +7,10 @@ else K/V observed on calibration text through an FP32 KVX cache, as `kvx demo --
 themselves, and then the scales do too (a checkpoint's k_scale describes the keys as the model makes them, not as
 the cache stores them), so `--source checkpoint` with either is refused. With both, smoothing is fitted on the
 centered keys, as `kvx demo --smooth-keys --center-keys` does.
-Every input is checked before the model loads; the output is a new file (an existing one only with --force),
-written through a temporary file and renamed into place.
+Every input and the output path are checked before the model loads (and before the demo checkpoint is built):
+--text must be a regular file of at most `demo_cmd.MAX_TEXT_BYTES`, --out a regular file name in an existing
+directory. The output is a new file (an existing regular file only with --force), written through a temporary file
+and renamed into place.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from kvx_core.kv_calibration import (FILENAME, WEIGHT_SUFFIXES, KvCalibration, f
                                      from_samples, global_formats, scale_formats)
 
 from .args import bounded_int
-from .demo_cmd import MAX_WINDOW_LEN, _alpha, _read_text
+from .demo_cmd import MAX_TEXT_BYTES, MAX_WINDOW_LEN, _alpha, _read_text
 
 SOURCES = ("auto", "checkpoint", "text")
 _SCALE_KEY = re.compile(r"(?:^|\.)layers\.\d+\..*\b[kv]_scale$")
@@ -46,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where the global scales come from: the checkpoint's k_scale / v_scale, or calibration text; "
                         "auto (default): the checkpoint where it has them (and no --smooth-keys / --center-keys), "
                         "else text")
-    p.add_argument("--text", type=Path, help="calibration text, UTF-8 (default: the demo's text, pydoc_data.topics)")
+    p.add_argument("--text", type=Path, help=f"calibration text, a UTF-8 file of at most {MAX_TEXT_BYTES >> 20} MiB "
+                                             "(default: the demo's text, pydoc_data.topics)")
     p.add_argument("--window-len", type=bounded_int(2, MAX_WINDOW_LEN), default=1024,
                    help="tokens of calibration text, one window (default 1024; at most the model's context)")
     p.add_argument("--rule", choices=SCALE_RULES, help="text source: how scales are fitted (default mse)")
@@ -101,8 +104,26 @@ def _from_text(source: Path, a: argparse.Namespace, text: str | None, shape: dic
     return from_samples(obs, formats, rule=a.rule or "mse", alpha=a.smooth_keys, model=model, center=a.center_keys)
 
 
+def _check_out(out: Path, model_dir: Path, force: bool, folder_built_later: bool) -> None:
+    """The output path, checked before the model loads (and before the demo checkpoint is built): no weight file name
+    inside the model directory, an existing folder this user can write in (unless it is the demo checkpoint, which
+    `folder_built_later`), and an existing path only with --force, and only a regular file (never a directory,
+    device or FIFO)."""
+    require(not (out.resolve().parent == model_dir.resolve() and out.name.endswith(WEIGHT_SUFFIXES)),
+            Status.INVALID_ARGUMENT, f"--out {out}: engines load every {'/'.join(WEIGHT_SUFFIXES)} file of a checkpoint "
+            f"directory as weights; name it differently (default {FILENAME})")
+    folder = out.resolve().parent
+    require(folder_built_later or (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)), Status.INVALID_ARGUMENT,
+            f"--out {out}: {folder} is not a directory this user can write in")
+    if os.path.lexists(out):
+        require(force, Status.INVALID_ARGUMENT,
+                f"{out} exists; pass --force to replace it (KVX never overwrites a file otherwise)")
+        require(out.is_file(), Status.INVALID_ARGUMENT,
+                f"--out {out} is not a regular file (a directory, device or FIFO): --force replaces files only")
+
+
 def run(a: argparse.Namespace) -> int:
-    """Check the inputs and the output path, pick the source, fit, write."""
+    """Check every argument and path (the output's too) before the model loads, pick the source, fit, write."""
     text = _read_text(a.text)
     if a.formats is not None:
         scale_formats(_formats(a.formats, a.source))  # before the model loads
@@ -114,18 +135,16 @@ def run(a: argparse.Namespace) -> int:
     require(a.source != "checkpoint" or (a.text is None and a.rule is None), Status.INVALID_ARGUMENT,
             "--text and --rule apply to calibration on text, not --source checkpoint")
     try:
-        from kvx_demo import ensure_local_checkpoint, model_shape, read_checkpoint_config
+        from kvx_demo import default_checkpoint_dir, ensure_local_checkpoint, model_shape, read_checkpoint_config
 
+        model_dir = a.model if a.model is not None else default_checkpoint_dir()
+        out = a.out if a.out is not None else model_dir / FILENAME
+        _check_out(out, model_dir, a.force, folder_built_later=a.out is None and a.model is None)
         source = a.model if a.model is not None else ensure_local_checkpoint()
         config = read_checkpoint_config(source)
     except ImportError as e:  # the demo's optional dependencies
         raise KvxError(Status.UNSUPPORTED, str(e)) from None
-    out = str(a.out if a.out is not None else Path(source) / FILENAME)
-    require(not (Path(out).resolve().parent == Path(source).resolve() and out.endswith(WEIGHT_SUFFIXES)),
-            Status.INVALID_ARGUMENT, f"--out {out}: engines load every {'/'.join(WEIGHT_SUFFIXES)} file of a checkpoint "
-            f"directory as weights; name it differently (default {FILENAME})")
-    require(a.force or not os.path.exists(out), Status.INVALID_ARGUMENT,
-            f"{out} exists; pass --force to replace it (KVX never overwrites a file otherwise)")
+    out = str(out)
     shape = model_shape(config)
     from kvx_core.transfer import checkpoint_fingerprint
 

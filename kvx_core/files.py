@@ -19,13 +19,15 @@ def _exists(path: str) -> str:
 
 def check_output(path: str, *, overwrite: bool = False) -> None:
     """Refuse (KvxError INVALID_ARGUMENT) an output path that cannot take a new file: its directory missing or not
-    writable, a directory, or (unless `overwrite`) an existing name, a dangling symlink included. Call it before
-    the work whose result goes there."""
+    writable, a directory, (unless `overwrite`) an existing name, a dangling symlink included, and (with it) anything
+    but a regular file. Call it before the work whose result goes there."""
     folder = os.path.dirname(os.path.abspath(path))
     require(os.path.isdir(folder), Status.INVALID_ARGUMENT, f"{folder}: no such directory")
     require(os.access(folder, os.W_OK | os.X_OK), Status.INVALID_ARGUMENT, f"{folder}: not writable")
     require(not os.path.isdir(path), Status.INVALID_ARGUMENT, f"{path} is a directory")
     require(overwrite or not os.path.lexists(path), Status.INVALID_ARGUMENT, _exists(path))
+    require(not os.path.lexists(path) or os.path.isfile(path), Status.INVALID_ARGUMENT,
+            f"{path} exists and is not a regular file (a device, FIFO or dangling link): KVX replaces only files")
 
 
 def publish(path: str, write: Callable[[str], T], *, overwrite: bool = False) -> T:

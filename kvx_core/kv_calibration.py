@@ -25,6 +25,7 @@ it holds no scales for instead of leaving the format's default scale 1.0 in plac
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -34,6 +35,7 @@ from .cache import PagedKVCache
 from .enums import QuantFormat
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, get_format, list_formats
+from .jsonsafe import loads_object
 from .tensor_file import content_hash, read_tensor_file, write_tensor_file
 
 VERSION = 2
@@ -42,6 +44,10 @@ FILENAME = "kvx_kv_calibration.kvx"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 """What engines load from a checkpoint directory as weights: a calibration beside the weights must not end so."""
 META_KEY = "kvx_kv_calibration"
+MAX_FILE_BYTES = 256 << 20
+"""A calibration file larger than this is refused before it is read: the vectors of a 126-layer x 8 KV head x
+head_dim 128 model (Llama-3.1-405B) take 1 MiB, so 256 MiB leaves room for any model while a forged file cannot make
+an engine that loads it at startup allocate more."""
 RULES = ("checkpoint", "amax", "mse")
 
 KEY_VECTORS = {"smoothing": "k_smoothing", "center": "k_center"}
@@ -64,6 +70,11 @@ class LayerValues(NamedTuple):
         if self.k_global is not None or self.v_global is not None:
             cache.set_global_scales(layer, 1.0 if self.k_global is None else self.k_global,
                                     1.0 if self.v_global is None else self.v_global)
+
+
+def _short(value: object) -> str:
+    """A value from a file, for a one-line message (a forged file's values may be megabytes long)."""
+    return reprlib.repr(value)
 
 
 def _check_vector(t: object, shape: tuple[tuple[int, ...], ...], what: str, positive: bool = True) -> None:
@@ -94,16 +105,18 @@ class KvCalibration:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
-            require(type(v) is int and v >= 1, Status.INVALID_ARGUMENT, f"calibration {name} must be an int >= 1, got {v!r}")
+            require(type(v) is int and v >= 1, Status.INVALID_ARGUMENT,
+                    f"calibration {name} must be an int >= 1, got {_short(v)}")
         require(isinstance(self.model, dict), Status.INVALID_ARGUMENT, "calibration model must be a dict")
         require((self.alpha is None) == (self.smoothing is None), Status.INVALID_ARGUMENT,
                 "calibration alpha and smoothing vectors come together")
-        require(self.alpha is None or (isinstance(self.alpha, (int, float)) and 0.0 < self.alpha <= 1.0),
-                Status.INVALID_ARGUMENT, f"calibration alpha must be in (0, 1], got {self.alpha!r}")
+        require(self.alpha is None or (isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
+                                       and 0.0 < self.alpha <= 1.0),
+                Status.INVALID_ARGUMENT, f"calibration alpha must be in (0, 1], got {_short(self.alpha)}")
         require((self.rule is None) == (not self.scales), Status.INVALID_ARGUMENT,
                 "calibration rule and global scales come together")
         require(self.rule is None or self.rule in RULES, Status.INVALID_ARGUMENT,
-                f"calibration rule must be one of {RULES}, got {self.rule!r}")
+                f"calibration rule must be one of {RULES}, got {_short(self.rule)}")
         require(self.smoothing is not None or self.center is not None or bool(self.scales), Status.INVALID_ARGUMENT,
                 "a calibration holds key smoothing, key centering or global scales; this one holds none of them")
         h, d = self.num_kv_heads, self.head_dim
@@ -212,22 +225,27 @@ class KvCalibration:
 
 def load_kv_calibration(path: str) -> KvCalibration:
     """Read and check a calibration file: KvxError INVALID_ARGUMENT for a foreign, damaged, edited or malformed
-    file, INCOMPATIBLE for another version."""
-    meta, tensors = read_tensor_file(path)
+    file, INCOMPATIBLE for another version. The file is untrusted (anyone can recompute its identity hash): its size
+    is capped (`MAX_FILE_BYTES`) before it is read, `num_layers` is checked against the tensors present before any
+    per-layer list is built, and every value's type, shape and range before it is used."""
+    meta, tensors = read_tensor_file(path, MAX_FILE_BYTES)
     require(META_KEY in meta, Status.INVALID_ARGUMENT, f"{path}: not a KVX KV-cache calibration (no {META_KEY} metadata)")
     try:
-        p = json.loads(meta[META_KEY])
-        require(isinstance(p, dict), Status.INVALID_ARGUMENT, "metadata is not a JSON object")
+        p = loads_object(meta[META_KEY], f"the {META_KEY} metadata")
         version = p.get("version")
+        require(type(version) is int, Status.INVALID_ARGUMENT, f"version {_short(version)}: expected an integer")
         require(version in (1, VERSION), Status.INCOMPATIBLE,
-                f"calibration version {version!r}, this KVX reads versions 1 to {VERSION}")
+                f"calibration version {_short(version)}, this KVX reads versions 1 to {VERSION}")
         n = p["num_layers"]
-        require(type(n) is int and n >= 1, Status.INVALID_ARGUMENT, f"num_layers {n!r}")
+        require(type(n) is int and n >= 1, Status.INVALID_ARGUMENT, f"num_layers {_short(n)}: expected an integer >= 1")
+        require(n <= len(tensors), Status.INVALID_ARGUMENT,
+                f"num_layers {n}: the file holds {len(tensors)} tensors, and every layer has at least one")
         formats = p["formats"]
-        require(isinstance(formats, list) and all(isinstance(f, str) for f in formats), Status.INVALID_ARGUMENT,
-                f"formats {formats!r}")
+        require(isinstance(formats, list) and all(isinstance(f, str) for f in formats)
+                and len(set(formats)) == len(formats), Status.INVALID_ARGUMENT,
+                f"formats {_short(formats)}: expected a list of distinct format names")
         centered = False if version == 1 else p["center"]  # version 1 predates centering
-        require(isinstance(centered, bool), Status.INVALID_ARGUMENT, f"center {centered!r}: expected true or false")
+        require(isinstance(centered, bool), Status.INVALID_ARGUMENT, f"center {_short(centered)}: expected true or false")
         held = {"smoothing": p["alpha"] is not None, "center": centered}
         vector_names = {attr: [f"layer.{i}.{name}" for i in range(n)] for attr, name in KEY_VECTORS.items()
                         if held[attr]}

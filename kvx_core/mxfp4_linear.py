@@ -2,8 +2,10 @@
 
 A BF16 lm_head (gpt-oss: 201088 x 2880, 1.16 GB) is read whole at every decode step; in MXFP4 (E2M1 + one UE8M0
 scale per 32 inputs, the OCP MX rule, 4.25 bits per weight) it is 3.76x smaller. The codec is KVX's own
-`MXFP4Format(group_size=32)`, so the quantized weight is bit-identical to what the KV-cache formats' oracles
-define. This module is the torch reference (any device): `mxfp4_linear` decodes the weight in row chunks (peak
+`MXFP4Format(group_size=32)` (RCEIL scales), so the quantized weight is bit-identical to what the KV-cache formats'
+oracles define, except for groups whose largest |w| exceeds 6 * 2**125 (~2.55e38, within 25% of the FP32 maximum):
+there RCEIL's scale 2**126 would decode finite weights to inf (4 * 2**126 = 2**128), so those groups take OCP MX's
+own scale 2**(floor(log2(amax)) - 2) = 2**125 and their largest elements saturate to +-6 * 2**125 (`MAX_EXPONENT`). This module is the torch reference (any device): `mxfp4_linear` decodes the weight in row chunks (peak
 memory one chunk, not the dense head) and multiplies in the input's dtype with FP32 accumulation where torch does.
 On CUDA, bf16 / fp16 inputs go to the Triton kernel (`ops.triton.mxfp4_gemv`: the weight decoded in registers, 4.25
 bits per weight read); `backend="torch"` forces the reference.
@@ -20,7 +22,18 @@ from .formats.mxfp4 import MXFP4Format
 GROUP = 32
 """Inputs per UE8M0 scale (OCP MX)."""
 
-CODEC = MXFP4Format(group_size=GROUP)
+MAX_EXPONENT = 125
+"""The largest scale exponent of a weight group: 6 * 2**125 is finite in FP32, 4 * 2**126 is not."""
+
+
+class _FiniteMXFP4(MXFP4Format):
+    """MXFP4 (RCEIL) whose scale exponents stop at `MAX_EXPONENT`, so that no finite weight decodes to inf."""
+
+    def scale_exponent(self, amax: torch.Tensor) -> torch.Tensor:
+        return super().scale_exponent(amax).clamp(max=MAX_EXPONENT)
+
+
+CODEC = _FiniteMXFP4(group_size=GROUP)
 
 DEFAULT_CHUNK_ROWS = 8192
 """Output rows decoded at a time by `mxfp4_linear`, and encoded at a time by `quantize_mxfp4` (8192 x 2880 fp32 =
@@ -35,6 +48,22 @@ class Mxfp4Weight:
     payload: torch.Tensor
     scales: torch.Tensor
     max_scale: int | None = None  # the largest scale byte, when known (lets the kernel decode without FP32)
+
+    def __post_init__(self) -> None:
+        """Shapes, dtypes, device and `max_scale` checked here: the kernels index the bytes by these shapes, and
+        take the bf16 path from `max_scale` without looking at the scales."""
+        p, s = self.payload, self.scales
+        got = ", ".join(f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                        for t in (p, s))
+        require(isinstance(p, torch.Tensor) and isinstance(s, torch.Tensor) and p.dtype == s.dtype == torch.uint8
+                and p.dim() == 2 and p.shape[1] % (GROUP // 2) == 0
+                and tuple(s.shape) == (p.shape[0], p.shape[1] * 2 // GROUP), Status.INVALID_ARGUMENT,
+                f"Mxfp4Weight needs uint8 payload [out, in / 2] and scales [out, in / {GROUP}] (in a multiple of "
+                f"{GROUP}), got {got}")
+        require(p.device == s.device, Status.INVALID_ARGUMENT, f"payload on {p.device}, scales on {s.device}")
+        require(self.max_scale is None or (type(self.max_scale) is int
+                                           and self.max_scale == (int(s.max()) if s.numel() else 0)),
+                Status.INVALID_ARGUMENT, f"max_scale {self.max_scale!r} is not the largest scale byte")
 
     def to(self, device) -> Mxfp4Weight:
         return Mxfp4Weight(self.payload.to(device), self.scales.to(device), self.max_scale)
@@ -82,9 +111,11 @@ def kernel_serves(x: torch.Tensor) -> bool:
 def mxfp4_linear(x: torch.Tensor, weight: Mxfp4Weight, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                  backend: str = "auto") -> torch.Tensor:
     """`x @ W.T` for `x [..., in_features]` with `W` the decoded MXFP4 weight: the output `[..., out_features]` in
-    x's dtype. The reference equals `x @ weight.dequantize(dtype=x.dtype).T` for any `chunk_rows` (rows are
-    independent); the kernel (`backend` "auto" where `kernel_serves(x)`, or "triton") has the same exact products
-    summed in another FP32 order."""
+    x's dtype. The reference computes `x @ weight.dequantize(dtype=x.dtype).T` `chunk_rows` output rows at a time:
+    the same products, but the BLAS picks its summation order by the chunk's shape, so two `chunk_rows` agree to
+    within the bound of FP32 summation (2 * in_features * 2**-24 * sum |x * w| per output) plus one rounding to
+    x's dtype, not bit for bit. The kernel (`backend` "auto" where `kernel_serves(x)`, or "triton") sums the same
+    products in its own FP32 order."""
     if not isinstance(weight, Mxfp4Weight):
         raise KvxError(Status.INVALID_ARGUMENT, f"mxfp4_linear expects an Mxfp4Weight, got {type(weight).__name__}")
     require(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 1

@@ -40,7 +40,7 @@ def read_tensor_file(path: str, *, max_bytes: int | None = None,
     require(os.path.isfile(path), Status.INVALID_ARGUMENT, f"{path}: no such file")
     size = os.path.getsize(path)
     require(max_bytes is None or size <= max_bytes, Status.INVALID_ARGUMENT,
-            f"{path}: {size} bytes, more than the {max_bytes} such a file may hold")
+            f"{path}: {size} bytes, more than the {max_bytes} this file type may hold")
     try:
         with safe_open(path, framework="pt") as f:
             meta = dict(f.metadata() or {})

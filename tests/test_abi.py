@@ -44,6 +44,8 @@ from kvx_core.abi import (
 from kvx_core.enums import BlockTableFormat, DType, Layout, Memory, QuantFormat, ScaleGranularity
 from kvx_core.errors import KvxError, Status
 
+from .procs import run
+
 # --------------------------------------------------------------------------------------------
 # What the header must declare, derived from the Python side
 # --------------------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ def cxx() -> str:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return run(cmd)
 
 
 def _compile(cmd: list[str]) -> None:

@@ -140,3 +140,72 @@ def test_a_weight_file_name_beside_the_model_is_refused(tiny, capsys):
     """vLLM and TGI would load it as a weight shard."""
     assert main(["calibrate-kv", "--model", str(tiny), "--out", str(tiny / "kv.safetensors")]) == 2
     assert "as weights" in capsys.readouterr().err and not (tiny / "kv.safetensors").exists()
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if the command loads a model or builds the demo checkpoint: refusals come first."""
+    import kvx_demo
+
+    def loaded(*_a, **_k):
+        raise AssertionError("the model was loaded (or the demo checkpoint built) before the refusal")
+
+    monkeypatch.setattr(kvx_demo, "load_model", loaded)
+    monkeypatch.setattr(kvx_demo, "ensure_local_checkpoint", loaded)
+
+
+def _refused_before_loading(args: list[str], capsys, message: str) -> None:
+    assert main(["calibrate-kv", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_out_paths_are_checked_before_the_model_loads(tiny, tmp_path, capsys, no_model_load):
+    """--out a directory with --force (was IsADirectoryError after calibrating), a FIFO, a missing folder, an
+    existing name (a dangling link too) without --force: one line, exit 2, nothing loaded, nothing changed."""
+    import os
+
+    folder = tmp_path / "a_dir"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("mine")
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    base = ["--model", str(tiny), "--formats", "nvfp4", "--window-len", "64"]
+    for out, force, message in ((folder, True, "not a regular file"), (tmp_path / "fifo", True, "not a regular file"),
+                                (tmp_path / "no" / "c.kvx", False, "not a directory this user can write in"),
+                                (tmp_path / "dangling", False, "exists; pass --force")):
+        _refused_before_loading([*base, "--out", str(out), *(["--force"] if force else [])], capsys, message)
+    assert [p.name for p in folder.iterdir()] == ["keep.txt"] and (folder / "keep.txt").read_text() == "mine"
+    assert os.readlink(tmp_path / "dangling") == str(tmp_path / "nowhere")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "dangling", "fifo"]
+    # the default model (the demo checkpoint) is not built before --out is refused either
+    _refused_before_loading(["--out", str(folder), "--force"], capsys, "not a regular file")
+
+
+def test_text_is_capped_and_must_be_a_regular_file(tiny, tmp_path, capsys, monkeypatch, no_model_load):
+    """--text /dev/zero read until memory ran out; a FIFO would block; a file over MAX_TEXT_BYTES is refused."""
+    import os
+
+    from kvx_cli import demo_cmd
+
+    os.mkfifo(tmp_path / "fifo")
+    out = tmp_path / "c.kvx"
+    for path in ("/dev/zero", str(tmp_path / "fifo"), str(tmp_path)):
+        _refused_before_loading(["--model", str(tiny), "--text", path, "--out", str(out)], capsys,
+                                "is not a regular file")
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 101)
+    monkeypatch.setattr(demo_cmd, "MAX_TEXT_BYTES", 100)
+    _refused_before_loading(["--model", str(tiny), "--text", str(big), "--out", str(out)], capsys,
+                            "larger than the 100 bytes")
+    assert not out.exists()
+
+
+def test_text_reads_like_read_text(tmp_path, monkeypatch):
+    """The capped read gives what `Path.read_text` gave (universal newlines), up to MAX_TEXT_BYTES exactly."""
+    from kvx_cli import demo_cmd
+
+    p = tmp_path / "t.txt"
+    p.write_bytes("a\r\nb\rc\n\u00e9".encode())
+    monkeypatch.setattr(demo_cmd, "MAX_TEXT_BYTES", p.stat().st_size)
+    assert demo_cmd._read_text(p) == p.read_text(encoding="utf-8") == "a\nb\nc\n\u00e9"

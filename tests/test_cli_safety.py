@@ -28,6 +28,7 @@ from kvx_cli.main import main
 from kvx_demo import model as demo_model
 from kvx_core.errors import KvxError, Status
 
+from .procs import run
 from .tiny_llama import save_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -414,6 +415,16 @@ def test_demo_refuses_bad_calibration_text_before_loading(content, tmp_path, no_
     assert not (tmp_path / "o.jsonl").exists()
 
 
+@pytest.mark.parametrize("flag", ["--text", "--calibration-text"])
+def test_demo_refuses_devices_and_fifos_as_text(flag, tmp_path, no_model_work, capsys):
+    """/dev/zero was read until memory ran out, and a FIFO blocks: text must be a regular file."""
+    os.mkfifo(tmp_path / "fifo")
+    for path in ("/dev/zero", str(tmp_path / "fifo")):
+        err = refused(["demo", "--calibrate", flag, path, "--json", str(tmp_path / "o.jsonl")], capsys)
+        assert f"{flag} {path} is not a regular file" in err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_demo_calibration_text_needs_calibrate(tmp_path, no_model_work, capsys):
     (tmp_path / "cal.txt").write_text("some calibration text")
     err = refused(["demo", "--calibration-text", str(tmp_path / "cal.txt"), "--json", str(tmp_path / "o.jsonl")],
@@ -508,8 +519,7 @@ def test_demo_without_the_model_package_is_exit_2(monkeypatch, capsys):
 def _kvx(args: list[str], env_home: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HOME=str(env_home), KVX_CACHE_DIR=str(env_home / "kvx-cache"), HF_HUB_OFFLINE="1")
     env.pop("XDG_CACHE_HOME", None)
-    return subprocess.run([sys.executable, "-m", "kvx_cli.main", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run([sys.executable, "-m", "kvx_cli.main", *args], cwd=REPO, env=env)
 
 
 @pytest.mark.parametrize("args", [

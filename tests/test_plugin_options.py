@@ -4,12 +4,13 @@
 """
 import importlib
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from .procs import run
 
 PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "kvx_vllm"
 if importlib.util.find_spec("kvx_vllm") is None:  # the main venv does not install the plugin
@@ -25,7 +26,7 @@ def test_options_and_dtypes_import_without_vllm():
     """Even where vLLM is installed, loading these modules must not import it (import vllm fails here)."""
     code = ("import sys; sys.modules['vllm'] = None; sys.path.insert(0, sys.argv[1]); "
             "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
-    out = subprocess.run([sys.executable, "-c", code, str(PLUGIN)], capture_output=True, text=True, timeout=300)
+    out = run([sys.executable, "-c", code, str(PLUGIN)])
     assert out.returncode == 0, out.stderr
     assert "KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None)" in out.stdout
 

@@ -26,6 +26,7 @@ import torch
 from text_generation_server.pb import generate_pb2 as pb
 from text_generation_server.pb import generate_pb2_grpc as pb_grpc
 
+from ..procs import HANG_S, hung
 from .checks import slots_of
 
 
@@ -91,10 +92,11 @@ def launch(model_id: str, uds: str, env: dict[str, str], log: Path, *extra: str)
                                 stdout=f, stderr=subprocess.STDOUT)
 
 
-def wait_for_socket(url: str, proc: subprocess.Popen | None = None, timeout: float = 300.0) -> grpc.Channel:
-    """A channel to `url` once the server answers Health (raises if `proc` exits first). A fresh channel per
-    attempt: a channel that failed to connect backs off for up to minutes before it tries again."""
-    deadline = time.monotonic() + timeout
+def wait_for_socket(url: str, proc: subprocess.Popen | None = None, timeout: float = HANG_S) -> grpc.Channel:
+    """A channel to `url` once the server answers Health (raises if `proc` exits first; past `timeout`, a hang,
+    the test fails with `procs.hung`'s message). A fresh channel per attempt: a channel that failed to connect backs
+    off for up to minutes before it tries again."""
+    start = time.monotonic()
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
@@ -102,10 +104,11 @@ def wait_for_socket(url: str, proc: subprocess.Popen | None = None, timeout: flo
         try:
             pb_grpc.TextGenerationServiceStub(channel).Health(pb.HealthRequest(), timeout=5)
             return channel
-        except grpc.RpcError:
+        except grpc.RpcError as e:
             channel.close()
-            if time.monotonic() > deadline:
-                raise
+            if time.monotonic() > start + timeout:
+                raise AssertionError(hung(f"the TGI server at {url} (no Health answer)", time.monotonic() - start,
+                                          str(e))) from None
             time.sleep(0.5)
 
 

@@ -3,13 +3,13 @@ prefill, no prefix caching) serves TGI's gRPC service from a subprocess."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
 from kvx_core.formats import get_format
 from kvx_tgi.config import parse_bytes
 
+from ..procs import run, wait
 from .checks import PPL_BOUND, expected_blocks, perplexity
 from .harness import Router, launch, launcher, wait_for_socket
 
@@ -35,8 +35,7 @@ def test_launcher_refuses_with_one_line(env, args, says, tmp_path):
     full = {k: v for k, v in os.environ.items() if k not in ("ATTENTION", "PREFIX_CACHING", "KVX_FORMAT",
                                                               "KVX_KV_CACHE_MEMORY")}
     full.update({k: v for k, v in env.items() if v})
-    p = subprocess.run([*launcher(), "serve", str(tmp_path / "no-model"), *args], env=full, capture_output=True,
-                       text=True, timeout=120)
+    p = run([*launcher(), "serve", str(tmp_path / "no-model"), *args], env=full)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvx-tgi-server: error: ") and says in lines[0], p.stderr
@@ -60,7 +59,7 @@ def _serve(model_dir: str, fmt: str, tmp_path, tok, ids):
         return router.num_blocks, perplexity(s.prompt_logprobs)
     finally:
         proc.terminate()
-        proc.wait(60)
+        wait(proc, f"kvx-tgi-server {fmt} (stopping after SIGTERM)", tmp_path / f"{fmt}.log")
 
 
 def test_launcher_serves_paged_attention(smol_dir, tmp_path):

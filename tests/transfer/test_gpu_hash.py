@@ -3,13 +3,14 @@ CPU (a subprocess, TRITON_INTERPRET=1 must be set before Triton loads) and compi
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 import xxhash
+
+from ..procs import run
 
 CASES = [(32, 3, 0), (64, 5, 12345), (1024, 4, 2**64 - 7), (128, 2, 2**63 + 5), (65536, 3, 99)]
 
@@ -29,8 +30,7 @@ def _check(device: str) -> None:
 def test_interpreted_kernel_equals_xxhash():
     code = "import sys; sys.path.insert(0, sys.argv[1]); from tests.transfer.test_gpu_hash import _check; _check('cpu')"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = subprocess.run([sys.executable, "-c", code, root], env={**os.environ, "TRITON_INTERPRET": "1"},
-                       capture_output=True, text=True, timeout=600)
+    p = run([sys.executable, "-c", code, root], env={**os.environ, "TRITON_INTERPRET": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
 
 

@@ -24,6 +24,7 @@ from kvx_core.transfer import import_bundle  # noqa: E402
 from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
 from kvx_core.transfer.rows import read_rows  # noqa: E402
 
+from ..procs import communicate  # noqa: E402
 from .test_bundle import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
 
 UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -140,5 +141,5 @@ def test_handoff_between_two_processes_over_tcp_loopback():
                                                          token_ids=list(range(50)))
         assert _rows_equal(src, slots, dst, back)
     finally:
-        p.communicate("done\n", timeout=60)
+        communicate(p, "the NIXL sender process", "done\n")
     assert p.returncode == 0

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,6 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ..procs import run
 from .test_vllm_plugin import ENV  # the same offline-run environment
 
 pytestmark = pytest.mark.vllm
@@ -80,8 +80,7 @@ def prompt_ids(checkpoint) -> list[int]:
 def run(request, prompt_ids) -> dict:
     prefill, fixture = RUNS[request.param]
     model_dir = request.getfixturevalue(fixture)
-    p = subprocess.run([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", prefill,
-                        json.dumps(prompt_ids)], env=ENV, capture_output=True, text=True, timeout=420)
+    p = run([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", prefill, json.dumps(prompt_ids)], env=ENV)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, f"calibrated vLLM run failed:\n{(p.stdout + p.stderr)[-4000:]}"
     return {**json.loads(m.group(1)), "prefill": prefill, "id": request.param, "model_dir": model_dir}

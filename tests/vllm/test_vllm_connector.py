@@ -31,7 +31,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +39,8 @@ import pytest
 import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
 
 from kvx_core.transfer.bundle import BundleReader
+
+from ..procs import run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,8 +57,8 @@ def _instances(checkpoint: str, store: Path, instances: dict, *extra_args: str) 
     """Run `instances` in turn on `store` (`vllm_pd_run.py` processes); their results and logs by name."""
     out = {}
     for name, (dtype, block, role, extra) in instances.items():
-        p = subprocess.run([sys.executable, str(RUNNER), checkpoint, dtype, str(block), str(store), role, *extra,
-                            *extra_args], env=ENV, capture_output=True, text=True, timeout=420)
+        p = run([sys.executable, str(RUNNER), checkpoint, dtype, str(block), str(store), role, *extra, *extra_args],
+                env=ENV)
         m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
         assert p.returncode == 0 and m, f"instance {name} ({dtype}) failed:\n{(p.stdout + p.stderr)[-4000:]}"
         out[name] = {**json.loads(m.group(1)), "log": p.stdout + p.stderr}
@@ -158,9 +159,8 @@ def kvtc_pd(checkpoint, tmp_path_factory) -> dict[str, dict]:
     store with it."""
     root = tmp_path_factory.mktemp("kvtc")
     cal = root / "cal.safetensors"
-    p = subprocess.run([sys.executable, "-m", "kvx_cli.main", "kvtc", "calibrate", str(cal), "--model", checkpoint,
-                        "--windows", "2", "--window-len", "512", "--ratio", "8"], env=ENV, capture_output=True,
-                       text=True, timeout=420)
+    p = run([sys.executable, "-m", "kvx_cli.main", "kvtc", "calibrate", str(cal), "--model", checkpoint,
+             "--windows", "2", "--window-len", "512", "--ratio", "8"], env=ENV)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     store = root / "store"
     out = _instances(checkpoint, store, KVTC_INSTANCES, "--kvtc", str(cal))

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ..procs import run
 from .bounds import PPL_BOUND
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +53,7 @@ def run_args(tag: str) -> list[str]:
 def _run(ckpt: str, tag: str) -> dict:
     script, *args = run_args(tag)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if "--preempt" in args else None
-    p = subprocess.run([sys.executable, script, ckpt, *args], capture_output=True, text=True, timeout=900, env=env)
+    p = run([sys.executable, script, ckpt, *args], env=env)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, f"vLLM GPU run {tag} failed:\n{(p.stdout + p.stderr)[-4000:]}"
     return json.loads(m.group(1))

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ..procs import run
 from .test_vllm_plugin import ENV  # the same offline-run environment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -34,8 +34,7 @@ MARLIN_BOUND = 0.01
 def runs(checkpoint) -> dict[str, dict]:
     out = {}
     for mode in ("mxfp4", "none"):
-        p = subprocess.run([sys.executable, str(RUNNER), checkpoint, mode], env=ENV, capture_output=True, text=True,
-                           timeout=420)
+        p = run([sys.executable, str(RUNNER), checkpoint, mode], env=ENV)
         m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
         assert p.returncode == 0 and m, f"lm_head {mode} failed:\n{(p.stdout + p.stderr)[-4000:]}"
         out[mode] = json.loads(m.group(1))

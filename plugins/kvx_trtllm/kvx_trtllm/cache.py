@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvx_adapters.trtllm import from_trtllm_layer, from_trtllm_offsets, from_trtllm_pool
+from kvx_core.allocator import as_int
 from kvx_core.codec import format_of, quant_desc
 from kvx_core.descriptors import BlockTable, CacheDesc, PoolDesc, memory_of
 from kvx_core.enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, Layout
@@ -54,14 +55,35 @@ class TrtllmLayer:
     layer_in_pool: int
 
 
-def _as_list(x) -> list:
+def _as_list(x, what: str) -> list:
+    """A tensor or a list / tuple of them (None: none) as a list; KvxError for anything else."""
     if x is None:
         return []
-    return [x] if isinstance(x, torch.Tensor) else list(x)
+    if isinstance(x, torch.Tensor):
+        return [x]
+    require(isinstance(x, (list, tuple)), Status.INVALID_ARGUMENT,
+            f"{what} must be a tensor or a list of tensors, got {type(x).__name__}")
+    return list(x)
+
+
+def _as_tensor(x: object, what: str) -> torch.Tensor:
+    """`x` (a tensor, or nested lists of numbers) as a tensor; KvxError naming `what` for anything else (a string,
+    ragged lists, a bool or complex tensor) instead of torch's TypeError / ValueError."""
+    try:
+        t = torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{what} must be a tensor or (nested) list of numbers ({e})") from None
+    require(t.dtype != torch.bool and not t.is_complex(), Status.INVALID_ARGUMENT,
+            f"{what} must hold real numbers, got {t.dtype}")
+    return t
 
 
 def _per_pool(value: int | Sequence[int], num_pools: int, what: str) -> list[int]:
-    vals = [int(value)] * num_pools if isinstance(value, int) else [int(v) for v in value]
+    """One int >= 1 for every pool, or a list of one per pool (never a float or bool truncated)."""
+    if isinstance(value, (list, tuple)):
+        vals = [as_int(v, f"{what}[{i}]", 1) for i, v in enumerate(value)]
+    else:
+        vals = [as_int(value, what, 1)] * num_pools
     require(len(vals) == num_pools, Status.INVALID_ARGUMENT, f"{what}: {len(vals)} values for {num_pools} pools")
     return vals
 
@@ -71,7 +93,7 @@ def _mapping(pool_mapping: torch.Tensor | None, pools: list[torch.Tensor]) -> li
     if pool_mapping is None:
         require(len(pools) == 1, Status.INVALID_ARGUMENT, "several pools need kv_cache_pool_mapping [num_layers, 2]")
         return [(0, i) for i in range(pools[0].shape[1])]
-    m = torch.as_tensor(pool_mapping)
+    m = _as_tensor(pool_mapping, "kv_cache_pool_mapping")
     require(m.dim() == 2 and m.shape[1] == 2 and not m.is_floating_point(), Status.INVALID_ARGUMENT,
             f"kv_cache_pool_mapping must be an integer [num_layers, 2] tensor, got {tuple(m.shape)} {m.dtype}")
     pairs = [(int(p), int(li)) for p, li in m.tolist()]
@@ -90,14 +112,14 @@ def _layer_scales(kv_scale_quant_orig, kv_scale_orig_quant, num_layers: int, wid
     shape = f"[{num_layers}]" if width == 1 else f"[num_layers={num_layers}, {width}]"
     require(kv_scale_quant_orig is not None, Status.INVALID_ARGUMENT,
             f"a quantized TRT-LLM cache needs kv_scale_quant_orig {shape} fp32 (1.0 for unit scales)")
-    s = torch.as_tensor(kv_scale_quant_orig, dtype=torch.float32).cpu()
+    s = _as_tensor(kv_scale_quant_orig, "kv_scale_quant_orig").to(torch.float32).cpu()
     require(s.numel() == num_layers * width, Status.INVALID_ARGUMENT,
             f"kv_scale_quant_orig has {s.numel()} values, this cache needs {shape}")
     s = s.reshape(num_layers, width)
     require(bool(torch.isfinite(s[:, used]).all() and (s[:, used] > 0).all()), Status.INVALID_ARGUMENT,
             f"kv_scale_quant_orig must be finite and positive, got {s.tolist()}")
     if kv_scale_orig_quant is not None:
-        inv = torch.as_tensor(kv_scale_orig_quant, dtype=torch.float32).cpu()
+        inv = _as_tensor(kv_scale_orig_quant, "kv_scale_orig_quant").to(torch.float32).cpu()
         require(inv.numel() == s.numel() and torch.allclose(inv.reshape(s.shape)[:, used] * s[:, used],
                                                             torch.ones_like(s[:, used]), rtol=1e-6, atol=0),
                 Status.INVALID_ARGUMENT, "kv_scale_orig_quant must be 1 / kv_scale_quant_orig per layer")
@@ -110,7 +132,9 @@ def _check_pointers(pool_pointers, pools: list[torch.Tensor], secondary: list[to
     (primary, secondary), or NVFP4's `[num_pools, 2, 2]` with the block-scale pools' bases at `[..., 1]`."""
     if pool_pointers is None:
         return
-    ptr = torch.as_tensor(pool_pointers).cpu()
+    ptr = _as_tensor(pool_pointers, "kv_cache_pool_pointers").cpu()
+    require(not ptr.is_floating_point(), Status.INVALID_ARGUMENT,
+            f"kv_cache_pool_pointers must hold integer addresses, got {ptr.dtype}")
     want_shape = (len(pools), 2) if scale_pools is None else (len(pools), 2, 2)
     require(tuple(ptr.shape) == want_shape, Status.INVALID_ARGUMENT,
             f"kv_cache_pool_pointers must be {list(want_shape)} for these pools, got {tuple(ptr.shape)}"
@@ -182,13 +206,17 @@ def describe_trtllm_cache(pools: torch.Tensor | Sequence[torch.Tensor], offsets:
     trtllm-gen layout, recorded as `KVX_QUANT_FLAG_V_SCALE_INTERLEAVE4`) or "linear" (releases before it). K-only
     / MLA pools (`kv_factor` 1) and NVFP4 host (secondary) pools are refused (UNSUPPORTED) with the reason.
     """
-    prim = _as_list(pools)
+    tokens_per_block, head_dim = as_int(tokens_per_block, "tokens_per_block", 1), as_int(head_dim, "head_dim", 1)
+    kv_factor, beam_width = as_int(kv_factor, "kv_factor", 1), as_int(beam_width, "beam_width", 1)
+    prim = _as_list(pools, "pools")
     require(len(prim) > 0, Status.INVALID_ARGUMENT, "describe_trtllm_cache: no pool given")
     require(kv_factor == 2, Status.UNSUPPORTED,
             f"kv_factor {kv_factor}: K-only / MLA TRT-LLM caches hold one latent tensor per token, not K and V; "
             "KVX describes K/V caches")
-    sec = _as_list(secondary_pools) or [None] * len(prim)
+    sec = _as_list(secondary_pools, "secondary_pools") or [None] * len(prim)
     require(len(sec) == len(prim), Status.INVALID_ARGUMENT, f"{len(sec)} secondary pools for {len(prim)} pools")
+    require(all(t is None or isinstance(t, torch.Tensor) for t in sec), Status.INVALID_ARGUMENT,
+            "secondary_pools must be tensors (None: no host pool)")
     for p, t in enumerate(prim):
         require(isinstance(t, torch.Tensor) and t.dim() == 4, Status.INVALID_ARGUMENT,
                 f"pool {p} must be [num_blocks, layers_in_pool, kv_factor, H*T*D], got "
@@ -203,7 +231,7 @@ def describe_trtllm_cache(pools: torch.Tensor | Sequence[torch.Tensor], offsets:
     heads = _per_pool(num_kv_heads, len(prim), "num_kv_heads")
     _check_pointers(pool_pointers, prim, sec, sp)
     mapping = _mapping(pool_mapping, prim)
-    o = torch.as_tensor(offsets)
+    o = _as_tensor(offsets, "offsets")
     if o.dim() == 3:
         require(len(prim) == 1, Status.INVALID_ARGUMENT, "offsets of several pools must be [num_pools, rows, 2, M]")
         o = o.unsqueeze(0)
@@ -232,14 +260,14 @@ def _nvfp4_scale_pools(scale_pools, prim: list[torch.Tensor], sec: list[torch.Te
                        v_scale_layout: str) -> list[torch.Tensor]:
     """The block-scale pools of NVFP4 pools as uint8, one per pool and shaped like its data pool with `H*T*D/16`
     bytes per block; KvxError for what KVX cannot describe exactly."""
-    require(v_scale_layout in _V_SCALE_FLAGS, Status.INVALID_ARGUMENT,
+    require(isinstance(v_scale_layout, str) and v_scale_layout in _V_SCALE_FLAGS, Status.INVALID_ARGUMENT,
             f"v_scale_layout must be one of {sorted(_V_SCALE_FLAGS)}, got {v_scale_layout!r}")
-    require(int(head_dim) % 16 == 0, Status.INVALID_ARGUMENT,
+    require(head_dim % 16 == 0, Status.INVALID_ARGUMENT,
             f"NVFP4 head_dim must be a multiple of 16 (one E4M3 scale per 16 elements), got {head_dim}")
     require(all(s is None for s in sec), Status.UNSUPPORTED,
             "NVFP4 host (secondary) pools: their block scales live in a secondary block-scale pool, which a KVX v1.1 "
             "cache descriptor cannot name; describe caches whose blocks are on the GPU")
-    sp = _as_list(scale_pools)
+    sp = _as_list(scale_pools, "scale_pools")
     require(len(sp) == len(prim), Status.INVALID_ARGUMENT,
             f"NVFP4 (uint8) pools need scale_pools, the block-scale pools: {len(sp)} given for {len(prim)} pools")
     out = []

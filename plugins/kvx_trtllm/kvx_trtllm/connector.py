@@ -27,7 +27,7 @@ rows of that pool, shared by every layer; `SchedulerOutput.new_requests` carry t
 allocated so far, with `computed_position` excluding the tokens this connector matched; `cached_requests` carry
 the blocks and tokens added since. Served: one rank (no tensor / pipeline parallelism), beam width 1, bf16 / fp16
 / fp32 caches, and FP8 caches when `KVX_KV_SCALES` names a JSON list of one `kv_scale_quant_orig` per layer (x = fp8
-* s): the connector API passes no scales, so they come from the operator, and KVX cannot check they are the ones
+* s; a regular file of at most `MAX_KV_SCALES_BYTES`, strict JSON): the connector API passes no scales, so they come from the operator, and KVX cannot check they are the ones
 TRT-LLM's attention runs with. FP8 bundles keep the cache's bytes and its scales (a cache of the same scales takes
 them bit for bit; any other cache decodes and re-encodes with its own scales: `kvx_core.transfer.handoff`). Without
 `KVX_KV_SCALES` FP8 caches are refused: bytes under a guessed scale would be wrong KV in the importing engine. NVFP4
@@ -36,7 +36,6 @@ caches are refused: the worker receives no block-scale pool.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 
+from kvx_core import jsonsafe
 from kvx_core.errors import KvxError
 from kvx_core.kvtc.bundle import calibration_for
 from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
@@ -147,20 +147,43 @@ def connector_config(llm_args: Any) -> ConnectorConfig:
                            _kv_scales(os.environ.get("KVX_KV_SCALES")))
 
 
-def _kv_scales(path: str | None) -> tuple[float, ...] | None:
-    """The per-layer FP8 `kv_scale_quant_orig` from the JSON list at `path` (ValueError naming what is wrong)."""
-    if not path:
+MAX_KV_SCALES_BYTES = 1 << 20
+"""A KVX_KV_SCALES file larger than this is refused unread (one scale per layer takes ~20 bytes of JSON)."""
+
+
+def _positive_finite(v: object) -> float | None:
+    """A JSON number as a finite float > 0, None for anything else (bools, strings, ints beyond FP64)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     try:
-        with open(path) as f:
-            values = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"KVX connector: KVX_KV_SCALES={path}: cannot read a JSON list of scales ({e})") from None
-    if not (isinstance(values, list) and values and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                        and math.isfinite(v) and v > 0 for v in values)):
-        raise ValueError(f"KVX connector: KVX_KV_SCALES={path} must hold a JSON list of finite positive numbers, one "
-                         "kv_scale_quant_orig per layer")
-    return tuple(float(v) for v in values)
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and f > 0 else None
+
+
+def _kv_scales(path: str | None) -> tuple[float, ...] | None:
+    """The per-layer FP8 `kv_scale_quant_orig` from the JSON list at `path`: a regular file of at most
+    `MAX_KV_SCALES_BYTES`, strict JSON (`jsonsafe`); ValueError naming what is wrong."""
+    if not path:
+        return None
+    what = f"KVX connector: KVX_KV_SCALES={path}"
+    try:
+        if not os.path.isfile(path):
+            raise ValueError(f"{what} is not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_KV_SCALES_BYTES + 1)
+        if len(data) > MAX_KV_SCALES_BYTES:
+            raise ValueError(f"{what} is larger than {MAX_KV_SCALES_BYTES} bytes (MAX_KV_SCALES_BYTES)")
+        values = jsonsafe.loads(data, "the file")
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read a JSON list of scales ({e})") from None
+    except KvxError as e:
+        raise ValueError(f"{what}: cannot read a JSON list of scales ({e.message})") from None
+    scales = [_positive_finite(v) for v in values] if isinstance(values, list) else []
+    if not scales or None in scales:
+        raise ValueError(f"{what} must hold a JSON list of finite positive numbers, one kv_scale_quant_orig per layer")
+    return tuple(scales)
 
 
 def _slots(blocks: list[int], start: int, stop: int, tpb: int) -> list[int]:
