@@ -24,7 +24,7 @@ def check_output(path: str, *, overwrite: bool = False) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     require(os.path.isdir(folder), Status.INVALID_ARGUMENT, f"{folder}: no such directory")
     require(os.access(folder, os.W_OK | os.X_OK), Status.INVALID_ARGUMENT, f"{folder}: not writable")
-    require(not os.path.isdir(path), Status.INVALID_ARGUMENT, f"{path} is a directory")
+    require(not os.path.isdir(path), Status.INVALID_ARGUMENT, f"{path} is a directory, not a regular file")
     require(overwrite or not os.path.lexists(path), Status.INVALID_ARGUMENT, _exists(path))
     require(not os.path.lexists(path) or os.path.isfile(path), Status.INVALID_ARGUMENT,
             f"{path} exists and is not a regular file (a device, FIFO or dangling link): KVX replaces only files")

@@ -228,7 +228,7 @@ def load_kv_calibration(path: str) -> KvCalibration:
     file, INCOMPATIBLE for another version. The file is untrusted (anyone can recompute its identity hash): its size
     is capped (`MAX_FILE_BYTES`) before it is read, `num_layers` is checked against the tensors present before any
     per-layer list is built, and every value's type, shape and range before it is used."""
-    meta, tensors = read_tensor_file(path, MAX_FILE_BYTES)
+    meta, tensors = read_tensor_file(path, max_bytes=MAX_FILE_BYTES)
     require(META_KEY in meta, Status.INVALID_ARGUMENT, f"{path}: not a KVX KV-cache calibration (no {META_KEY} metadata)")
     try:
         p = loads_object(meta[META_KEY], f"the {META_KEY} metadata")
