@@ -31,7 +31,7 @@ HEADING_LABEL = re.compile(rf"^#+\s+§({SECTION})(?=\s|$)")
 def repo_root() -> Path:
     """The repository root: the nearest parent of this file holding pyproject.toml and docs/."""
     for parent in Path(__file__).resolve().parents:
-        if (parent / "pyproject.toml").is_file() and (parent / "kvx_core").is_dir():
+        if (parent / "pyproject.toml").is_file() and (parent / "docs").is_dir():
             return parent
     raise AssertionError(f"no repository root above {__file__}")
 
