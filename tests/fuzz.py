@@ -2,9 +2,11 @@
 
 A reader of forged bytes may only return or raise `KvxError`: anything else (a `ValueError`, a `RecursionError`,
 an `OverflowError`, an allocation the memory cap refuses, a hang) is a finding. `run_capped` runs a target
-function many times in a subprocess whose address space is capped (`RLIMIT_AS`, default 1.5 GiB: torch and KVX
-import in ~0.5 GiB, so a reader that believes a forged size and allocates a GiB fails here, as it would crash a
-server), and reports the first case that escaped with its traceback and the seed that reproduces it.
+function many times in a subprocess whose address space is capped (`RLIMIT_AS`) at what the interpreter holds once
+torch, KVX and the target's module are imported plus `HEADROOM_BYTES` (512 MiB; the imports take ~0.5 GiB with a CPU
+torch, several GiB of reservations with a CUDA one), so a reader that believes a forged size and allocates half a GiB
+fails here, as it would crash a server; it reports the first case that escaped with its traceback and the seed
+that reproduces it.
 
 A target is a module-level function `target(rng: random.Random) -> None` in an importable module: it builds one
 forged input (usually a `mutate_bytes` / `mutate_json` of a valid one) and calls the reader; `KvxError` is caught by
@@ -24,7 +26,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CAP_BYTES = 3 << 29  # 1.5 GiB of address space
+HEADROOM_BYTES = 1 << 29  # address space a run may take beyond its imports
 TIMEOUT_S = 900  # a hang, not a slow machine: 300 cases of the slowest reader take ~20 s on 2 idle cores
 
 # values that break readers that trust a field: sizes near the limits of every integer width, non-finite and
@@ -131,32 +133,43 @@ def dumps_json(obj) -> bytes:
     return json.dumps(obj, allow_nan=True).replace(_DEEP_JSON, _DEEP_TEXT).encode()
 
 
-def run_capped(target: str, *, cases: int = 300, seed: int = 0, cap_bytes: int = CAP_BYTES,
+def run_capped(target: str, *, cases: int = 300, seed: int = 0, headroom_bytes: int = HEADROOM_BYTES,
                env: dict | None = None) -> None:
-    """Run `target` ("package.module:function") `cases` times in a fresh interpreter under an address-space cap;
+    """Run `target` ("package.module:function") `cases` times in a fresh interpreter under an address-space cap
+    (`headroom_bytes` above its imports);
     fail (AssertionError) with the case's seed and traceback if one raised anything but `KvxError`, and with the
     reason if the process died (memory, signal) or hung past `TIMEOUT_S`."""
-    cmd = [sys.executable, "-m", "tests.fuzz", target, str(seed), str(cases), str(cap_bytes)]
+    cmd = [sys.executable, "-m", "tests.fuzz", target, str(seed), str(cases), str(headroom_bytes)]
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
                            env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{target}: {cases} fuzz cases did not finish in {TIMEOUT_S} s (a reader hangs?); "
                              f"last output: {(e.stdout or '')[-2000:]}") from None
-    assert p.returncode == 0, (f"{target} (seed {seed}) exited {p.returncode} under a {cap_bytes >> 20} MiB "
-                               f"address-space cap:\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}")
+    assert p.returncode == 0, (f"{target} (seed {seed}) exited {p.returncode} with {headroom_bytes >> 20} MiB "
+                               f"of address space above its imports:\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}")
 
 
-def _main(target: str, seed: int, cases: int, cap_bytes: int | None) -> int:
+def _address_space() -> int:
+    """Bytes of address space this process holds now (VmSize)."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    return kib << 10
+
+
+def _main(target: str, seed: int, cases: int, headroom_bytes: int) -> int:
     import importlib
 
-    if cap_bytes:
-        import resource
-        resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
+    import torch  # noqa: F401 - imported before the cap is measured
+
     from kvx_core.errors import KvxError
 
     module, func = target.split(":")
     fn = getattr(importlib.import_module(module), func)
+    if headroom_bytes:
+        import resource
+        cap = _address_space() + headroom_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     refused = 0
     for case in range(cases):
         case_seed = seed + case
@@ -174,4 +187,4 @@ def _main(target: str, seed: int, cases: int, cap_bytes: int | None) -> int:
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    sys.exit(_main(a[0], int(a[1]), int(a[2]), int(a[3]) if len(a) > 3 else CAP_BYTES))
+    sys.exit(_main(a[0], int(a[1]), int(a[2]), int(a[3]) if len(a) > 3 else HEADROOM_BYTES))

@@ -270,7 +270,7 @@ def _claims_many_tokens(count: int) -> bytes:
 
 
 def claims_16m_tokens(rng) -> None:
-    """Fuzz-harness target (one case, under the 1.5 GiB cap): every reader refuses a small bundle claiming 16M
+    """Fuzz-harness target (one case, under the memory cap): every reader refuses a small bundle claiming 16M
     tokens without allocating its 4 GiB layers: from a file or buffer by its size, from a pipe when the bytes end."""
     import tempfile  # noqa: PLC0415
 
