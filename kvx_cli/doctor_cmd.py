@@ -13,6 +13,7 @@ import platform
 
 import torch
 
+from kvx_core.errors import KvxError, Status
 from kvx_core.formats import list_formats
 from kvx_core.ops import backends
 from kvx_core.ops import cuda as cuda_lib
@@ -52,7 +53,10 @@ def _versions() -> dict[str, str]:
 
 def report(device: torch.device, formats: list[str], geometry: backends.Geometry) -> dict:
     """Everything `kvx doctor` prints, as one JSON-able object."""
-    manifest = cuda_lib.prebuilt_manifest()
+    try:
+        manifest = cuda_lib.prebuilt_manifest()
+    except KvxError as e:  # a damaged install: say so, and go on (the table shows what serves instead)
+        manifest = {"damaged": e.message}
     driver = cuda_lib.driver_cuda_version()
     info: dict = {
         "python": platform.python_version(), "versions": _versions(), "torch_cuda": torch.version.cuda,
@@ -63,7 +67,8 @@ def report(device: torch.device, formats: list[str], geometry: backends.Geometry
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         info["gpu"] = {"name": torch.cuda.get_device_name(device), "capability": f"{cap[0]}.{cap[1]}"}
-        info["prebuilt_serves"] = cuda_lib.prebuilt_reason(manifest, cap, driver) or "yes"
+        info["prebuilt_serves"] = (manifest["damaged"] if manifest and "damaged" in manifest
+                                   else cuda_lib.prebuilt_reason(manifest, cap, driver) or "yes")
         src = cuda_lib.library_source(device)
         info["cuda_library"] = {"origin": src.origin, "path": None if src.path is None else str(src.path),
                                 "detail": src.detail}
@@ -76,8 +81,8 @@ def _print(info: dict) -> None:
     print(f"python {info['python']}; " + ", ".join(f"{k} {val}" for k, val in v.items()))
     print(f"torch CUDA {info['torch_cuda']}; driver supports CUDA {info['driver_cuda']}; nvcc {info['nvcc']}")
     m = info["prebuilt"]
-    print("prebuilt CUDA kernels: " + ("none in this install" if m is None else
-                                       f"CUDA {m['cuda']}, SASS sm_{', sm_'.join(m['sass'])}, PTX {m['ptx']}"))
+    print("prebuilt CUDA kernels: " + ("none in this install" if m is None else m["damaged"] if "damaged" in m
+                                       else f"CUDA {m['cuda']}, SASS sm_{', sm_'.join(m['sass'])}, PTX {m['ptx']}"))
     if "gpu" in info:
         g = info["gpu"]
         print(f"GPU: {g['name']} (compute capability {g['capability']}); prebuilt kernels serve it: "
@@ -91,8 +96,6 @@ def _print(info: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvx_core.errors import KvxError, Status
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KvxError(Status.INVALID_ARGUMENT, f"--device {args.device}: torch sees no CUDA device here")

@@ -124,3 +124,13 @@ def test_locate_with_missing_sources_says_reinstall(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda, "build", lambda arch: pytest.fail("nothing to build from"))
     src = cuda.locate((9, 0), manifest_dir=tmp_path)
     assert src.origin == "unavailable" and "paged_decode_mma.cu" in src.detail and "reinstall" in src.detail
+
+
+@pytest.mark.parametrize("text", ['{"sass": "90a"}', "[1]", "NaN", '{"sass": ["90a"], "ptx": "8x", "cuda": "13.0", '
+                                  '"sources_sha256": "", "library": "l"}', "\xff"])
+def test_a_damaged_manifest_is_a_reason_not_a_crash(tmp_path, monkeypatch, text):
+    (tmp_path / toolchain.MANIFEST).write_bytes(text.encode("latin-1"))
+    monkeypatch.setattr(cuda, "driver_cuda_version", lambda: (13, 0))
+    monkeypatch.setattr(cuda, "nvcc_path", lambda: None)
+    src = cuda.locate((9, 0), manifest_dir=tmp_path)
+    assert src.origin == "unavailable" and "manifest" in src.detail, src.detail

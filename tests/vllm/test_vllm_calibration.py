@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ..procs import run
+from ..procs import run as run_subprocess
 from .test_vllm_plugin import ENV  # the same offline-run environment
 
 pytestmark = pytest.mark.vllm
@@ -80,7 +80,8 @@ def prompt_ids(checkpoint) -> list[int]:
 def run(request, prompt_ids) -> dict:
     prefill, fixture = RUNS[request.param]
     model_dir = request.getfixturevalue(fixture)
-    p = run([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", prefill, json.dumps(prompt_ids)], env=ENV)
+    p = run_subprocess([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", prefill, json.dumps(prompt_ids)],
+                       env=ENV)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, f"calibrated vLLM run failed:\n{(p.stdout + p.stderr)[-4000:]}"
     return {**json.loads(m.group(1)), "prefill": prefill, "id": request.param, "model_dir": model_dir}

@@ -18,14 +18,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
-import json
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from ... import jsonsafe
 from ...errors import KvxError, Status
 from . import toolchain
 from .toolchain import nvcc_path
@@ -85,11 +86,19 @@ def driver_cuda_version() -> tuple[int, int] | None:
 
 def prebuilt_manifest(directory: Path = toolchain.PREBUILT_DIR) -> dict | None:
     """The manifest of the library this install ships (None: none ships, e.g. a source checkout or a wheel built
-    without nvcc)."""
+    without nvcc). KvxError INVALID_ARGUMENT for a damaged one (an install to repair: `locate` says so)."""
     try:
-        return json.loads((directory / toolchain.MANIFEST).read_text())
+        m = jsonsafe.loads_object((directory / toolchain.MANIFEST).read_bytes(), "the prebuilt kernels' manifest")
     except FileNotFoundError:
         return None
+    ok = (isinstance(m.get("sass"), list) and all(isinstance(a, str) and re.fullmatch(r"\d{2,3}a?", a)
+                                                 for a in m["sass"])
+          and (m.get("ptx") is None or (isinstance(m["ptx"], str) and re.fullmatch(r"\d{2,3}", m["ptx"])))
+          and isinstance(m.get("cuda"), str) and re.fullmatch(r"\d+\.\d+", m["cuda"])
+          and isinstance(m.get("sources_sha256"), str) and isinstance(m.get("library"), str))
+    if not ok:
+        raise KvxError(Status.INVALID_ARGUMENT, f"{directory / toolchain.MANIFEST} is damaged: reinstall kvx")
+    return m
 
 
 def prebuilt_reason(manifest: dict | None, capability: tuple[int, int],
@@ -134,8 +143,11 @@ def locate(capability: tuple[int, int], *, manifest_dir: Path = toolchain.PREBUI
     if missing:
         return LibrarySource(arch, "unavailable", None, f"the CUDA sources {', '.join(missing)} are missing from "
                                                         f"this install ({toolchain.HERE}): reinstall kvx")
-    manifest = prebuilt_manifest(manifest_dir)
-    why = prebuilt_reason(manifest, capability, driver_cuda_version())
+    try:
+        manifest = prebuilt_manifest(manifest_dir)
+        why = prebuilt_reason(manifest, capability, driver_cuda_version())
+    except KvxError as e:
+        manifest, why = None, e.message
     if why is None:
         return LibrarySource(arch, "prebuilt", manifest_dir / toolchain.PREBUILT_LIBRARY,
                              f"prebuilt in this install (CUDA {manifest['cuda']}, SASS sm_{', sm_'.join(manifest['sass'])})")
