@@ -43,9 +43,14 @@ def global_scale_for_amax(tf: TensorFormat, amax: torch.Tensor) -> torch.Tensor 
     return torch.where(a > 0, a / rng, torch.ones_like(a))
 
 
-def amax_from_kv_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Amax (flattened fp32) from a checkpoint's `k_scale` / `v_scale`, FP8 convention `amax / 448`."""
-    return scale.detach().float().reshape(-1) * _CKPT_FP8_MAX
+def amax_from_kv_scale(scale: torch.Tensor, what: str = "k_scale / v_scale") -> torch.Tensor:
+    """Amax (flattened fp32) from a checkpoint's `k_scale` / `v_scale`, FP8 convention `amax / 448`. A NaN,
+    infinite or negative scale is refused (KvxError naming `what`): `global_scale_for_amax` would silently make a
+    negative one 1.0."""
+    t = scale.detach().float().reshape(-1)
+    require(bool(torch.isfinite(t).all() and (t >= 0).all()), Status.INVALID_ARGUMENT,
+            f"checkpoint {what} must be finite and >= 0 (amax / 448), got {t[:4].tolist()}")
+    return t * _CKPT_FP8_MAX
 
 
 class AmaxObserver:
@@ -95,7 +100,7 @@ _KV_SCALE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\..*\b([kv])_scale$")
 def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int) -> torch.Tensor | None:
     """Per-layer `[num_layers, 2, 1|H]` amax from a checkpoint's `...layers.{i}...k_scale` / `v_scale`
     tensors (FP8 convention `amax / 448`), or None if the checkpoint has none. Partial sets are an error, and so is
-    a NaN, infinite or negative scale (`global_scale_for_amax` would silently make it 1.0)."""
+    a NaN, infinite or negative scale (`amax_from_kv_scale`)."""
     num_layers = as_int(num_layers, "num_layers", 1)
     require(isinstance(state_dict, Mapping), Status.INVALID_ARGUMENT,
             f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
@@ -107,9 +112,7 @@ def amax_from_checkpoint(state_dict: Mapping[str, torch.Tensor], num_layers: int
                     f"checkpoint key {key!r} names a layer beyond the model's {num_layers}")
             require(isinstance(t, torch.Tensor) and t.is_floating_point(), Status.INVALID_ARGUMENT,
                     f"checkpoint {key!r} must be a float tensor, got {type(t).__name__}")
-            require(bool(torch.isfinite(t).all() and (t >= 0).all()), Status.INVALID_ARGUMENT,
-                    f"checkpoint {key!r} must be finite and >= 0 (amax / 448), got {t.flatten()[:4].tolist()}")
-            found[(int(m.group(1)), 0 if m.group(2) == "k" else 1)] = amax_from_kv_scale(t)
+            found[(int(m.group(1)), 0 if m.group(2) == "k" else 1)] = amax_from_kv_scale(t, repr(key))
     if not found:
         return None
     missing = [(i, "kv"[j]) for i in range(num_layers) for j in range(2) if (i, j) not in found]

@@ -203,3 +203,14 @@ def test_checkpoint_scales_must_be_finite_and_non_negative(bad):
     with pytest.raises(KvxError, match="v_scale' must be finite and >= 0") as e:
         amax_from_checkpoint(sd, L)
     assert e.value.status == Status.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), -0.5])
+def test_one_checkpoint_scale_must_be_finite_and_non_negative(bad):
+    """The TGI backend maps a layer's checkpoint scale through `amax_from_kv_scale` alone: the same rule holds."""
+    from kvx_core.calibration import amax_from_kv_scale
+
+    with pytest.raises(KvxError, match="must be finite and >= 0") as e:
+        amax_from_kv_scale(torch.tensor([bad]))
+    assert e.value.status == Status.INVALID_ARGUMENT
+    assert amax_from_kv_scale(torch.tensor([0.5])).tolist() == [224.0]
