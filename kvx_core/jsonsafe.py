@@ -7,6 +7,7 @@ outside JSON calls `loads`, which raises only `KvxError` (INVALID_ARGUMENT), nam
 from __future__ import annotations
 
 import json
+import math
 
 from .errors import KvxError, Status
 
@@ -61,3 +62,15 @@ def loads_object(data: bytes | bytearray | memoryview | str, what: str) -> dict:
     if not isinstance(value, dict):
         raise KvxError(Status.INVALID_ARGUMENT, f"{what} must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def finite_number(value: object) -> float | None:
+    """A JSON number (an int or float, not a bool) as a finite float; None for anything else, an int beyond the
+    float range included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        v = float(value)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None

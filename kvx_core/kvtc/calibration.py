@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 
 from ..errors import Status, int_value, require
-from ..jsonsafe import loads_object
+from ..jsonsafe import finite_number, loads_object
 from ..tensor_file import TensorSpecs, content_hash, read_tensor_file, write_tensor_file
 from .quant import KINDS, RangeKind, dequantize_range, fp8_scales, quantize_range, range_bytes
 from .rope import rotate
@@ -139,17 +139,6 @@ def _int(p: dict, key: str, lo: int, hi: int, path: str) -> int:
     return v
 
 
-def _real(value: object) -> float | None:
-    """A finite number (an int or float, not a bool) as a float; None otherwise (an int past the float range too)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        v = float(value)
-    except OverflowError:
-        return None
-    return v if math.isfinite(v) else None
-
-
 def _check_params(meta: dict[str, str], path: str) -> dict:
     """The calibration parameters of a file's metadata, each checked for type and range, and the ranges of each
     group side for their structure: what `calibrate` writes (KvxError otherwise)."""
@@ -186,11 +175,11 @@ def _check_settings(p: dict, geometry: dict[str, int], what: str) -> dict:
     out["recent_tokens"] = _int(p, "recent_tokens", 0, MAX_POSITION, what)
     out["range_size"] = rs = _int(p, "range_size", 4, UINT32_MAX, what)
     require(rs % 4 == 0, Status.INVALID_ARGUMENT, f"{what}: range_size {rs} is not a multiple of 4")
-    out["ratio"] = _real(p["ratio"])
+    out["ratio"] = finite_number(p["ratio"])
     require(out["ratio"] is not None and out["ratio"] >= 1, Status.INVALID_ARGUMENT,
             f"{what}: ratio must be a finite number >= 1, got {p['ratio']!r}")
     theta = p["rope_theta"]
-    out["rope_theta"] = None if theta is None else _real(theta)
+    out["rope_theta"] = None if theta is None else finite_number(theta)
     even = geometry["head_dim"] % 2 == 0
     require(theta is None or (out["rope_theta"] is not None and out["rope_theta"] > 0 and even),
             Status.INVALID_ARGUMENT, f"{what}: rope_theta must be null or a finite number > 0 (with an even "

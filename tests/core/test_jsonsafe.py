@@ -26,3 +26,9 @@ def test_loads_object():
     assert jsonsafe.loads_object(b'{"a": 1}', "x") == {"a": 1}
     with pytest.raises(KvxError, match="must be a JSON object"):
         jsonsafe.loads_object(b"[1]", "x")
+
+
+@pytest.mark.parametrize("value, want", [(1, 1.0), (-2.5, -2.5), (0, 0.0), (True, None), ("1", None), (None, None),
+                                         (float("nan"), None), (float("inf"), None), (10**400, None), ([1], None)])
+def test_finite_number(value, want):
+    assert jsonsafe.finite_number(value) == want

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,13 +152,8 @@ MAX_KV_SCALES_BYTES = 1 << 20
 
 def _positive_finite(v: object) -> float | None:
     """A JSON number as a finite float > 0, None for anything else (bools, strings, ints beyond FP64)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    try:
-        f = float(v)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) and f > 0 else None
+    f = jsonsafe.finite_number(v)
+    return f if f is not None and f > 0 else None
 
 
 def _kv_scales(path: str | None) -> tuple[float, ...] | None:
