@@ -91,20 +91,19 @@ def cache_global_scales(cache: CacheDesc, fmt: CacheFormat, k10: ScaleDesc | Non
 
 
 # ---------------------------------------------------------------- write
-def valid_slots(slots: torch.Tensor, invalid_slot: int) -> torch.Tensor:
-    """Mask of tokens that are really written: not `invalid_slot` and not negative (spec §7)."""
-    return (slots != invalid_slot) & (slots >= 0)
-
-
 @dataclass(frozen=True)
 class WriteArgs:
-    """A checked write: int64 slots on the K/V device (-1 where a token is skipped), the mask of written
-    tokens, and the FP32 `[H]` global scales (None for sides without one)."""
+    """A checked write: slots on the K/V device (negative where a token is skipped: every kernel skips those)
+    and the FP32 `[H]` global scales (None for sides without one)."""
 
     slots: torch.Tensor
-    keep: torch.Tensor
     k_gs: torch.Tensor | None
     v_gs: torch.Tensor | None
+
+    @property
+    def keep(self) -> torch.Tensor:
+        """Mask of the tokens really written (the reference and the checks index with it)."""
+        return self.slots >= 0
 
 
 def check_write_args(fmt: CacheFormat, key, value, slots, *, num_slots: int, num_kv_heads: int, k_gs=None,
@@ -127,15 +126,16 @@ def check_write_args(fmt: CacheFormat, key, value, slots, *, num_slots: int, num
             f"{tuple(slots.shape)}")
     kg = global_scale(fmt.k, k_gs, num_kv_heads, key.device, "K global scale", check_values=check)
     vg = global_scale(fmt.v, v_gs, num_kv_heads, key.device, "V global scale", check_values=check)
-    s = slots.to(key.device, torch.int64)
-    keep = valid_slots(s, invalid_slot)
+    s = slots.to(key.device, torch.int64)  # a no-op for engines' int64 slot mappings
+    if invalid_slot >= 0:  # a non-negative padding slot becomes -1; negative slots are skipped as they are
+        s = torch.where(s == invalid_slot, -1, s)
     if check:
-        valid = s[keep]
+        valid = s[s >= 0]
         hi = int(valid.max()) if valid.numel() else -1
         require(hi < num_slots, Status.OUT_OF_RANGE, f"slot {hi} is out of range: the cache has {num_slots} slots")
         require(valid.unique().numel() == valid.numel(), Status.INVALID_ARGUMENT,
                 "slot mapping names the same slot twice in one write batch")
-    return WriteArgs(torch.where(keep, s, -1), keep, kg, vg)
+    return WriteArgs(s, kg, vg)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import KvxError, Status
+from ..errors import KvxError, Status, require
 from ..formats import CacheFormat
 from ..formats.rotation import rotate
 from .checks import check_max_seq_len
@@ -121,22 +121,26 @@ class DecodePlan:
     mid_o: torch.Tensor  # fp32 [B, Hq, S, D] per-split partial outputs
     mid_l: torch.Tensor  # fp32 [B, Hq, S] per-split log2-sum-exps
     rotated_out: torch.Tensor | None  # fp32 [B, Hq, D]: the merged output before its rotation back (rotated formats)
+    lse_scratch: torch.Tensor  # fp32 [B, Hq]: where the merge writes the LSE a caller does not want (`want_lse`)
     reason: str | None = None  # why Triton and not the CUDA kernel (None: CUDA, or Triton was asked for)
 
     def run(self, q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=None, lse=None,
-            k_smoothing: torch.Tensor | None = None):
+            k_smoothing: torch.Tensor | None = None, want_lse: bool = True):
         """Decode one layer: `q [B, Hq, D]` over its pools -> (`out`, `lse`) (written in place when given:
         `out [B, Hq, D]` of any float dtype with a contiguous last dim, `lse [B, Hq]` fp32). `k_smoothing`: FP32
         `[Hkv, D]` the pools' keys were divided by (`ops.smoothing`): the kernels multiply the queries as they load
         them; rotated formats scale them first (torch, before the rotation)."""
         fmt = self.fmt
+        if not want_lse:  # the merge writes the LSE into the plan's scratch: nothing is allocated per layer
+            require(lse is None, Status.INVALID_ARGUMENT, "paged_decode: an lse buffer with want_lse=False")
+            lse = self.lse_scratch
         ks, vs, out, lse = check_layer(self, q, self.batch, self.batch, k_data, k_scales, v_data, v_scales,
                                        block_table, seq_lens, out, lse)
         kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
         kg = global_scale_arg(k_gs, kk, self.num_kv_heads, q.device)
         vg = global_scale_arg(v_gs, kv, self.num_kv_heads, q.device)
         if self.batch == 0:
-            return out, lse
+            return out, lse if want_lse else None
         qs = None  # the kernels multiply the queries by it as they load them
         if k_smoothing is not None and fmt.rotate:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
             q = scale_queries(q, k_smoothing)
@@ -161,7 +165,7 @@ class DecodePlan:
         else:  # merge in FP32, then one rotation back into the output dtype
             merge_splits(self.mid_o, self.mid_l, self.rotated_out, lse)
             rotate(self.rotated_out, out=out)
-        return out, lse
+        return out, lse if want_lse else None
 
 
 def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -192,17 +196,17 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
                                     num_warps)
     if num_splits is None:
         num_splits = choose_splits(chosen, sb, num_kv_heads, max_seq_len, block_n, device)
-    mid_o, mid_l, rotated = _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device)
+    mid_o, mid_l, rotated, lse_scratch = _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device)
     forced = requested_backend(backend) != "auto"
     return DecodePlan(fmt, batch, num_qo_heads, num_kv_heads, d, block_size, q_dtype, chosen, forced, num_splits, block_n,
                       num_warps, num_stages, 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
-                      softcap, window, mid_o, mid_l, rotated, reason)
+                      softcap, window, mid_o, mid_l, rotated, lse_scratch, reason)
 
 
 def _workspace_sizes(fmt: CacheFormat, batch: int, num_qo_heads: int, num_splits: int, d: int) -> tuple[int, ...]:
-    """Elements of (mid_o, mid_l, rotated output) for one step."""
+    """Elements of (mid_o, mid_l, rotated output, LSE scratch) for one step."""
     rows = batch * num_qo_heads
-    return rows * num_splits * d, rows * num_splits, rows * d if fmt.rotate else 0
+    return rows * num_splits * d, rows * num_splits, rows * d if fmt.rotate else 0, rows
 
 
 def _same_device(a: torch.device, b) -> bool:
@@ -214,7 +218,7 @@ def _same_device(a: torch.device, b) -> bool:
 
 
 def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device):
-    """(mid_o, mid_l, rotated output or None): views of `workspace`, or new tensors when it is None."""
+    """(mid_o, mid_l, rotated output or None, LSE scratch): views of `workspace`, or new tensors when it is None."""
     sizes = _workspace_sizes(fmt, batch, num_qo_heads, num_splits, d)
     if workspace is None:
         workspace = torch.empty(sum(sizes), dtype=torch.float32, device=device)
@@ -224,11 +228,12 @@ def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device)
         raise KvxError(Status.INVALID_ARGUMENT, f"workspace must be a contiguous 1-D fp32 tensor on {device} of at "
                        f"least {sum(sizes)} elements for this step (see workspace_size), got "
                        f"{getattr(workspace, 'dtype', type(workspace).__name__)} {tuple(getattr(workspace, 'shape', ()))}")
-    a, b, c = sizes
+    a, b, c, e = sizes
     mid_o = workspace[:a].view(batch, num_qo_heads, num_splits, d)
     mid_l = workspace[a:a + b].view(batch, num_qo_heads, num_splits)
     rotated = workspace[a + b:a + b + c].view(batch, num_qo_heads, d) if fmt.rotate else None
-    return mid_o, mid_l, rotated
+    lse_scratch = workspace[a + b + c:a + b + c + e].view(batch, num_qo_heads)
+    return mid_o, mid_l, rotated, lse_scratch
 
 
 def workspace_size(fmt: CacheFormat | str, *, max_batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,

@@ -237,8 +237,9 @@ class AttentionPlan:
             o, l = self._reference(query, cache, out, lse)
             return o, l if want_lse else None
         s = smoothing.of(cache)
-        if s is not None and self.what == "paged_decode":  # the decode scales the queries as it loads them
-            o, l = self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s)
+        if self.what == "paged_decode":  # the decode scales the queries by s as it loads them
+            o, l = self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s,
+                                   want_lse=want_lse)
         else:
             o, l = self.kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
                                    out=out, lse=lse)

@@ -145,11 +145,23 @@ def scale_args(name, scales, data, kf: KernelFormat, tf, head_dim):
     return (scales, scales.stride(0), scales.stride(1), scales.stride(2))
 
 
+_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _placeholder(device) -> torch.Tensor:
+    """One FP32 element per device, made once: the global-scale argument of formats without one (the kernels never
+    read it), so no step allocates or fills it."""
+    device = torch.device(device)
+    if device not in _PLACEHOLDERS:
+        _PLACEHOLDERS[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[device]
+
+
 def global_scale_arg(gs, kf: KernelFormat, hkv: int, device) -> torch.Tensor:
     """The FP32 `[H_kv]` global-scale argument (ones when absent; one placeholder element for a format
-    without a global scale)."""
+    without a global scale). A contiguous FP32 `[H_kv]` on the device (what a bound layer holds) is taken as is."""
     if not kf.global_scale:
-        return torch.ones(1, dtype=torch.float32, device=device)
+        return _placeholder(device)
     if gs is None:
         return torch.ones(hkv, dtype=torch.float32, device=device)
     if not isinstance(gs, torch.Tensor):

@@ -244,9 +244,10 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
             elif k is None and v is None:
                 ones = torch.ones(1, dtype=torch.float32)
                 k, v = (ones if fmt.k.uses_global_scale else None), (ones if fmt.v.uses_global_scale else None)
+            # bound once: FP32 [H_kv] global scales on the device, so no step copies or expands them
             self._quant = tuple(None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
-                                for t in (k.reshape(-1) if k is not None else None,
-                                          v.reshape(-1) if v is not None else None, s, c))
+                                for t in (None if k is None else k.reshape(-1).expand(self.num_kv_heads),
+                                          None if v is None else v.reshape(-1).expand(self.num_kv_heads), s, c))
         return self._quant
 
     def cache_desc(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> CacheDesc:

@@ -1,0 +1,76 @@
+"""What one layer's decode / write launches on the engines' hot path (`check=False`, page-buffer caches as vLLM
+binds them): the kernels and nothing else. A launch counter replaces the kernel launchers (they would run under the
+interpreter here) and a torch dispatch mode records every torch op that is not a view: each such op is a kernel, an
+allocation or a host sync per layer and step, which a CUDA graph would capture as an extra node."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
+from kvx_core.ops import decode as decode_ops
+from kvx_core.ops import dispatch
+from kvx_core.ops import write as write_ops
+
+from .helpers import filled_cache
+
+
+class TorchOps(TorchDispatchMode):
+    """The torch ops dispatched inside the mode, views (aliases of their input) left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in ("detach", "alias"):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the kernel launchers called (they do not run)."""
+    calls: list[str] = []
+
+    def stub(name):
+        return lambda *a, **k: calls.append(name)
+
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    monkeypatch.setattr(decode_ops.triton_decode, "launch_decode", stub("decode"))
+    monkeypatch.setattr(decode_ops.cuda_decode, "launch", stub("decode"))
+    monkeypatch.setattr(decode_ops, "merge_splits", stub("merge"))
+    monkeypatch.setattr(write_ops.triton_write, "launch_write", stub("write"))
+    monkeypatch.setattr(write_ops.cuda_write, "launch", stub("write"))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "mxfp4", "k8v4"])
+def test_decode_run_launches_decode_and_merge_only(name, launches):
+    c = filled_cache(name, "cpu", page_buffer=True, h=2)
+    desc = c.descriptor(0)
+    table = BlockTable.packed(torch.tensor([[0, 2, 4, 6], [1, 3, 0, 0]], dtype=torch.int32))
+    lens = SeqLens(torch.tensor([13, 6], dtype=torch.int32))
+    plan = dispatch.plan_decode(table, lens, fmt=name, num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=4,
+                                q_dtype=torch.bfloat16, device="cpu", max_seq_len=16, check=False)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    plan.run(q, desc, out=out, want_lse=False)  # first run: anything bound lazily is bound here
+    launches.clear()
+    with TorchOps() as mode:
+        plan.run(q, desc, out=out, want_lse=False)
+    assert launches == ["decode", "merge"] and mode.ops == [], (launches, mode.ops)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "k8v4"])
+def test_write_launches_the_write_only(name, launches):
+    c = filled_cache(name, "cpu", page_buffer=True, h=2)
+    desc = c.descriptor(0)
+    k = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    w = WriteDesc(KvIoDesc(k, k.clone()), SlotMapping(torch.tensor([5, -1, 7])))  # vLLM's padding convention
+    dispatch.write_kv(desc, w, check=False)
+    launches.clear()
+    with TorchOps() as mode:
+        dispatch.write_kv(desc, w, check=False)
+    assert launches == ["write"] and mode.ops == [], (launches, mode.ops)
