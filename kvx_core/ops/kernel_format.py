@@ -10,11 +10,14 @@ different formats the CUDA kernels are instantiated for. Every launcher (Triton 
 the CUDA decode and write) and `ops.dispatch` reads these facts here and nowhere else. No triton import: the
 dispatch asks `kernel_format` whether a cache has a kernel before it imports a kernel module.
 
-Adding a format whose payload the kernels already decode touches (tests aside):
-  1. `kvx_core/formats/<format>.py`: the `TensorFormat` (encode / decode) with its `kernel_facts`;
-  2. `kvx_core/formats/registry.py`: its cache format name(s), and `ENGINE_SERVED` if the engine plugins offer it;
-  3. `kvx_core/codec.py` only when it records a new `QuantFormat` (then also `enums.py` / `kvx_abi.h`: a new ABI
-     value). A format the kernels do not know yet also needs the kernel sources and a code in the enums above.
+Adding a format whose payload the kernels already decode touches these files besides its tests (2 under an
+existing `QuantFormat`; a new `QuantFormat` adds the ABI pair of item 3):
+  1. `kvx_core/formats/<format>.py`: its `TensorFormat` (encode / decode) with its `kernel_facts` (none for a new
+     K / V pairing of existing tensor formats);
+  2. `kvx_core/formats/registry.py`: its cache format name(s), and `ENGINE_SERVED` if the engine plugins offer it
+     (kvx_vllm's cache dtypes and codec's descriptor names derive from the registry);
+  3. `kvx_core/enums.py` and `kvx_core/abi/kvx_abi.h` only when the descriptor records it as a new `QuantFormat` (an
+     ABI value). A format the kernels do not decode yet also needs the kernel sources and a code in the enums above.
 """
 from __future__ import annotations
 
