@@ -8,15 +8,26 @@ from .descriptors import CacheDesc, QuantDesc, TensorDesc
 from .enums import (QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, QUANT_FLAG_V_SCALE_INTERLEAVE4, DType, Layout,
                     QuantFormat, torch_dtype)
 from .errors import KvxError, Status, require
-from .formats import CacheFormat, get_format
+from .formats import CacheFormat, get_format, list_formats
 from .layouts import Geometry, check_shape
 from .scale_layout import check_interleave4
 
 _PLAIN_NAME = {DType.F16: "fp16", DType.BF16: "bf16", DType.F32: "fp32", DType.F8_E4M3: "fp8_e4m3",
                DType.F8_E5M2: "fp8_e5m2"}
-_QUANT_NAME = {QuantFormat.FP8_E4M3: "fp8_e4m3", QuantFormat.FP8_E5M2: "fp8_e5m2", QuantFormat.INT8: "int8",
-               QuantFormat.INT4: "int4", QuantFormat.NVFP4: "nvfp4", QuantFormat.K8V4: "k8v4"}
 
+
+def _quant_names() -> dict[QuantFormat, str]:
+    """Registry name of each recorded `QuantFormat` but MXFP4 (named by group size and scale rule in
+    `format_name`): the first unrotated registry format recording it, so a new format needs no entry here."""
+    names: dict[QuantFormat, str] = {}
+    for name in list_formats():
+        fmt = get_format(name)
+        if not fmt.rotate and fmt.quant not in (QuantFormat.NONE, QuantFormat.MXFP4):
+            names.setdefault(fmt.quant, name)
+    return names
+
+
+_QUANT_NAME = _quant_names()
 
 _KNOWN_FLAGS = QUANT_FLAG_HADAMARD | QUANT_FLAG_MX_SCALE_FLOOR | QUANT_FLAG_V_SCALE_INTERLEAVE4
 

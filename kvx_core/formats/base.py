@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..enums import DType, QuantFormat, ScaleGranularity, torch_dtype
 from ..errors import KvxError, Status
+from .kernel_facts import KernelFormat
 
 #: `group_size` value of formats whose scale covers a whole (token, KV head) row of head_dim values.
 GROUP_HEAD_DIM = -1
@@ -104,6 +105,11 @@ class TensorFormat(ABC):
     def decode(self, payload: Tensor, scales: Tensor, global_scale: Tensor | float | None = None,
                out_dtype: torch.dtype = torch.float32) -> Tensor:
         """Inverse of `encode`: `[..., H, D]` in `out_dtype` (computed in FP32, then cast)."""
+
+    def kernel_facts(self) -> KernelFormat | None:
+        """What the kernels need to know of this format, declared here so that `ops.kernel_format` is one lookup
+        and a new format the kernels already decode touches no kernel module (None: no kernel reads it)."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

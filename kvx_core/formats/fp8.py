@@ -15,6 +15,7 @@ from torch import Tensor
 from ..enums import DType, QuantFormat
 from ..errors import KvxError, Status
 from .base import TensorFormat
+from .kernel_facts import CudaCode, EncoderCode, FormatCode, KernelFormat
 
 FP8_NAN_BYTE = 0x7F
 
@@ -38,6 +39,12 @@ class FP8Format(TensorFormat):
             raise KvxError(Status.UNSUPPORTED, f"FP8 format {name!r}: expected one of {sorted(_SPECS)}")
         self.name = name
         self.data_dtype, self.quant, self._torch, self.max_finite = _SPECS[name]
+
+    def kernel_facts(self) -> KernelFormat:
+        e5m2 = self._torch == torch.float8_e5m2
+        return KernelFormat(FormatCode.FP8, 0, self._torch, True, False, False, e5m2=e5m2,
+                            cuda_code=CudaCode.E5M2 if e5m2 else CudaCode.E4M3,
+                            encoder=EncoderCode.E5M2 if e5m2 else EncoderCode.E4M3)
 
     def encode(self, x: Tensor, global_scale: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
         xf = self._check_input(x)

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..enums import DType, QuantFormat
 from ..errors import KvxError, Status
 from .base import TensorFormat
+from .kernel_facts import FormatCode, KernelFormat
 
 _DTYPES = {"bf16": DType.BF16, "fp16": DType.F16, "fp32": DType.F32}
 
@@ -32,6 +33,9 @@ class IdentityFormat(TensorFormat):
         self.name = name
         self.data_dtype = _DTYPES[name]
         self.payload_bits = 32 if name == "fp32" else 16
+
+    def kernel_facts(self) -> KernelFormat:
+        return KernelFormat(FormatCode.PLAIN, 0, self.torch_data_dtype, False, False, False)
 
     def encode(self, x: Tensor, global_scale: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
         self._check_input(x)

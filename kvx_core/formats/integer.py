@@ -24,6 +24,7 @@ from ..enums import DType, QuantFormat, ScaleGranularity
 from ..errors import KvxError, Status
 from .base import GROUP_HEAD_DIM, TensorFormat, is_int
 from .codes import pack_nibbles, unpack_nibbles
+from .kernel_facts import CudaCode, EncoderCode, FormatCode, KernelFormat
 
 F16_MAX = 65504.0
 F16_NAN_BITS = 0x7E00
@@ -60,6 +61,13 @@ class IntFormat(TensorFormat):
         self.name = f"int{bits}"
         self.quant = QuantFormat.INT8 if bits == 8 else QuantFormat.INT4
         self.data_dtype = DType.U8 if bits == 8 else DType.INT4X2
+
+    def kernel_facts(self) -> KernelFormat:
+        if self.bits == 8:
+            return KernelFormat(FormatCode.INT8, 0, torch.uint8, False, True, False, cuda_code=CudaCode.INT8,
+                                encoder=EncoderCode.INT8)
+        return KernelFormat(FormatCode.INT4, 0, torch.uint8, False, True, True, cuda_code=CudaCode.INT4,
+                            encoder=EncoderCode.INT4)
 
     def encode(self, x: Tensor, global_scale: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
         xf = self._check_input(x)

@@ -28,8 +28,12 @@ from .base import TensorFormat, is_int
 from .codes import (
     E8M0_NAN_BYTE, ceil_log2, e8m0_from_byte, e8m0_to_byte, floor_log2, fp4_decode_groups, fp4_encode_groups,
 )
+from .kernel_facts import CudaCode, EncoderCode, FormatCode, KernelFormat
 
 SCALE_RULES = ("rceil", "floor")
+#: The CUDA write's encoder of each (group size, scale rule).
+_ENCODERS = {(16, "rceil"): EncoderCode.MXFP4, (32, "rceil"): EncoderCode.MXFP4_32,
+             (16, "floor"): EncoderCode.MXFP4_FLOOR, (32, "floor"): EncoderCode.MXFP4_32_FLOOR}
 
 
 class MXFP4Format(TensorFormat):
@@ -51,6 +55,11 @@ class MXFP4Format(TensorFormat):
         self.group_size = group_size
         self.scale_rule = scale_rule
         self.name = f"mxfp4_{group_size}" + ("" if scale_rule == "rceil" else "_floor")
+
+    def kernel_facts(self) -> KernelFormat:
+        return KernelFormat(FormatCode.MXFP4, self.group_size, torch.uint8, False, True, True,
+                            cuda_code=CudaCode.MXFP4, rceil=self.scale_rule == "rceil",
+                            encoder=_ENCODERS[(self.group_size, self.scale_rule)])
 
     def scale_exponent(self, amax: Tensor) -> Tensor:
         """Unbiased scale exponent E in [-127, 127] (int32) of each group's FP32 amax (finite, >= 0)."""

@@ -32,6 +32,7 @@ from .codes import (
     E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, E4M3_NAN_BYTE, e4m3_from_byte, e4m3_to_byte, fp4_decode_groups,
     fp4_encode_groups,
 )
+from .kernel_facts import CudaCode, EncoderCode, FormatCode, KernelFormat
 
 
 def global_scale_from_amax(amax: Tensor) -> Tensor:
@@ -55,6 +56,10 @@ class NVFP4Format(TensorFormat):
     scale_bytes_per_group = 1
     uses_global_scale = True
     scale_granularity = ScaleGranularity.PER_GROUP
+
+    def kernel_facts(self) -> KernelFormat:
+        return KernelFormat(FormatCode.NVFP4, 16, torch.uint8, True, True, True, cuda_code=CudaCode.NVFP4,
+                            encoder=EncoderCode.NVFP4)
 
     def _grouped(self, xf: Tensor) -> Tensor:
         d = int(xf.shape[-1])

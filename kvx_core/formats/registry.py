@@ -119,6 +119,10 @@ def _build() -> dict[str, CacheFormat]:
 
 _FORMATS = _build()
 
+#: The formats the engine plugins offer as cache dtypes (vLLM's `--kv-cache-dtype kvx_<name>`; their `_rot` variants
+#: through the plugin's rotate option). A format added here is served with no plugin change.
+ENGINE_SERVED: tuple[str, ...] = ("nvfp4", "mxfp4", "int4", "int8", "k8v4")
+
 
 def list_formats() -> list[str]:
     """Every KVX cache format name, in registry order."""

@@ -171,22 +171,6 @@ def test_cuda_write_refusals_change_nothing(device):
         ops_write.write_kv(x, x, torch.tensor([0, 1], device=device), kd, ks, vd, vs, fmt, backend="cutlass")
 
 
-def test_cuda_write_encoders_match_the_source():
-    """`encoder_code` names the `enum` values of paged_write.cu, and every quantized format has an encoder."""
-    import re
-
-    from kvx_core.ops.cuda import WRITE_SOURCE
-    from kvx_core.ops.kernel_format import kernel_format
-    body = re.search(r"enum\s*:\s*int\s*\{([^}]*)\}", WRITE_SOURCE.read_text()).group(1)
-    enum = {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
-    want = {"fp8_e4m3": "E_E4M3", "fp8_e5m2": "E_E5M2", "int8": "E_INT8", "int4": "E_INT4", "nvfp4": "E_NVFP4",
-            "mxfp4": "E_MXFP4", "mxfp4_32": "E_MXFP4_32", "mxfp4_floor": "E_MXFP4_FLOOR",
-            "mxfp4_32_floor": "E_MXFP4_32_FLOOR"}
-    for name, member in want.items():
-        assert cuda_write.encoder_code(kernel_format(get_format(name).k)) == enum[member], name
-    assert cuda_write.encoder_code(kernel_format(get_format("bf16").k)) is None
-
-
 def _chunks(top_bits: int, chunk: int):
     """int32 FP32 bit patterns 0..top_bits (inclusive) on the GPU, `chunk` at a time."""
     for start in range(0, top_bits + 1, chunk):

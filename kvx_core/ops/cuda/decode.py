@@ -14,7 +14,7 @@ import torch
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
-from ..kernel_format import CudaCode, FormatCode, KernelFormat, kernel_format
+from ..kernel_format import MIXED, FormatCode, KernelFormat, kernel_format
 from . import checked_library, cuda_error_name
 
 WARPS = 4  # warps per CTA of the CUDA kernel (its tiles are 16 tokens per warp)
@@ -44,10 +44,6 @@ def kernel_library(device) -> ctypes.CDLL:
     DecodeParams mirror checked against the C struct's size (INTERNAL_ERROR if they differ)."""
     return checked_library(device, "kvx_paged_decode", [ctypes.c_void_p] + [ctypes.c_int] * 8 + [ctypes.c_void_p],
                            "kvx_decode_params_size", DecodeParams, "paged_decode_mma.cu")
-
-
-# K / V format pairs of different formats that the kernel is instantiated for (`kvx_paged_decode`)
-MIXED = {(CudaCode.E4M3, CudaCode.NVFP4)}  # k8v4
 
 
 def _served(fmt: CacheFormat) -> tuple[KernelFormat, KernelFormat] | None:

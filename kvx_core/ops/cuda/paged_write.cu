@@ -24,8 +24,8 @@
 
 namespace kvx_write {
 
-// Encoders. The first six are the CUDA decode's format codes (kernel_format.CudaCode); MXFP4 variants by group
-// and scale rule follow (cuda/write.py `encoder_code`).
+// Encoders (formats/kernel_facts.py `EncoderCode`). The first six are the CUDA decode's format codes (`CudaCode`);
+// MXFP4 variants by group and scale rule follow.
 enum : int { E_NVFP4 = 0, E_MXFP4 = 1, E_INT4 = 2, E_E4M3 = 3, E_E5M2 = 4, E_INT8 = 5,
              E_MXFP4_32 = 6, E_MXFP4_FLOOR = 7, E_MXFP4_32_FLOOR = 8 };
 

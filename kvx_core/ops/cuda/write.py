@@ -15,9 +15,8 @@ import torch
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ..checks import WriteArgs
-from ..kernel_format import FormatCode, KernelFormat, kernel_format
+from ..kernel_format import MIXED, kernel_format
 from . import checked_library, cuda_error_name
-from .decode import MIXED
 
 _X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -49,13 +48,6 @@ def kernel_library(device) -> ctypes.CDLL:
                            "kvx_write_params_size", WriteParams, "paged_write.cu")
 
 
-def encoder_code(kf: KernelFormat) -> int | None:
-    """The kernel's encoder for a cache tensor format (`enum` of paged_write.cu), None if it has none."""
-    if kf.code == FormatCode.MXFP4:
-        return {(16, True): 1, (32, True): 6, (16, False): 7, (32, False): 8}[(kf.group, kf.rceil)]
-    return None if kf.code == FormatCode.PLAIN else int(kf.cuda_code)
-
-
 def _aligned(t: torch.Tensor, width: int, dims: int) -> bool:
     """Base address and the first `dims` strides, in bytes, are multiples of `width`."""
     size = t.element_size()
@@ -69,8 +61,8 @@ def reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data: tor
         kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
     except KvxError:
         return f"format {fmt.name} has no kernel"
-    ek, ev = encoder_code(kk), encoder_code(kv)
-    if ek is None or ev is None or (ek != ev and (ek, ev) not in MIXED):  # the decode's K / V pairs (k8v4)
+    ek, ev = kk.encoder, kv.encoder
+    if ek is None or ev is None or (ek != ev and (kk.cuda_code, kv.cuda_code) not in MIXED):  # k8v4
         return f"format {fmt.name}: the CUDA write serves fp8 / int8 / int4 / nvfp4 / mxfp4 / k8v4"
     if key.device.type != "cuda":
         return "not a CUDA tensor"
@@ -106,7 +98,7 @@ def launch(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data, k_sc
     for i, (tf, x, data, scales, gs) in enumerate(((fmt.k, key, k_data, k_scales, args.k_gs),
                                                    (fmt.v, value, v_data, v_scales, args.v_gs))):
         kf = kernel_format(tf)
-        codes.append(encoder_code(kf))
+        codes.append(int(kf.encoder))
         side = p.side[i]
         side.x, side.x_st, side.x_sh = x.data_ptr(), x.stride(0), x.stride(1)
         size = data.element_size()

@@ -14,10 +14,11 @@ from typing import Literal, get_args
 
 import torch
 
-KVX_CACHE_DTYPES: dict[str, str] = {
-    "kvx_nvfp4": "nvfp4", "kvx_mxfp4": "mxfp4", "kvx_int4": "int4", "kvx_int8": "int8", "kvx_k8v4": "k8v4",
-}
-"""vLLM cache dtype -> KVX cache format (the `_rot` variant when rotation is on)."""
+from kvx_core.formats.registry import ENGINE_SERVED, list_formats
+
+KVX_CACHE_DTYPES: dict[str, str] = {f"kvx_{name}": name for name in ENGINE_SERVED}
+"""vLLM cache dtype -> KVX cache format (the `_rot` variant when rotation is on), one `kvx_<name>` per format the
+registry lists as engine-served (`ENGINE_SERVED`)."""
 
 
 def is_kvx_dtype(cache_dtype: object) -> bool:
@@ -31,8 +32,6 @@ def format_name(cache_dtype: str, rotate: bool) -> str:
     Raises ValueError for a dtype that is not a `kvx_*` one, and for rotation of a format that has no
     rotated variant (kvx_int8).
     """
-    from kvx_core.formats.registry import list_formats
-
     if not is_kvx_dtype(cache_dtype):
         raise ValueError(f"KVX: {cache_dtype!r} is not a KVX cache dtype; "
                          f"expected one of {', '.join(KVX_CACHE_DTYPES)}")
