@@ -129,9 +129,10 @@ class DecodePlan:
         """Decode one layer: `q [B, Hq, D]` over its pools -> (`out`, `lse`) (written in place when given:
         `out [B, Hq, D]` of any float dtype with a contiguous last dim, `lse [B, Hq]` fp32). `k_smoothing`: FP32
         `[Hkv, D]` the pools' keys were divided by (`ops.smoothing`): the kernels multiply the queries as they load
-        them; rotated formats scale them first (torch, before the rotation)."""
+        them; rotated formats scale them first (torch, before the rotation). `want_lse=False` returns `(out, None)`
+        (the merge writes the LSE into the plan's scratch: nothing is allocated per layer)."""
         fmt = self.fmt
-        if not want_lse:  # the merge writes the LSE into the plan's scratch: nothing is allocated per layer
+        if not want_lse:
             require(lse is None, Status.INVALID_ARGUMENT, "paged_decode: an lse buffer with want_lse=False")
             lse = self.lse_scratch
         ks, vs, out, lse = check_layer(self, q, self.batch, self.batch, k_data, k_scales, v_data, v_scales,
@@ -139,6 +140,35 @@ class DecodePlan:
         kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
         kg = global_scale_arg(k_gs, kk, self.num_kv_heads, q.device)
         vg = global_scale_arg(v_gs, kv, self.num_kv_heads, q.device)
+        why = cuda_decode.pool_reason(q, fmt, k_data, ks[0], v_data, vs[0]) if self.backend == "cuda" else None
+        return self._launch(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, out, lse, k_smoothing, why,
+                            want_lse)
+
+    def run_bound(self, q: torch.Tensor, layer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  out: torch.Tensor | None = None, want_lse: bool = False):
+        """`run` over a layer bound once (`dispatch.bind`): its pools, scale arguments, global scales, key smoothing
+        and whether the CUDA kernel can address its pools were checked and derived at bind time, so this only
+        compares the query with the plan (host, a few attribute reads) and launches decode + merge."""
+        if tuple(q.shape) != (self.batch, self.num_qo_heads, self.head_dim) or q.dtype != self.q_dtype \
+                or layer.geometry != (self.num_kv_heads, self.block_size, self.head_dim) or layer.fmt is not self.fmt:
+            raise KvxError(Status.INVALID_ARGUMENT, f"paged_decode: q {q.dtype} {tuple(q.shape)} over a "
+                           f"{layer.fmt.name} layer {layer.geometry} does not match the plan "
+                           f"({self.fmt.name}, {self.q_dtype} {(self.batch, self.num_qo_heads, self.head_dim)}, "
+                           f"(num_kv_heads, block_size, head_dim) {(self.num_kv_heads, self.block_size, self.head_dim)})")
+        out = torch.empty_like(q) if out is None else out
+        lse = torch.empty(self.batch, self.num_qo_heads, dtype=torch.float32, device=q.device) if want_lse \
+            else self.lse_scratch
+        why = None
+        if self.backend == "cuda":
+            why = layer.cuda_pool_reason if q.stride(2) == 1 else "query last dim not contiguous"
+        return self._launch(q, layer.k_data, layer.k_scale_args, layer.v_data, layer.v_scale_args, layer.k_global,
+                            layer.v_global, block_table, seq_lens, out, lse, layer.k_smoothing, why, want_lse)
+
+    def _launch(self, q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, out, lse, k_smoothing, why,
+                want_lse):
+        """Decode + merge (+ the rotations of `_rot` formats) on checked arguments; `why`: why the planned CUDA
+        kernel cannot address these pools (None: it can), which sends the step to Triton unless CUDA was forced."""
+        fmt = self.fmt
         if self.batch == 0:
             return out, lse if want_lse else None
         qs = None  # the kernels multiply the queries by it as they load them
@@ -147,7 +177,6 @@ class DecodePlan:
         elif k_smoothing is not None:
             qs = k_smoothing.contiguous()
         qq = fmt.rotate_q(q)
-        why = cuda_decode.pool_reason(qq, fmt, k_data, ks[0], v_data, vs[0]) if self.backend == "cuda" else None
         if why is not None and self.forced:
             raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot address these pools ({why}); plan with "
                            "backend='triton' or 'auto'")

@@ -11,7 +11,7 @@ interleaved by 4 tokens (TRT-LLM's layout, `QUANT_FLAG_V_SCALE_INTERLEAVE4`: the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +31,7 @@ from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format
 from ..layouts import block_view
 from . import attention, reference, smoothing
-from .checks import (INT32_MAX, cache_global_scales, check_block_ids, check_gather, check_table_types, check_write,
+from .checks import (INT32_MAX, WriteArgs, cache_global_scales, check_block_ids, check_gather, check_table_types, check_write,
                      kernel_table, offsets_kernel_table,
                      narrow_int32, require_type)
 from .kernel_format import kernel_format
@@ -93,12 +93,101 @@ def _kernel_pools(cache: CacheDesc):
     return kd, ks, vd, vs, fmt
 
 
+@dataclass(frozen=True, eq=False)
+class BoundLayer:
+    """One layer's cache as the kernels take it, derived and checked once when an engine registers its cache
+    (`bind`), so that a step's `AttentionPlan.run` and `write_kv` only launch (FlashInfer's plan/run: what depends on
+    the layer and not on the step is not re-derived per step). Holds the descriptor it was bound from (the
+    validation and reference paths use it)."""
+
+    cache: CacheDesc
+    fmt: CacheFormat
+    geometry: tuple[int, int, int]  # (num_kv_heads, block_size, head_dim)
+    k_data: torch.Tensor  # HND kernel views [N, H, B, X]
+    k_scales: torch.Tensor | None
+    v_data: torch.Tensor
+    v_scales: torch.Tensor | None
+    k_gs: torch.Tensor | None  # FP32 [H] global scales (None: the side has none)
+    v_gs: torch.Tensor | None
+    k_global: torch.Tensor  # the attention kernels' global-scale arguments (a placeholder for sides without)
+    v_global: torch.Tensor
+    k_scale_args: tuple  # `launch.scale_args` of each side
+    v_scale_args: tuple
+    k_smoothing: torch.Tensor | None  # FP32 [H, D], contiguous
+    transforms_keys: bool  # key smoothing or centering: writes transform the keys first
+    cuda_pool_reason: str | None  # why the CUDA decode cannot address these pools (None: it can, or it serves no
+    # such format / GPU, and plans choose Triton anyway)
+    write_choices: dict = field(default_factory=dict)  # (K dtype, V dtype, huge) -> ops.write Choice, made once
+
+
+def bind(cache: CacheDesc) -> BoundLayer | None:
+    """Check `cache` (descriptor, pools, global scales: one host sync, skipped while a CUDA graph is being captured)
+    and derive what every step's kernels take from it; None when the kernels cannot address it (the reference serves
+    it: pass the descriptor itself)."""
+    require_type(cache, CacheDesc, "cache")
+    cache.validate()
+    pools = _kernel_pools(cache)
+    if pools is None or cache.num_blocks > INT32_MAX + 1 or (cache.pool is not None and cache.pool.secondary is not None):
+        return None
+    kd, ks, vd, vs, fmt = pools
+    from .cuda import decode as cuda_decode
+    from .triton.launch import check_pool, global_scale_arg, scale_args
+
+    h, d = cache.num_kv_heads, cache.head_dim
+    capturing = kd.device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # no host sync in a capture
+    kg, vg = cache_global_scales(cache, fmt, None, None, "bind", check_values=not capturing)
+    kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
+    check_pool("K", kd, kk, d)
+    check_pool("V", vd, kv, d)
+    s = smoothing.of(cache)
+    cuda_why = None
+    if cuda_decode.plan_reason(fmt, torch.bfloat16, kd.device, 1, h, h, d, cache.block_size) is None:
+        q = torch.empty(1, h, d, dtype=torch.bfloat16, device="meta")  # its strides are all pool_reason reads
+        cuda_why = cuda_decode.pool_reason(q, fmt, kd, ks, vd, vs)
+    return BoundLayer(cache, fmt, (h, cache.block_size, d), kd, ks, vd, vs, kg, vg,
+                      global_scale_arg(kg, kk, h, kd.device), global_scale_arg(vg, kv, h, kd.device),
+                      scale_args("K", ks, kd, kk, fmt.k, d), scale_args("V", vs, vd, kv, fmt.v, d),
+                      None if s is None else s.contiguous(), smoothing.transforms_keys(cache), cuda_why)
+
+
+def _write_bound(layer: BoundLayer, write: WriteDesc) -> None:
+    """`write_kv(check=False)` into a bound layer: shapes compared on the host, then the write kernel (the slots as
+    they are: every kernel skips negative ones)."""
+    from . import write as write_ops
+
+    key, value, slots = write.io.key, write.io.value, write.slots.slots
+    h, _, d = layer.geometry
+    t = key.shape[0] if isinstance(key, torch.Tensor) else -1
+    require(isinstance(value, torch.Tensor) and isinstance(slots, torch.Tensor) and key.dim() == 3
+            and tuple(key.shape[1:]) == (h, d) and value.shape == key.shape and slots.shape == (t,)
+            and slots.dtype in (torch.int32, torch.int64), Status.INVALID_ARGUMENT,
+            f"write into a bound layer: key / value must be [tokens, {h}, {d}] and the slot mapping int32/int64 "
+            f"[tokens], got {tuple(getattr(key, 'shape', ()))}, {tuple(getattr(value, 'shape', ()))}, "
+            f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+    s = slots.to(key.device, torch.int64)
+    if write.slots.invalid_slot >= 0:
+        s = torch.where(s == write.slots.invalid_slot, -1, s)
+    if layer.transforms_keys:
+        key = smoothing.smooth_keys(layer.cache, key)
+    huge = t >= 2**30
+    choice = layer.write_choices.get((key.dtype, value.dtype, huge))
+    if choice is None:
+        choice = write_ops.choose_backend(None, key, value, layer.fmt, layer.k_data, layer.v_data)
+        layer.write_choices[(key.dtype, value.dtype, huge)] = choice
+    write_ops.launch_chosen(choice.backend, key, value, WriteArgs(s, layer.k_gs, layer.v_gs), layer.k_data,
+                            layer.k_scales, layer.v_data, layer.v_scales, layer.fmt)
+
+
 @torch.no_grad()
-def write_kv(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> None:
+def write_kv(cache: CacheDesc | BoundLayer, write: WriteDesc, *, check: bool = True) -> None:
     """`reference.write_kv`, on the fused write kernel (CUDA or Triton, `ops.write`) when possible. `check` validates the descriptors
     and the values the write depends on (slot range and uniqueness, global scales: host syncs); engines that
-    own their slot mappings and scales pass False to stay sync-free. Either way nothing is stored unless the
-    whole write is accepted."""
+    own their slot mappings and scales pass False to stay sync-free, and a layer bound once (`bind`) then launches
+    the write kernel and nothing else. Either way nothing is stored unless the whole write is accepted."""
+    if isinstance(cache, BoundLayer):
+        if not check:
+            return _write_bound(cache, write)
+        cache = cache.cache
     pools = _kernel_pools(cache)
     if pools is None:
         return reference.write_kv(cache, write)
@@ -214,12 +303,18 @@ class AttentionPlan:
     block_table: torch.Tensor | None  # int32 [B, max_blocks] for the kernels
     lens: torch.Tensor | None  # int32 [B] for the kernels
 
-    def run(self, query: torch.Tensor, cache: CacheDesc, out: torch.Tensor | None = None,
+    def run(self, query: torch.Tensor, cache: CacheDesc | BoundLayer, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, *, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of `query` over `cache` (this layer's) -> (`out`, `lse`), written in place when given.
-        `want_lse=False` (callers that only read `out`, e.g. an engine's decode) returns `(out, None)` and skips the
-        LSE's centering correction (`ops.smoothing.center_lse`), a few small launches per layer."""
+        """Attention of `query` over `cache` (this layer's descriptor, or the layer bound once by `bind`) ->
+        (`out`, `lse`), written in place when given. `want_lse=False` (callers that only read `out`, e.g. an
+        engine's decode) returns `(out, None)` and skips the LSE's centering correction
+        (`ops.smoothing.center_lse`), a few small launches per layer. A bound layer's decode under `check=False`
+        launches decode and merge and nothing else."""
         require(want_lse or lse is None, Status.INVALID_ARGUMENT, f"{self.what}: an lse buffer with want_lse=False")
+        if isinstance(cache, BoundLayer):
+            if not self.check and self.what == "paged_decode" and self.kernel is not None and not want_lse:
+                return self.kernel.run_bound(query, cache, self.block_table, self.lens, out, want_lse=False)
+            cache = cache.cache
         attention.check_args(query, cache, self.table, self.seq_lens, self.what, **self.options)
         fmt = format_of(cache)
         require(fmt == self.fmt, Status.INVALID_ARGUMENT,

@@ -51,7 +51,15 @@ def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data
                  fmt: CacheFormat, *, backend: str | None = None) -> None:
     """The fused write of arguments `check_write_args` accepted, on the chosen backend; the pools are checked
     before either kernel launches, so a rejected call stores nothing."""
-    if choose_backend(backend, key, value, fmt, k_data, v_data).backend == "triton":
+    launch_chosen(choose_backend(backend, key, value, fmt, k_data, v_data).backend, key, value, args, k_data,
+                  k_scales, v_data, v_scales, fmt)
+
+
+def launch_chosen(backend: str, key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data: torch.Tensor,
+                  k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
+                  fmt: CacheFormat) -> None:
+    """The fused write on `backend` ("cuda" or "triton", as `choose_backend` chose it for these tensors)."""
+    if backend == "triton":
         triton_write.launch_write(key, value, args, k_data, k_scales, v_data, v_scales, fmt)
         return
     check_device(key, value, args.slots, k_data, v_data)

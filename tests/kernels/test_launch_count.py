@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvx_core.formats import registry
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.ops import decode as decode_ops
 from kvx_core.ops import dispatch
@@ -43,6 +44,13 @@ def launches(monkeypatch):
     monkeypatch.setattr(decode_ops, "merge_splits", stub("merge"))
     monkeypatch.setattr(write_ops.triton_write, "launch_write", stub("write"))
     monkeypatch.setattr(write_ops.cuda_write, "launch", stub("write"))
+
+    def rotate(x, out=None):  # the fused Hadamard kernel on CUDA (torch ops on the CPU)
+        calls.append("rotate")
+        return x if out is None else out
+
+    monkeypatch.setattr(registry, "rotate", rotate)
+    monkeypatch.setattr(decode_ops, "rotate", rotate)
     return calls
 
 
@@ -73,4 +81,37 @@ def test_write_launches_the_write_only(name, launches):
     launches.clear()
     with TorchOps() as mode:
         dispatch.write_kv(desc, w, check=False)
+    assert launches == ["write"] and mode.ops == [], (launches, mode.ops)
+
+
+def _bound_setup(name):
+    c = filled_cache(name, "cpu", page_buffer=True, h=2)
+    desc = c.descriptor(0)
+    table = BlockTable.packed(torch.tensor([[0, 2, 4, 6], [1, 3, 0, 0]], dtype=torch.int32))
+    lens = SeqLens(torch.tensor([13, 6], dtype=torch.int32))
+    plan = dispatch.plan_decode(table, lens, fmt=name, num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=4,
+                                q_dtype=torch.bfloat16, device="cpu", max_seq_len=16, check=False)
+    return c, desc, plan
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "mxfp4", "k8v4", "nvfp4_rot"])
+def test_bound_layer_decode_and_write_launch_their_kernels_only(name, launches):
+    """A layer bound once: decode = decode + merge (+ the q / output rotations of `_rot` formats), write = write."""
+    _, desc, plan = _bound_setup(name)
+    layer = dispatch.bind(desc)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    k = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    w = WriteDesc(KvIoDesc(k, k.clone()), SlotMapping(torch.tensor([5, -1, 7])))
+    plan.run(q, layer, out=out, want_lse=False)
+    dispatch.write_kv(layer, w, check=False)
+    launches.clear()
+    with TorchOps() as mode:
+        plan.run(q, layer, out=out, want_lse=False)
+    rot = name.endswith("_rot")
+    assert launches == (["rotate", "decode", "merge", "rotate"] if rot else ["decode", "merge"]) and mode.ops == [], \
+        (launches, mode.ops)
+    launches.clear()
+    with TorchOps() as mode:
+        dispatch.write_kv(layer, w, check=False)
     assert launches == ["write"] and mode.ops == [], (launches, mode.ops)

@@ -22,7 +22,7 @@ from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.formats import CacheFormat, get_format
 from kvx_core.ops import backends
-from kvx_core.ops.dispatch import AttentionPlan, plan_decode, plan_prefill, write_kv
+from kvx_core.ops.dispatch import AttentionPlan, BoundLayer, bind, plan_decode, plan_prefill, write_kv
 from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
 from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
 from vllm.logger import init_logger
@@ -215,7 +215,7 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         self.attn_type = attn_type
         self.format = _run_format()
         self.format.check_head_dim(head_size)
-        self._desc: tuple[tuple, CacheDesc] | None = None
+        self._desc: tuple[tuple, CacheDesc, CacheDesc | BoundLayer] | None = None
         self._quant: tuple[torch.Tensor | None, ...] | None = None
         cfg = get_current_vllm_config_or_none()  # layers are built inside the run's config: startup refusals here
         self._calibration = None if cfg is None else layer_values(cfg, self.format, softcap=self.softcap)
@@ -251,12 +251,20 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         return self._quant
 
     def cache_desc(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> CacheDesc:
+        """The layer's pages as a KVX descriptor (made when vLLM hands over the cache tensor, then kept)."""
+        return self._bound(layer, kv_cache)[0]
+
+    def _bound(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> tuple[CacheDesc, CacheDesc | BoundLayer]:
+        """(descriptor, what the hot path runs on): the layer bound once (`dispatch.bind`: pools, scale arguments,
+        global scales and key smoothing derived and checked when the cache is registered) where the kernels address
+        it, else the descriptor (the reference serves it, e.g. on CPU)."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
         if self._desc is None or self._desc[0] != key:
             kg, vg, s, c = self._layer_quant(layer, kv_cache.device)
-            self._desc = (key, page_cache_desc(kv_cache, self.format, self.num_kv_heads, self.head_size, kg, vg,
-                                               k_smoothing=s, k_center=c))
-        return self._desc[1]
+            desc = page_cache_desc(kv_cache, self.format, self.num_kv_heads, self.head_size, kg, vg,
+                                   k_smoothing=s, k_center=c)
+            self._desc = (key, desc, bind(desc) or desc)
+        return self._desc[1], self._desc[2]
 
     # ------------------------------------------------------------ data path
     def do_kv_cache_update(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
@@ -264,7 +272,7 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         """Quantize new K/V `[T, Hkv, D]` into the pages at `slot_mapping` (-1 = padding, skipped)."""
         n = min(key.shape[0], slot_mapping.numel())
         write = WriteDesc(KvIoDesc(key[:n], value[:n]), slot_mapping_from_vllm(slot_mapping, n))
-        write_kv(self.cache_desc(layer, kv_cache), write, check=False)
+        write_kv(self._bound(layer, kv_cache)[1], write, check=False)
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KvxMetadata | None, output: torch.Tensor,
@@ -278,8 +286,9 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)
+        desc, bound = self._bound(layer, kv_cache)
         if isinstance(m.plan, SplitPrefill):
-            m.plan.run(query[:n], key[:n], value[:n], self.cache_desc(layer, kv_cache), out)
+            m.plan.run(query[:n], key[:n], value[:n], desc, out)
         else:
-            m.plan.run(query[:n], self.cache_desc(layer, kv_cache), out=out, want_lse=False)
+            m.plan.run(query[:n], bound, out=out, want_lse=False)
         return output
