@@ -54,15 +54,20 @@ def launches(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "mxfp4", "k8v4"])
-def test_decode_run_launches_decode_and_merge_only(name, launches):
-    c = filled_cache(name, "cpu", page_buffer=True, h=2)
+def _bound_setup(name, device):
+    c = filled_cache(name, device, page_buffer=True, h=2)
     desc = c.descriptor(0)
-    table = BlockTable.packed(torch.tensor([[0, 2, 4, 6], [1, 3, 0, 0]], dtype=torch.int32))
-    lens = SeqLens(torch.tensor([13, 6], dtype=torch.int32))
+    table = BlockTable.packed(torch.tensor([[0, 2, 4, 6], [1, 3, 0, 0]], dtype=torch.int32, device=device))
+    lens = SeqLens(torch.tensor([13, 6], dtype=torch.int32, device=device))
     plan = dispatch.plan_decode(table, lens, fmt=name, num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=4,
-                                q_dtype=torch.bfloat16, device="cpu", max_seq_len=16, check=False)
-    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+                                q_dtype=torch.bfloat16, device=device, max_seq_len=16, check=False)
+    return c, desc, plan
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "mxfp4", "k8v4"])
+def test_decode_run_launches_decode_and_merge_only(name, launches, device):
+    _, desc, plan = _bound_setup(name, device)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16, device=device)
     out = torch.empty_like(q)
     plan.run(q, desc, out=out, want_lse=False)  # first run: anything bound lazily is bound here
     launches.clear()
@@ -72,11 +77,10 @@ def test_decode_run_launches_decode_and_merge_only(name, launches):
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "k8v4"])
-def test_write_launches_the_write_only(name, launches):
-    c = filled_cache(name, "cpu", page_buffer=True, h=2)
-    desc = c.descriptor(0)
-    k = torch.randn(3, 2, 64, dtype=torch.bfloat16)
-    w = WriteDesc(KvIoDesc(k, k.clone()), SlotMapping(torch.tensor([5, -1, 7])))  # vLLM's padding convention
+def test_write_launches_the_write_only(name, launches, device):
+    desc = filled_cache(name, device, page_buffer=True, h=2).descriptor(0)
+    k = torch.randn(3, 2, 64, dtype=torch.bfloat16, device=device)
+    w = WriteDesc(KvIoDesc(k, k.clone()), SlotMapping(torch.tensor([5, -1, 7], device=device)))  # vLLM's padding convention
     dispatch.write_kv(desc, w, check=False)
     launches.clear()
     with TorchOps() as mode:
@@ -84,25 +88,18 @@ def test_write_launches_the_write_only(name, launches):
     assert launches == ["write"] and mode.ops == [], (launches, mode.ops)
 
 
-def _bound_setup(name):
-    c = filled_cache(name, "cpu", page_buffer=True, h=2)
-    desc = c.descriptor(0)
-    table = BlockTable.packed(torch.tensor([[0, 2, 4, 6], [1, 3, 0, 0]], dtype=torch.int32))
-    lens = SeqLens(torch.tensor([13, 6], dtype=torch.int32))
-    plan = dispatch.plan_decode(table, lens, fmt=name, num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=4,
-                                q_dtype=torch.bfloat16, device="cpu", max_seq_len=16, check=False)
-    return c, desc, plan
+
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "mxfp4", "k8v4", "nvfp4_rot"])
-def test_bound_layer_decode_and_write_launch_their_kernels_only(name, launches):
+def test_bound_layer_decode_and_write_launch_their_kernels_only(name, launches, device):
     """A layer bound once: decode = decode + merge (+ the q / output rotations of `_rot` formats), write = write."""
-    _, desc, plan = _bound_setup(name)
+    _, desc, plan = _bound_setup(name, device)
     layer = dispatch.bind(desc)
-    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16, device=device)
     out = torch.empty_like(q)
-    k = torch.randn(3, 2, 64, dtype=torch.bfloat16)
-    w = WriteDesc(KvIoDesc(k, k.clone()), SlotMapping(torch.tensor([5, -1, 7])))
+    k = torch.randn(3, 2, 64, dtype=torch.bfloat16, device=device)
+    w = WriteDesc(KvIoDesc(k, k.clone()), SlotMapping(torch.tensor([5, -1, 7], device=device)))
     plan.run(q, layer, out=out, want_lse=False)
     dispatch.write_kv(layer, w, check=False)
     launches.clear()
