@@ -25,7 +25,7 @@ from .descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, 
 from .enums import Layout, QuantFormat
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, TensorFormat, get_format
-from .ops import dispatch as reference
+from .ops import dispatch
 
 _PAGE_ALIGN = 16  # bytes; every region of a page starts 16-byte aligned for vectorized kernels
 
@@ -283,7 +283,7 @@ class PagedKVCache:
         """Quantize `[T, H, D]` K/V into the layer's pools at `slot_mapping` (negative slots skipped)."""
         cache = self.descriptor(layer)
         _require_tensors(key=key, value=value, slot_mapping=slot_mapping)
-        reference.write_kv(cache, WriteDesc(KvIoDesc(key, value), SlotMapping(slot_mapping)))
+        dispatch.write_kv(cache, WriteDesc(KvIoDesc(key, value), SlotMapping(slot_mapping)))
 
     def gather(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None,
                out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +298,7 @@ class PagedKVCache:
             max_len = int(seq_lens.max()) if seq_lens.numel() else 0
         else:
             max_len = as_int(max_seq_len, "max_seq_len", 0)
-        io = reference.gather_kv(cache, GatherDesc(BlockTable.packed(block_table), SeqLens(seq_lens), max_len),
+        io = dispatch.gather_kv(cache, GatherDesc(BlockTable.packed(block_table), SeqLens(seq_lens), max_len),
                                  out_dtype=out_dtype)
         return io.key, io.value
 

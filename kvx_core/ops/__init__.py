@@ -1,4 +1,3 @@
-"""KVX ops: reference (torch) implementations; GPU kernels register beside them."""
-from .reference import gather_kv, write_kv
-
-__all__ = ["gather_kv", "write_kv"]
+"""KVX ops: the dispatcher (`ops.dispatch`, public as `kvx_core.write_kv` etc.), the torch reference
+(`ops.reference`, `ops.attention`) and the GPU kernels. Import the submodule you mean: the package itself
+exports no op, so there is one public name per op."""

@@ -11,7 +11,7 @@ from kvx_core.block_tables import packed_to_ragged
 from kvx_core.descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat, Layout
 from kvx_core.errors import KvxError, Status
-from kvx_core.ops import gather_kv, write_kv
+from kvx_core.ops.reference import gather_kv, write_kv
 
 from .engine_ref import DTYPES, flashinfer_append, flashinfer_read, make_workload, same_view
 

@@ -10,7 +10,7 @@ from kvx_adapters import trtllm, vllm
 from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat, Layout
 from kvx_core.errors import KvxError, Status
-from kvx_core.ops import gather_kv, write_kv
+from kvx_core.ops.reference import gather_kv, write_kv
 
 from .engine_ref import (DTYPES, make_workload, rand, storage_bytes, trtllm_offset, trtllm_read,
                          trtllm_write, vllm_allocate, vllm_reshape_and_cache_flash)

@@ -11,7 +11,7 @@ from kvx_core.block_tables import packed_to_ragged
 from kvx_core.descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat, DType, Layout
 from kvx_core.errors import KvxError, Status
-from kvx_core.ops import gather_kv, write_kv
+from kvx_core.ops.reference import gather_kv, write_kv
 
 from .engine_ref import (DTYPES, make_workload, vllm_allocate, vllm_flash_read, vllm_kv,
                          vllm_paged_read, vllm_reshape_and_cache, vllm_reshape_and_cache_flash)
