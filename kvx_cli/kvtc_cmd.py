@@ -116,7 +116,7 @@ def _compress(args: argparse.Namespace) -> int:
     cal_path, bundle, out = _paths(args, 3, "CAL BUNDLE OUT")
     check_output(out)
     from kvx_core.kvtc import load_calibration, read_header
-    from kvx_core.kvtc.bundle import encode_bundle
+    from kvx_core.transfer.kvtc_bundle import encode_bundle
 
     cal = load_calibration(cal_path)
     with open_input(bundle) as f:
@@ -133,7 +133,7 @@ def _decompress(args: argparse.Namespace) -> int:
     cal_path, path, out = _paths(args, 3, "CAL FILE OUT_BUNDLE")
     check_output(out)
     from kvx_core.kvtc import load_calibration
-    from kvx_core.kvtc.bundle import decode_bundle
+    from kvx_core.transfer.kvtc_bundle import decode_bundle
     from kvx_core.kvtc.codec import read_file
 
     cal = load_calibration(cal_path)

@@ -7,7 +7,7 @@ stays cheap (no torch, no triton) for tools that only need a submodule.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
@@ -21,16 +21,6 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = list(_EXPORTS)
-
-if TYPE_CHECKING:
-    from .cache import PagedKVCache
-    from .descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, QuantDesc, ScaleDesc, SeqLens,
-                              SlotMapping, TensorDesc, WriteDesc)
-    from .errors import KvxError, Status
-    from .formats import get_format, list_formats
-    from .ops.dispatch import (bind, gather_kv, paged_decode, paged_prefill, plan_decode, plan_prefill,
-                               write_kv)
-
 
 def __getattr__(name: str) -> Any:
     """Resolve a public name on first use (PEP 562) and cache it on the package."""

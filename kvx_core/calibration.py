@@ -214,7 +214,7 @@ def stored_values(obs: SampleObserver, smoothing: list[torch.Tensor] | None = No
     """The observer's K/V as a cache stores them, for fitting global scales: keys minus each layer's centering
     vector `[H, D]`, divided by its smoothing vector, then K and V rotated (`formats.rotation`) for a `_rot`
     format."""
-    from .formats.rotation import rotate as hadamard_rotate
+    from .ops.rotation import rotate as hadamard_rotate
 
     out = SampleObserver(obs.num_layers, obs.max_tokens)
     for layer in range(obs.num_layers):

@@ -11,8 +11,9 @@ summation order changes with the number of rows) and on any device (IEEE adds, n
 Saturation (finite stays finite, as the formats promise): finite inputs are first saturated to
 ±FP32_MAX/D, so the butterfly's D-fold sums stay finite, and finite results beyond the output dtype's range
 saturate to its largest value; NaN and ±inf inputs pass through untouched and poison their row.
-On CUDA (FP16/BF16/FP32 input) the same butterfly runs as one fused Triton kernel
-(`kvx_core.ops.triton.hadamard`, bit-identical to the torch ops); elsewhere torch runs it stage by stage.
+This module defines the math and runs it in torch, stage by stage; `kvx_core.ops.rotation.rotate` chooses which
+implementation runs: on CUDA (FP16/BF16/FP32 input) the same butterfly as one fused Triton kernel
+(`kvx_core.ops.triton.hadamard`, bit-identical to the torch ops), elsewhere this one.
 """
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def hadamard(d: int, dtype: torch.dtype = torch.float32, device: torch.device | 
     return _sylvester(d).to(device=device, dtype=dtype, copy=True)
 
 
+def check_rotate_args(x: Tensor, out_dtype: torch.dtype | None, out: Tensor | None) -> torch.dtype:
+    """Validate `rotate`'s arguments (shared by every implementation) and return the output dtype."""
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() == 0:
+        raise KvxError(Status.INVALID_ARGUMENT, "rotate expects a floating-point torch.Tensor [..., D]")
+    _check_order(int(x.shape[-1]))
+    if out is not None:
+        if not isinstance(out, Tensor) or not out.is_floating_point() or out.shape != x.shape \
+                or out.device != x.device:
+            raise KvxError(Status.INVALID_ARGUMENT, f"rotate: out must be a float tensor {tuple(x.shape)} on {x.device}")
+        return out.dtype
+    return out_dtype or x.dtype
+
+
 def rotate(x: Tensor, out_dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
     """`x @ H` along the last dim (its own inverse: `rotate(rotate(x)) == x` up to rounding), row by row, into a new
     tensor of `out_dtype` (default: x's) or into `out` (x's shape, a float dtype; the result is then `out`).
@@ -53,20 +67,8 @@ def rotate(x: Tensor, out_dtype: torch.dtype | None = None, out: Tensor | None =
     (a + b, a - b): the Sylvester recursion H_2h = [[H_h, H_h], [H_h, -H_h]] unrolled. No host sync and
     no host-to-device copy, so rotations on a GPU stream are CUDA-graph capturable.
     """
-    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() == 0:
-        raise KvxError(Status.INVALID_ARGUMENT, "rotate expects a floating-point torch.Tensor [..., D]")
+    out_dtype = check_rotate_args(x, out_dtype, out)
     d = int(x.shape[-1])
-    _check_order(d)
-    if out is not None:
-        if not isinstance(out, Tensor) or not out.is_floating_point() or out.shape != x.shape \
-                or out.device != x.device:
-            raise KvxError(Status.INVALID_ARGUMENT, f"rotate: out must be a float tensor {tuple(x.shape)} on {x.device}")
-        out_dtype = out.dtype
-    out_dtype = out_dtype or x.dtype
-    if x.is_cuda and x.dtype != torch.float64 and out_dtype != torch.float64 and _fused_available():
-        from ..ops.triton.hadamard import hadamard_rows  # lazy: kvx_core imports with torch alone
-
-        return hadamard_rows(x, out_dtype, out)
     if out is not None:
         return out.copy_(rotate(x, out_dtype))
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -103,15 +105,6 @@ def output_limit(dtype: torch.dtype) -> float:
 def _saturate_finite(y: Tensor, limit: float) -> Tensor:
     """Clamp finite values to ±limit; NaN and ±inf are kept (they mark their group invalid downstream)."""
     return torch.where(torch.isfinite(y), y.clamp(-limit, limit), y)
-
-
-@functools.lru_cache(maxsize=1)
-def _fused_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 #: H is symmetric and orthonormal, so undoing a rotation is the same operation.

@@ -2,7 +2,7 @@
 the Triton kernel in `ops/triton/decode.py`) and the number of KV splits (`plan_decode`, once per step), then
 launches the chosen split-KV kernel and the split merge (`ops/triton/merge.py`) per layer (`DecodePlan.run`).
 Hadamard formats: q is rotated before the kernel and the merged FP32 output back after it by
-`formats.rotation.rotate` (the one rotation every KVX path uses); the kernels work in the rotated domain.
+`ops.rotation.rotate` (the one rotation every KVX path uses); the kernels work in the rotated domain.
 
 `ops.dispatch.paged_decode` calls `paged_decode` here for kernel-addressable caches; the benchmarks call it on
 raw pools. Pools follow the storage contract of `ops/triton` (HND data `[num_blocks, H_kv, block_size, Dk]`,
@@ -18,7 +18,7 @@ import torch
 
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat
-from ..formats.rotation import rotate
+from .rotation import rotate
 from .checks import check_max_seq_len
 from .smoothing import scale_queries
 from .cuda import Choice, choose

@@ -16,7 +16,8 @@ from ..block_tables import resolve_tokens
 from ..descriptors import CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, WriteDesc
 from ..enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, QuantFormat
 from ..errors import Status, require
-from ..formats import CacheFormat, TensorFormat, rotate
+from ..formats import CacheFormat, TensorFormat
+from .rotation import rotate
 from ..layouts import block_view
 from ..scale_layout import Interleave4Rows
 from . import smoothing

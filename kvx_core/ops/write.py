@@ -13,7 +13,8 @@ import os
 import torch
 
 from ..errors import KvxError, Status
-from ..formats import CacheFormat, rotate
+from ..formats import CacheFormat
+from .rotation import rotate
 from .checks import WriteArgs, check_write_args
 from .cuda import Choice, choose
 from .cuda import write as cuda_write

@@ -23,15 +23,17 @@ import torch
 from ..codec import format_of
 from ..descriptors import CacheDesc, KvIoDesc, SlotMapping, WriteDesc
 from ..errors import KvxError, Status, int_value, require
-from ..formats import CacheFormat, get_format, rotate
+from ..formats import CacheFormat, get_format
 from ..jsonsafe import loads_object
 from ..ops import smoothing
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
-from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec
-from .rows import (KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms, layer_slots, prepare_write_rows,
-                   read_rows)
-from .schema import ModelFingerprint, header_transforms, token_hash, token_list
+from ..ops.rotation import rotate
+from .bundle import BundleReader, BundleWriter, TensorSpec
+from .header import bundle_header, head_range, transform_flags
+from .host import HostBundle
+from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs, layer_slots, prepare_write_rows, read_rows
+from .schema import ModelFingerprint, header_transforms, token_hash
 
 
 def _config_count(cfg: dict, *keys: str) -> int:
@@ -70,57 +72,6 @@ def checkpoint_fingerprint(directory: str) -> ModelFingerprint | None:
     """The fingerprint of a checkpoint directory holding config.json and tokenizer.json, else None."""
     cfg, tok = os.path.join(directory, "config.json"), os.path.join(directory, "tokenizer.json")
     return fingerprint_from_files(cfg, tok) if os.path.isfile(cfg) and os.path.isfile(tok) else None
-
-
-def _head_range(kv_heads, model: ModelFingerprint, what: str) -> tuple[int, int]:
-    """A checked half-open KV-head range of the model (default: all of its heads)."""
-    a, b = (0, model.num_kv_heads) if kv_heads is None else kv_heads
-    require(isinstance(a, int) and isinstance(b, int) and 0 <= a < b <= model.num_kv_heads, Status.INVALID_ARGUMENT,
-            f"{what}: kv_heads must be a range [start, stop) within the model's {model.num_kv_heads} KV heads, "
-            f"got {kv_heads!r}")
-    return a, b
-
-
-def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
-                  token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
-                  segment_bytes: int = SEGMENT_BYTES) -> dict:
-    """The header of the bundle of one sequence (`export_bundle`'s arguments), after checking every layer agrees;
-    `segment_bytes`: the checksum segment size it declares."""
-    require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
-            f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
-    first = caches[0]
-    fmt = format_of(first)
-    a, b = _head_range(kv_heads, model, "export_bundle")
-    require(first.num_kv_heads == b - a and first.head_dim == model.head_dim, Status.INCOMPATIBLE,
-            f"export_bundle: the cache has {first.num_kv_heads} KV heads x {first.head_dim}, KV heads [{a}, {b}) of "
-            f"the model are {b - a} x {model.head_dim}")
-    ids = None if token_ids is None else token_list(token_ids)
-    require(isinstance(slots, torch.Tensor), Status.INVALID_ARGUMENT, "export_bundle: slots must be a tensor")
-    require(ids is None or len(ids) == slots.numel(), Status.INVALID_ARGUMENT,
-            f"export_bundle: {len(ids or [])} token ids for {slots.numel()} slots")
-    geometry = (first.num_kv_heads, first.head_dim)
-    transforms = key_transforms(first)
-    for i, cache in enumerate(caches):
-        require(format_of(cache) == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
-                f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
-        for t in KEY_TRANSFORMS:
-            has = t.tensor in transforms
-            require((t.of(cache) is not None) == has, Status.INVALID_ARGUMENT,
-                    f"export_bundle: layer {i}'s cache {'lacks' if has else 'has'} {t.what}, layer 0's "
-                    f"{'has' if has else 'lacks'} it (a bundle's layers all carry the same key transforms)")
-    specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS)
-             for n, (dt, sh) in format_specs(fmt, *geometry, transforms).items()]
-    return {"model": asdict(model),
-            "tokens": {"count": int(slots.numel()), "ids": ids, "ids_sha256": None if ids is None else token_hash(ids)},
-            "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
-                      "head_dim": first.head_dim, "kv_heads": [a, b], **_transform_flags(transforms)},
-            "tensors": [s.to_json() for s in specs], "created_by": "kvx",
-            "checksum": {"algorithm": "xxh64", "segment_bytes": segment_bytes}}
-
-
-def _transform_flags(transforms: frozenset[str]) -> dict[str, bool]:
-    """The header's `cache.key_smoothing` / `cache.key_centering` for key transforms `transforms` (tensor names)."""
-    return {t.header: t.tensor in transforms for t in KEY_TRANSFORMS}
 
 
 def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
@@ -195,7 +146,7 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     heads, d = header["cache"]["num_kv_heads"], header["cache"]["head_dim"]
     fmt.check_head_dim(d)
     specs = format_specs(fmt, heads, d)
-    new = {**header, "cache": {**header["cache"], "format": fmt.name, **_transform_flags(frozenset())},
+    new = {**header, "cache": {**header["cache"], "format": fmt.name, **transform_flags(frozenset())},
            "tensors": [TensorSpec(n, dt, sh, n not in LAYER_TENSORS).to_json() for n, (dt, sh) in specs.items()]}
     layers = []
     for rows in reader.read_all():
@@ -255,7 +206,7 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     require(isinstance(model, ModelFingerprint), Status.INVALID_ARGUMENT,
             f"import_bundle: model must be a ModelFingerprint, got {type(model).__name__}")
     readers = _readers(src)
-    a, b = _head_range(kv_heads, model, "import_bundle")
+    a, b = head_range(kv_heads, model, "import_bundle")
     theirs = None if token_ids is None else token_hash(token_ids)
     ranges = [_check_bundle(r, model, theirs) for r in readers]
     first = readers[0].header
@@ -300,8 +251,6 @@ _BYTES = (bytes, bytearray, memoryview)
 def _readers(src) -> list:
     """Readers (`BundleReader`, `host.HostBundle`) of `import_bundle`'s `src`: one bundle (a binary stream, a uint8
     host tensor, bytes) or a list of them; KvxError for anything else."""
-    from .host import HostBundle  # host.py builds on this module
-
     if hasattr(src, "read") or isinstance(src, (torch.Tensor, *_BYTES)):
         src = [src]
     require(isinstance(src, (list, tuple)) and len(src) > 0, Status.INVALID_ARGUMENT,

@@ -21,9 +21,9 @@ from ..errors import Status, require
 from .bundle import (SEGMENT_BYTES, BundleReader, bundle_bytes, bundle_prefix, check_chunk_head, check_chunk_sum,
                      check_trailer, chunk_at, chunk_head, combine_segments, parse_specs, segment_digest, segments,
                      split_payload, trailer)
-from .handoff import ModelFingerprint, bundle_header
+from .header import bundle_header
 from .rows import layer_slots, read_rows
-from .schema import check_layer
+from .schema import ModelFingerprint, check_layer
 
 GPU_SEGMENT_BYTES = 1 << 16
 """Checksum segments of bundles exported from CUDA caches: 64 KiB, one GPU program each (thousands per bundle)."""

@@ -4,9 +4,9 @@ reload, also across restarts and between processes on one machine.
 Each entry is one bundle file named by the sha256 of the model fingerprint and the token ids. `put` writes a
 temporary file in the store and renames it into place (readers never see a partial bundle); `get` imports with
 every check of `import_bundle` (a damaged file is refused and the cache left untouched). With `kvtc=` (a KVTC
-calibration of the model) entries are stored KVTC-coded (`kvx_core.kvtc.bundle`): written bundles are compressed,
-read entries decompressed into BF16 bundles that import into any format; a KVTC entry needs a store opened with its
-calibration. An entry is outside bytes like any bundle (another process may have written, or forged, it): every read
+calibration of the model) entries are stored KVTC-coded (`kvx_core.transfer.kvtc_bundle`): written bundles are
+compressed, read entries decompressed into BF16 bundles that import into any format; a KVTC entry needs a store opened
+with its calibration. An entry is outside bytes like any bundle (another process may have written, or forged, it): every read
 checks it as `BundleReader` does, and a damaged, forged or unreadable entry (a directory in its place, an I/O
 error) is a KvxError, which the connectors log and treat as a miss. The store owns only its directory: it creates
 it with a marker file and refuses a non-empty directory without that marker, and it only ever writes, renames or
@@ -30,6 +30,7 @@ from ..descriptors import CacheDesc
 from ..errors import KvxError, Status, require
 from ..kvtc.codec import MAGIC as KVTC_MAGIC
 from .bundle import BundleReader
+from .kvtc_bundle import decode_bundle, encode_bundle, entry_header
 from .handoff import ModelFingerprint, export_bundle, import_bundle
 from .schema import token_bytes
 
@@ -80,7 +81,6 @@ class BundleStore:
         renamed into place (a failure leaves no file and the older entry, if any). A KVTC store compresses it first."""
         final = self.path(model, token_ids)
         if self.kvtc is not None:
-            from ..kvtc.bundle import encode_bundle
             bundle = io.BytesIO()
             write(bundle)
             bundle.seek(0)
@@ -129,7 +129,6 @@ class BundleStore:
         f, coded = self._open(model, token_ids)
         if coded is None:
             return f
-        from ..kvtc.bundle import decode_bundle, entry_header
         entry_header(coded, self.kvtc, model)
         out = io.BytesIO()
         decode_bundle(coded, self.kvtc, out, model=model)
@@ -139,10 +138,9 @@ class BundleStore:
     def header(self, model: ModelFingerprint, token_ids: Sequence[int]) -> dict | None:
         """The header of the entry of `token_ids` (checked, hash included; chunks not read), None when absent. A KVTC
         entry gives, without decoding, the model, token count, cache geometry (BF16) and codec of the bundle it
-        decodes to (`kvtc.bundle.entry_header`)."""
+        decodes to (`kvtc_bundle.entry_header`)."""
         f, coded = self._open(model, token_ids)
         if coded is not None:
-            from ..kvtc.bundle import entry_header
             return entry_header(coded, self.kvtc, model)[1]
         if f is None:
             return None

@@ -16,7 +16,7 @@ from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status
 from kvx_core.transfer import BundleWriter, ModelFingerprint, convert_bundle, export_bundle, import_bundle
 from kvx_core.transfer.bundle import BundleReader
-from kvx_core.transfer.handoff import bundle_header
+from kvx_core.transfer.header import bundle_header
 from kvx_core.transfer.rows import read_rows
 
 LAYERS, HEADS, DIM, TOKENS = 2, 2, 32, 11

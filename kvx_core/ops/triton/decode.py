@@ -8,7 +8,7 @@ all `QH = Hq / H_kv` query heads that share the KV head (GQA), dequantizes in re
 accumulate into even / odd output columns. The tile steps are `tiles.py`'s, shared with prefill.py (here
 with INT codes as fp16 subnormals, `SUB`, and the inline-PTX decoders, `ASM`). `merge.py` merges the splits
 (LSE-weighted), casts to the output dtype and writes the LSE. Hadamard formats: the kernel works in the rotated
-domain; `kvx_core/ops/decode.py` rotates q before and the merged output back after (`formats.rotation.rotate`).
+domain; `kvx_core/ops/decode.py` rotates q before and the merged output back after (`ops.rotation.rotate`).
 `launch_decode` (below) launches this kernel; `kvx_core/ops/decode.py` plans (backend, splits) and merges.
 """
 from __future__ import annotations

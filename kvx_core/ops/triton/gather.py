@@ -4,7 +4,7 @@ PACKED block table, decoded into dense ragged K/V `[T, H, D]` (sequences concate
 Compat/debug path (the attention kernels never materialise this). Grid `(cdiv(max_len, BT), B, 2 H)`.
 Decoding is the formats' FP32 arithmetic (no FMA contraction), so the output equals
 `reference.gather_kv` bit for bit; Hadamard formats are decoded to FP32 in the kernel and rotated back
-with the reference's own `formats.rotate`.
+with the reference's own `ops.rotation.rotate`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from ...errors import KvxError, Status
-from ...formats import CacheFormat, rotate
+from ...formats import CacheFormat
+from ..rotation import rotate
 from ..checks import (IO_DTYPES, check_block_ids, check_max_seq_len, check_no_alias, check_out_dtype, global_scale,
                       require_type)
 from ..kernel_format import FormatCode, kernel_format

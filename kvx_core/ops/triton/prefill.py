@@ -9,7 +9,7 @@ both dots on tensor cores. The tile steps (K/V dequantization in registers, scor
 the dot; 4-bit formats contract even/odd head_dim halves separately); here INT codes enter the dots as their
 integer values (`SUB` off) and the 4-bit decoders are the portable forms (`ASM` off). Hadamard formats: the
 kernel works in the rotated domain; q is rotated before it and its FP32 output back after it by
-`formats.rotation.rotate`, as in decode. `plan_prefill` builds the work list once per step; `PrefillPlan.run`
+`ops.rotation.rotate`, as in decode. `plan_prefill` builds the work list once per step; `PrefillPlan.run`
 launches one layer. `window_left` follows FlashInfer, `paged_decode` and
 `attention.paged_prefill(window=...)`: key j is attended iff `j >= pos - window_left`.
 """
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
-from ...formats.rotation import rotate
+from ..rotation import rotate
 from ..kernel_format import kernel_format
 from .launch import as_bytes, check_device, check_layer, check_plan, dot_type, fp8_type, global_scale_arg, pool_geometry
 from .tiles import acc_init, head_factors, load_q, pv_tile, q_sums, qk_tile, softmax_step, store_rows, tile_slots

@@ -3,7 +3,7 @@ bytes into the paged pools by slot mapping, K and V in ONE launch.
 
 Grid `(cdiv(T, BT), H, 2)`: a program encodes BT tokens of one head of K (axis 2 = 0) or V (= 1).
 Bit-identical to `kvx_core.formats` encode (same FP32 operations, IEEE division, no FMA contraction,
-software FP8 rounding; see quant.py). Hadamard formats rotate with the reference's own `formats.rotate`
+software FP8 rounding; see quant.py). Hadamard formats rotate with the reference's own `ops.rotation.rotate`
 before the kernel, so the kernel sees exactly the reference's rotated input.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import CacheFormat, rotate
+from ...formats import CacheFormat
+from ..rotation import rotate
 from ..checks import WriteArgs, check_write_args
 from ..kernel_format import kernel_format
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32

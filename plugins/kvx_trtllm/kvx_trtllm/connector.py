@@ -45,7 +45,7 @@ import torch
 
 from kvx_core import jsonsafe
 from kvx_core.errors import KvxError
-from kvx_core.kvtc.bundle import calibration_for
+from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
 
 from .cache import layer_views

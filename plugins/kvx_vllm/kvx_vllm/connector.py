@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.logger import init_logger
 
 from kvx_core.errors import KvxError
-from kvx_core.kvtc.bundle import calibration_for
+from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer import BundleStore
 
 from .fingerprint import model_fingerprint

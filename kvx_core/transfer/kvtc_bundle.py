@@ -1,4 +1,5 @@
 """KVTC as a codec of KVX bundles: a bundle <-> a KVTC buffer, so bundles travel and rest KVTC-coded.
+It lives in `transfer` (which builds on `kvtc`, the codec), so `kvtc` imports nothing from `transfer`.
 
 `encode_bundle` decodes a bundle of any format to BF16 K/V and compresses them (the tokens' ids ride along);
 `decode_bundle` decompresses a buffer into a BF16 bundle, which any engine imports into its own format
@@ -15,16 +16,16 @@ import torch
 
 from ..errors import KvxError, Status, require
 from ..formats import get_format
-from .calibration import Calibration
-from .codec import KvtcHeader, compress, decompress, model_hash, read_header
+from ..kvtc.calibration import Calibration, load_calibration
+from ..kvtc.codec import KvtcHeader, compress, decompress, model_hash, read_header
+from .bundle import BundleReader
+from .handoff import decode_rows, export_bundle
+from .schema import ModelFingerprint
 
 
 def encode_bundle(src: BinaryIO, cal: Calibration, *, deflate: bool = True) -> bytes:
     """A bundle (read and verified whole) -> the KVTC buffer of its K/V and token ids. KvxError INCOMPATIBLE for a
     bundle of another model than the calibration's, INVALID_ARGUMENT for a shard or another geometry."""
-    from ..transfer.bundle import BundleReader
-    from ..transfer.handoff import decode_rows
-
     reader = BundleReader(src)
     header = reader.header
     model = header.get("model")
@@ -42,7 +43,6 @@ def decode_bundle(buf: bytes, cal: Calibration, out: BinaryIO, *, model=None) ->
     """A KVTC buffer -> a BF16 bundle written to `out`; returns its header. `model`: the fingerprint
     (`ModelFingerprint`) the bundle names, default the calibration's; the buffer must belong to it (INCOMPATIBLE)."""
     from ..cache import PagedKVCache
-    from ..transfer.handoff import ModelFingerprint, export_bundle
 
     if model is None:
         require(bool(cal.model), Status.INVALID_ARGUMENT, "KVTC: the calibration names no model; a bundle needs one")
@@ -78,8 +78,6 @@ def entry_header(buf: bytes, cal: Calibration | None, model) -> tuple[KvtcHeader
 def calibration_for(path: str, model) -> Calibration:
     """The calibration file a connector's KVTC option names (vLLM `kvx_kvtc`, TensorRT-LLM `KVX_KVTC`), checked
     against the model it serves: its fingerprint (when the file names one) and geometry. KvxError otherwise."""
-    from .calibration import load_calibration
-
     cal = load_calibration(path)
     require(not cal.model or cal.model == asdict(model), Status.INCOMPATIBLE,
             f"{path} was calibrated on another model than the one served")

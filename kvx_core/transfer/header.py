@@ -1,0 +1,67 @@
+"""The header of a sequence's bundle, built from the caches that export it: shared by the stream export
+(`handoff.export_bundle`) and the host-memory export (`host.export_to_host`), so neither imports the other
+for it."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import torch
+
+from ..codec import format_of
+from ..descriptors import CacheDesc
+from ..errors import Status, require
+from .bundle import SEGMENT_BYTES, TensorSpec
+from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms
+from .schema import ModelFingerprint, token_hash, token_list
+
+
+def head_range(kv_heads, model: ModelFingerprint, what: str) -> tuple[int, int]:
+    """A checked half-open KV-head range of the model (default: all of its heads)."""
+    a, b = (0, model.num_kv_heads) if kv_heads is None else kv_heads
+    require(isinstance(a, int) and isinstance(b, int) and 0 <= a < b <= model.num_kv_heads, Status.INVALID_ARGUMENT,
+            f"{what}: kv_heads must be a range [start, stop) within the model's {model.num_kv_heads} KV heads, "
+            f"got {kv_heads!r}")
+    return a, b
+
+
+def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+                  token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
+                  segment_bytes: int = SEGMENT_BYTES) -> dict:
+    """The header of the bundle of one sequence (`export_bundle`'s arguments), after checking every layer agrees;
+    `segment_bytes`: the checksum segment size it declares."""
+    require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
+            f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
+    first = caches[0]
+    fmt = format_of(first)
+    a, b = head_range(kv_heads, model, "export_bundle")
+    require(first.num_kv_heads == b - a and first.head_dim == model.head_dim, Status.INCOMPATIBLE,
+            f"export_bundle: the cache has {first.num_kv_heads} KV heads x {first.head_dim}, KV heads [{a}, {b}) of "
+            f"the model are {b - a} x {model.head_dim}")
+    ids = None if token_ids is None else token_list(token_ids)
+    require(isinstance(slots, torch.Tensor), Status.INVALID_ARGUMENT, "export_bundle: slots must be a tensor")
+    require(ids is None or len(ids) == slots.numel(), Status.INVALID_ARGUMENT,
+            f"export_bundle: {len(ids or [])} token ids for {slots.numel()} slots")
+    geometry = (first.num_kv_heads, first.head_dim)
+    transforms = key_transforms(first)
+    for i, cache in enumerate(caches):
+        require(format_of(cache) == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
+                f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
+        for t in KEY_TRANSFORMS:
+            has = t.tensor in transforms
+            require((t.of(cache) is not None) == has, Status.INVALID_ARGUMENT,
+                    f"export_bundle: layer {i}'s cache {'lacks' if has else 'has'} {t.what}, layer 0's "
+                    f"{'has' if has else 'lacks'} it (a bundle's layers all carry the same key transforms)")
+    specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS)
+             for n, (dt, sh) in format_specs(fmt, *geometry, transforms).items()]
+    return {"model": asdict(model),
+            "tokens": {"count": int(slots.numel()), "ids": ids, "ids_sha256": None if ids is None else token_hash(ids)},
+            "cache": {"format": fmt.name, "num_layers": len(caches), "num_kv_heads": first.num_kv_heads,
+                      "head_dim": first.head_dim, "kv_heads": [a, b], **transform_flags(transforms)},
+            "tensors": [s.to_json() for s in specs], "created_by": "kvx",
+            "checksum": {"algorithm": "xxh64", "segment_bytes": segment_bytes}}
+
+
+def transform_flags(transforms: frozenset[str]) -> dict[str, bool]:
+    """The header's `cache.key_smoothing` / `cache.key_centering` for key transforms `transforms` (tensor names)."""
+    return {t.header: t.tensor in transforms for t in KEY_TRANSFORMS}
