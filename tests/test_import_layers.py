@@ -21,15 +21,14 @@ def _unit(module: str) -> str | None:
 
 def _imports(path: Path) -> set[str]:
     """Absolute names of the kvx_core modules (or the packages a name is taken from) `path` imports."""
-    package = ".".join(("kvx_core", *path.relative_to(ROOT).with_suffix("").parts))
-    if path.name != "__init__.py":
-        package = package.rpartition(".")[0]
+    package = ".".join(("kvx_core", *path.relative_to(ROOT).parent.parts))  # what `from .` names
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            parts = package.split(".")
+            base = parts[:len(parts) - node.level + 1] if node.level else []
             target = ".".join([*base, node.module] if node.module else base)
             found.add(target)
             found.update(f"{target}.{a.name}" for a in node.names)  # `from . import ops` names a subpackage
