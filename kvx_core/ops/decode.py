@@ -176,7 +176,7 @@ class DecodePlan:
             q = scale_queries(q, k_smoothing)
         elif k_smoothing is not None:
             qs = k_smoothing.contiguous()
-        qq = fmt.rotate_q(q)
+        qq = rotate(q) if fmt.rotate else q  # the fused kernel on CUDA (ops.rotation), as the write rotates
         if why is not None and self.forced:
             raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot address these pools ({why}); plan with "
                            "backend='triton' or 'auto'")

@@ -155,7 +155,7 @@ class PrefillPlan:
         ks, vs, out, lse = check_layer(self, q, t, self.qo_indptr.numel() - 1, k_data, k_scales, v_data, v_scales,
                                        block_table, seq_lens, out, lse)
         kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
-        qq = fmt.rotate_q(q)
+        qq = rotate(q) if fmt.rotate else q  # the fused kernel on CUDA (ops.rotation), as the write rotates
         o = out if self.rotated_out is None else self.rotated_out
         if self.tile_seq.numel():
             w = self.window_left
