@@ -26,6 +26,7 @@ from kvx_core.cache import PagedKVCache  # noqa: E402
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc  # noqa: E402
 from kvx_core.ops import dispatch  # noqa: E402
 from kvx_core.ops.decode import workspace_size  # noqa: E402
+from kvx_core.ops.graphs import capture  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 
@@ -62,14 +63,7 @@ def _eager_us(fn, reps: int = 200) -> float:
 
 
 def _graph_us(fn, reps: int = 200) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g, _ = capture(fn)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.replay()
     a.record()
