@@ -106,6 +106,13 @@ class WriteArgs:
         return self.slots >= 0
 
 
+def kernel_slots(slots: torch.Tensor, device: torch.device, invalid_slot: int) -> torch.Tensor:
+    """The slot mapping as the write kernels take it: int64 on `device` (a no-op for engines' int64 mappings),
+    a non-negative `invalid_slot` turned into -1 (negative slots are skipped by every kernel as they are)."""
+    s = slots.to(device, torch.int64)
+    return torch.where(s == invalid_slot, -1, s) if invalid_slot >= 0 else s
+
+
 def check_write_args(fmt: CacheFormat, key, value, slots, *, num_slots: int, num_kv_heads: int, k_gs=None,
                      v_gs=None, invalid_slot: int = -1, check: bool = True) -> WriteArgs:
     """THE write check, first thing in every write entry point (reference, dispatch, Triton launcher):
@@ -126,9 +133,7 @@ def check_write_args(fmt: CacheFormat, key, value, slots, *, num_slots: int, num
             f"{tuple(slots.shape)}")
     kg = global_scale(fmt.k, k_gs, num_kv_heads, key.device, "K global scale", check_values=check)
     vg = global_scale(fmt.v, v_gs, num_kv_heads, key.device, "V global scale", check_values=check)
-    s = slots.to(key.device, torch.int64)  # a no-op for engines' int64 slot mappings
-    if invalid_slot >= 0:  # a non-negative padding slot becomes -1; negative slots are skipped as they are
-        s = torch.where(s == invalid_slot, -1, s)
+    s = kernel_slots(slots, key.device, invalid_slot)
     if check:
         valid = s[s >= 0]
         hi = int(valid.max()) if valid.numel() else -1

@@ -31,9 +31,8 @@ from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format
 from ..layouts import block_view
 from . import attention, reference, smoothing
-from .checks import (INT32_MAX, WriteArgs, cache_global_scales, check_block_ids, check_gather, check_table_types, check_write,
-                     kernel_table, offsets_kernel_table,
-                     narrow_int32, require_type)
+from .checks import (INT32_MAX, WriteArgs, cache_global_scales, check_block_ids, check_gather, check_table_types,
+                     check_write, kernel_slots, kernel_table, narrow_int32, offsets_kernel_table, require_type)
 from .kernel_format import kernel_format
 
 if TYPE_CHECKING:  # the kernel modules import triton; kvx_core imports with torch alone
@@ -126,8 +125,8 @@ def bind(cache: CacheDesc) -> BoundLayer | None:
     it: pass the descriptor itself)."""
     require_type(cache, CacheDesc, "cache")
     cache.validate()
-    pools = _kernel_pools(cache)
-    if pools is None or cache.num_blocks > INT32_MAX + 1 or (cache.pool is not None and cache.pool.secondary is not None):
+    pools = _attention_pools(cache)
+    if pools is None:
         return None
     kd, ks, vd, vs, fmt = pools
     from .cuda import decode as cuda_decode
@@ -164,9 +163,7 @@ def _write_bound(layer: BoundLayer, write: WriteDesc) -> None:
             f"write into a bound layer: key / value must be [tokens, {h}, {d}] and the slot mapping int32/int64 "
             f"[tokens], got {tuple(getattr(key, 'shape', ()))}, {tuple(getattr(value, 'shape', ()))}, "
             f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
-    s = slots.to(key.device, torch.int64)
-    if write.slots.invalid_slot >= 0:
-        s = torch.where(s == write.slots.invalid_slot, -1, s)
+    s = kernel_slots(slots, key.device, write.slots.invalid_slot)
     if layer.transforms_keys:
         key = smoothing.smooth_keys(layer.cache, key)
     huge = t >= 2**30
@@ -176,6 +173,16 @@ def _write_bound(layer: BoundLayer, write: WriteDesc) -> None:
         layer.write_choices[(key.dtype, value.dtype, huge)] = choice
     write_ops.launch_chosen(choice.backend, key, value, WriteArgs(s, layer.k_gs, layer.v_gs), layer.k_data,
                             layer.k_scales, layer.v_data, layer.v_scales, layer.fmt)
+
+
+def _attention_pools(cache: CacheDesc):
+    """`_kernel_pools` where the attention kernels can address them too (int32 block ids, the primary pool only),
+    else None."""
+    pools = _kernel_pools(cache)
+    if pools is None or cache.num_blocks > INT32_MAX + 1 \
+            or (cache.pool is not None and cache.pool.secondary is not None):
+        return None
+    return pools
 
 
 @torch.no_grad()
@@ -271,9 +278,8 @@ def _shift_v(pools):
 def _kernel_args(cache: CacheDesc, table: BlockTable, check: bool):
     """(k_data, k_scales, v_data, v_scales, k_global, v_global) for the attention kernels, or None (the
     reference serves the call): PACKED or KV_OFFSETS tables over kernel-addressable primary pools."""
-    pools = _kernel_pools(cache)
-    if pools is None or not (_packed(table) or _offsets(table)) or cache.num_blocks > INT32_MAX + 1 \
-            or (cache.pool is not None and cache.pool.secondary is not None):
+    pools = _attention_pools(cache)
+    if pools is None or not (_packed(table) or _offsets(table)):
         return None
     if _offsets(table):
         pools = _shift_v(pools)
