@@ -1,6 +1,7 @@
 """Paged decode on the GPU kernels: the one place that chooses the backend (the CUDA kernel in `ops/cuda` or
 the Triton kernel in `ops/triton/decode.py`) and the number of KV splits (`plan_decode`, once per step), then
-launches the chosen split-KV kernel and the split merge (`ops/triton/merge.py`) per layer (`DecodePlan.run`).
+launches the chosen split-KV kernel and its split merge per layer (`DecodePlan.run`; the CUDA library merges in the
+same call, the Triton decode through `ops/triton/merge.py`).
 Hadamard formats: q is rotated before the kernel and the merged FP32 output back after it by
 `ops.rotation.rotate` (the one rotation every KVX path uses); the kernels work in the rotated domain.
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -123,6 +124,7 @@ class DecodePlan:
     rotated_out: torch.Tensor | None  # fp32 [B, Hq, D]: the merged output before its rotation back (rotated formats)
     lse_scratch: torch.Tensor  # fp32 [B, Hq]: where the merge writes the LSE a caller does not want (`want_lse`)
     reason: str | None = None  # why Triton and not the CUDA kernel (None: CUDA, or Triton was asked for)
+    cuda_steps: dict = field(default_factory=dict, compare=False)  # (table, lens) addresses -> CUDA step params
 
     def run(self, q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=None, lse=None,
             k_smoothing: torch.Tensor | None = None, want_lse: bool = True):
@@ -147,22 +149,49 @@ class DecodePlan:
     def run_bound(self, q: torch.Tensor, layer, block_table: torch.Tensor, seq_lens: torch.Tensor,
                   out: torch.Tensor | None = None, want_lse: bool = False):
         """`run` over a layer bound once (`dispatch.bind`): its pools, scale arguments, global scales, key smoothing
-        and whether the CUDA kernel can address its pools were checked and derived at bind time, so this only
-        compares the query with the plan (host, a few attribute reads) and launches decode + merge."""
+        and the CUDA kernel's layer arguments were checked and derived at bind time, so this compares the query and
+        output with the plan (host, attribute reads) and launches: on CUDA one library call (decode + merge; the
+        rotations of `_rot` formats around it), on Triton decode + merge."""
         if tuple(q.shape) != (self.batch, self.num_qo_heads, self.head_dim) or q.dtype != self.q_dtype \
-                or layer.geometry != (self.num_kv_heads, self.block_size, self.head_dim) or layer.fmt is not self.fmt:
+                or layer.geometry != (self.num_kv_heads, self.block_size, self.head_dim) or layer.fmt is not self.fmt \
+                or (out is not None and (out.shape != q.shape or out.dtype not in cuda_decode.OUT_DTYPES
+                                         or out.stride(2) != 1 or out.device != q.device)):
             raise KvxError(Status.INVALID_ARGUMENT, f"paged_decode: q {q.dtype} {tuple(q.shape)} over a "
                            f"{layer.fmt.name} layer {layer.geometry} does not match the plan "
                            f"({self.fmt.name}, {self.q_dtype} {(self.batch, self.num_qo_heads, self.head_dim)}, "
-                           f"(num_kv_heads, block_size, head_dim) {(self.num_kv_heads, self.block_size, self.head_dim)})")
+                           f"(num_kv_heads, block_size, head_dim) {(self.num_kv_heads, self.block_size, self.head_dim)})"
+                           + ("" if out is None else f", or out {out.dtype} {tuple(out.shape)} is not an fp32 / "
+                              "fp16 / bf16 tensor of q's shape and device with a contiguous last dim"))
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty(self.batch, self.num_qo_heads, dtype=torch.float32, device=q.device) if want_lse \
             else self.lse_scratch
+        if self.backend == "cuda" and layer.cuda_args is not None and q.stride(2) == 1:
+            if self.batch:
+                self._cuda_bound(q, layer, block_table, seq_lens, out, lse)
+            return out, lse if want_lse else None
         why = None
         if self.backend == "cuda":
-            why = layer.cuda_pool_reason if q.stride(2) == 1 else "query last dim not contiguous"
+            why = ("query last dim not contiguous" if q.stride(2) != 1 else layer.cuda_pool_reason
+                   or "the CUDA kernels are not available for the layer's device")
         return self._launch(q, layer.k_data, layer.k_scale_args, layer.v_data, layer.v_scale_args, layer.k_global,
                             layer.v_global, block_table, seq_lens, out, lse, layer.k_smoothing, why, want_lse)
+
+    def _cuda_bound(self, q, layer, block_table, seq_lens, out, lse) -> None:
+        """The CUDA decode + merge over a bound layer: the step's parameter group is made once per plan and tables
+        (`cuda_decode.step_params`), the layer's at bind time."""
+        key = (block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr())
+        step = self.cuda_steps.get(key)
+        if step is None:
+            step = self.cuda_steps[key] = cuda_decode.step_params(
+                block_table, seq_lens, self.mid_o, self.mid_l, self.sm_scale, self.softcap, self.window,
+                self.num_qo_heads // self.num_kv_heads, self.block_size)
+        if not self.fmt.rotate:  # key smoothing, if any, is in the layer's arguments
+            cuda_decode.launch_args(layer.cuda_args, step, q, out, lse)
+            return
+        if layer.k_smoothing is not None:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
+            q = scale_queries(q, layer.k_smoothing)
+        cuda_decode.launch_args(layer.cuda_args, step, rotate(q), self.rotated_out, lse)
+        rotate(self.rotated_out, out=out)
 
     def _launch(self, q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, out, lse, k_smoothing, why,
                 want_lse):
@@ -180,19 +209,21 @@ class DecodePlan:
         if why is not None and self.forced:
             raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot address these pools ({why}); plan with "
                            "backend='triton' or 'auto'")
-        if self.backend == "cuda" and why is None:
+        merged = out if self.rotated_out is None else self.rotated_out  # rotated: merged in FP32, rotated back
+        if self.backend == "cuda" and why is None and merged.dtype in cuda_decode.OUT_DTYPES:
             cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
-                               self.mid_l, self.sm_scale, self.softcap, self.window,
-                               q_smoothing=qs)
+                               self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs, out=merged,
+                               lse=lse)
         else:  # Triton, also for pools the planned CUDA kernel cannot address (same splits)
-            triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, self.mid_o,
-                                        self.mid_l, self.sm_scale, self.softcap, self.window, self.block_n,
-                                        self.num_warps, self.num_stages,
-                                        q_smoothing=qs)
-        if self.rotated_out is None:
-            merge_splits(self.mid_o, self.mid_l, out, lse)
-        else:  # merge in FP32, then one rotation back into the output dtype
-            merge_splits(self.mid_o, self.mid_l, self.rotated_out, lse)
+            if self.backend == "cuda" and why is None:  # an output dtype only the Triton merge writes
+                cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
+                                   self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs)
+            else:
+                triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
+                                            self.mid_o, self.mid_l, self.sm_scale, self.softcap, self.window,
+                                            self.block_n, self.num_warps, self.num_stages, q_smoothing=qs)
+            merge_splits(self.mid_o, self.mid_l, merged, lse)
+        if self.rotated_out is not None:
             rotate(self.rotated_out, out=out)
         return out, lse if want_lse else None
 

@@ -116,7 +116,9 @@ class BoundLayer:
     transforms_keys: bool  # key smoothing or centering: writes transform the keys first
     cuda_pool_reason: str | None  # why the CUDA decode cannot address these pools (None: it can, or it serves no
     # such format / GPU, and plans choose Triton anyway)
-    write_choices: dict = field(default_factory=dict)  # (K dtype, V dtype, huge) -> ops.write Choice, made once
+    cuda_args: object  # the CUDA decode's layer arguments (`cuda.decode.LayerArgs`; None where it cannot serve)
+    write_launch: dict = field(default_factory=dict)  # (K dtype, V dtype, huge) -> (ops.write Choice, the CUDA
+    # write's `LayerWrite` when it serves them), made at the first write of those dtypes
 
 
 def bind(cache: CacheDesc) -> BoundLayer | None:
@@ -139,14 +141,22 @@ def bind(cache: CacheDesc) -> BoundLayer | None:
     check_pool("K", kd, kk, d)
     check_pool("V", vd, kv, d)
     s = smoothing.of(cache)
-    cuda_why = None
+    s = None if s is None else s.contiguous()
+    k_global, v_global = global_scale_arg(kg, kk, h, kd.device), global_scale_arg(vg, kv, h, kd.device)
+    k_args, v_args = scale_args("K", ks, kd, kk, fmt.k, d), scale_args("V", vs, vd, kv, fmt.v, d)
+    cuda_why, cuda_args = None, None
     if cuda_decode.plan_reason(fmt, torch.bfloat16, kd.device, 1, h, h, d, cache.block_size) is None:
         q = torch.empty(1, h, d, dtype=torch.bfloat16, device="meta")  # its strides are all pool_reason reads
         cuda_why = cuda_decode.pool_reason(q, fmt, kd, ks, vd, vs)
-    return BoundLayer(cache, fmt, (h, cache.block_size, d), kd, ks, vd, vs, kg, vg,
-                      global_scale_arg(kg, kk, h, kd.device), global_scale_arg(vg, kv, h, kd.device),
-                      scale_args("K", ks, kd, kk, fmt.k, d), scale_args("V", vs, vd, kv, fmt.v, d),
-                      None if s is None else s.contiguous(), smoothing.transforms_keys(cache), cuda_why)
+        if cuda_why is None:
+            try:  # rotated formats scale the queries before their rotation, not in the kernel
+                cuda_args = cuda_decode.layer_args(fmt, kd, k_args[0], vd, v_args[0], k_global, v_global,
+                                                   None if fmt.rotate else s)
+            except KvxError as e:  # no library here: plans choose Triton (and say why)
+                if e.status != Status.UNSUPPORTED:
+                    raise
+    return BoundLayer(cache, fmt, (h, cache.block_size, d), kd, ks, vd, vs, kg, vg, k_global, v_global, k_args,
+                      v_args, s, smoothing.transforms_keys(cache), cuda_why, cuda_args)
 
 
 def _write_bound(layer: BoundLayer, write: WriteDesc) -> None:
@@ -166,13 +176,13 @@ def _write_bound(layer: BoundLayer, write: WriteDesc) -> None:
     s = kernel_slots(slots, key.device, write.slots.invalid_slot)
     if layer.transforms_keys:
         key = smoothing.smooth_keys(layer.cache, key)
-    huge = t >= 2**30
-    choice = layer.write_choices.get((key.dtype, value.dtype, huge))
-    if choice is None:
-        choice = write_ops.choose_backend(None, key, value, layer.fmt, layer.k_data, layer.v_data)
-        layer.write_choices[(key.dtype, value.dtype, huge)] = choice
-    write_ops.launch_chosen(choice.backend, key, value, WriteArgs(s, layer.k_gs, layer.v_gs), layer.k_data,
-                            layer.k_scales, layer.v_data, layer.v_scales, layer.fmt)
+    launch = layer.write_launch.get((key.dtype, value.dtype, t >= 2**30))
+    if launch is None:
+        launch = write_ops.bind_write(key, value, layer.fmt, layer.k_data, layer.k_scales, layer.v_data,
+                                      layer.v_scales, layer.k_gs, layer.v_gs)
+        layer.write_launch[(key.dtype, value.dtype, t >= 2**30)] = launch
+    write_ops.launch_bound(launch, key, value, s, WriteArgs(s, layer.k_gs, layer.v_gs), layer.k_data,
+                           layer.k_scales, layer.v_data, layer.v_scales, layer.fmt)
 
 
 def _attention_pools(cache: CacheDesc):

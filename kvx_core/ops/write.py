@@ -14,7 +14,7 @@ import torch
 
 from ..errors import KvxError, Status
 from ..formats import CacheFormat
-from .rotation import rotate
+from .rotation import rotate_kv
 from .checks import WriteArgs, check_write_args
 from .cuda import Choice, choose
 from .cuda import write as cuda_write
@@ -72,8 +72,31 @@ def launch_chosen(backend: str, key: torch.Tensor, value: torch.Tensor, args: Wr
     if key.shape[0] == 0:
         return
     if fmt.rotate:  # the reference's own rotation, as the Triton write does
-        key, value = rotate(key), rotate(value)
+        key, value = rotate_kv(key, value)
     cuda_write.launch(key, value, args, k_data, k_scales, v_data, v_scales, fmt)
+
+
+def bind_write(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales, k_gs,
+               v_gs) -> tuple[Choice, object]:
+    """The kernel for writes of `key` / `value`'s dtypes into a bound layer's checked pools, chosen once: (Choice, the
+    CUDA write's `LayerWrite` when CUDA serves them, else None)."""
+    choice = choose_backend(None, key, value, fmt, k_data, v_data)
+    if choice.backend != "cuda":
+        return choice, None
+    return choice, cuda_write.layer_write(fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs)
+
+
+def launch_bound(launch: tuple[Choice, object], key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                 args: WriteArgs, k_data, k_scales, v_data, v_scales, fmt: CacheFormat) -> None:
+    """The write into a bound layer as `bind_write` chose it: the CUDA write kernel alone (after the `_rot` formats'
+    rotation: one launch when V follows K in one buffer), or the Triton launcher (`args`, the pools)."""
+    choice, layer = launch
+    if layer is None:
+        launch_chosen(choice.backend, key, value, args, k_data, k_scales, v_data, v_scales, fmt)
+    elif key.shape[0]:
+        if fmt.rotate:
+            key, value = rotate_kv(key, value)
+        cuda_write.launch_layer(layer, key, value, slots)
 
 
 @torch.no_grad()

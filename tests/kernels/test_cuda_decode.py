@@ -12,7 +12,7 @@ import torch
 
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
-from kvx_core.ops.cuda import build, nvcc_path
+from kvx_core.ops.cuda import build, mirror_mismatch, nvcc_path
 from kvx_core.ops.cuda.decode import DecodeParams, supports
 from kvx_core.ops.decode import paged_decode
 from kvx_core.ops.graphs import capture
@@ -57,13 +57,20 @@ def _check(o, lse, ro, rl, tol=1e-2):
 
 # ------------------------------------------------------------------ CPU: build + ABI mirror
 def test_cuda_source_compiles_and_mirror_matches(tmp_path):
-    """nvcc compiles paged_decode_mma.cu for sm_90a; the ctypes DecodeParams has the C struct's size."""
+    """nvcc compiles paged_decode_mma.cu for sm_90a; the ctypes DecodeParams has the C struct's size and field
+    offsets (a reordered field would pass a size check and launch on garbage)."""
     if nvcc_path() is None:
         if os.environ.get("CI"):
             pytest.fail("nvcc is required in CI (it compiles the CUDA decode kernel)")
         pytest.skip("nvcc not installed")
     lib = ctypes.CDLL(str(build("90a", out_dir=tmp_path)))
-    assert lib.kvx_decode_params_size() == ctypes.sizeof(DecodeParams)
+    assert mirror_mismatch(lib, "kvx_decode_params_size", DecodeParams, "kvx_decode_params_layout") is None
+    fields = list(DecodeParams._fields_)
+    fields[0], fields[4] = fields[4], fields[0]  # kd <-> ks: same size, another layout
+
+    class Swapped(ctypes.Structure):
+        _fields_ = fields
+    assert "C layout vs the mirror" in mirror_mismatch(lib, "kvx_decode_params_size", Swapped, "kvx_decode_params_layout")
     assert build("90a", out_dir=tmp_path) == next(tmp_path.glob("kvx_paged_decode_mma-90a-*.so"))  # cached
 
 
@@ -238,3 +245,58 @@ def test_cuda_decode_is_graph_capturable():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3, 64, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_merge_matches_the_triton_merge_on_adversarial_partials(splits, dtype):
+    """The library's merge (what the CUDA decode launches after itself) against the Triton merge: empty splits
+    (-inf, zero output), whole empty rows (0, -inf), NaN partials (NaN out and LSE), huge log-sum-exps."""
+    from kvx_core.ops.cuda.decode import merge
+    from kvx_core.ops.triton.merge import merge_splits
+    g = torch.Generator(device="cuda").manual_seed(splits)
+    b, hq, d = 3, 8, 128
+    mo = torch.randn(b, hq, splits, d, device="cuda", generator=g)
+    ml = torch.randn(b, hq, splits, device="cuda", generator=g) * 30
+    ml[0, :, ::2] = float("-inf")
+    mo[0, :, ::2] = 0.0
+    ml[1, 0] = float("-inf")  # a row whose every split is empty
+    mo[1, 0] = 0.0
+    ml[1, 1, -1] = float("nan")
+    ml[2, 2] += 1e4  # far above the other rows: exp2 of the differences underflows, never overflows
+    got, want = (torch.empty(b, hq, d, device="cuda", dtype=dtype) for _ in range(2))
+    gl, wl = (torch.empty(b, hq, device="cuda") for _ in range(2))
+    merge(mo, ml, got, gl)
+    merge_splits(mo, ml, want, wl)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(gl.isnan(), wl.isnan())
+    assert torch.equal(gl.isneginf(), wl.isneginf()) and gl[1, 0].isneginf() and (got[1, 0] == 0).all()
+    assert gl[1, 1].isnan() and got[1, 1].isnan().all()
+    fin = wl.isfinite()
+    assert ((gl - wl)[fin].abs() <= 1e-5 * wl[fin].abs().clamp_min(1)).all()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    ok = ~want.isnan()
+    assert ((got.float() - want.float())[ok].abs() <= tol * want.float()[ok].abs().clamp_min(1)).all()
+
+
+@pytest.mark.gpu
+def test_cuda_merge_with_sinks_matches_the_formula():
+    """A sink joins each row's denominator with weight exp(sink) and no value: out * exp(lse - lse'), lse' =
+    logaddexp(lse, sink); a row with no key gives 0 and lse' = sink."""
+    from kvx_core.ops.cuda.decode import merge
+    g = torch.Generator(device="cuda").manual_seed(1)
+    b, hq, s, d = 2, 4, 5, 64
+    mo = torch.randn(b, hq, s, d, device="cuda", generator=g)
+    ml = torch.randn(b, hq, s, device="cuda", generator=g) * 4
+    ml[1, 3] = float("-inf")
+    mo[1, 3] = 0.0
+    sinks = torch.tensor([-1e4, 0.0, 3.0, 1e4], device="cuda")
+    out, lse = torch.empty(b, hq, d, device="cuda"), torch.empty(b, hq, device="cuda")
+    merge(mo, ml, out, lse)
+    out_s, lse_s = torch.empty_like(out), torch.empty_like(lse)
+    merge(mo, ml, out_s, lse_s, sinks)
+    full = torch.logaddexp(lse.double(), sinks.double())
+    assert torch.allclose(lse_s.double(), full, rtol=1e-6, atol=1e-4)
+    assert torch.allclose(out_s.double(), out.double() * torch.exp(lse.double() - full)[..., None].nan_to_num(0.0),
+                          rtol=1e-5, atol=1e-6)
+    assert (out_s[1, 3] == 0).all() and lse_s[1, 3] == sinks[3]

@@ -80,3 +80,23 @@ def test_rotated_formats_keep_huge_finite_rows_finite(name, dtype, big):
 def test_rotate_on_cuda_runs_the_kernel_and_matches_cpu():
     x = _rows(128, torch.bfloat16)
     assert _same(rotate(x.cuda()).cpu(), rotate(x))
+
+
+def test_strided_head_rows_are_read_in_place_and_match_the_butterfly(device):
+    """vLLM's K/V: `[T, H, D]` views of a QKV projection row (token stride > H * D): the kernel reads the rows by
+    their (token, head) strides, no copy, same bits as the contiguous rows."""
+    qkv = _rows(64, torch.bfloat16, n=5 * 12).view(5, 12, 64).to(device)  # [T, Hq + 2 Hkv, D]
+    k = qkv[:, 8:10]
+    assert not k.is_contiguous()
+    assert _same(hadamard_rows(k, torch.bfloat16).cpu(), rotate(k.cpu().contiguous()))
+
+
+@pytest.mark.gpu
+def test_rotate_kv_is_one_launch_over_adjacent_k_v_and_bit_identical():
+    from kvx_core.ops.rotation import _v_follows_k, rotate_kv
+    qkv = _rows(128, torch.bfloat16, n=7 * 12).view(7, 12, 128).cuda()
+    k, v = qkv[:, 8:10], qkv[:, 10:12]
+    assert _v_follows_k(k, v) and not _v_follows_k(k, v.clone()) and not _v_follows_k(v, k)
+    for kk, vv in ((k, v), (k, v.clone())):
+        rk, rv = rotate_kv(kk, vv)
+        assert _same(rk.cpu(), rotate(kk.cpu().contiguous())) and _same(rv.cpu(), rotate(vv.cpu().contiguous()))

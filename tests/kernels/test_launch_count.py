@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvx_core.formats import registry
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.ops import decode as decode_ops
-from kvx_core.ops import dispatch
+from kvx_core.ops import dispatch, rotation
 from kvx_core.ops import write as write_ops
 
 from .helpers import filled_cache
@@ -40,10 +40,10 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     monkeypatch.setattr(decode_ops.triton_decode, "launch_decode", stub("decode"))
-    monkeypatch.setattr(decode_ops.cuda_decode, "launch", stub("decode"))
+    monkeypatch.setattr(decode_ops.cuda_decode, "launch_args", stub("decode+merge"))  # one library call
     monkeypatch.setattr(decode_ops, "merge_splits", stub("merge"))
     monkeypatch.setattr(write_ops.triton_write, "launch_write", stub("write"))
-    monkeypatch.setattr(write_ops.cuda_write, "launch", stub("write"))
+    monkeypatch.setattr(write_ops.cuda_write, "launch_layer", stub("write"))
 
     def rotate(x, out=None):  # the fused Hadamard kernel on CUDA (torch ops on the CPU)
         calls.append("rotate")
@@ -51,7 +51,7 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(registry, "rotate", rotate)
     monkeypatch.setattr(decode_ops, "rotate", rotate)
-    monkeypatch.setattr(write_ops, "rotate", rotate)
+    monkeypatch.setattr(rotation, "rotate", rotate)  # what ops.rotation.rotate_kv launches
     return calls
 
 
@@ -65,6 +65,11 @@ def _bound_setup(name, device):
     return c, desc, plan
 
 
+def _decode(plan) -> list[str]:
+    """The launches of a decode: one library call on CUDA (decode + merge), two on Triton."""
+    return ["decode+merge"] if plan.kernel.backend == "cuda" else ["decode", "merge"]
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "mxfp4", "k8v4"])
 def test_decode_run_launches_decode_and_merge_only(name, launches, device):
     _, desc, plan = _bound_setup(name, device)
@@ -74,7 +79,7 @@ def test_decode_run_launches_decode_and_merge_only(name, launches, device):
     launches.clear()
     with TorchOps() as mode:
         plan.run(q, desc, out=out, want_lse=False)
-    assert launches == ["decode", "merge"] and mode.ops == [], (launches, mode.ops)
+    assert launches == _decode(plan) and mode.ops == [], (launches, mode.ops)
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "int8", "fp8_e4m3", "k8v4"])
@@ -107,7 +112,7 @@ def test_bound_layer_decode_and_write_launch_their_kernels_only(name, launches, 
     with TorchOps() as mode:
         plan.run(q, layer, out=out, want_lse=False)
     rot = name.endswith("_rot")
-    assert launches == (["rotate", "decode", "merge", "rotate"] if rot else ["decode", "merge"]) and mode.ops == [], \
+    assert launches == (["rotate", *_decode(plan), "rotate"] if rot else _decode(plan)) and mode.ops == [], \
         (launches, mode.ops)
     launches.clear()
     with TorchOps() as mode:
@@ -117,3 +122,15 @@ def test_bound_layer_decode_and_write_launch_their_kernels_only(name, launches, 
     cuda_rot = rot and torch.device(device).type == "cuda"
     assert launches == (["rotate", "rotate", "write"] if cuda_rot else ["write"]) and mode.ops == [], \
         (launches, mode.ops)
+
+
+def test_rot_write_rotates_k_and_v_in_one_launch_when_v_follows_k(launches, device):
+    """vLLM's K and V are views of one QKV projection row, V right after K: one rotation launch covers both."""
+    _, desc, _ = _bound_setup("nvfp4_rot", device)
+    layer = dispatch.bind(desc)
+    qkv = torch.randn(3, 8, 64, dtype=torch.bfloat16, device=device)  # [T, Hq + 2 Hkv, D]: q 4 heads, k 2, v 2
+    w = WriteDesc(KvIoDesc(qkv[:, 4:6], qkv[:, 6:8]), SlotMapping(torch.tensor([5, -1, 7], device=device)))
+    dispatch.write_kv(layer, w, check=False)
+    launches.clear()
+    dispatch.write_kv(layer, w, check=False)
+    assert launches == (["rotate", "write"] if torch.device(device).type == "cuda" else ["write"]), launches

@@ -191,19 +191,49 @@ def library_source(device) -> LibrarySource:
     return _ORIGINS[arch]
 
 
-def checked_library(device, entry: str, argtypes: list, size_entry: str, params, source: str) -> ctypes.CDLL:
+def mirror_mismatch(lib: ctypes.CDLL, size_entry: str, params, layout_entry: str | None = None) -> str | None:
+    """None when the ctypes mirror `params` has the C struct's size (`size_entry`) and, with `layout_entry`
+    (`const char* f(void)`: "name@offset ..." of the C fields in declaration order), its fields by name and offset;
+    else how they differ."""
+    getattr(lib, size_entry).restype = ctypes.c_int
+    if getattr(lib, size_entry)() != ctypes.sizeof(params):
+        return f"size {getattr(lib, size_entry)()} != {ctypes.sizeof(params)}"
+    if layout_entry is None:
+        return None
+    getattr(lib, layout_entry).restype = ctypes.c_char_p
+    theirs = getattr(lib, layout_entry)().decode().split()
+    mine = [f"{name}@{getattr(params, name).offset}" for name, *_ in params._fields_]
+    if theirs != mine:
+        diff = [f"{a} vs {b}" for a, b in zip(theirs, mine) if a != b] or [f"{len(theirs)} vs {len(mine)} fields"]
+        return f"C layout vs the mirror: {', '.join(diff[:4])}"
+    return None
+
+
+def checked_library(device, entry: str, argtypes: list, size_entry: str, params, source: str,
+                    layout_entry: str | None = None) -> ctypes.CDLL:
     """The kernel library (`library`) with `entry`'s signature set and the ctypes mirror `params` checked against
-    the C struct's size that `size_entry` returns (INTERNAL_ERROR if they differ), once per entry point."""
+    the C struct (`mirror_mismatch`; INTERNAL_ERROR if they differ), once per entry point."""
     lib = library(device)
     done = getattr(lib, "_kvx_checked", set())
     if entry not in done:
         fn = getattr(lib, entry)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
-        getattr(lib, size_entry).restype = ctypes.c_int
-        if getattr(lib, size_entry)() != ctypes.sizeof(params):
-            raise KvxError(Status.INTERNAL_ERROR, f"{params.__name__} ctypes mirror does not match {source}")
+        why = mirror_mismatch(lib, size_entry, params, layout_entry)
+        if why is not None:
+            raise KvxError(Status.INTERNAL_ERROR, f"{params.__name__} ctypes mirror does not match {source}: {why}")
         lib._kvx_checked = done | {entry}
     return lib
+
+
+def launch_on_stream(entry, device_index: int, *args) -> int:
+    """`entry(*args, stream)`: a library entry point launched on torch's current stream of CUDA device
+    `device_index`, with that device current (the kernels launch into the calling thread's current device); its
+    cudaError_t. The hot path of bound layers: two C calls when the device is already current."""
+    import torch
+    if torch._C._cuda_getDevice() == device_index:
+        return entry(*args, torch._C._cuda_getCurrentRawStream(device_index))
+    with torch.cuda.device(device_index):
+        return entry(*args, torch.cuda.current_stream(device_index).cuda_stream)
 
 
 class Choice(NamedTuple):

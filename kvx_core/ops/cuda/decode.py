@@ -3,47 +3,56 @@
 It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries), INT4, INT8 and FP8 E4M3/E5M2 (f16/bf16)
 caches whose K and V use the same format, and k8v4 (FP8 E4M3 keys, NVFP4 values) (rotated variants too), head_dim 64/128/256, 1..16 query heads
 per KV head, block sizes that are multiples of 16, dense token rows aligned for word loads; 4 warps/CTA. Anything else goes to the
-Triton kernel (`supports` says why). The kernel writes per-split partial outputs that the Triton split merge
-(`ops/triton/merge.py`) merges, exactly as the Triton decode kernel does.
+Triton kernel (`supports` says why). The kernel writes per-split partial outputs and, in the same library call,
+merges them (the merge of `ops/triton/merge.py`, which serves the Triton decode, with attention sinks).
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ..kernel_format import MIXED, FormatCode, KernelFormat, kernel_format
-from . import checked_library, cuda_error_name
+from . import checked_library, cuda_error_name, launch_on_stream
 
 WARPS = 4  # warps per CTA of the CUDA kernel (its tiles are 16 tokens per warp)
 
 
 class DecodeParams(ctypes.Structure):
-    """ctypes mirror of `kvx::DecodeParams` (checked against the library's sizeof at load)."""
+    """ctypes mirror of `kvx::DecodeParams` (checked against the library's sizeof at load), in its three groups:
+    the layer's cache (`LayerArgs`, filled once per bound layer), the step (`step_params`, once per plan and
+    tables) and the call (query, output: `launch_args`)."""
 
     _fields_ = [
-        ("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64),
         ("kd", ctypes.c_void_p), ("kd_sb", ctypes.c_int64), ("kd_sh", ctypes.c_int64), ("kd_st", ctypes.c_int64),
         ("ks", ctypes.c_void_p), ("ks_sb", ctypes.c_int64), ("ks_sh", ctypes.c_int64), ("ks_st", ctypes.c_int64),
         ("vd", ctypes.c_void_p), ("vd_sb", ctypes.c_int64), ("vd_sh", ctypes.c_int64), ("vd_st", ctypes.c_int64),
         ("vs", ctypes.c_void_p), ("vs_sb", ctypes.c_int64), ("vs_sh", ctypes.c_int64), ("vs_st", ctypes.c_int64),
-        ("kg", ctypes.c_void_p), ("vg", ctypes.c_void_p),
+        ("kg", ctypes.c_void_p), ("vg", ctypes.c_void_p), ("qs", ctypes.c_void_p),
         ("bt", ctypes.c_void_p), ("bt_sb", ctypes.c_int64), ("seq", ctypes.c_void_p),
         ("mo", ctypes.c_void_p), ("mo_sb", ctypes.c_int64), ("mo_sh", ctypes.c_int64), ("mo_ss", ctypes.c_int64),
-        ("ml", ctypes.c_void_p), ("ml_sb", ctypes.c_int64), ("ml_sh", ctypes.c_int64),
+        ("ml", ctypes.c_void_p), ("ml_sb", ctypes.c_int64), ("ml_sh", ctypes.c_int64), ("sinks", ctypes.c_void_p),
         ("sm_scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
         ("qh", ctypes.c_int32), ("bs", ctypes.c_int32), ("num_splits", ctypes.c_int32),
-        ("qs", ctypes.c_void_p),
+        ("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64),
+        ("o", ctypes.c_void_p), ("o_sb", ctypes.c_int64), ("o_sh", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("lse_sb", ctypes.c_int64), ("lse_sh", ctypes.c_int64),
+        ("o_dtype", ctypes.c_int32),
     ]
+
+
+_STEP_BYTES = (DecodeParams.bt.offset, DecodeParams.q.offset)  # the step group, copied into a call's params
+OUT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # what the merge writes
 
 
 def kernel_library(device) -> ctypes.CDLL:
     """The kernel library for a CUDA device (`library`), with `kvx_paged_decode`'s signature set and the
-    DecodeParams mirror checked against the C struct's size (INTERNAL_ERROR if they differ)."""
+    DecodeParams mirror checked against the C struct's size and field offsets (INTERNAL_ERROR if they differ)."""
     return checked_library(device, "kvx_paged_decode", [ctypes.c_void_p] + [ctypes.c_int] * 8 + [ctypes.c_void_p],
-                           "kvx_decode_params_size", DecodeParams, "paged_decode_mma.cu")
+                           "kvx_decode_params_size", DecodeParams, "paged_decode_mma.cu", "kvx_decode_params_layout")
 
 
 def _served(fmt: CacheFormat) -> tuple[KernelFormat, KernelFormat] | None:
@@ -118,39 +127,101 @@ def supports(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scal
         or pool_reason(q, fmt, k_data, k_scales, v_data, v_scales)
 
 
-def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
-           mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
-           window: int | None, q_smoothing: torch.Tensor | None = None) -> None:
-    """Write the per-split partials of `supports`-approved inputs into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`
-    (rotated formats: `q` and the partials are in the rotated domain). `q_smoothing`: contiguous FP32 `[Hkv, D]`
-    the kernel multiplies the queries by as it loads them (key smoothing; not for rotated formats)."""
+@dataclass(frozen=True, eq=False)
+class LayerArgs:
+    """One layer's cache as the CUDA decode takes it, derived once (`layer_args`; a bound layer keeps it): the
+    layer group of the parameters, the format codes and the library's entry point."""
+
+    params: DecodeParams
+    codes: tuple[int, int, int, int]  # K format, V format, FP4 group, head_dim
+    num_kv_heads: int
+    device: torch.device
+    entry: object  # the library's kvx_paged_decode
+
+
+def layer_args(fmt: CacheFormat, k_data, k_scales, v_data, v_scales, kg, vg,
+               q_smoothing: torch.Tensor | None = None) -> LayerArgs:
+    """The layer group for `supports`-approved pools: `kg` / `vg` FP32 `[H_kv]` global scales (read for the sides
+    whose format has one), `q_smoothing` contiguous FP32 `[H_kv, D]` the kernel multiplies the queries by as it loads
+    them (key smoothing; not for rotated formats)."""
     kk, kv = _served(fmt)
-    bsz, hq, d = q.shape
-    _, hkv, bs, _ = k_data.shape
     p = DecodeParams()
-    p.q, p.q_sb, p.q_sh = q.data_ptr(), q.stride(0), q.stride(1)
     for pre, data, sc in (("k", k_data, k_scales), ("v", v_data, v_scales)):
         setattr(p, pre + "d", data.data_ptr())
         setattr(p, pre + "s", sc.data_ptr())
         for suf, i in (("b", 0), ("h", 1), ("t", 2)):
             setattr(p, f"{pre}d_s{suf}", data.stride(i))
             setattr(p, f"{pre}s_s{suf}", sc.stride(i))
-    # NVFP4, FP8: an FP32 global scale per KV head
     p.kg = kg.data_ptr() if kg is not None and kk.global_scale else None
     p.vg = vg.data_ptr() if vg is not None and kv.global_scale else None
+    p.qs = q_smoothing.data_ptr() if q_smoothing is not None else None
+    # group: the FP4 group size (the kernel reads it for NVFP4 / MXFP4 only)
+    codes = (int(kk.cuda_code), int(kv.cuda_code), kk.group or kv.group or 16, int(k_data.shape[3]) * (2 if kk.packed else 1))
+    return LayerArgs(p, codes, int(k_data.shape[1]), k_data.device, kernel_library(k_data.device).kvx_paged_decode)
+
+
+def step_params(block_table: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.Tensor, mid_l: torch.Tensor,
+                sm_scale: float, softcap: float | None, window: int | None, qh: int, block_size: int,
+                sinks: torch.Tensor | None = None) -> DecodeParams:
+    """The step group: int32 `block_table [B, max_blocks]` / `seq_lens [B]`, the split workspace `mid_o [B, Hq, S, D]`
+    / `mid_l [B, Hq, S]`, the options, and `sinks` (contiguous FP32 `[Hq]` natural-log logits, or None)."""
+    p = DecodeParams()
     p.bt, p.bt_sb, p.seq = block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr()
     p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
     p.ml, p.ml_sb, p.ml_sh = mid_l.data_ptr(), mid_l.stride(0), mid_l.stride(1)
+    p.sinks = sinks.data_ptr() if sinks is not None else None
     p.sm_scale, p.softcap = sm_scale, float(softcap) if softcap else 0.0
     p.window = min(int(window), 2**31 - 1) if window is not None and window >= 0 else -1  # int32 field: saturate
-    p.qh, p.bs, p.num_splits = hq // hkv, bs, mid_o.shape[2]
-    p.qs = q_smoothing.data_ptr() if q_smoothing is not None else None
-    lib = kernel_library(q.device)
-    with torch.cuda.device(q.device):  # the kernel launches into the calling thread's current context
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        # group: the FP4 group size (the kernel reads it for NVFP4 / MXFP4 only)
-        err = lib.kvx_paged_decode(ctypes.byref(p), int(kk.cuda_code), int(kv.cuda_code),
-                                   int(q.dtype == torch.bfloat16), d, kk.group or kv.group or 16, WARPS, bsz, hkv,
-                                   stream)
+    p.qh, p.bs, p.num_splits = qh, block_size, mid_o.shape[2]
+    return p
+
+
+def launch_args(layer: LayerArgs, step: DecodeParams, q: torch.Tensor, out: torch.Tensor | None = None,
+                lse: torch.Tensor | None = None) -> None:
+    """Decode `q [B, Hq, D]` (contiguous last dim; rotated formats: in the rotated domain) over `layer` with `step`'s
+    tables and workspace: the per-split partials, then (with `out [B, Hq, D]` fp32/fp16/bf16 and `lse [B, Hq]` fp32,
+    last dims contiguous) their merge, in one library call."""
+    p = DecodeParams.from_buffer_copy(layer.params)
+    ctypes.memmove(ctypes.addressof(p) + _STEP_BYTES[0], ctypes.addressof(step) + _STEP_BYTES[0],
+                   _STEP_BYTES[1] - _STEP_BYTES[0])
+    p.q, p.q_sb, p.q_sh = q.data_ptr(), q.stride(0), q.stride(1)
+    if out is not None:
+        p.o, p.o_sb, p.o_sh, p.o_dtype = out.data_ptr(), out.stride(0), out.stride(1), OUT_DTYPES[out.dtype]
+        p.lse, p.lse_sb, p.lse_sh = lse.data_ptr(), lse.stride(0), lse.stride(1)
+    kf, vf, group, d = layer.codes
+    err = launch_on_stream(layer.entry, layer.device.index, ctypes.byref(p), kf, vf, int(q.dtype == torch.bfloat16),
+                           d, group, WARPS, q.shape[0], layer.num_kv_heads)
     if err != 0:
         raise KvxError(Status.INTERNAL_ERROR, f"KVX CUDA decode launch failed: {cuda_error_name(err)}")
+
+
+def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
+           mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
+           window: int | None, q_smoothing: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
+    """`launch_args` on arguments derived for this call: write the per-split partials of `supports`-approved inputs
+    into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]` and, with `out` and `lse`, merge them (with `sinks`)."""
+    layer = layer_args(fmt, k_data, k_scales, v_data, v_scales, kg, vg, q_smoothing)
+    step = step_params(block_table, seq_lens, mid_o, mid_l, sm_scale, softcap, window, q.shape[1] // k_data.shape[1],
+                       int(k_data.shape[2]), sinks)
+    launch_args(layer, step, q, out, lse)
+
+
+def merge(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+          sinks: torch.Tensor | None = None) -> None:
+    """The library's split merge alone: `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]` (fp32, as the decode kernels write
+    them; D a multiple of 32) into `out [B, Hq, D]` (fp32 / fp16 / bf16) and `lse [B, Hq]` (fp32), last dims
+    contiguous; what `launch` runs after the decode (the Triton merge's math, with attention sinks)."""
+    bsz, hq, _, d = mid_o.shape
+    p = DecodeParams()
+    p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
+    p.ml, p.ml_sb, p.ml_sh = mid_l.data_ptr(), mid_l.stride(0), mid_l.stride(1)
+    p.sinks = sinks.data_ptr() if sinks is not None else None
+    p.num_splits = mid_o.shape[2]
+    p.o, p.o_sb, p.o_sh, p.o_dtype = out.data_ptr(), out.stride(0), out.stride(1), OUT_DTYPES[out.dtype]
+    p.lse, p.lse_sb, p.lse_sh = lse.data_ptr(), lse.stride(0), lse.stride(1)
+    lib = checked_library(mid_o.device, "kvx_merge_splits", [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p],
+                          "kvx_decode_params_size", DecodeParams, "paged_decode_mma.cu", "kvx_decode_params_layout")
+    err = launch_on_stream(lib.kvx_merge_splits, mid_o.device.index, ctypes.byref(p), d, bsz, hq)
+    if err != 0:
+        raise KvxError(Status.INTERNAL_ERROR, f"KVX CUDA merge launch failed: {cuda_error_name(err)}")

@@ -23,11 +23,14 @@
 // One CTA = (split, KV head, sequence). Its warps take 16-token tiles round-robin, each with its own
 // online softmax (a warp's next tile's words are loaded while its current tile is computed), and are merged through
 // shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
-// Triton split merge (kvx_core/ops/triton/merge.py), which merges the splits.
+// Triton split merge (kvx_core/ops/triton/merge.py); `merge_kernel` below merges them (the Triton merge does for
+// the Triton decode), launched by the same entry point.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 namespace kvx {
 
@@ -40,9 +43,11 @@ constexpr bool kAffine = FMT == F_INT4 || FMT == F_INT8;  // fp16 scale + min pe
 template <int FMT>
 constexpr bool kGroup = FMT == F_NVFP4 || FMT == F_MXFP4;  // one scale byte per group of 16 / 32
 
+// Grouped by lifetime, so a caller can fill each group once: the cache (one layer, bound once), the step (one
+// decode plan: tables, workspace, options), the call (query, output). The ctypes mirror (decode.py) copies the
+// first two groups as byte ranges and fills the third per call.
 struct DecodeParams {
-  const void* q;
-  int64_t q_sb, q_sh;  // element strides
+  // ---- the layer's cache
   const uint8_t* kd;
   int64_t kd_sb, kd_sh, kd_st;  // byte strides
   const uint8_t* ks;
@@ -53,6 +58,8 @@ struct DecodeParams {
   int64_t vs_sb, vs_sh, vs_st;
   const float* kg;  // [H_kv] FP32 global scales (NVFP4) or null
   const float* vg;
+  const float* qs;  // [H_kv, D] FP32 key smoothing (queries times it, ops/smoothing.py) or null
+  // ---- the step
   const int32_t* bt;
   int64_t bt_sb;
   const int32_t* seq;
@@ -60,13 +67,21 @@ struct DecodeParams {
   int64_t mo_sb, mo_sh, mo_ss;
   float* ml;
   int64_t ml_sb, ml_sh;
+  const float* sinks;  // [Hq] FP32 attention-sink logits (natural log, merged as a value-less term) or null
   float sm_scale;
   float softcap;   // <= 0: off
   int32_t window;  // < 0: off
   int32_t qh;      // query heads per KV head, 1..16
   int32_t bs;      // block size, a multiple of 16
   int32_t num_splits;
-  const float* qs;  // [H_kv, D] FP32 key smoothing (queries times it, ops/smoothing.py) or null
+  // ---- the call
+  const void* q;
+  int64_t q_sb, q_sh;  // element strides
+  void* o;  // merged output [B, Hq, D] (o_dtype), or null: the caller merges the splits
+  int64_t o_sb, o_sh;
+  float* lse;  // [B, Hq] FP32 natural-log LSE of the merge (with o)
+  int64_t lse_sb, lse_sh;
+  int32_t o_dtype;  // 0 fp32, 1 fp16, 2 bf16
 };
 
 constexpr float LOG2E = 1.4426950408889634f;
@@ -661,6 +676,65 @@ cudaError_t same(const DecodeParams& p, int d, int batch, int hkv, cudaStream_t 
   return by_dim<FMT, FMT, T, T, GROUP, QB>(p, d, batch, hkv, s);
 }
 
+// ---- split merge: o = sum_s w_s o_s / sum_s w_s with w_s = 2^ml_s (+ the sink's 2^(sink log2 e), no value), the
+// LSE in natural log; the math of the Triton merge (ops/triton/merge.py), which merges for the Triton decode. Block
+// (32 columns, MW warps): warp w folds splits w, w + MW, ... online, then warp 0 folds the warps and the sink.
+constexpr int MW = 4;
+
+__device__ __forceinline__ void fold(float& m, float& l, float& acc, float m2, float l2, float acc2) {
+  const float mn = fmaxf(m, m2);  // NaN log-sum-exps are dropped here and come back through l (NaN weight)
+  const float ms = mn == -INFINITY ? 0.f : mn;
+  const float a = exp2f(m - ms), b = exp2f(m2 - ms);
+  l = l * a + l2 * b;
+  acc = acc * a + acc2 * b;
+  m = mn;
+}
+
+template <typename TO>
+__device__ __forceinline__ TO to_out(float x);
+template <>
+__device__ __forceinline__ float to_out<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half to_out<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename TO>
+__global__ void __launch_bounds__(MW * 32) merge_kernel(const DecodeParams p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int col = blockIdx.x * 32 + lane;
+  const int64_t hq = blockIdx.y, b = blockIdx.z;
+  const float* ml = p.ml + b * p.ml_sb + hq * p.ml_sh;
+  const float* mo = p.mo + b * p.mo_sb + hq * p.mo_sh + col;
+  float m = -INFINITY, l = 0.f, acc = 0.f;
+  for (int s = warp; s < p.num_splits; s += MW) fold(m, l, acc, ml[s], 1.f, mo[(int64_t)s * p.mo_ss]);
+  __shared__ float sm[3][MW][32];
+  sm[0][warp][lane] = m;
+  sm[1][warp][lane] = l;
+  sm[2][warp][lane] = acc;
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int w = 1; w < MW; ++w) fold(m, l, acc, sm[0][w][lane], sm[1][w][lane], sm[2][w][lane]);
+  if (p.sinks) fold(m, l, acc, p.sinks[hq] * LOG2E, 1.f, 0.f);
+  const float out = acc / (l > 0.f ? l : 1.f);  // empty: 0; NaN scores: NaN
+  reinterpret_cast<TO*>(p.o)[b * p.o_sb + hq * p.o_sh + col] = to_out<TO>(out);
+  if (col == 0)
+    p.lse[b * p.lse_sb + hq * p.lse_sh] =
+        l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : (l == 0.f ? -INFINITY : NAN);
+}
+
+cudaError_t launch_merge(const DecodeParams& p, int d, int batch, int hq, cudaStream_t stream) {
+  const dim3 grid(d / 32, hq, batch);
+  switch (p.o_dtype) {
+    case 0: merge_kernel<float><<<grid, MW * 32, 0, stream>>>(p); break;
+    case 1: merge_kernel<__half><<<grid, MW * 32, 0, stream>>>(p); break;
+    case 2: merge_kernel<__nv_bfloat16><<<grid, MW * 32, 0, stream>>>(p); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace kvx
 
 extern "C" {
@@ -668,11 +742,29 @@ extern "C" {
 // Size of DecodeParams, for the ctypes mirror to check itself against.
 int kvx_decode_params_size(void) { return (int)sizeof(kvx::DecodeParams); }
 
+// DecodeParams' fields in declaration order as "name@offset ..." (the ctypes mirror checks its layout by name, which a
+// size check cannot: two swapped pointers have the same size).
+const char* kvx_decode_params_layout(void) {
+  static char buf[1024];
+  using P = kvx::DecodeParams;
+  int n = 0;
+#define F(f) n += snprintf(buf + n, sizeof(buf) - n, "%s%s@%d", n ? " " : "", #f, (int)offsetof(P, f));
+  F(kd) F(kd_sb) F(kd_sh) F(kd_st) F(ks) F(ks_sb) F(ks_sh) F(ks_st)
+  F(vd) F(vd_sb) F(vd_sh) F(vd_st) F(vs) F(vs_sb) F(vs_sh) F(vs_st)
+  F(kg) F(vg) F(qs) F(bt) F(bt_sb) F(seq) F(mo) F(mo_sb)
+  F(mo_sh) F(mo_ss) F(ml) F(ml_sb) F(ml_sh) F(sinks) F(sm_scale) F(softcap)
+  F(window) F(qh) F(bs) F(num_splits) F(q) F(q_sb) F(q_sh) F(o)
+  F(o_sb) F(o_sh) F(lse) F(lse_sb) F(lse_sh) F(o_dtype)
+#undef F
+  return buf;
+}
+
 // kfmt / vfmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4, 3 FP8 E4M3, 4 FP8 E5M2,
 // 5 INT8; K and V share a format, or K is E4M3 and V NVFP4 (k8v4). bf16: the query dtype is bf16 (else f16).
-// 4 warps per CTA. Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
-int kvx_paged_decode(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, int head_dim, int group,
-                     int num_warps, int batch, int num_kv_heads, void* stream) {
+// 4 warps per CTA. With p->o set, the split merge follows on the same stream (decode and merge: one call).
+// Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
+static int decode_only(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, int head_dim, int group,
+                       int num_warps, int batch, int num_kv_heads, void* stream) {
   using namespace kvx;
   using bf = __nv_bfloat16;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
@@ -696,6 +788,23 @@ int kvx_paged_decode(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, i
   if (fmt == F_E5M2)
     return bf16 ? (int)same<F_E5M2, __half, 16, true>(*p, d, b, hkv, s) : (int)same<F_E5M2, __half, 16>(*p, d, b, hkv, s);
   return (int)cudaErrorInvalidValue;
+}
+
+// The split merge alone (the step group's mo / ml / num_splits / sinks, the call group's o / lse / o_dtype): the
+// merge that kvx_paged_decode launches after the decode, for callers and tests that hold partials of their own.
+int kvx_merge_splits(const kvx::DecodeParams* p, int head_dim, int batch, int num_qo_heads, void* stream) {
+  if (p->o == nullptr || p->lse == nullptr || head_dim % 32 != 0 || batch < 0 || num_qo_heads < 1)
+    return (int)cudaErrorInvalidValue;
+  if (batch == 0) return 0;
+  return (int)kvx::launch_merge(*p, head_dim, batch, num_qo_heads, reinterpret_cast<cudaStream_t>(stream));
+}
+
+int kvx_paged_decode(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, int head_dim, int group,
+                     int num_warps, int batch, int num_kv_heads, void* stream) {
+  if (p->o != nullptr && (p->lse == nullptr || p->o_dtype < 0 || p->o_dtype > 2)) return (int)cudaErrorInvalidValue;
+  const int err = decode_only(p, kfmt, vfmt, bf16, head_dim, group, num_warps, batch, num_kv_heads, stream);
+  if (err != 0 || p->o == nullptr || batch == 0) return err;
+  return (int)kvx::launch_merge(*p, head_dim, batch, num_kv_heads * p->qh, reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"

@@ -9,6 +9,7 @@ encode (tests/kernels/test_write_kernel.py runs every case on every backend).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +17,7 @@ from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ..checks import WriteArgs
 from ..kernel_format import MIXED, kernel_format
-from . import checked_library, cuda_error_name
+from . import checked_library, cuda_error_name, launch_on_stream
 
 _X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -83,40 +84,66 @@ def reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data: tor
 
 def _x_ok(x: torch.Tensor) -> bool:
     """Rows contiguous and 16-byte aligned (a thread loads 16-byte words)."""
-    return x.stride(2) == 1 and _aligned(x, 16, 2)
+    size = x.element_size()
+    return x.stride(2) == 1 and x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0 \
+        and (x.stride(1) * size) % 16 == 0
 
 
-def launch(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data, k_scales, v_data, v_scales,
-           fmt: CacheFormat) -> None:
-    """Write `reason`-approved, checked K/V (already rotated for Hadamard formats) into the pools; the pools were
-    checked by the caller (`ops.write.launch_write`)."""
-    _, hkv, bs = (int(n) for n in k_data.shape[:3])
-    key = key if _x_ok(key) else key.contiguous()
-    value = value if _x_ok(value) else value.contiguous()
+@dataclass(frozen=True, eq=False)
+class LayerWrite:
+    """One layer's pools as the CUDA write takes them (`layer_write`, once per bound layer): the parameters with both
+    pool sides filled, the encoder codes and the library's entry point."""
+
+    params: WriteParams
+    codes: tuple[int, int]
+    num_kv_heads: int
+    device: torch.device
+    entry: object  # the library's kvx_paged_write
+
+
+def layer_write(fmt: CacheFormat, k_data, k_scales, v_data, v_scales, k_gs, v_gs) -> LayerWrite:
+    """The pool sides of checked pools (`check_pool` / `scale_args`) that `reason` accepts, with their FP32 `[H]`
+    global scales (read for the sides whose format has one)."""
+    _, hkv, bs, _ = (int(n) for n in k_data.shape)
     p = WriteParams()
     codes = []
-    for i, (tf, x, data, scales, gs) in enumerate(((fmt.k, key, k_data, k_scales, args.k_gs),
-                                                   (fmt.v, value, v_data, v_scales, args.v_gs))):
+    for i, (tf, data, scales, gs) in enumerate(((fmt.k, k_data, k_scales, k_gs), (fmt.v, v_data, v_scales, v_gs))):
         kf = kernel_format(tf)
         codes.append(int(kf.encoder))
         side = p.side[i]
-        side.x, side.x_st, side.x_sh = x.data_ptr(), x.stride(0), x.stride(1)
         size = data.element_size()
         side.pd = data.data_ptr()
         side.pd_sb, side.pd_sh, side.pd_st = (data.stride(j) * size for j in range(3))
         if kf.has_scales:
             side.ps = scales.data_ptr()
             side.ps_sb, side.ps_sh, side.ps_st = scales.stride(0), scales.stride(1), scales.stride(2)
-        if kf.global_scale:  # check_write_args made it an FP32 [H] contiguous tensor on the K/V device
+        if kf.global_scale:  # an FP32 [H] contiguous tensor on the pools' device
             side.g = gs.data_ptr()
-    slots = args.slots.contiguous()
-    p.slots, p.slots_64 = slots.data_ptr(), int(slots.dtype == torch.int64)
-    p.tokens, p.bs = int(key.shape[0]), bs
+    d = int(k_data.shape[3]) * (2 if kernel_format(fmt.k).packed else 1)
+    p.bs = bs
     p.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
-    p.lanes_log2 = (int(key.shape[2]) // 16).bit_length() - 1  # 16 elements per thread
-    lib = kernel_library(key.device)
-    with torch.cuda.device(key.device):
-        stream = torch.cuda.current_stream(key.device).cuda_stream
-        err = lib.kvx_paged_write(ctypes.byref(p), codes[0], codes[1], _X_DTYPES[key.dtype], hkv, stream)
+    p.lanes_log2 = (d // 16).bit_length() - 1  # 16 elements per thread
+    return LayerWrite(p, (codes[0], codes[1]), hkv, k_data.device, kernel_library(k_data.device).kvx_paged_write)
+
+
+def launch_layer(layer: LayerWrite, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write `reason`-approved K/V `[T, H, D]` (already rotated for Hadamard formats) at int32/int64 `slots [T]`
+    (negative: skipped) into `layer`'s pools."""
+    key = key if _x_ok(key) else key.contiguous()
+    value = value if _x_ok(value) else value.contiguous()
+    slots = slots.contiguous()
+    p = WriteParams.from_buffer_copy(layer.params)
+    for side, x in zip(p.side, (key, value)):
+        side.x, side.x_st, side.x_sh = x.data_ptr(), x.stride(0), x.stride(1)
+    p.slots, p.slots_64, p.tokens = slots.data_ptr(), int(slots.dtype == torch.int64), int(key.shape[0])
+    err = launch_on_stream(layer.entry, layer.device.index, ctypes.byref(p), *layer.codes, _X_DTYPES[key.dtype],
+                           layer.num_kv_heads)
     if err != 0:
         raise KvxError(Status.INTERNAL_ERROR, f"KVX CUDA write launch failed: {cuda_error_name(err)}")
+
+
+def launch(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data, k_scales, v_data, v_scales,
+           fmt: CacheFormat) -> None:
+    """Write `reason`-approved, checked K/V (already rotated for Hadamard formats) into the pools; the pools were
+    checked by the caller (`ops.write.launch_write`)."""
+    launch_layer(layer_write(fmt, k_data, k_scales, v_data, v_scales, args.k_gs, args.v_gs), key, value, args.slots)

@@ -8,6 +8,8 @@ launches per stage; this one costs one (the `_rot` decode and write paths rotate
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -26,12 +28,14 @@ def _saturate_finite(y, limit):
 
 
 @triton.jit
-def _hadamard_kernel(x_ptr, y_ptr, n_rows, x_stride, y_stride, inv_sqrt_d, in_limit, out_limit,
-                     D: tl.constexpr, LOG2_D: tl.constexpr, ROWS: tl.constexpr):
+def _hadamard_kernel(x_ptr, y_ptr, n_rows, x_heads, x_stride, x_head_stride, y_stride, inv_sqrt_d, in_limit,
+                     out_limit, D: tl.constexpr, LOG2_D: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, D)
     mask = (rows < n_rows)[:, None]
-    y = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # input row r is (r // x_heads, r % x_heads) of a [N, x_heads, D] view: strided K/V token rows without a copy
+    x_off = (rows // x_heads).to(tl.int64) * x_stride + (rows % x_heads).to(tl.int64) * x_head_stride
+    y = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = _saturate_finite(y, in_limit)
     for s in tl.static_range(LOG2_D):
         # h = 2**s: [R, D/2h, 2, h] -> pairs on the last axis -> (a + b, a - b) -> back to [R, D]
@@ -50,10 +54,8 @@ def hadamard_rows(x: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | N
     Triton's CPU interpreter does not round BF16 stores to nearest-even, so there the kernel stores FP32 and torch
     casts (same bits as on the GPU)."""
     d = int(x.shape[-1])
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    n = x2.shape[0]
+    x3 = _heads_view(x)
+    n = x3.shape[0] * x3.shape[1]
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     direct = not interpreting() or out_dtype == torch.float32
@@ -61,12 +63,25 @@ def hadamard_rows(x: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | N
     dst = y2 if y2 is not None else torch.empty((n, d), dtype=torch.float32 if not direct else out_dtype,
                                                 device=x.device)
     if n:
-        _hadamard_kernel[(triton.cdiv(n, ROWS),)](x2, dst, n, x2.stride(0), dst.stride(0), inv_sqrt(d),
-                                                  input_limit(d), output_limit(out_dtype),
+        _hadamard_kernel[(triton.cdiv(n, ROWS),)](x3, dst, n, x3.shape[1], x3.stride(0), x3.stride(1),
+                                                  dst.stride(0), inv_sqrt(d), input_limit(d), output_limit(out_dtype),
                                                   D=d, LOG2_D=d.bit_length() - 1, ROWS=ROWS)
     if dst is not y2:
         out.copy_(dst.reshape(out.shape))
     return out
+
+
+def _heads_view(x: torch.Tensor) -> torch.Tensor:
+    """`x [..., D]` as `[N, H, D]` rows with a contiguous last dim: a view where the leading dims merge (e.g. vLLM's
+    K/V, strided token rows of its QKV projection), else a contiguous copy."""
+    x3 = x.reshape(1, 1, -1) if x.dim() == 1 else x.unsqueeze(1) if x.dim() == 2 else None
+    if x3 is None:
+        shape = (math.prod(x.shape[:-2]), *x.shape[-2:])
+        try:
+            x3 = x.view(shape)
+        except RuntimeError:
+            x3 = x.reshape(shape)
+    return x3 if x3.stride(-1) == 1 or x3.shape[-1] <= 1 else x3.contiguous()
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ...formats import CacheFormat
-from ..rotation import rotate
+from ..rotation import rotate_kv
 from ..checks import WriteArgs, check_write_args
 from ..kernel_format import kernel_format
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
@@ -205,7 +205,7 @@ def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data
     check_device(key, value, args.slots, k_data, v_data)
     d = int(key.shape[2])
     if fmt.rotate:  # the reference's own rotation: bit-identical inputs
-        key, value = rotate(key), rotate(value)
+        key, value = rotate_kv(key, value)
     kargs, kc = _side("K", key, k_data, k_scales, args.k_gs, fmt.k, d, hkv)
     vargs, vc = _side("V", value, v_data, v_scales, args.v_gs, fmt.v, d, hkv)
     t = int(key.shape[0])
