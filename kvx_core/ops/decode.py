@@ -184,14 +184,13 @@ class DecodePlan:
         if step is None:
             step = self.cuda_steps[key] = cuda_decode.step_params(
                 block_table, seq_lens, self.mid_o, self.mid_l, self.sm_scale, self.softcap, self.window,
-                self.num_qo_heads // self.num_kv_heads, self.block_size)
+                self.num_qo_heads // self.num_kv_heads, self.block_size, rotate_out=self.fmt.rotate)
         if not self.fmt.rotate:  # key smoothing, if any, is in the layer's arguments
             cuda_decode.launch_args(layer.cuda_args, step, q, out, lse)
             return
         if layer.k_smoothing is not None:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
             q = scale_queries(q, layer.k_smoothing)
-        cuda_decode.launch_args(layer.cuda_args, step, rotate(q), self.rotated_out, lse)
-        rotate(self.rotated_out, out=out)
+        cuda_decode.launch_args(layer.cuda_args, step, rotate(q), out, lse)  # the merge rotates the output back
 
     def _launch(self, q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, out, lse, k_smoothing, why,
                 want_lse):
@@ -209,20 +208,20 @@ class DecodePlan:
         if why is not None and self.forced:
             raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot address these pools ({why}); plan with "
                            "backend='triton' or 'auto'")
-        merged = out if self.rotated_out is None else self.rotated_out  # rotated: merged in FP32, rotated back
-        if self.backend == "cuda" and why is None and merged.dtype in cuda_decode.OUT_DTYPES:
+        if self.backend == "cuda" and why is None and out.dtype in cuda_decode.OUT_DTYPES:
             cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
-                               self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs, out=merged,
-                               lse=lse)
+                               self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs, out=out,
+                               lse=lse, rotate_out=fmt.rotate)  # rotated formats: the merge rotates back
+            return out, lse if want_lse else None
+        if self.backend == "cuda" and why is None:  # an output dtype only the Triton merge writes
+            cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
+                               self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs)
         else:  # Triton, also for pools the planned CUDA kernel cannot address (same splits)
-            if self.backend == "cuda" and why is None:  # an output dtype only the Triton merge writes
-                cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
-                                   self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs)
-            else:
-                triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
-                                            self.mid_o, self.mid_l, self.sm_scale, self.softcap, self.window,
-                                            self.block_n, self.num_warps, self.num_stages, q_smoothing=qs)
-            merge_splits(self.mid_o, self.mid_l, merged, lse)
+            triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, self.mid_o,
+                                        self.mid_l, self.sm_scale, self.softcap, self.window, self.block_n,
+                                        self.num_warps, self.num_stages, q_smoothing=qs)
+        merged = out if self.rotated_out is None else self.rotated_out  # rotated: merged in FP32, rotated back
+        merge_splits(self.mid_o, self.mid_l, merged, lse)
         if self.rotated_out is not None:
             rotate(self.rotated_out, out=out)
         return out, lse if want_lse else None

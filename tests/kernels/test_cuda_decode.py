@@ -300,3 +300,31 @@ def test_cuda_merge_with_sinks_matches_the_formula():
     assert torch.allclose(out_s.double(), out.double() * torch.exp(lse.double() - full)[..., None].nan_to_num(0.0),
                           rtol=1e-5, atol=1e-6)
     assert (out_s[1, 3] == 0).all() and lse_s[1, 3] == sinks[3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_merge_rotating_back_equals_merge_then_rotate_bit_for_bit(d, dtype):
+    """`_rot` formats: the merge that rotates its FP32 row back gives the bits of an FP32 merge followed by
+    `ops.rotation.rotate` (formats/rotation.py's butterfly and saturation), NaN rows and huge rows included."""
+    from kvx_core.ops.cuda.decode import merge
+    from kvx_core.ops.rotation import rotate
+    g = torch.Generator(device="cuda").manual_seed(d)
+    b, hq, s = 2, 6, 7
+    mo = torch.randn(b, hq, s, d, device="cuda", generator=g)
+    ml = torch.randn(b, hq, s, device="cuda", generator=g) * 10
+    mo[0, 1] = 3e38  # saturates to FP32_MAX / D before the butterfly, to the dtype's max after it
+    mo[0, 2, :, 5] = float("inf")
+    ml[1, 0, 3] = float("nan")
+    ml[1, 1] = float("-inf")
+    mo[1, 1] = 0.0
+    sinks = torch.randn(hq, device="cuda", generator=g)
+    for sk in (None, sinks):
+        fp32, lse32 = torch.empty(b, hq, d, device="cuda"), torch.empty(b, hq, device="cuda")
+        merge(mo, ml, fp32, lse32, sk)
+        got, lse = torch.empty(b, hq, d, device="cuda", dtype=dtype), torch.empty(b, hq, device="cuda")
+        merge(mo, ml, got, lse, sk, rotate_out=True)
+        want = rotate(fp32, out_dtype=dtype)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0), want.nan_to_num(0))
+        assert torch.equal(lse.nan_to_num(0), lse32.nan_to_num(0)) and torch.equal(lse.isnan(), lse32.isnan())

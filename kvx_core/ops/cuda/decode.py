@@ -36,7 +36,7 @@ class DecodeParams(ctypes.Structure):
         ("mo", ctypes.c_void_p), ("mo_sb", ctypes.c_int64), ("mo_sh", ctypes.c_int64), ("mo_ss", ctypes.c_int64),
         ("ml", ctypes.c_void_p), ("ml_sb", ctypes.c_int64), ("ml_sh", ctypes.c_int64), ("sinks", ctypes.c_void_p),
         ("sm_scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
-        ("qh", ctypes.c_int32), ("bs", ctypes.c_int32), ("num_splits", ctypes.c_int32),
+        ("qh", ctypes.c_int32), ("bs", ctypes.c_int32), ("num_splits", ctypes.c_int32), ("rotate_out", ctypes.c_int32),
         ("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64),
         ("o", ctypes.c_void_p), ("o_sb", ctypes.c_int64), ("o_sh", ctypes.c_int64),
         ("lse", ctypes.c_void_p), ("lse_sb", ctypes.c_int64), ("lse_sh", ctypes.c_int64),
@@ -162,9 +162,10 @@ def layer_args(fmt: CacheFormat, k_data, k_scales, v_data, v_scales, kg, vg,
 
 def step_params(block_table: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.Tensor, mid_l: torch.Tensor,
                 sm_scale: float, softcap: float | None, window: int | None, qh: int, block_size: int,
-                sinks: torch.Tensor | None = None) -> DecodeParams:
+                sinks: torch.Tensor | None = None, rotate_out: bool = False) -> DecodeParams:
     """The step group: int32 `block_table [B, max_blocks]` / `seq_lens [B]`, the split workspace `mid_o [B, Hq, S, D]`
-    / `mid_l [B, Hq, S]`, the options, and `sinks` (contiguous FP32 `[Hq]` natural-log logits, or None)."""
+    / `mid_l [B, Hq, S]`, the options, `sinks` (contiguous FP32 `[Hq]` natural-log logits, or None), and whether the
+    merge rotates the output back (`_rot` formats: the queries come rotated, the output leaves unrotated)."""
     p = DecodeParams()
     p.bt, p.bt_sb, p.seq = block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr()
     p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
@@ -172,7 +173,7 @@ def step_params(block_table: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.
     p.sinks = sinks.data_ptr() if sinks is not None else None
     p.sm_scale, p.softcap = sm_scale, float(softcap) if softcap else 0.0
     p.window = min(int(window), 2**31 - 1) if window is not None and window >= 0 else -1  # int32 field: saturate
-    p.qh, p.bs, p.num_splits = qh, block_size, mid_o.shape[2]
+    p.qh, p.bs, p.num_splits, p.rotate_out = qh, block_size, mid_o.shape[2], int(rotate_out)
     return p
 
 
@@ -198,26 +199,28 @@ def launch_args(layer: LayerArgs, step: DecodeParams, q: torch.Tensor, out: torc
 def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens, fmt: CacheFormat,
            mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
            window: int | None, q_smoothing: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
+           lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None, rotate_out: bool = False) -> None:
     """`launch_args` on arguments derived for this call: write the per-split partials of `supports`-approved inputs
-    into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]` and, with `out` and `lse`, merge them (with `sinks`)."""
+    into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]` and, with `out` and `lse`, merge them (with `sinks`; rotated back
+    with `rotate_out`)."""
     layer = layer_args(fmt, k_data, k_scales, v_data, v_scales, kg, vg, q_smoothing)
     step = step_params(block_table, seq_lens, mid_o, mid_l, sm_scale, softcap, window, q.shape[1] // k_data.shape[1],
-                       int(k_data.shape[2]), sinks)
+                       int(k_data.shape[2]), sinks, rotate_out)
     launch_args(layer, step, q, out, lse)
 
 
 def merge(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-          sinks: torch.Tensor | None = None) -> None:
+          sinks: torch.Tensor | None = None, rotate_out: bool = False) -> None:
     """The library's split merge alone: `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]` (fp32, as the decode kernels write
     them; D a multiple of 32) into `out [B, Hq, D]` (fp32 / fp16 / bf16) and `lse [B, Hq]` (fp32), last dims
-    contiguous; what `launch` runs after the decode (the Triton merge's math, with attention sinks)."""
+    contiguous; what `launch` runs after the decode (the Triton merge's math, with attention sinks; `rotate_out`: then
+    `ops.rotation.rotate` of the FP32 result into `out`'s dtype, D 64 / 128 / 256)."""
     bsz, hq, _, d = mid_o.shape
     p = DecodeParams()
     p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
     p.ml, p.ml_sb, p.ml_sh = mid_l.data_ptr(), mid_l.stride(0), mid_l.stride(1)
     p.sinks = sinks.data_ptr() if sinks is not None else None
-    p.num_splits = mid_o.shape[2]
+    p.num_splits, p.rotate_out = mid_o.shape[2], int(rotate_out)
     p.o, p.o_sb, p.o_sh, p.o_dtype = out.data_ptr(), out.stride(0), out.stride(1), OUT_DTYPES[out.dtype]
     p.lse, p.lse_sb, p.lse_sh = lse.data_ptr(), lse.stride(0), lse.stride(1)
     lib = checked_library(mid_o.device, "kvx_merge_splits", [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p],

@@ -74,6 +74,7 @@ struct DecodeParams {
   int32_t qh;      // query heads per KV head, 1..16
   int32_t bs;      // block size, a multiple of 16
   int32_t num_splits;
+  int32_t rotate_out;  // 1: the merge rotates the output back (Hadamard `_rot` formats: formats/rotation.py's math)
   // ---- the call
   const void* q;
   int64_t q_sb, q_sh;  // element strides
@@ -700,39 +701,111 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 template <typename TO>
-__global__ void __launch_bounds__(MW * 32) merge_kernel(const DecodeParams p) {
+__device__ __forceinline__ float out_max();
+template <>
+__device__ __forceinline__ float out_max<float>() { return 3.402823466e38f; }
+template <>
+__device__ __forceinline__ float out_max<__half>() { return 65504.f; }
+template <>
+__device__ __forceinline__ float out_max<__nv_bfloat16>() { return 3.38953139e38f; }
+
+__device__ __forceinline__ float saturate_finite(float y, float limit) {  // NaN and +-inf pass through
+  return isfinite(y) ? fminf(fmaxf(y, -limit), limit) : y;
+}
+
+// The merged value of column `col` of row (b, hq): warps fold their splits, warp 0 folds the warps and the sink
+// (all threads return it; `sm` is reused, so callers sync before the next column).
+__device__ __forceinline__ float merge_column(const DecodeParams& p, int64_t b, int64_t hq, int col, float& m_out,
+                                              float& l_out, float (*sm)[MW][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int col = blockIdx.x * 32 + lane;
-  const int64_t hq = blockIdx.y, b = blockIdx.z;
   const float* ml = p.ml + b * p.ml_sb + hq * p.ml_sh;
   const float* mo = p.mo + b * p.mo_sb + hq * p.mo_sh + col;
   float m = -INFINITY, l = 0.f, acc = 0.f;
   for (int s = warp; s < p.num_splits; s += MW) fold(m, l, acc, ml[s], 1.f, mo[(int64_t)s * p.mo_ss]);
-  __shared__ float sm[3][MW][32];
   sm[0][warp][lane] = m;
   sm[1][warp][lane] = l;
   sm[2][warp][lane] = acc;
   __syncthreads();
-  if (warp != 0) return;
+  m = sm[0][0][lane], l = sm[1][0][lane], acc = sm[2][0][lane];
 #pragma unroll
   for (int w = 1; w < MW; ++w) fold(m, l, acc, sm[0][w][lane], sm[1][w][lane], sm[2][w][lane]);
   if (p.sinks) fold(m, l, acc, p.sinks[hq] * LOG2E, 1.f, 0.f);
-  const float out = acc / (l > 0.f ? l : 1.f);  // empty: 0; NaN scores: NaN
-  reinterpret_cast<TO*>(p.o)[b * p.o_sb + hq * p.o_sh + col] = to_out<TO>(out);
-  if (col == 0)
-    p.lse[b * p.lse_sb + hq * p.lse_sh] =
-        l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : (l == 0.f ? -INFINITY : NAN);
+  m_out = m, l_out = l;
+  return acc / (l > 0.f ? l : 1.f);  // empty: 0; NaN scores: NaN
 }
 
-cudaError_t launch_merge(const DecodeParams& p, int d, int batch, int hq, cudaStream_t stream) {
-  const dim3 grid(d / 32, hq, batch);
-  switch (p.o_dtype) {
-    case 0: merge_kernel<float><<<grid, MW * 32, 0, stream>>>(p); break;
-    case 1: merge_kernel<__half><<<grid, MW * 32, 0, stream>>>(p); break;
-    case 2: merge_kernel<__nv_bfloat16><<<grid, MW * 32, 0, stream>>>(p); break;
+__device__ __forceinline__ void store_lse(const DecodeParams& p, int64_t b, int64_t hq, float m, float l) {
+  p.lse[b * p.lse_sb + hq * p.lse_sh] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : (l == 0.f ? -INFINITY : NAN);
+}
+
+// Block (32 columns, MW warps) per 32 output columns of a row.
+template <typename TO>
+__global__ void __launch_bounds__(MW * 32) merge_kernel(const DecodeParams p) {
+  __shared__ float sm[3][MW][32];
+  const int col = blockIdx.x * 32 + (threadIdx.x & 31);
+  const int64_t hq = blockIdx.y, b = blockIdx.z;
+  float m, l;
+  const float out = merge_column(p, b, hq, col, m, l, sm);
+  if (threadIdx.x >= 32) return;
+  reinterpret_cast<TO*>(p.o)[b * p.o_sb + hq * p.o_sh + col] = to_out<TO>(out);
+  if (col == 0) store_lse(p, b, hq, m, l);
+}
+
+// `_rot` formats: one block per row merges its D columns into shared memory in FP32, then rotates the row back
+// with formats/rotation.py's butterfly (saturate finite inputs to FP32_MAX / D, stage h maps each pair (a, b) =
+// (y[i], y[i + h]) of a 2h-block to (a + b, a - b), times the FP32 value of 1 / sqrt(D), saturate finite results to
+// the output dtype's largest value, round to nearest even): the same bits as merging to FP32 and rotating after.
+template <typename TO, int D>
+__global__ void __launch_bounds__(MW * 32) merge_rotate_kernel(const DecodeParams p) {
+  __shared__ float sm[3][MW][32];
+  __shared__ float row[D];
+  const int64_t hq = blockIdx.y, b = blockIdx.z;
+  float m = 0.f, l = 0.f;
+  for (int c0 = 0; c0 < D; c0 += 32) {
+    float mc, lc;
+    const float v = merge_column(p, b, hq, c0 + (threadIdx.x & 31), mc, lc, sm);
+    if (threadIdx.x < 32) row[c0 + threadIdx.x] = saturate_finite(v, 3.402823466e38f / D);
+    if (c0 == 0) m = mc, l = lc;
+    __syncthreads();
+  }
+  for (int h = 1; h < D; h <<= 1) {
+    for (int i = threadIdx.x; i < D / 2; i += MW * 32) {
+      const int a = (i / h) * 2 * h + i % h;
+      const float x = row[a], y = row[a + h];
+      row[a] = x + y;
+      row[a + h] = x - y;
+    }
+    __syncthreads();
+  }
+  const float inv_sqrt = (float)(1.0 / sqrt((double)D));
+  for (int i = threadIdx.x; i < D; i += MW * 32)
+    reinterpret_cast<TO*>(p.o)[b * p.o_sb + hq * p.o_sh + i] = to_out<TO>(saturate_finite(row[i] * inv_sqrt, out_max<TO>()));
+  if (threadIdx.x == 0) store_lse(p, b, hq, m, l);
+}
+
+template <typename TO>
+cudaError_t merge_by_dim(const DecodeParams& p, int d, int batch, int hq, cudaStream_t stream) {
+  if (!p.rotate_out) {
+    merge_kernel<TO><<<dim3(d / 32, hq, batch), MW * 32, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  const dim3 grid(1, hq, batch);
+  switch (d) {
+    case 64: merge_rotate_kernel<TO, 64><<<grid, MW * 32, 0, stream>>>(p); break;
+    case 128: merge_rotate_kernel<TO, 128><<<grid, MW * 32, 0, stream>>>(p); break;
+    case 256: merge_rotate_kernel<TO, 256><<<grid, MW * 32, 0, stream>>>(p); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
+}
+
+cudaError_t launch_merge(const DecodeParams& p, int d, int batch, int hq, cudaStream_t stream) {
+  switch (p.o_dtype) {
+    case 0: return merge_by_dim<float>(p, d, batch, hq, stream);
+    case 1: return merge_by_dim<__half>(p, d, batch, hq, stream);
+    case 2: return merge_by_dim<__nv_bfloat16>(p, d, batch, hq, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace kvx
@@ -753,7 +826,7 @@ const char* kvx_decode_params_layout(void) {
   F(vd) F(vd_sb) F(vd_sh) F(vd_st) F(vs) F(vs_sb) F(vs_sh) F(vs_st)
   F(kg) F(vg) F(qs) F(bt) F(bt_sb) F(seq) F(mo) F(mo_sb)
   F(mo_sh) F(mo_ss) F(ml) F(ml_sb) F(ml_sh) F(sinks) F(sm_scale) F(softcap)
-  F(window) F(qh) F(bs) F(num_splits) F(q) F(q_sb) F(q_sh) F(o)
+  F(window) F(qh) F(bs) F(num_splits) F(rotate_out) F(q) F(q_sb) F(q_sh) F(o)
   F(o_sb) F(o_sh) F(lse) F(lse_sb) F(lse_sh) F(o_dtype)
 #undef F
   return buf;
