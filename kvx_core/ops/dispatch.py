@@ -97,9 +97,11 @@ class BoundLayer:
     """One layer's cache as the kernels take it, derived and checked once when an engine registers its cache
     (`bind`), so that a step's `AttentionPlan.run` and `write_kv` only launch (FlashInfer's plan/run: what depends on
     the layer and not on the step is not re-derived per step). Holds the descriptor it was bound from (the
-    validation and reference paths use it)."""
+    validation and reference paths use it) and the block-table format it was bound for: a KV_OFFSETS layer holds V
+    shifted by one block (`_shift_v`), so plans of the other format run on the descriptor instead."""
 
     cache: CacheDesc
+    table_format: BlockTableFormat  # PACKED (slot-mapped writes, PACKED plans) or KV_OFFSETS (TRT-LLM's plans)
     fmt: CacheFormat
     geometry: tuple[int, int, int]  # (num_kv_heads, block_size, head_dim)
     k_data: torch.Tensor  # HND kernel views [N, H, B, X]
@@ -121,14 +123,19 @@ class BoundLayer:
     # write's `LayerWrite` when it serves them), made at the first write of those dtypes
 
 
-def bind(cache: CacheDesc) -> BoundLayer | None:
+def bind(cache: CacheDesc, *, table_format: BlockTableFormat = BlockTableFormat.PACKED) -> BoundLayer | None:
     """Check `cache` (descriptor, pools, global scales: one host sync, skipped while a CUDA graph is being captured)
-    and derive what every step's kernels take from it; None when the kernels cannot address it (the reference serves
-    it: pass the descriptor itself)."""
+    and derive what every step's kernels take from it for plans over `table_format` tables; None when the kernels
+    cannot address it that way (the reference serves it: pass the descriptor itself). KV_OFFSETS binds V one block
+    after K (TRT-LLM's pairing, `_shift_v`): such a layer serves KV_OFFSETS plans only and refuses writes, which are
+    slot-mapped; RAGGED tables have no kernels (None)."""
     require_type(cache, CacheDesc, "cache")
+    require_type(table_format, BlockTableFormat, "table_format")
     cache.validate()
     pools = _attention_pools(cache)
-    if pools is None:
+    if pools is not None and table_format == BlockTableFormat.KV_OFFSETS:
+        pools = _shift_v(pools)
+    if pools is None or table_format == BlockTableFormat.RAGGED:
         return None
     kd, ks, vd, vs, fmt = pools
     from .cuda import decode as cuda_decode
@@ -155,8 +162,8 @@ def bind(cache: CacheDesc) -> BoundLayer | None:
             except KvxError as e:  # no library here: plans choose Triton (and say why)
                 if e.status != Status.UNSUPPORTED:
                     raise
-    return BoundLayer(cache, fmt, (h, cache.block_size, d), kd, ks, vd, vs, kg, vg, k_global, v_global, k_args,
-                      v_args, s, smoothing.transforms_keys(cache), cuda_why, cuda_args)
+    return BoundLayer(cache, table_format, fmt, (h, cache.block_size, d), kd, ks, vd, vs, kg, vg, k_global, v_global,
+                      k_args, v_args, s, smoothing.transforms_keys(cache), cuda_why, cuda_args)
 
 
 def _write_bound(layer: BoundLayer, write: WriteDesc) -> None:
@@ -200,8 +207,13 @@ def write_kv(cache: CacheDesc | BoundLayer, write: WriteDesc, *, check: bool = T
     """`reference.write_kv`, on the fused write kernel (CUDA or Triton, `ops.write`) when possible. `check` validates the descriptors
     and the values the write depends on (slot range and uniqueness, global scales: host syncs); engines that
     own their slot mappings and scales pass False to stay sync-free, and a layer bound once (`bind`) then launches
-    the write kernel and nothing else. Either way nothing is stored unless the whole write is accepted."""
+    the write kernel and nothing else. Either way nothing is stored unless the whole write is accepted. A layer
+    bound for KV_OFFSETS tables is refused: its K and V are one block array (TRT-LLM's), which a slot names once,
+    so a slot-mapped write would store V over K (TRT-LLM: write through `kvx_trtllm.layer_views`)."""
     if isinstance(cache, BoundLayer):
+        require(cache.table_format == BlockTableFormat.PACKED, Status.INVALID_ARGUMENT,
+                "write_kv: this layer is bound for KV_OFFSETS tables, whose K and V share one block array; slot-mapped "
+                "writes need separate K / V views (for TRT-LLM pools: kvx_trtllm.layer_views)")
         if not check:
             return _write_bound(cache, write)
         cache = cache.cache
@@ -325,10 +337,12 @@ class AttentionPlan:
         (`out`, `lse`), written in place when given. `want_lse=False` (callers that only read `out`, e.g. an
         engine's decode) returns `(out, None)` and skips the LSE's centering correction
         (`ops.smoothing.center_lse`), a few small launches per layer. A bound layer's decode under `check=False`
-        launches decode and merge and nothing else."""
+        launches decode and merge and nothing else when it was bound for this plan's table format (else the
+        descriptor it was bound from serves the call)."""
         require(want_lse or lse is None, Status.INVALID_ARGUMENT, f"{self.what}: an lse buffer with want_lse=False")
         if isinstance(cache, BoundLayer):
-            if not self.check and self.what == "paged_decode" and self.kernel is not None and not want_lse:
+            if not self.check and self.what == "paged_decode" and self.kernel is not None and not want_lse \
+                    and cache.table_format == self.table.format:
                 return self.kernel.run_bound(query, cache, self.block_table, self.lens, out, want_lse=False)
             cache = cache.cache
         attention.check_args(query, cache, self.table, self.seq_lens, self.what, **self.options)

@@ -1,11 +1,8 @@
 """Kernel tests run on CUDA when present, else on CPU under TRITON_INTERPRET=1 (set before triton loads)."""
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .. import interpret  # noqa: F401  (TRITON_INTERPRET=1 off CUDA)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvx_core.codec import format_of
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
+from kvx_core.enums import BlockTableFormat
 from kvx_core.errors import KvxError, Status
-from kvx_core.ops import dispatch
+from kvx_core.ops import attention, dispatch
 
 from .helpers import filled_cache
+from .test_kv_offsets_kernels import _close, _trtllm
 
 NAMES = ["nvfp4", "int8", "k8v4_rot", "bf16", "mxfp4"]
 
@@ -91,3 +94,93 @@ def test_bind_is_none_where_the_kernels_do_not_run():
     assert dispatch.bind(c.descriptor(0)) is None  # CPU pools without the kernel device: the reference serves them
     with pytest.raises(KvxError):
         dispatch.bind("not a cache")
+
+
+def _offsets_plan(layer, lens, device, check=False):
+    """A sync-free decode plan over a TRT-LLM layer's KV_OFFSETS table (as an engine makes one per step)."""
+    c = layer.cache
+    return dispatch.plan_decode(layer.table, lens, fmt="bf16", num_qo_heads=4, num_kv_heads=c.num_kv_heads,
+                                head_dim=c.head_dim, block_size=c.block_size, q_dtype=torch.bfloat16, device=device,
+                                max_seq_len=16, check=check)
+
+
+def test_offsets_plan_over_a_layer_bound_for_packed_reads_the_right_v(device, monkeypatch):
+    """A layer bound for PACKED tables holds V unshifted; a KV_OFFSETS plan (V one block after K) must not run its
+    kernels on those views: it gives the reference's attention."""
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    layer, lens, _ = _trtllm(device, torch.bfloat16, seed=3)
+    bound = dispatch.bind(layer.cache)
+    assert bound is not None and bound.table_format == BlockTableFormat.PACKED
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(device)
+    want = attention.paged_decode(q, layer.cache, layer.table, lens)
+    got, _ = _offsets_plan(layer, lens, device).run(q, bound, out=torch.empty_like(q), want_lse=False)
+    _close((got, want[1]), want)
+
+
+def _spy_run_bound(monkeypatch) -> list:
+    """Records each call of the bound fast path (`DecodePlan.run_bound`), which still runs."""
+    from kvx_core.ops import decode as decode_ops
+
+    calls, real = [], decode_ops.DecodePlan.run_bound
+    monkeypatch.setattr(decode_ops.DecodePlan, "run_bound", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_offsets_bound_layer_takes_the_fast_path_and_equals_the_descriptor(dtype, device, monkeypatch):
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    layer, lens, _ = _trtllm(device, dtype, seed=3)
+    bound = dispatch.bind(layer.cache, table_format=BlockTableFormat.KV_OFFSETS)
+    assert bound is not None and bound.table_format == BlockTableFormat.KV_OFFSETS
+    plan = dispatch.plan_decode(layer.table, lens, fmt=format_of(layer.cache), num_qo_heads=4, num_kv_heads=2,
+                                head_dim=64, block_size=4, q_dtype=torch.bfloat16, device=device, max_seq_len=16,
+                                check=False)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(device)
+    want, _ = plan.run(q, layer.cache, out=torch.empty_like(q), want_lse=False)
+    want = want.clone()
+    calls = _spy_run_bound(monkeypatch)
+    got, _ = plan.run(q, bound, out=torch.empty_like(q), want_lse=False)
+    assert calls and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _close((got, want), (attention.paged_decode(q, layer.cache, layer.table, lens)[0], want), tol=2e-2)
+
+
+def test_packed_plan_over_an_offsets_bound_layer_runs_on_the_descriptor(device, monkeypatch):
+    """The other direction: a PACKED plan must not read the shifted V of a layer bound for KV_OFFSETS."""
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    desc = _trtllm(device, torch.bfloat16, seed=3)[0].cache  # its block array read through a PACKED table
+    bound = dispatch.bind(desc, table_format=BlockTableFormat.KV_OFFSETS)
+    assert bound is not None
+    plan = _plan("bf16", device)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(device)
+    want, _ = plan.run(q, desc, out=torch.empty_like(q), want_lse=False)
+    want = want.clone()
+    calls = _spy_run_bound(monkeypatch)
+    got, _ = plan.run(q, bound, out=torch.empty_like(q), want_lse=False)
+    assert not calls and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_bind_for_offsets_is_none_where_v_is_not_one_block_after_k(device, monkeypatch):
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    desc = filled_cache("nvfp4", device, page_buffer=True, h=2).descriptor(0)  # K and V: separate block arrays
+    assert dispatch.bind(desc) is not None
+    assert dispatch.bind(desc, table_format=BlockTableFormat.KV_OFFSETS) is None
+    assert dispatch.bind(desc, table_format=BlockTableFormat.RAGGED) is None  # no kernels read RAGGED tables
+    with pytest.raises(KvxError) as e:
+        dispatch.bind(desc, table_format=2)
+    assert e.value.status == Status.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_write_into_an_offsets_bound_layer_is_refused(check, device, monkeypatch):
+    """K and V of a KV_OFFSETS layer are one block array: a slot-mapped write would store V over K."""
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    layer, _, _ = _trtllm(device, torch.bfloat16, seed=3)
+    bound = dispatch.bind(layer.cache, table_format=BlockTableFormat.KV_OFFSETS)
+    pool = layer.cache.k.tensor
+    before = pool.clone()
+    k = torch.randn(2, 2, 64).to(torch.bfloat16).to(device)
+    with pytest.raises(KvxError) as e:
+        dispatch.write_kv(bound, WriteDesc(KvIoDesc(k, k + 1), SlotMapping(torch.tensor([4, 9]).to(device))),
+                          check=check)
+    assert e.value.status == Status.INVALID_ARGUMENT and "layer_views" in str(e.value)
+    assert torch.equal(pool.view(torch.int16), before.view(torch.int16))

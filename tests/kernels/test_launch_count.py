@@ -8,13 +8,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvx_core.codec import format_of
 from kvx_core.formats import registry
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
+from kvx_core.enums import BlockTableFormat
 from kvx_core.ops import decode as decode_ops
 from kvx_core.ops import dispatch, rotation
 from kvx_core.ops import write as write_ops
 
 from .helpers import filled_cache
+from .test_kv_offsets_kernels import _trtllm
 
 
 class TorchOps(TorchDispatchMode):
@@ -137,3 +140,20 @@ def test_rot_write_rotates_k_and_v_in_one_launch_when_v_follows_k(launches, devi
     launches.clear()
     dispatch.write_kv(layer, w, check=False)
     assert launches == (["rotate", "write"] if torch.device(device).type == "cuda" else ["write"]), launches
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_offsets_bound_layer_decode_launches_decode_and_merge_only(dtype, launches, device):
+    """TRT-LLM's hot path: a layer bound for its KV_OFFSETS table under a sync-free KV_OFFSETS plan."""
+    layer, lens, _ = _trtllm(device, dtype)
+    bound = dispatch.bind(layer.cache, table_format=BlockTableFormat.KV_OFFSETS)
+    plan = dispatch.plan_decode(layer.table, lens, fmt=format_of(layer.cache), num_qo_heads=4, num_kv_heads=2,
+                                head_dim=64, block_size=4, q_dtype=torch.bfloat16, device=device, max_seq_len=16,
+                                check=False)
+    q = torch.randn(3, 4, 64, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(q)
+    plan.run(q, bound, out=out, want_lse=False)
+    launches.clear()
+    with TorchOps() as mode:
+        plan.run(q, bound, out=out, want_lse=False)
+    assert launches == _decode(plan) and mode.ops == [], (launches, mode.ops)

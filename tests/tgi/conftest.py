@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from .. import interpret  # noqa: F401  (TRITON_INTERPRET=1 off CUDA: test_tgi_bound forces the KVX kernels)
+
 os.environ.setdefault("ATTENTION", "flashdecoding")
 os.environ.setdefault("PREFIX_CACHING", "1")
 os.environ.setdefault("REQUEST_LOGPROBS", "1")  # TGI drops prefill logprobs unless this is set

@@ -1,18 +1,22 @@
 """`describe_trtllm_cache`: a whole TRT-LLM cache (several pools, pool mapping, one offsets table per pool, beams,
 host blocks, FP8 scales) as KVX layers, checked against K/V stored by raw byte arithmetic on the pools' memory
-(`tests/adapters/engine_ref.py`: setOffsets, the layer pool pointer and getKVLocalIdx, written out by hand)."""
+(`tests/adapters/engine_ref.py`: setOffsets, the layer pool pointer and getKVLocalIdx, written out by hand); each
+layer bound for its KV_OFFSETS table where the kernels address it (`TrtllmLayer.bound`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvx_core.descriptors import GatherDesc, SeqLens
+from kvx_core.codec import format_of
+from kvx_core.descriptors import GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat
 from kvx_core.errors import KvxError, Status
+from kvx_core.ops import dispatch
 from kvx_core.ops.dispatch import gather_kv, paged_decode
 from kvx_trtllm import describe_trtllm_cache, layer_views
 
 from ..adapters.engine_ref import rand, trtllm_offset, trtllm_write
+from .oracle import check_attention
 
 T, D = 4, 8
 
@@ -21,16 +25,16 @@ class TwoPools:
     """Two TRT-LLM pools (4 and 2 KV heads, 2 and 1 layers), layers interleaved by kv_cache_pool_mapping, beams
     sharing their first blocks, some blocks in each pool's host (secondary) pool."""
 
-    def __init__(self, dtype=torch.bfloat16, lens=(9, 1, 6), beams=2, seed=0, secondary=True):
+    def __init__(self, dtype=torch.bfloat16, lens=(9, 1, 6), beams=2, seed=0, secondary=True, d=D):
         g = self.gen = torch.Generator().manual_seed(seed)
-        self.dtype, self.lens, self.w = dtype, list(lens), beams
+        self.dtype, self.lens, self.w, self.d = dtype, list(lens), beams, d
         self.heads, self.layers_in = [4, 2], [2, 1]
         self.mapping = torch.tensor([[0, 1], [1, 0], [0, 0]])  # model layer -> (pool, layer in pool)
         m = max(-(-n // T) for n in lens) + 1
         self.pools, self.hosts, offs = [], [], []
         for p in range(2):
             n_blocks = len(lens) * beams * m + 2
-            shape = (n_blocks, self.layers_in[p], 2, self.heads[p] * T * D)
+            shape = (n_blocks, self.layers_in[p], 2, self.heads[p] * T * d)
             self.pools.append(torch.zeros(shape, dtype=dtype))
             self.hosts.append(torch.zeros(shape, dtype=dtype) if secondary else None)
             mem = torch.randperm(n_blocks, generator=g)[:len(lens) * beams * m].view(len(lens), beams, m)
@@ -47,7 +51,7 @@ class TwoPools:
             seq = torch.cat([torch.full((n * beams,), s) for s, n in enumerate(lens)])
             beam = torch.cat([torch.arange(beams).repeat_interleave(n) for n in lens])
             pos = torch.cat([torch.arange(n).repeat(beams) for n in lens])
-            k, v = (rand(g, (seq.numel(), self.heads[p], D), torch.float32) * 3 for _ in range(2))
+            k, v = (rand(g, (seq.numel(), self.heads[p], d), torch.float32) * 3 for _ in range(2))
             first = torch.tensor([0] + [n * beams for n in lens]).cumsum(0)[seq] + pos  # beam 0, same position
             shared = (pos // T < -(-torch.tensor(lens)[seq] // T) - 1).view(-1, 1, 1)
             k, v = (torch.where(shared, x[first], x).to(dtype) for x in (k, v))
@@ -59,7 +63,7 @@ class TwoPools:
             self.written.append((k, v))
 
     def describe(self, **kw):
-        args = dict(tokens_per_block=T, num_kv_heads=self.heads, head_dim=D, pool_mapping=self.mapping,
+        args = dict(tokens_per_block=T, num_kv_heads=self.heads, head_dim=self.d, pool_mapping=self.mapping,
                     secondary_pools=self.hosts if self.hosts[0] is not None else None, beam_width=self.w)
         args.update(kw)
         return describe_trtllm_cache(self.pools, self.offsets, **args)
@@ -93,13 +97,58 @@ def test_decode_over_trtllm_tables_equals_attention_over_the_gathered_kv():
     q = torch.randn(len(e.lens), 2 * e.heads[x.pool], D, generator=torch.Generator().manual_seed(1)).to(e.dtype)
     out, lse = paged_decode(q, x.cache, x.table, lens)
     kv = _gather(x, lens, max(e.lens))
-    start, group = 0, 2
-    for s, n in enumerate(e.lens):  # float64 softmax attention over sequence s's tokens, GQA groups of 2
-        k = kv.key[start:start + n].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = kv.value[start:start + n].double().repeat_interleave(group, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].double(), k) / D ** 0.5, dim=-1)
-        torch.testing.assert_close(out[s].double(), torch.einsum("hn,nhd->hd", p, v), rtol=2e-2, atol=2e-2)
-        start += n
+    check_attention(out, q, kv.key, kv.value, e.lens)
+
+
+def _spy_run_bound(monkeypatch) -> list:
+    """Records each call of the bound decode fast path (`DecodePlan.run_bound`), which still runs."""
+    from kvx_core.ops import decode as decode_ops
+
+    calls, real = [], decode_ops.DecodePlan.run_bound
+    monkeypatch.setattr(decode_ops.DecodePlan, "run_bound", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_layers_come_bound_for_their_offsets_table(dtype, monkeypatch):
+    """On a kernel device (forced here: the kernels under the interpreter) every layer is bound for its KV_OFFSETS
+    table, and a step's sync-free plan run as documented (`layer.bound or layer.cache`) takes the bound fast path and
+    equals attention over the K/V the engine wrote (FP8: times the layer's scale)."""
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    e = TwoPools(dtype=dtype, secondary=False, lens=(7, 12), beams=1, d=64)
+    fp8 = dtype == torch.float8_e4m3fn
+    s = torch.tensor([0.5, 2.0, 0.125]) if fp8 else torch.ones(3)
+    layers = e.describe(kv_scale_quant_orig=s if fp8 else None)
+    calls = _spy_run_bound(monkeypatch)
+    for layer, (x, (k, v)) in enumerate(zip(layers, e.written)):
+        assert x.bound is not None and x.bound.cache is x.cache and x.bound.table_format == BlockTableFormat.KV_OFFSETS
+        h = e.heads[x.pool]
+        plan = dispatch.plan_decode(x.table, e.seq_lens(), fmt=format_of(x.cache), num_qo_heads=2 * h, num_kv_heads=h,
+                                    head_dim=64, block_size=T, q_dtype=torch.bfloat16, device="cpu", max_seq_len=12,
+                                    check=False)
+        q = torch.randn(2, 2 * h, 64, generator=torch.Generator().manual_seed(layer)).to(torch.bfloat16)
+        out, _ = plan.run(q, x.bound or x.cache, want_lse=False)
+        check_attention(out, q, k.float() * s[layer], v.float() * s[layer], e.lens)
+    assert len(calls) == len(layers)
+
+
+def test_bound_layers_take_no_writes(monkeypatch):
+    """Their K and V are one block array: a slot-mapped write would store V over K (writes go through
+    `layer_views`)."""
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    e = TwoPools(secondary=False, lens=(7, 12), beams=1, d=64)
+    x = e.describe()[0]
+    before = e.pools[x.pool].clone()
+    k = torch.randn(2, e.heads[x.pool], 64).to(torch.bfloat16)
+    with pytest.raises(KvxError) as err:
+        dispatch.write_kv(x.bound, WriteDesc(KvIoDesc(k, k), SlotMapping(torch.tensor([0, 5]))), check=False)
+    assert err.value.status == Status.INVALID_ARGUMENT and torch.equal(e.pools[x.pool], before)
+
+
+def test_layers_the_kernels_cannot_address_are_not_bound(monkeypatch):
+    assert all(x.bound is None for x in TwoPools(secondary=False, d=64).describe())  # CPU pools: no kernel device
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    assert all(x.bound is None for x in TwoPools(d=64).describe())  # host (secondary) pools: the reference reads them
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -19,6 +19,7 @@ from kvx_core.ops import dispatch
 from kvx_trtllm import describe_trtllm_cache
 
 from ..adapters.engine_ref import trtllm_offset, trtllm_write
+from .oracle import check_attention
 
 D, H, L = 32, 2, 2
 S = D // 16
@@ -110,9 +111,26 @@ def test_kernels_never_see_interleaved_scales(monkeypatch):
     inter, lin = Nvfp4Cache(), Nvfp4Cache(interleaved=False)
     assert dispatch._kernel_pools(lin.describe(v_scale_layout="linear")[0].cache) is not None
     x = inter.describe()[1]
-    assert dispatch._kernel_pools(x.cache) is None
+    assert dispatch._kernel_pools(x.cache) is None and x.bound is None
     out = inter.gather(x)
     assert torch.equal(out.key, inter.oracle[1][0]) and torch.equal(out.value, inter.oracle[1][1])
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "linear"])
+def test_decode_as_an_engine_runs_it_equals_attention_over_the_oracle_kv(layout, monkeypatch):
+    """On a kernel device (forced: the kernels under the interpreter) a step's sync-free plan run over `layer.bound or
+    layer.cache`: linear V scales are bound (the kernels), interleaved ones are not (the reference); both equal the
+    oracle."""
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    e = Nvfp4Cache(interleaved=layout == "interleaved")
+    x = e.describe(v_scale_layout=layout)[0]
+    assert (x.bound is None) == (layout == "interleaved")
+    lens = SeqLens(torch.tensor(e.lens, dtype=torch.int32))
+    plan = dispatch.plan_decode(x.table, lens, fmt="nvfp4", num_qo_heads=2 * H, num_kv_heads=H, head_dim=D,
+                                block_size=e.t, q_dtype=torch.bfloat16, device="cpu", max_seq_len=16, check=False)
+    q = torch.randn(len(e.lens), 2 * H, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out, _ = plan.run(q, x.bound or x.cache, want_lse=False)
+    check_attention(out, q, *e.oracle[0], e.lens)
 
 
 def test_decode_equals_attention_over_the_oracle_kv():
@@ -121,13 +139,7 @@ def test_decode_equals_attention_over_the_oracle_kv():
     lens = SeqLens(torch.tensor(e.lens, dtype=torch.int32))
     q = torch.randn(len(e.lens), 2 * H, D, generator=torch.Generator().manual_seed(1))
     out, _ = dispatch.paged_decode(q, x.cache, x.table, lens)
-    k, v = e.oracle[0]
-    start = 0
-    for s, n in enumerate(e.lens):  # float64 softmax attention over sequence s's tokens, GQA groups of 2
-        kk, vv = (y[start:start + n].double().repeat_interleave(2, dim=1) for y in (k, v))
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].double(), kk) / D ** 0.5, dim=-1)
-        torch.testing.assert_close(out[s].double(), torch.einsum("hn,nhd->hd", p, vv), rtol=1e-4, atol=1e-4)
-        start += n
+    check_attention(out, q, *e.oracle[0], e.lens, tol=1e-4)
 
 
 @pytest.mark.parametrize("make,kw,status,words", [

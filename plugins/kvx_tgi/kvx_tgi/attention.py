@@ -14,6 +14,7 @@ table objects, so the first layer plans (`dispatch.plan_prefill` / `plan_decode`
 work list) and the others run the same plan over their own caches. Decode plans are sync-free; plans
 made while a CUDA graph is captured are kept for the graph's lifetime, since the graph replays their
 buffers (TGI captures into one shared memory pool, so a freed buffer would be handed to the next graph).
+Plans run over each cache's bound layer (`KVCache.layer`): a decode launches decode + merge and nothing else.
 """
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ def _refuse(window_size_left: int, causal: bool = True) -> None:
                                            "backend, which serves decoder self-attention over the KV cache")
 
 
+def _sync_free(device: torch.device) -> bool:
+    """Whether plans skip their host-syncing table checks: on CUDA, where TGI owns its tables and decode may be under
+    graph capture (a decode plan over a bound layer then launches the kernels alone)."""
+    return device.type == "cuda"
+
+
 def _plan(kind: str, query: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tensor, seqlen,
           softmax_scale: float, softcap: float | None, max_s: int | None) -> AttentionPlan:
     """This step's plan: made by the step's first layer, reused by the others."""
@@ -68,7 +75,7 @@ def _plan(kind: str, query: torch.Tensor, kv_cache: KVCache, block_tables: torch
     if s is not None and s.seqlen is seqlen and s.block_tables is block_tables and s.params == params:
         return s.plan
     table = block_tables_from_tgi(block_tables)
-    check = query.device.type != "cuda"  # CUDA: TGI owns its tables, and decode may be under graph capture
+    check = not _sync_free(query.device)
     lens = seq_lens_from_tgi(seqlen.input_lengths, seqlen.cache_lengths, check=check)
     geometry = dict(fmt=kv_cache.format, num_qo_heads=query.shape[1], num_kv_heads=desc.num_kv_heads,
                     head_dim=desc.head_dim, block_size=desc.block_size, q_dtype=query.dtype, device=query.device,
@@ -91,7 +98,7 @@ def attention(*, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     _refuse(window_size_left, causal)
     plan = _plan("prefill", query, kv_cache, block_tables, seqlen, softmax_scale, softcap, None)
     out = torch.empty_like(query)
-    plan.run(query, kv_cache.desc, out=out, want_lse=False)
+    plan.run(query, kv_cache.layer, out=out, want_lse=False)
     return out
 
 
@@ -103,7 +110,7 @@ def paged_attention(query: torch.Tensor, kv_cache: KVCache, kv_head_mapping: tor
     _refuse(window_size_left)
     plan = _plan("decode", query, kv_cache, block_tables, seqlen, softmax_scale, softcap, max_s)
     out = torch.empty_like(query)
-    plan.run(query, kv_cache.desc, out=out, want_lse=False)
+    plan.run(query, kv_cache.layer, out=out, want_lse=False)
     return out
 
 

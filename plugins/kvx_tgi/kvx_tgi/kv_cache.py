@@ -5,6 +5,13 @@ so TGI's `FlashCausalLM.init_kv_cache` builds these, one per layer, with its own
 files call `store(key=, value=, slots=, kv_scales=)` before attention; the K/V are quantized into the pools
 by `kvx_core.ops.dispatch.write_kv` (the fused Triton write on CUDA, the torch reference on CPU).
 
+Each cache is bound once (`dispatch.bind`: pools, scale arguments, global scales and key vectors derived and
+checked when TGI builds it), and `store` and this backend's attention run on that bound layer (`layer`), so a
+step's write launches the write kernel alone and a decode launches decode + merge. `bind` keeps copies of what it
+derives (e.g. a per-tensor global scale expanded to every KV head) and the descriptor it was bound from, so the
+layer is bound again whenever the global scales, key smoothing or centering change (`_apply_scales`, the
+calibration below). Where the kernels cannot address the pools (CPU), `layer` is the descriptor itself.
+
 KV calibration file (`calibration`): when the run has one, each layer takes its key smoothing, key centering and
 global scales from it (they replace checkpoint scales), set before the first write.
 
@@ -30,7 +37,7 @@ from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.errors import Status, require
 from kvx_core.kv_calibration import LayerValues
 from kvx_core.ops import backends
-from kvx_core.ops.dispatch import write_kv
+from kvx_core.ops.dispatch import BoundLayer, bind, write_kv
 
 from . import calibration, config
 
@@ -71,14 +78,17 @@ def get_kv_scales(weights, prefix: str) -> KVScales:
 
 
 class KVCache:
-    """One layer's KV cache over a KVX `PagedKVCache` (`cache`, its descriptor `desc`).
+    """One layer's KV cache over a KVX `PagedKVCache` (`cache`, its descriptor `desc`, and `layer`: what `store`
+    and attention run on, the descriptor bound once or the descriptor itself).
 
     TGI constructs it with its own arguments (`dtype` = its cache dtype: the model dtype unless
     `--kv-cache-dtype`, which is refused) and calls only `store`; the KVX format of the run (`kvx_tgi.install`)
-    decides the storage, and this backend's attention functions read it through `desc`. TGI's other
+    decides the storage, and this backend's attention functions read it through `layer`. TGI's other
     `KVCache` members (`key`, `value`, `can_scale`, ...) serve its own attention kernels, which this backend
     replaces, so they are not provided.
     """
+
+    layer: CacheDesc | BoundLayer
 
     def __init__(self, *, num_blocks: int, num_heads: int, head_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -92,13 +102,19 @@ class KVCache:
         self._scales: tuple[float, float] | None = None
         self._calibrated = False
         self.desc: CacheDesc = self.cache.descriptor(0)
+        self._bind()
         geometry = backends.Geometry(num_heads, num_heads, head_size, run.block_size, dtype)  # dtype: the model's
         log_once(logger.info, f"KVX {self.format.name} on {device}: {backends.summary(self.format, device, geometry)}")
 
     def store(self, *, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, kv_scales: KVScales) -> None:
         """Quantize `[T, H, D]` K/V into the pools at TGI's int64 `slots` (one per token)."""
         self._apply_scales(kv_scales)
-        write_kv(self.desc, WriteDesc(KvIoDesc(key, value), slots_from_tgi(slots)), check=False)
+        write_kv(self.layer, WriteDesc(KvIoDesc(key, value), slots_from_tgi(slots)), check=False)
+
+    def _bind(self) -> None:
+        """`layer` = `desc` bound (PACKED tables: TGI's); done again whenever the descriptor's global scales or key
+        vectors change, since `bind` holds copies of them."""
+        self.layer = bind(self.desc) or self.desc
 
     # ------------------------------------------------------------ scales
     def _apply_scales(self, kv_scales: KVScales) -> None:
@@ -125,6 +141,7 @@ class KVCache:
             scale = global_scale_for_amax(tf, amax_from_kv_scale(torch.tensor([s])))
             if scale is not None:
                 g.fill_(float(scale[0]))
+        self._bind()
 
     def _apply_calibration(self, values: LayerValues, checkpoint: tuple[float, float]) -> None:
         """Set the layer's key smoothing, key centering and global scales from the run's calibration file once,
@@ -135,4 +152,5 @@ class KVCache:
             log_once(logger.info, "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
         values.apply(self.cache, 0)
         self.desc = self.cache.descriptor(0)
+        self._bind()
         self._calibrated = True

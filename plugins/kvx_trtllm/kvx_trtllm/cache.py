@@ -21,8 +21,14 @@ TRT-LLM facts this follows (`cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`,
 `describe_trtllm_cache` turns those into one `TrtllmLayer` per model layer: a KVX `CacheDesc` whose K and V are the
 layer's `[n, H, T, D]` block array from its pool pointer (zero copy) and the pool's KV_OFFSETS `BlockTable`, the
 raw TRT-LLM offsets unchanged. `gather_kv` / `paged_decode` / `paged_prefill` of `kvx_core.ops.dispatch` take them
-as they are. `layer_views` gives the same memory as per-layer strided K/V views with PACKED block ids (memory-pool
-block indices), where slot-mapped writes and bundle export / import apply.
+as they are. Each layer also comes bound for its KV_OFFSETS table (`TrtllmLayer.bound`, `dispatch.bind(cache,
+table_format=KV_OFFSETS)`: pools with V one block after K, scale arguments, global scales, checked once), or None
+where the kernels cannot address it (CPU pools, a pool with a host (secondary) pool, NVFP4 with V scales interleaved
+by 4 tokens); an engine plans each step once (`dispatch.plan_decode(layer.table, ..., check=False)`) and runs every
+layer with `plan.run(q, layer.bound or layer.cache, out=..., want_lse=False)`, which launches decode + merge alone
+for a bound layer. A bound layer takes no writes (its K and V are one block array): `layer_views` gives the same
+memory as per-layer strided K/V views with PACKED block ids (memory-pool block indices), where slot-mapped writes
+and bundle export / import apply.
 """
 from __future__ import annotations
 
@@ -35,9 +41,10 @@ from kvx_adapters.trtllm import from_trtllm_layer, from_trtllm_offsets, from_trt
 from kvx_core.allocator import as_int
 from kvx_core.codec import format_of, quant_desc
 from kvx_core.descriptors import BlockTable, CacheDesc, PoolDesc, memory_of
-from kvx_core.enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, Layout
+from kvx_core.enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, BlockTableFormat, Layout
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import get_format
+from kvx_core.ops.dispatch import BoundLayer, bind
 
 _FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 _PLAIN = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,12 +54,19 @@ _V_SCALE_FLAGS = {"interleaved": QUANT_FLAG_V_SCALE_INTERLEAVE4, "linear": 0}
 
 @dataclass(frozen=True)
 class TrtllmLayer:
-    """One model layer of a TRT-LLM cache: its KVX cache over the layer's pool pointer and its pool's table."""
+    """One model layer of a TRT-LLM cache: its KVX cache over the layer's pool pointer, its pool's table, and the
+    cache bound for that table (what plans run on: `bound or cache`)."""
 
     cache: CacheDesc
     table: BlockTable  # the pool's KV_OFFSETS table (raw TRT-LLM offsets)
     pool: int
     layer_in_pool: int
+    bound: BoundLayer | None  # `cache` bound for KV_OFFSETS tables; None where the kernels cannot address it
+
+
+def _layer(cache: CacheDesc, table: BlockTable, pool: int, layer_in_pool: int) -> TrtllmLayer:
+    """The layer with `cache` bound once for its pool's KV_OFFSETS table (checked here, not at every step)."""
+    return TrtllmLayer(cache, table, pool, layer_in_pool, bind(cache, table_format=BlockTableFormat.KV_OFFSETS))
 
 
 def _as_list(x, what: str) -> list:
@@ -248,11 +262,11 @@ def describe_trtllm_cache(pools: torch.Tensor | Sequence[torch.Tensor], offsets:
         if nvfp4:
             c = _nvfp4_layer(prim[p], sp[p], li, tokens_per_block, heads[p], head_dim, scales[layer],
                              _V_SCALE_FLAGS[v_scale_layout])
-            layers.append(TrtllmLayer(c, tables[p], p, li))
+            layers.append(_layer(c, tables[p], p, li))
             continue
         c = from_trtllm_pool(prim[p], tokens_per_block=tokens_per_block, num_kv_heads=heads[p], head_dim=head_dim,
                              layer=li, kv_factor=kv_factor, secondary_pool=sec[p])
-        layers.append(TrtllmLayer(_with_fp8_scale(c, fp8, scales[layer, 0]) if fp8 else c, tables[p], p, li))
+        layers.append(_layer(_with_fp8_scale(c, fp8, scales[layer, 0]) if fp8 else c, tables[p], p, li))
     return layers
 
 
