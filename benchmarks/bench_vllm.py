@@ -68,8 +68,24 @@ def _decode(llm, prompts, steps: int) -> dict:
             "tok_s": round(len(prompts) * steps / (tn - t1), 1)}
 
 
-def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill_s: float) -> None:
-    """Everything for one dtype in this process."""
+CASES = ("prefill", "b64_8k", "b64_32k", "b1_32k")
+
+
+def _long_batch(llm, long, kv_tokens: int, steps: int, predicted_s: float, long_prefill_s: float) -> dict:
+    """The B=64 x 32k decode, or why it was skipped (the cache cannot hold it, or its prefill would take too long:
+    `predicted_s`, 16x the 64 x 8k prefill)."""
+    if kv_tokens < BATCH * (CTX_LONG + steps + 16):
+        return {"batch": BATCH, "ctx": CTX_LONG,
+                "skipped": f"the KV cache holds {kv_tokens} tokens < {BATCH} x {CTX_LONG + steps}"}
+    if predicted_s > long_prefill_s:
+        return {"batch": BATCH, "ctx": CTX_LONG, "skipped": f"64 x 32k prefill expected ~{predicted_s:.0f} s (16x the "
+                                                             f"64 x 8k prefill) > --long-prefill-s {long_prefill_s:.0f}"}
+    return _decode(llm, long, steps)
+
+
+def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill_s: float,
+            cases: tuple[str, ...] = CASES) -> None:
+    """Everything for one dtype in this process (the capacity, then `cases`)."""
     import vllm
     from vllm import LLM
 
@@ -94,31 +110,32 @@ def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill
                    "startup_s": round(time.perf_counter() - t0, 1)})
 
         short = _prompts(BATCH, CTX_SHORT, seed=1)
-        t_prefill = _timed(llm, short, 1)
-        emit(out, {**base, "metric": "prefill", "batch": BATCH, "ctx": CTX_SHORT, "prefill_s": round(t_prefill, 3)})
-        emit(out, {**base, "metric": "ttft", "ctx": CTX_SHORT,
-                   "ttft_s": round(_timed(llm, _prompts(1, CTX_SHORT, seed=2), 1), 4)})
-        emit(out, {**base, "metric": "decode", **_decode(llm, short, steps)})
+        t_prefill = None
+        if "prefill" in cases or "b64_32k" in cases:
+            t_prefill = _timed(llm, short, 1)
+        if "prefill" in cases:
+            emit(out, {**base, "metric": "prefill", "batch": BATCH, "ctx": CTX_SHORT,
+                       "prefill_s": round(t_prefill, 3)})
+            emit(out, {**base, "metric": "ttft", "ctx": CTX_SHORT,
+                       "ttft_s": round(_timed(llm, _prompts(1, CTX_SHORT, seed=2), 1), 4)})
+        if "b64_8k" in cases:
+            emit(out, {**base, "metric": "decode", **_decode(llm, short, steps)})
         llm.reset_prefix_cache()
 
         long = _prompts(BATCH, CTX_LONG, seed=3)
-        predicted = 16 * t_prefill
-        if kv_tokens < BATCH * (CTX_LONG + steps + 16):
-            emit(out, {**base, "metric": "decode", "batch": BATCH, "ctx": CTX_LONG,
-                       "skipped": f"the KV cache holds {kv_tokens} tokens < {BATCH} x {CTX_LONG + steps}"})
-        elif predicted > long_prefill_s:
-            emit(out, {**base, "metric": "decode", "batch": BATCH, "ctx": CTX_LONG,
-                       "skipped": f"64 x 32k prefill expected ~{predicted:.0f} s (16x the 64 x 8k prefill) > "
-                                  f"--long-prefill-s {long_prefill_s:.0f}"})
-        else:
-            emit(out, {**base, "metric": "decode", **_decode(llm, long, steps)})
-        emit(out, {**base, "metric": "decode", **_decode(llm, long[:1], steps_b1)})
+        if "b64_32k" in cases:
+            emit(out, {**base, "metric": "decode", **_long_batch(llm, long, kv_tokens, steps, 16 * t_prefill,
+                                                                   long_prefill_s)})
+        if "b1_32k" in cases:
+            emit(out, {**base, "metric": "decode", **_decode(llm, long[:1], steps_b1)})
 
 
 def summarize(path: str) -> str:
     """A markdown table of a results file: each dtype's numbers and ratios to `auto` of the same run."""
     rows: dict[str, dict] = {}
-    for line in open(path):
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         r = json.loads(line)
         d = rows.setdefault(r["kv_cache_dtype"], {})
         if r["metric"] == "decode":
@@ -155,18 +172,24 @@ def main() -> None:
                     help="skip the B=64 x 32k decode when its prefill is expected to take longer (s)")
     ap.add_argument("--timeout-s", type=int, default=420, help="limit per dtype process")
     ap.add_argument("--summarize", metavar="JSONL", help="print a markdown table of a results file and exit")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)} "
+                    "(the capacity line is always written)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run this dtype here
     a = ap.parse_args()
     if a.summarize:
         print(summarize(a.summarize))
         return
     if a.one:
-        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s)
+        cases = tuple(a.cases.split(","))
+        if not set(cases) <= set(CASES):
+            ap.error(f"--cases: unknown {sorted(set(cases) - set(CASES))}; choose from {', '.join(CASES)}")
+        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s, cases)
         return
     from common import run_per_process
 
     run_per_process(os.path.abspath(__file__), a.dtypes.split(","),
-                    ["--steps", str(a.steps), "--steps-b1", str(a.steps_b1), "--long-prefill-s", str(a.long_prefill_s)],
+                    ["--steps", str(a.steps), "--steps-b1", str(a.steps_b1), "--long-prefill-s", str(a.long_prefill_s),
+                     "--cases", a.cases],
                     a.out, a.timeout_s)
 
 if __name__ == "__main__":
