@@ -6,6 +6,18 @@ result is exactly softmax attention over the cache's stored values, computed in 
 LSE is the natural-log log-sum-exp of the (scaled, soft-capped) scores per query head.
 Options follow FlashInfer, as the Triton kernels do: `window` is `window_left` (a query at position p
 sees keys p - window .. p; None or negative: no window), `softcap` None or 0 means no soft cap.
+
+Attention sinks (gpt-oss; vLLM's `sinks`, FlashAttention's `s_aux`): `sinks [Hq]`, one learned logit per query
+head in natural-log units, neither scaled by `sm_scale` nor soft-capped, joins every row's softmax denominator
+and carries no value: `p_i = exp(s_i) / (exp(sink) + sum_j exp(s_j))`, `out = sum_i p_i v_i`. KVX takes vLLM's
+tensor as it stores it (any float dtype) and computes with its FP32 values (`sink_values`: finite, checked).
+LSE semantics with sinks: the LSE returned is the log of the whole denominator, `log(exp(sink) + sum_j
+exp(s_j))`; a row with no allowed key gives output 0 and LSE = sink (without sinks: 0 and -inf). Attention
+computed in pieces and merged by LSE (vLLM's split prefill: new tokens over themselves + over the cached
+prefix) must count the sink once: the pieces are computed without sinks and `apply_sinks` joins them after
+the merge. `apply_sinks` is the one torch implementation of that join (this reference, a centered cache's
+kernel output in `ops.dispatch`, the vLLM split prefill); the Triton kernels join the sink in their split merge
+(decode) or final normalisation (prefill) with the same formula (`ops/triton/dequant.py` `join_sink`).
 """
 from __future__ import annotations
 
@@ -21,9 +33,11 @@ from .reference import gather_kv
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, sm_scale: float,
-           softcap: float | None, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+           softcap: float | None, window: int | None, causal: bool,
+           sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP64 attention core: q [Tq, Hq, D] at positions `q_pos`, k/v [L, Hkv, D] at positions 0..L-1 ->
-    (out [Tq, Hq, D], lse [Tq, Hq]) in FP64. Rows with no allowed key give 0 and -inf; NaN scores give NaN.
+    (out [Tq, Hq, D], lse [Tq, Hq]) in FP64. Rows with no allowed key give 0 and -inf (with `sinks [Hq]`,
+    checked by the caller: 0 and the sink); NaN scores give NaN.
 
     The paged functions below round it to FP32; the kernel tests' oracle (tests/kernels/oracle.py) runs it on
     K/V decoded by the formats themselves. It is tested against hand-made cases in tests/cache."""
@@ -47,7 +61,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     empty = torch.isneginf(lse)[..., None]  # rows with no allowed key: output 0, lse -inf
     p = torch.where(empty, 0.0, torch.exp(s - torch.where(empty, 0.0, lse[..., None])))  # NaN K/V stays NaN
     out = torch.einsum("thgl,lhd->thgd", p, v.double())
-    return out.reshape(tq, hq, d), lse.reshape(tq, hq)
+    out, lse = out.reshape(tq, hq, d), lse.reshape(tq, hq)
+    return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Join attention sinks into finished attention (see the module docstring): `out [T, Hq, D]` and natural-log
+    `lse [T, Hq]` of a softmax without them -> `(out * exp(lse - lse'), lse')` with `lse' = log(exp(lse) +
+    exp(sinks[h]))`, in lse's dtype (FP32 at least). A row with no key (lse -inf) gives 0 and the sink; NaN stays
+    NaN. Pieces merged by LSE are joined once, after their merge."""
+    dt = torch.promote_types(lse.dtype, torch.float32)
+    lse = lse.to(dt)
+    total = torch.logaddexp(lse, sinks.to(lse.device, dt))  # log-domain: a sink up to FP32's max stays finite
+    return out.to(dt) * torch.exp(lse - total)[..., None], total
 
 
 def softmax_scale(sm_scale: float | None, head_dim: int) -> float:
@@ -55,8 +81,36 @@ def softmax_scale(sm_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
 
 
-def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal=True) -> None:
-    """The attention options: finite numbers, softcap >= 0, an int window (host only)."""
+def check_sinks(sinks, what: str, num_qo_heads: int | None = None) -> None:
+    """`sinks`: None or a 1-D float tensor of one logit per query head (`num_qo_heads` when known); host metadata
+    only (sync-free). Their values: `sink_values`."""
+    if sinks is None:
+        return
+    require(isinstance(sinks, torch.Tensor) and sinks.is_floating_point() and sinks.dim() == 1,
+            Status.INVALID_ARGUMENT, f"{what}: sinks must be None or a 1-D float tensor [num_q_heads], got "
+            f"{(sinks.dtype, tuple(sinks.shape)) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    require(num_qo_heads is None or sinks.shape[0] == num_qo_heads, Status.INVALID_ARGUMENT,
+            f"{what}: sinks has {sinks.shape[0]} values for {num_qo_heads} query heads (one per query head)")
+
+
+def sink_values(sinks, num_qo_heads: int, device, what: str, *, check_values: bool = True) -> torch.Tensor | None:
+    """`sinks` (`check_sinks`) as every path computes with them: FP32, contiguous, on `device`; None for None.
+    With `check_values` (one host sync) finite in FP32: a NaN or infinite sink (or an FP64 one beyond FP32's
+    range) would turn its head's every output into NaN or 0. Large finite sinks are allowed."""
+    check_sinks(sinks, what, num_qo_heads)
+    if sinks is None:
+        return None
+    s = sinks.to(device=device, dtype=torch.float32).contiguous()
+    if check_values:
+        bad = ~torch.isfinite(s)
+        require(not bool(bad.any()), Status.INVALID_ARGUMENT,
+                f"{what}: sinks must be finite in FP32, got {s[bad].tolist()[:4]} at query heads "
+                f"{bad.nonzero().flatten().tolist()[:4]}")
+    return s
+
+
+def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal=True, sinks=None) -> None:
+    """The attention options: finite numbers, softcap >= 0, an int window, sinks' type (host only)."""
     require(isinstance(causal, bool), Status.INVALID_ARGUMENT, f"{what}: causal must be a bool, got {causal!r}")
     for name, x in (("sm_scale", sm_scale), ("softcap", softcap)):
         require(x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)),
@@ -65,13 +119,14 @@ def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal
     # an int: the reference would compare a float window, the kernels truncate it
     require(window is None or (isinstance(window, numbers.Integral) and not isinstance(window, bool)), Status.INVALID_ARGUMENT,
             f"{what}: window must be None or an int, got {window!r}")
+    check_sinks(sinks, what)
 
 
 def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, what: str, *,
-               sm_scale=None, softcap=None, window=None, causal=True) -> None:
+               sm_scale=None, softcap=None, window=None, causal=True, sinks=None) -> None:
     """Argument types, the query's shape and the options (the gather checks the rest); sync-free, so the
     kernel path of `ops.dispatch` runs it too."""
-    check_options(what, sm_scale=sm_scale, softcap=softcap, window=window, causal=causal)
+    check_options(what, sm_scale=sm_scale, softcap=softcap, window=window, causal=causal, sinks=sinks)
     require_type(cache, CacheDesc, f"{what}: cache")
     require(not softcap or cache.quant is None or cache.quant.k_center is None, Status.UNSUPPORTED,
             f"{what}: a soft cap over a cache with key centering (tanh is not shift invariant: the kernels' logits "
@@ -82,6 +137,7 @@ def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_len
             f"{what}: query must be [tokens, num_q_heads, head_dim={cache.head_dim}], got {tuple(query.shape)}")
     require(query.shape[1] % cache.num_kv_heads == 0, Status.INVALID_ARGUMENT,
             f"{what}: num_q_heads {query.shape[1]} must be a multiple of num_kv_heads {cache.num_kv_heads} (GQA)")
+    check_sinks(sinks, what, query.shape[1])
 
 
 def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | None,
@@ -123,55 +179,68 @@ def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
     return io, lens, starts
 
 
+def _outputs(query: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 (out, lse) as rows without keys leave them: 0, and -inf or the row's sink."""
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+    if sinks is not None:
+        lse.copy_(sinks.expand_as(lse))
+    return out, lse
+
+
 def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
-                 sm_scale: float | None = None, softcap: float | None = None,
-                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence (`query [B, Hq, D]`) attending over its whole cached sequence (a KV_OFFSETS
     table with beams: one query per (sequence, beam) row, in that order, `B = seqs * beam_width`).
 
-    Returns `(out [B, Hq, D] in query.dtype, lse [B, Hq] FP32)`; empty sequences give 0 and -inf.
+    Returns `(out [B, Hq, D] in query.dtype, lse [B, Hq] FP32)`; empty sequences give 0 and -inf (the sink
+    with `sinks [Hq]`, see the module docstring).
     """
-    check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap, window=window)
+    check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap, window=window,
+               sinks=sinks)
     rows = seq_lens.seq_count * table.beam_width
     require(query.shape[0] == rows, Status.INVALID_ARGUMENT,
             f"paged_decode: {query.shape[0]} queries for {seq_lens.seq_count} sequences"
             + (f" x {table.beam_width} beams" if table.beam_width > 1 else ""))
     scale = softmax_scale(sm_scale, cache.head_dim)
+    sinks = sink_values(sinks, query.shape[1], query.device, "paged_decode")
     io, lens, starts = _gather_all(cache, table, seq_lens)
-    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+    out, lse = _outputs(query, sinks)
     for b, n in enumerate(lens):
         if n == 0:
             continue
         k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]
         pos = torch.tensor([n - 1], device=query.device)
-        out[b:b + 1], lse[b:b + 1] = attend(query[b:b + 1], k, v, pos, scale, softcap, window, causal=True)  # -> FP32
+        out[b:b + 1], lse[b:b + 1] = attend(query[b:b + 1], k, v, pos, scale, softcap, window, True, sinks)  # -> FP32
     return out.to(query.dtype), lse
 
 
 def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc, table: BlockTable,
                   seq_lens: SeqLens, *, causal: bool = True, sm_scale: float | None = None,
-                  softcap: float | None = None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  softcap: float | None = None, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill / extend: sequence b's `q_len` new tokens (rows `qo_indptr[b]:qo_indptr[b+1]` of
     `query [T, Hq, D]`) are its last `q_len` cached tokens (already written); each attends to the
     cached prefix plus itself, causally. `seq_lens` are total cached lengths including the new tokens.
     `causal=False` (no window): each query attends to all `seq_lens[b]` cached tokens, which need not include
-    the queries (a chunk's attention over its cached prefix only).
+    the queries (a chunk's attention over its cached prefix only). `sinks [Hq]`: see the module docstring.
     """
-    check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap, window=window)
+    check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap, window=window,
+               sinks=sinks)
     require(table.beam_width == 1, Status.UNSUPPORTED,
             f"paged_prefill: a table of {table.beam_width} beams (prefill runs before beams fork: one beam)")
     ip = check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), query.shape[0],
                          queries_cached(causal, window))
     scale = softmax_scale(sm_scale, cache.head_dim)
+    sinks = sink_values(sinks, query.shape[1], query.device, "paged_prefill")
     io, lens, starts = _gather_all(cache, table, seq_lens)
-    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+    out, lse = _outputs(query, sinks)
     for b, n in enumerate(lens):
         q0, q1 = ip[b], ip[b + 1]
         if q1 == q0:
             continue
         k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]
         pos = torch.arange(n - (q1 - q0), n, device=query.device)
-        out[q0:q1], lse[q0:q1] = attend(query[q0:q1], k, v, pos, scale, softcap, window, causal)  # -> FP32
+        out[q0:q1], lse[q0:q1] = attend(query[q0:q1], k, v, pos, scale, softcap, window, causal, sinks)  # -> FP32
     return out.to(query.dtype), lse

@@ -124,7 +124,9 @@ class DecodePlan:
     rotated_out: torch.Tensor | None  # fp32 [B, Hq, D]: the merged output before its rotation back (rotated formats)
     lse_scratch: torch.Tensor  # fp32 [B, Hq]: where the merge writes the LSE a caller does not want (`want_lse`)
     reason: str | None = None  # why Triton and not the CUDA kernel (None: CUDA, or Triton was asked for)
-    cuda_steps: dict = field(default_factory=dict, compare=False)  # (table, lens) addresses -> CUDA step params
+    sinks: torch.Tensor | None = None  # FP32 [Hq] contiguous attention sinks, joined by the split merge
+    cuda_steps: dict = field(default_factory=dict, compare=False)  # (table, lens, sinks) addresses -> CUDA step
+    # params (plans copied per layer for their sinks share it: the key has the sinks' address)
 
     def run(self, q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=None, lse=None,
             k_smoothing: torch.Tensor | None = None, want_lse: bool = True):
@@ -179,12 +181,14 @@ class DecodePlan:
     def _cuda_bound(self, q, layer, block_table, seq_lens, out, lse) -> None:
         """The CUDA decode + merge over a bound layer: the step's parameter group is made once per plan and tables
         (`cuda_decode.step_params`), the layer's at bind time."""
-        key = (block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr())
+        sinks = self.sinks
+        key = (block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+               0 if sinks is None else sinks.data_ptr())
         step = self.cuda_steps.get(key)
         if step is None:
             step = self.cuda_steps[key] = cuda_decode.step_params(
                 block_table, seq_lens, self.mid_o, self.mid_l, self.sm_scale, self.softcap, self.window,
-                self.num_qo_heads // self.num_kv_heads, self.block_size, rotate_out=self.fmt.rotate)
+                self.num_qo_heads // self.num_kv_heads, self.block_size, sinks, rotate_out=self.fmt.rotate)
         if not self.fmt.rotate:  # key smoothing, if any, is in the layer's arguments
             cuda_decode.launch_args(layer.cuda_args, step, q, out, lse)
             return
@@ -211,7 +215,7 @@ class DecodePlan:
         if self.backend == "cuda" and why is None and out.dtype in cuda_decode.OUT_DTYPES:
             cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs, out=out,
-                               lse=lse, rotate_out=fmt.rotate)  # rotated formats: the merge rotates back
+                               lse=lse, sinks=self.sinks, rotate_out=fmt.rotate)  # `_rot`: the merge rotates back
             return out, lse if want_lse else None
         if self.backend == "cuda" and why is None:  # an output dtype only the Triton merge writes
             cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
@@ -221,7 +225,7 @@ class DecodePlan:
                                         self.mid_l, self.sm_scale, self.softcap, self.window, self.block_n,
                                         self.num_warps, self.num_stages, q_smoothing=qs)
         merged = out if self.rotated_out is None else self.rotated_out  # rotated: merged in FP32, rotated back
-        merge_splits(self.mid_o, self.mid_l, merged, lse)
+        merge_splits(self.mid_o, self.mid_l, merged, lse, self.sinks)
         if self.rotated_out is not None:
             rotate(self.rotated_out, out=out)
         return out, lse if want_lse else None

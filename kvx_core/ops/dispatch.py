@@ -11,7 +11,7 @@ interleaved by 4 tokens (TRT-LLM's layout, `QUANT_FLAG_V_SCALE_INTERLEAVE4`: the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -325,11 +325,26 @@ class AttentionPlan:
     table: BlockTable
     seq_lens: SeqLens
     qo_indptr: torch.Tensor | None
-    options: dict
+    num_qo_heads: int
+    device: torch.device
+    options: dict  # the attention options; "sinks": FP32 [Hq] on `device` (`attention.sink_values`) or None
     check: bool
     kernel: DecodePlan | PrefillPlan | None  # None: not on a device the kernels run on
     block_table: torch.Tensor | None  # int32 [B, max_blocks] for the kernels
     lens: torch.Tensor | None  # int32 [B] for the kernels
+
+    def with_sinks(self, sinks: torch.Tensor | None) -> AttentionPlan:
+        """This step's plan for a layer with its own attention sinks `[Hq]` (vLLM: one tensor per layer, one plan per
+        step for every layer of a group): the same tables, splits and workspace, the sinks checked as `plan_decode`
+        checks them (their values only under `check`). None: the plan without sinks."""
+        s = attention.sink_values(sinks, self.num_qo_heads, self.device, self.what, check_values=self.check)
+        kernel = None if self.kernel is None else replace(self.kernel, sinks=s)  # every merge joins them
+        return replace(self, options=dict(self.options, sinks=s), kernel=kernel)
+
+    def _sinks_after_kernel(self, cache: CacheDesc) -> bool:
+        """Whether the sinks join after the kernel, in torch: over a centered cache the kernels' logits are
+        `q . (k - c)`, each row shifted by `q . c`, so the sink joins once `center_lse` has restored the LSE."""
+        return self.options["sinks"] is not None and smoothing.center_of(cache) is not None
 
     def run(self, query: torch.Tensor, cache: CacheDesc | BoundLayer, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, *, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -342,7 +357,7 @@ class AttentionPlan:
         require(want_lse or lse is None, Status.INVALID_ARGUMENT, f"{self.what}: an lse buffer with want_lse=False")
         if isinstance(cache, BoundLayer):
             if not self.check and self.what == "paged_decode" and self.kernel is not None and not want_lse \
-                    and cache.table_format == self.table.format:
+                    and cache.table_format == self.table.format and not self._sinks_after_kernel(cache.cache):
                 return self.kernel.run_bound(query, cache, self.block_table, self.lens, out, want_lse=False)
             cache = cache.cache
         attention.check_args(query, cache, self.table, self.seq_lens, self.what, **self.options)
@@ -361,17 +376,24 @@ class AttentionPlan:
         if args is None:  # reads keys through the reference gather (times s, plus c)
             o, l = self._reference(query, cache, out, lse)
             return o, l if want_lse else None
+        kernel, late = self.kernel, self._sinks_after_kernel(cache)
+        if late:
+            kernel = replace(kernel, sinks=None)
         s = smoothing.of(cache)
         if self.what == "paged_decode":  # the decode scales the queries by s as it loads them
-            o, l = self.kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s,
-                                   want_lse=want_lse)
+            o, l = kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s,
+                              want_lse=want_lse or late)
         else:
-            o, l = self.kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
-                                   out=out, lse=lse)
-        if not want_lse:
+            o, l = kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
+                              out=out, lse=lse)
+        if not (want_lse or late):
             return o, None
-        return o, smoothing.center_lse(cache, query, l, attention.softmax_scale(self.options["sm_scale"],
-                                                                                 cache.head_dim))
+        l = smoothing.center_lse(cache, query, l, attention.softmax_scale(self.options["sm_scale"], cache.head_dim))
+        if late:  # one more rounding of the output, in its dtype
+            o_s, l_s = attention.apply_sinks(o, l, self.options["sinks"])
+            o.copy_(o_s)
+            l.copy_(l_s)
+        return o, l if want_lse else None
 
     def _reference(self, query, cache, out, lse):
         opts = self.options
@@ -406,12 +428,13 @@ def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
                 num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype, device=None,
                 max_seq_len: int | None = None, sm_scale: float | None = None, softcap: float | None = None,
                 window: int | None = None, check: bool = True, workspace: torch.Tensor | None = None,
-                split_batch: int | None = None) -> AttentionPlan:
+                split_batch: int | None = None, sinks: torch.Tensor | None = None) -> AttentionPlan:
     """Plan a decode step (one query token per sequence) for caches of this format and geometry on `device`
     (default: the table's). `max_seq_len` bounds the step's lengths (default: read from `seq_lens`, one host
     sync); with it and `check=False` planning never syncs, so engines plan in their metadata builder and run
     under CUDA graphs (with a persistent `workspace`: `ops.decode.workspace_size`, and `split_batch`: the graph
-    bucket, see `ops.decode.plan_decode`)."""
+    bucket, see `ops.decode.plan_decode`). `sinks [Hq]`: attention sinks (`ops.attention`; `with_sinks` gives a
+    layer's own)."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
     fmt, device, bt, lens = _plan_tables("paged_decode", fmt, table, seq_lens, options, device, check, block_size)
     kernel = None
@@ -423,16 +446,19 @@ def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
                                            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                                            q_dtype=q_dtype, device=device, max_seq_len=max_seq_len,
                                            workspace=workspace, split_batch=split_batch, **options)
-    return AttentionPlan("paged_decode", fmt, table, seq_lens, None, options, check, kernel, bt, lens)
+    plan = AttentionPlan("paged_decode", fmt, table, seq_lens, None, num_qo_heads, device, dict(options, sinks=None),
+                         check, kernel, bt, lens)
+    return plan if sinks is None else plan.with_sinks(sinks)
 
 
 def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype,
                  device=None, causal: bool = True, sm_scale: float | None = None, softcap: float | None = None,
-                 window: int | None = None, check: bool = True) -> AttentionPlan:
+                 window: int | None = None, check: bool = True, sinks: torch.Tensor | None = None) -> AttentionPlan:
     """Plan a prefill / extend step: sequence b's new queries are rows `qo_indptr[b]:qo_indptr[b+1]` (the work
     list reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync). `causal=False` without a
-    window attends every query to all of its sequence's cached tokens (`attention.paged_prefill`)."""
+    window attends every query to all of its sequence's cached tokens (`attention.paged_prefill`). `sinks`: as
+    in `plan_decode`."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
     fmt, device, bt, lens = _plan_tables("paged_prefill", fmt, table, seq_lens, options, device, check, block_size)
     if bt is not None and bt.shape[0] != seq_lens.seq_count:  # beams: one query range per request, rows per beam
@@ -448,36 +474,38 @@ def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, 
                                              head_dim=head_dim, block_size=block_size, q_dtype=q_dtype,
                                              device=device, causal=causal, sm_scale=sm_scale, softcap=softcap,
                                              window_left=window)
-    return AttentionPlan("paged_prefill", fmt, table, seq_lens, qo_indptr, dict(options, causal=causal), check,
-                         kernel, bt, lens)
+    plan = AttentionPlan("paged_prefill", fmt, table, seq_lens, qo_indptr, num_qo_heads, device,
+                         dict(options, causal=causal, sinks=None), check, kernel, bt, lens)
+    return plan if sinks is None else plan.with_sinks(sinks)
 
 
 def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
-                 max_seq_len: int | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_seq_len: int | None = None, check: bool = True,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention.paged_decode`, on the decode kernels (CUDA or Triton, `ops.decode`'s choice) for PACKED tables
     over kernel-addressable pools: `plan_decode` for this cache, then `run`. `check` validates the table against
     the cache (one host sync); engines that own their tables plan once per step with `check=False` and
     `max_seq_len` (sync-free: CUDA graphs) and run the plan per layer."""
     attention.check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap,
-                         window=window)
+                         window=window, sinks=sinks)
     plan = plan_decode(table, seq_lens, fmt=format_of(cache), num_qo_heads=query.shape[1],
                        num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, block_size=cache.block_size,
                        q_dtype=query.dtype, device=query.device, max_seq_len=max_seq_len, sm_scale=sm_scale,
-                       softcap=softcap, window=window, check=check)
+                       softcap=softcap, window=window, check=check, sinks=sinks)
     return plan.run(query, cache)
 
 
 def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc, table: BlockTable,
                   seq_lens: SeqLens, *, causal: bool = True, sm_scale: float | None = None,
-                  softcap: float | None = None, window: int | None = None,
-                  check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  softcap: float | None = None, window: int | None = None, check: bool = True,
+                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention.paged_prefill`, on the Triton prefill kernel for PACKED tables over kernel-addressable
     pools: `plan_prefill` for this cache, then `run` (pass `qo_indptr` on the CPU to avoid a device sync)."""
     attention.check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap,
-                         window=window)
+                         window=window, sinks=sinks)
     plan = plan_prefill(qo_indptr, table, seq_lens, fmt=format_of(cache), num_qo_heads=query.shape[1],
                         num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, block_size=cache.block_size,
                         q_dtype=query.dtype, device=query.device, causal=causal, sm_scale=sm_scale,
-                        softcap=softcap, window=window, check=check)
+                        softcap=softcap, window=window, check=check, sinks=sinks)
     return plan.run(query, cache)

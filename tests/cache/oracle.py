@@ -22,12 +22,14 @@ def hadamard_f64(d: int) -> np.ndarray:
 
 
 def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: list[int], *, sm_scale: float,
-                  softcap: float | None = None, window: int | None = None,
-                  causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                  softcap: float | None = None, window: int | None = None, causal: bool = True,
+                  sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """q [Tq, Hq, D] at positions q_pos; k, v [L, Hkv, D] at positions 0..L-1.
     Query head h reads KV head h // (Hq / Hkv). `window` is FlashInfer's window_left: the query at p
     sees keys p - window .. p (None: all). Scores are scaled, then soft-capped `c * tanh(s / c)`.
-    Returns (out [Tq, Hq, D], lse [Tq, Hq]) in float64; a query with no visible key gives 0 and -inf."""
+    `sinks [Hq]`: head h's denominator gains exp(sinks[h]) (a logit with no value, neither scaled nor capped).
+    Returns (out [Tq, Hq, D], lse [Tq, Hq]) in float64, lse the log of the whole denominator; a query with no
+    visible key gives 0 and -inf (its sink with sinks)."""
     tq, hq, d = q.shape
     length, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
@@ -36,17 +38,19 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: list[int],
     for t in range(tq):
         visible = [j for j in range(length)
                    if (not causal or j <= q_pos[t]) and (window is None or q_pos[t] - j <= window)]
-        if not visible:
-            continue
         for h in range(hq):
             kh = h // group
             s = np.array([float(np.dot(q[t, h], k[j, kh])) * sm_scale for j in visible])
             if softcap is not None:
                 s = softcap * np.tanh(s / softcap)
-            m = s.max()
+            sink = -np.inf if sinks is None else float(sinks[h])
+            m = max(s.max(initial=-np.inf), sink)
+            if m == -np.inf:
+                continue
             w = np.exp(s - m)
-            lse[t, h] = m + math.log(w.sum())
-            out[t, h] = (w / w.sum()) @ v[visible, kh]
+            denom = w.sum() + math.exp(sink - m)
+            lse[t, h] = m + math.log(denom)
+            out[t, h] = (w / denom) @ v[visible, kh] if visible else 0.0
     return out, lse
 
 

@@ -79,3 +79,13 @@ def ref_decode(q, fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_tab
         o, lse[b:b + 1] = attend(qq, k, v, torch.tensor([L - 1]), sm_scale, softcap, window, causal=True)
         out[b] = fmt.unrotate_output(o[0])
     return out, lse
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP64 (out, lse) of attention whose head-h denominators gain exp(sinks[h]) (a logit with no value), from the
+    same attention without them, by the definition: p_i = exp(s_i) / (exp(sink) + sum_j exp(s_j)), where
+    sum_j exp(s_j) = exp(lse), both terms taken under the common shift m = max(lse, sink)."""
+    s = sinks.double().cpu()[None, :].expand_as(lse)
+    m = torch.maximum(lse.double(), s)
+    keys, sink = torch.exp(lse.double() - m), torch.exp(s - m)
+    return out.double() * (keys / (keys + sink))[..., None], m + torch.log(keys + sink)

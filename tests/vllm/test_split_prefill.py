@@ -3,9 +3,10 @@ against an FP64 oracle: `ops.attention.attend` over each request's dequantized p
 the pages) followed by its exact new K/V, causally at the new tokens' positions.
 
 Ragged requests: an empty prefix (a fresh prompt: the prefix attention is empty, lse -inf), one new token over a
-prefix (a decode token in a mixed batch), a long prefix with a long chunk. CPU (vLLM CPU: the reference core for
-the new tokens, vLLM's torch merge) in CI; CUDA (vLLM's FlashAttention, the KVX Triton prefill, vLLM's CUDA
-merge) on the GPU machine.
+prefix (a decode token in a mixed batch), a long prefix with a long chunk. With attention sinks (gpt-oss) the
+oracle joins them by their definition (`tests/kernels/oracle.with_sinks`): once per row, not once per piece.
+CPU (vLLM CPU: the reference core for the new tokens, vLLM's torch merge) in CI; CUDA (vLLM's FlashAttention, the
+KVX Triton prefill, vLLM's CUDA merge) on the GPU machine.
 """
 from __future__ import annotations
 
@@ -21,12 +22,17 @@ TOLERANCE = 1e-2
 weight gives errors of order 1."""
 
 
-def _check(device: str, fmt: str, case: str, softcap: float | None = None) -> None:
+SINKS = [-1e4, 1e4, 0.0, 2.5, -3.0, 7.0, 0.5, -0.25]  # one per query head (2 KV heads x 4)
+
+
+def _check(device: str, fmt: str, case: str, softcap: float | None = None, sinks: bool = False) -> None:
     from kvx_core.cache import PagedKVCache
     from kvx_core.descriptors import BlockTable, SeqLens
     from kvx_core.ops.attention import attend
     from kvx_core.ops.dispatch import plan_prefill
     from kvx_vllm.prefill import SplitPrefill
+
+    from ..kernels.oracle import with_sinks
 
     prefix_lens, q_lens = CASES[case]
     hkv, qh, d, bs = 2, 4, 64, 16
@@ -55,8 +61,9 @@ def _check(device: str, fmt: str, case: str, softcap: float | None = None) -> No
                         device=device)), fmt=fmt, num_qo_heads=hkv * qh, num_kv_heads=hkv, head_dim=d, block_size=bs,
                         q_dtype=torch.bfloat16, device=device, causal=False, softcap=softcap, check=False)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
+    sk = torch.tensor(SINKS, device=device) if sinks else None
     SplitPrefill(plan, cu.to(device), cu.tolist(), max(q_lens), d ** -0.5, softcap).run(
-        q.to(device), k[new].to(device), v[new].to(device), cache.descriptor(0), out)
+        q.to(device), k[new].to(device), v[new].to(device), cache.descriptor(0), out, sinks=sk)
 
     kd, vd = cache.gather(0, bt.to(device), torch.tensor(prefix_lens, dtype=torch.int32, device=device))
     pstart = torch.tensor([0, *prefix_lens]).cumsum(0).tolist()
@@ -65,7 +72,8 @@ def _check(device: str, fmt: str, case: str, softcap: float | None = None) -> No
         rows = slice(int(cu[b]), int(cu[b + 1]))
         kk = torch.cat([kd[pstart[b]:pstart[b + 1]].cpu().double(), k[new][rows].double()])
         vv = torch.cat([vd[pstart[b]:pstart[b + 1]].cpu().double(), v[new][rows].double()])
-        ref[rows] = attend(q[rows], kk, vv, torch.arange(p, p + n), d ** -0.5, softcap, None, True)[0]
+        o, lse = attend(q[rows], kk, vv, torch.arange(p, p + n), d ** -0.5, softcap, None, True)
+        ref[rows] = with_sinks(o, lse, sk.cpu())[0] if sinks else o
     got = out.cpu().double()
     assert not got.isnan().any()
     err = (got - ref).norm() / ref.norm()
@@ -79,10 +87,18 @@ def test_split_prefill_matches_the_oracle_cpu(fmt, case):
     _check("cpu", fmt, case, softcap=30.0 if fmt == "int8" else None)
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8", "k8v4_rot"])
+def test_split_prefill_counts_the_sinks_once_cpu(fmt, case):
+    _check("cpu", fmt, case, softcap=30.0 if fmt == "int8" else None, sinks=True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8", "int4", "mxfp4", "k8v4_rot"])
-def test_split_prefill_matches_the_oracle_cuda(fmt, case):
+def test_split_prefill_matches_the_oracle_cuda(fmt, case, sinks):
     if not torch.cuda.is_available():
         pytest.fail("needs a CUDA GPU with vLLM 0.26 (the GPU machine)")
-    _check("cuda", fmt, case, softcap=30.0 if fmt == "int8" else None)
+    _check("cuda", fmt, case, softcap=30.0 if fmt == "int8" else None, sinks=sinks)

@@ -76,7 +76,7 @@ def _decode_kernel(
 
     # ---- store this split's normalised partial output and its log2-sum-exp ----
     mo_row = b.to(tl.int64) * s_mob + hq.to(tl.int64) * s_moh + sp * s_mos
-    lse2 = store_rows(MO, mo_row, acc_a, acc_b, pm, m_i, l_i, v_fac, rmask, VF, D)
+    lse2 = store_rows(MO, mo_row, acc_a, acc_b, pm, m_i, l_i, v_fac, 1.0, rmask, VF, D)  # sinks: merge.py
     tl.store(ML + b.to(tl.int64) * s_mlb + hq.to(tl.int64) * s_mlh + sp, lse2, mask=rmask)
 
 

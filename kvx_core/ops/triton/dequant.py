@@ -267,3 +267,13 @@ def lse_or_empty(l, lse):
     """`lse` where the softmax denominator `l` is positive; -inf for an empty row (l == 0); NaN when the
     scores were NaN (l is NaN), as the reference attention gives."""
     return tl.where(l > 0, lse, tl.where(l == 0, float("-inf"), float("nan")))
+
+
+@triton.jit
+def join_sink(lse, sink):
+    """(lse', w): the attention sink `sink` (natural log, `ops.attention`) joined into a finished row's natural-log
+    `lse` as one more denominator term with no value: lse' = log(exp(lse) + exp(sink)), and w = exp(lse - lse')
+    rescales the row's output. In the natural-log domain, as `ops.attention.apply_sinks` (times log2(e) a sink
+    near FP32's max would overflow). An empty row (lse -inf) gives the sink and w = 0; NaN stays NaN."""
+    total = tl.maximum(lse, sink) + tl.log(1.0 + tl.exp(-tl.abs(lse - sink)))
+    return total, tl.exp(lse - total)

@@ -1,6 +1,7 @@
 """Split merge of the split-KV decode: the per-split partial outputs and log2-sum-exps that the decode
 kernels (Triton `decode.py`, CUDA `ops/cuda`) write into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]` are merged
-(LSE-weighted) into the output, cast to its dtype, and its natural-log LSE.
+(LSE-weighted) into the output, cast to its dtype, and its natural-log LSE. Attention sinks (`ops.attention`) join
+here, once per row after the splits: each split is a piece of the row's softmax without them.
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dequant import lse_or_empty
+from .dequant import join_sink, lse_or_empty
 from .launch import next_pow2
 
 MERGE_COLS = 32
@@ -22,10 +23,12 @@ def _merge_kernel(
     ML, s_mlb, s_mlh,
     O, s_ob, s_oh,
     LSE, s_lb, s_lh,
+    SINKS,
     num_splits,
-    DB: tl.constexpr, SB: tl.constexpr,
+    DB: tl.constexpr, SB: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s.
+    """Merge the splits of one (sequence, query head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s; with
+    HAS_SINKS, the head's sink `SINKS[hq]` joins as one more term exp(sink) of the denominator (`join_sink`).
 
     Program (b, hq, j) owns output columns [j*DB, (j+1)*DB); splits are read SB at a time as one [SB, DB] tile (one memory latency
     per SB splits, not per split), so small batches still spread the reduction over many SMs.
@@ -54,14 +57,20 @@ def _merge_kernel(
     l_safe = tl.where(l > 0, l, 1.0)
     out = acc / l_safe
     lse = lse_or_empty(l, (m + tl.log2(l_safe)) * 0.6931471805599453)
+    if HAS_SINKS:
+        lse, w = join_sink(lse, tl.load(SINKS + hq))
+        out = out * w
     tl.store(O + b * s_ob + hq * s_oh + offs_d, out.to(O.dtype.element_ty))
     if d0 == 0:
         tl.store(LSE + b * s_lb + hq * s_lh, lse)
 
 
-def merge_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def merge_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> None:
     """Merge `mid_o [B, Hq, S, D]` (fp32, per-split normalised outputs) and `mid_l [B, Hq, S]` (fp32 log2-sum-exps)
-    into `out [B, Hq, D]` (its dtype, last dim contiguous) and `lse [B, Hq]` (fp32, natural log)."""
+    into `out [B, Hq, D]` (its dtype, last dim contiguous) and `lse [B, Hq]` (fp32, natural log), joining the
+    attention sinks `sinks` (checked by the caller: FP32 contiguous [Hq] on the device, `ops.attention.sink_values`;
+    None: none, the kernel without that step)."""
     bsz, hq, num_splits, d = mid_o.shape
     db = min(d, MERGE_COLS)
     _merge_kernel[(bsz, hq, d // db)](
@@ -69,7 +78,8 @@ def merge_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, ls
         mid_l, mid_l.stride(0), mid_l.stride(1),
         out, out.stride(0), out.stride(1),
         lse, lse.stride(0), lse.stride(1),
+        lse if sinks is None else sinks,  # unread without sinks
         num_splits,
-        DB=db, SB=min(64 if db < d else 32, next_pow2(num_splits)),
+        DB=db, SB=min(64 if db < d else 32, next_pow2(num_splits)), HAS_SINKS=sinks is not None,
         num_warps=4,
     )

@@ -9,7 +9,8 @@ both dots on tensor cores. The tile steps (K/V dequantization in registers, scor
 the dot; 4-bit formats contract even/odd head_dim halves separately); here INT codes enter the dots as their
 integer values (`SUB` off) and the 4-bit decoders are the portable forms (`ASM` off). Hadamard formats: the
 kernel works in the rotated domain; q is rotated before it and its FP32 output back after it by
-`ops.rotation.rotate`, as in decode. `plan_prefill` builds the work list once per step; `PrefillPlan.run`
+`ops.rotation.rotate`, as in decode. Attention sinks (`ops.attention`) join each row's denominator in its final
+normalisation (`dequant.join_sink`). `plan_prefill` builds the work list once per step; `PrefillPlan.run`
 launches one layer. `window_left` follows FlashInfer, `paged_decode` and
 `attention.paged_prefill(window=...)`: key j is attended iff `j >= pos - window_left`.
 """
@@ -26,6 +27,7 @@ from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ..rotation import rotate
 from ..kernel_format import kernel_format
+from .dequant import join_sink, lse_or_empty
 from .launch import as_bytes, check_device, check_layer, check_plan, dot_type, fp8_type, global_scale_arg, pool_geometry
 from .tiles import acc_init, head_factors, load_q, pv_tile, q_sums, qk_tile, softmax_step, store_rows, tile_slots
 
@@ -38,13 +40,13 @@ def _prefill_kernel(
     Q, s_qt, s_qh, O, s_ot, s_oh, LSE, s_lt, s_lh,
     KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst,
     VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst,
-    KG, VG, BT, s_btb, SEQ, QO, TILE_SEQ, TILE_ROW,
+    KG, VG, BT, s_btb, SEQ, QO, TILE_SEQ, TILE_ROW, SINKS,
     sm_scale, softcap, window_left,
     BS: tl.constexpr, QH: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     KF: tl.constexpr, VF: tl.constexpr, KGRP: tl.constexpr, VGRP: tl.constexpr,
     KDT: tl.constexpr, VDT: tl.constexpr, KIEEE: tl.constexpr, VIEEE: tl.constexpr,
     KGS: tl.constexpr, VGS: tl.constexpr, K8: tl.constexpr, V8: tl.constexpr,
-    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -97,8 +99,13 @@ def _prefill_kernel(
                                    h64, off, tmask, VF, VGRP, D, BLOCK_N, VDT, V8, VIEEE, False, False)
 
     o_row = (q0 + tok).to(tl.int64) * s_ot + hq.to(tl.int64) * s_oh
-    lse2 = store_rows(O, o_row, acc_a, acc_b, pm, m_i, l_i, v_fac, rvalid, VF, D)
-    tl.store(LSE + (q0 + tok).to(tl.int64) * s_lt + hq.to(tl.int64) * s_lh, lse2 * 0.6931471805599453, mask=rvalid)
+    if HAS_SINKS:  # the row's sink joins its denominator: the LSE and the keys' weight w
+        lse2 = m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))
+        lse, w = join_sink(lse_or_empty(l_i, lse2 * 0.6931471805599453), tl.load(SINKS + hq, mask=rvalid, other=0.0))
+        store_rows(O, o_row, acc_a, acc_b, pm, m_i, l_i, v_fac, w, rvalid, VF, D)
+    else:
+        lse = store_rows(O, o_row, acc_a, acc_b, pm, m_i, l_i, v_fac, 1.0, rvalid, VF, D) * 0.6931471805599453
+    tl.store(LSE + (q0 + tok).to(tl.int64) * s_lt + hq.to(tl.int64) * s_lh, lse, mask=rvalid)
 
 
 def _default_block_n(kk, kv) -> int:
@@ -146,6 +153,7 @@ class PrefillPlan:
     tile_seq: torch.Tensor  # int32 [programs]: each program's sequence
     tile_row: torch.Tensor  # int32 [programs]: its first packed (token, query head) row
     rotated_out: torch.Tensor | None  # fp32 [T, Hq, D]: the output before its rotation back (rotated formats)
+    sinks: torch.Tensor | None = None  # FP32 [Hq] contiguous attention sinks (`ops.attention.sink_values`)
 
     def run(self, q: torch.Tensor, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +173,7 @@ class PrefillPlan:
                 as_bytes(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2), *vs,
                 global_scale_arg(k_gs, kk, hkv, q.device), global_scale_arg(v_gs, kv, hkv, q.device),
                 block_table, block_table.stride(0), seq_lens, self.qo_indptr, self.tile_seq, self.tile_row,
+                lse if self.sinks is None else self.sinks,  # unread without sinks
                 self.sm_scale, float(self.softcap) if self.softcap else 1.0,
                 int(w) if w is not None and w >= 0 else 0,
                 BS=bs, QH=hq // hkv, BM=self.block_m, D=d, BLOCK_N=self.block_n,
@@ -173,6 +182,7 @@ class PrefillPlan:
                 KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
                 KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv),
                 CAUSAL=self.causal, SOFTCAP=bool(self.softcap), WINDOW=w is not None and w >= 0,
+                HAS_SINKS=self.sinks is not None,
                 num_warps=self.num_warps, num_stages=self.num_stages,
             )
         if self.rotated_out is not None:  # one rotation back into the output dtype

@@ -271,11 +271,12 @@ def finish(acc_a, acc_b, pm, inv_l, v_fac, F: tl.constexpr):
 
 
 @triton.jit
-def store_rows(O, o_row, acc_a, acc_b, pm, m_i, l_i, v_fac, rmask, F: tl.constexpr, D: tl.constexpr):
-    """Store the normalised output rows `o_row` (cast to O's dtype; even / odd columns for packed V) and return
-    their log2-sum-exp (-inf for an empty row, NaN for NaN scores)."""
+def store_rows(O, o_row, acc_a, acc_b, pm, m_i, l_i, v_fac, o_fac, rmask, F: tl.constexpr, D: tl.constexpr):
+    """Store the normalised output rows `o_row` times `o_fac` (1.0, or per row the weight `dequant.join_sink` gives
+    the keys when a sink joins the denominator; cast to O's dtype; even / odd columns for packed V) and return
+    their log2-sum-exp without a sink (-inf for an empty row, NaN for NaN scores)."""
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    oa, ob = finish(acc_a, acc_b, pm, 1.0 / l_safe, v_fac, F)
+    oa, ob = finish(acc_a, acc_b, pm, o_fac / l_safe, v_fac, F)
     if F == F_INT4 or F == F_MXFP4 or F == F_NVFP4:
         offs_hd = tl.arange(0, D // 2)
         tl.store(O + o_row[:, None] + 2 * offs_hd[None, :], oa.to(O.dtype.element_ty), mask=rmask[:, None])

@@ -8,7 +8,9 @@ runs over its own pages, writing into vLLM's output buffer: on CUDA pages the fu
 and Triton prefill kernels (sync-free: vLLM owns its slot mappings and block tables, `max_seq_len` and the host
 copy of `query_start_loc` come from its metadata), on CPU the torch reference ops. Steps with prompt tokens run
 the split prefill of `prefill` (new tokens by FlashAttention, cached prefix by KVX, merged) unless the run
-asks for `{"kvx": {"prefill": "cache"}}`.
+asks for `{"kvx": {"prefill": "cache"}}`. Attention sinks (gpt-oss: the impl's `sinks`, one logit per query head
+and layer) are checked once when the weights are loaded and given to each layer's run of the step's plan
+(`AttentionPlan.with_sinks`, `SplitPrefill.run`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.formats import CacheFormat, get_format
 from kvx_core.ops import backends
+from kvx_core.ops.attention import check_sinks, sink_values
 from kvx_core.ops.dispatch import AttentionPlan, BoundLayer, bind, plan_decode, plan_prefill, write_kv
 from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
 from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
@@ -72,6 +75,11 @@ class KvxAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type["KvxMetadataBuilder"]:
         return KvxMetadataBuilder
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        """Attention sinks (gpt-oss): every KVX attention path joins them (`kvx_core.ops.attention`)."""
+        return True
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
@@ -195,7 +203,8 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: str | None = None, **extra) -> None:
+                 kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None,
+                 **extra) -> None:
         unsupported = {
             "attention type " + str(attn_type): attn_type != AttentionType.DECODER,
             "ALiBi": alibi_slopes is not None,
@@ -215,10 +224,19 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         self.attn_type = attn_type
         self.format = _run_format()
         self.format.check_head_dim(head_size)
+        check_sinks(sinks, "KVX attention sinks", num_heads)  # their values are loaded later
+        self.sinks = sinks  # vLLM's parameter, as vLLM's own impls keep it
+        self._sinks: torch.Tensor | None = None  # FP32 [Hq] on the layer's device: process_weights_after_loading
         self._desc: tuple[tuple, CacheDesc, CacheDesc | BoundLayer] | None = None
         self._quant: tuple[torch.Tensor | None, ...] | None = None
         cfg = get_current_vllm_config_or_none()  # layers are built inside the run's config: startup refusals here
         self._calibration = None if cfg is None else layer_values(cfg, self.format, softcap=self.softcap)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """The layer's sinks, now loaded, as KVX computes with them (FP32 `[Hq]` contiguous on their device) and
+        checked once, here (finite: a host sync no step makes)."""
+        if self.sinks is not None:
+            self._sinks = sink_values(self.sinks, self.num_heads, self.sinks.device, "KVX attention sinks")
 
     # ------------------------------------------------------------ cache view
     def _layer_quant(self, layer: AttentionLayer, device: torch.device):
@@ -286,9 +304,13 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)
+        if self.sinks is not None and self._sinks is None:
+            raise RuntimeError("KVX backend: attention sinks not prepared (vLLM did not call "
+                               "process_weights_after_loading); refusing to attend without them")
         desc, bound = self._bound(layer, kv_cache)
         if isinstance(m.plan, SplitPrefill):
-            m.plan.run(query[:n], key[:n], value[:n], desc, out)
+            m.plan.run(query[:n], key[:n], value[:n], desc, out, sinks=self._sinks)
         else:
-            m.plan.run(query[:n], bound, out=out, want_lse=False)
+            plan = m.plan if self._sinks is None else m.plan.with_sinks(self._sinks)
+            plan.run(query[:n], bound, out=out, want_lse=False)
         return output

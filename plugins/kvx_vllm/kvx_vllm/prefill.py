@@ -23,6 +23,10 @@ module passes); on the reference, keys read back times s plus c. Either way both
 they share one scale and merge as without the transform (the outputs need no correction: the shift cancels in the
 softmax). Not with a logit soft cap: a calibration that centers keys is refused at startup for such a model.
 
+Attention sinks (gpt-oss: one logit per query head joins each row's softmax denominator, `kvx_core.ops.attention`)
+are counted once: both pieces are computed without them and `attention.apply_sinks` joins them to the merged output
+and LSE (one more rounding of the output, in its dtype).
+
 Off CUDA (vLLM CPU, the CI path) the new-token attention is KVX's FP64 reference core (`ops.attention.attend`),
 per request: the same math, for testing the route on small models.
 """
@@ -73,10 +77,10 @@ class SplitPrefill:
     softcap: float | None
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: CacheDesc,
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`out [T, Hq, D]` = attention of the step's `query [T, Hq, D]` over its new `key`/`value [T, Hkv, D]`
         and the cached prefixes in `cache` (the new tokens are already written; the prefix plan does not read
-        them)."""
+        them), with the layer's attention `sinks` (FP32 `[Hq]` on the device, checked: `attention.sink_values`)."""
         if query.is_cuda:
             new_out, new_lse = _new_tokens_attention_cuda(query, key, value, self.cu_seqlens, self.max_query_len,
                                                           self.sm_scale, self.softcap)
@@ -86,5 +90,8 @@ class SplitPrefill:
         prefix_out = torch.empty_like(query)
         prefix_lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         self.prefix.run(query, cache, out=prefix_out, lse=prefix_lse)
-        merge_attn_states(out, prefix_out, prefix_lse.t().contiguous(), new_out, new_lse)
+        merged_lse = None if sinks is None else torch.empty_like(new_lse)  # [Hq, T], as vLLM's LSEs
+        merge_attn_states(out, prefix_out, prefix_lse.t().contiguous(), new_out, new_lse, output_lse=merged_lse)
+        if sinks is not None:
+            out.copy_(attention.apply_sinks(out, merged_lse.t(), sinks)[0])
         return out
