@@ -110,11 +110,10 @@ def _spy_run_bound(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_layers_come_bound_for_their_offsets_table(dtype, monkeypatch):
+def test_layers_come_bound_for_their_offsets_table(kernels_on_cpu, dtype, monkeypatch):
     """On a kernel device (forced here: the kernels under the interpreter) every layer is bound for its KV_OFFSETS
     table, and a step's sync-free plan run as documented (`layer.bound or layer.cache`) takes the bound fast path and
     equals attention over the K/V the engine wrote (FP8: times the layer's scale)."""
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     e = TwoPools(dtype=dtype, secondary=False, lens=(7, 12), beams=1, d=64)
     fp8 = dtype == torch.float8_e4m3fn
     s = torch.tensor([0.5, 2.0, 0.125]) if fp8 else torch.ones(3)
@@ -132,10 +131,9 @@ def test_layers_come_bound_for_their_offsets_table(dtype, monkeypatch):
     assert len(calls) == len(layers)
 
 
-def test_bound_layers_take_no_writes(monkeypatch):
+def test_bound_layers_take_no_writes(kernels_on_cpu, monkeypatch):
     """Their K and V are one block array: a slot-mapped write would store V over K (writes go through
     `layer_views`)."""
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     e = TwoPools(secondary=False, lens=(7, 12), beams=1, d=64)
     x = e.describe()[0]
     before = e.pools[x.pool].clone()
@@ -147,7 +145,7 @@ def test_bound_layers_take_no_writes(monkeypatch):
 
 def test_layers_the_kernels_cannot_address_are_not_bound(monkeypatch):
     assert all(x.bound is None for x in TwoPools(secondary=False, d=64).describe())  # CPU pools: no kernel device
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)  # binding launches nothing
     assert all(x.bound is None for x in TwoPools(d=64).describe())  # host (secondary) pools: the reference reads them
 
 

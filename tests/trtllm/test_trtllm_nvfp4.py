@@ -104,10 +104,9 @@ def test_reading_interleaved_v_scales_as_linear_would_be_caught():
     assert torch.equal(out.key, k) and not torch.equal(out.value, v)
 
 
-def test_kernels_never_see_interleaved_scales(monkeypatch):
+def test_kernels_never_see_interleaved_scales(kernels_on_cpu, monkeypatch):
     """On a kernel device dispatch keeps linear NVFP4 pools on the kernels and sends interleaved ones to the
     reference, which still returns the oracle."""
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     inter, lin = Nvfp4Cache(), Nvfp4Cache(interleaved=False)
     assert dispatch._kernel_pools(lin.describe(v_scale_layout="linear")[0].cache) is not None
     x = inter.describe()[1]
@@ -117,11 +116,10 @@ def test_kernels_never_see_interleaved_scales(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "linear"])
-def test_decode_as_an_engine_runs_it_equals_attention_over_the_oracle_kv(layout, monkeypatch):
+def test_decode_as_an_engine_runs_it_equals_attention_over_the_oracle_kv(kernels_on_cpu, layout, monkeypatch):
     """On a kernel device (forced: the kernels under the interpreter) a step's sync-free plan run over `layer.bound or
     layer.cache`: linear V scales are bound (the kernels), interleaved ones are not (the reference); both equal the
     oracle."""
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     e = Nvfp4Cache(interleaved=layout == "interleaved")
     x = e.describe(v_scale_layout=layout)[0]
     assert (x.bound is None) == (layout == "interleaved")
