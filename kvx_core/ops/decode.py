@@ -12,7 +12,6 @@ uint8 scale pools, FP32 `[H_kv]` global scales, int32 block table `[B, max_block
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +21,7 @@ from ..formats import CacheFormat
 from .rotation import rotate
 from .checks import check_max_seq_len
 from .smoothing import scale_queries
-from .cuda import Choice, choose
+from .cuda import Choice, choose, env_backend
 from .cuda import decode as cuda_decode
 from .kernel_format import FormatCode, kernel_format
 from .triton import decode as triton_decode
@@ -68,8 +67,8 @@ def choose_splits(backend: str, batch: int, num_kv_heads: int, max_seq_len: int,
 
 
 def requested_backend(backend: str | None) -> str:
-    """The backend a call asks for: its `backend` argument, else `$KVX_DECODE_BACKEND`, else "auto"."""
-    return backend or os.environ.get("KVX_DECODE_BACKEND", "auto")
+    """The backend a call asks for: its `backend` argument, else `$KVX_DECODE_BACKEND` (read once), else "auto"."""
+    return backend or env_backend("KVX_DECODE_BACKEND")
 
 
 def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, batch: int,

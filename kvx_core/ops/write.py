@@ -4,11 +4,10 @@ the CUDA kernel runs at 2-3x the Triton kernel's bandwidth (benchmarks/results/w
 
 `ops.dispatch.write_kv` calls `launch_write` for kernel-addressable caches; `write_kv` here takes raw pools
 (the storage contract of `ops/triton`). `backend`: "auto" (CUDA where it serves the call, else Triton),
-"cuda" (refuses what it cannot serve) or "triton"; unset, `$KVX_WRITE_BACKEND` decides, else "auto".
+"cuda" (refuses what it cannot serve) or "triton"; unset, `$KVX_WRITE_BACKEND` (read once) decides, else "auto".
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -16,7 +15,7 @@ from ..errors import KvxError, Status
 from ..formats import CacheFormat
 from .rotation import rotate_kv
 from .checks import WriteArgs, check_write_args
-from .cuda import Choice, choose
+from .cuda import Choice, choose, env_backend
 from .cuda import write as cuda_write
 from .kernel_format import kernel_format
 from .triton import write as triton_write
@@ -36,7 +35,7 @@ def choose_backend(backend: str | None, key: torch.Tensor, value: torch.Tensor, 
                    k_data: torch.Tensor, v_data: torch.Tensor) -> Choice:
     """The kernel for this write ("cuda" or "triton") and why not CUDA (KvxError UNSUPPORTED when "cuda" is asked
     for and cannot serve it)."""
-    backend = backend or os.environ.get("KVX_WRITE_BACKEND", "auto")
+    backend = backend or env_backend("KVX_WRITE_BACKEND")
     if backend not in BACKENDS:
         raise KvxError(Status.INVALID_ARGUMENT, f"write backend must be auto, cuda or triton, got {backend!r}")
     if backend == "triton":

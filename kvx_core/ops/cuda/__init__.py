@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import os
 import re
@@ -234,6 +235,13 @@ def launch_on_stream(entry, device_index: int, *args) -> int:
         return entry(*args, torch._C._cuda_getCurrentRawStream(device_index))
     with torch.cuda.device(device_index):
         return entry(*args, torch.cuda.current_stream(device_index).cuda_stream)
+
+
+@functools.cache
+def env_backend(variable: str) -> str:
+    """The kernel backend `$variable` asks for ("auto" when unset), read once per process: a plan or a write does
+    not consult the environment (set it before the first call)."""
+    return os.environ.get(variable, "auto")
 
 
 class Choice(NamedTuple):
