@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvx_core.cache import PagedKVCache
-from kvx_core.descriptors import KvIoDesc, SlotMapping, WriteDesc
+from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.ops import reference
 
 
@@ -48,3 +48,31 @@ def filled_cache(name, device, nb=12, bs=4, h=2, d=64, page_buffer=False, seed=0
     reference.write_kv(c.descriptor(0), WriteDesc(KvIoDesc(k.to(device), v.to(device)),
                                                   SlotMapping(torch.randperm(t, generator=g).to(device))))
     return c
+
+
+def packed_tables(device):
+    """A PACKED table of 4 ragged sequences (13, 0, 1 and 9 tokens at block size 4) over 12 blocks, and its lengths."""
+    lens = torch.tensor([13, 0, 1, 9], dtype=torch.int32)
+    bt = torch.tensor([[0, 2, 4, 6], [0, 0, 0, 0], [11, 0, 0, 0], [10, 9, 8, 0]], dtype=torch.int32)
+    return BlockTable.packed(bt.to(device)), SeqLens(lens.to(device))
+
+
+def close_attention(got, ref, tol=2e-2) -> None:
+    """(out, lse) pairs: the same NaN rows (caches holding NaN / inf tokens propagate them on every path), finite
+    rows within `tol` relative norm, LSEs finite in the same places."""
+    (o, lse), (ro, rl) = got, ref
+    o, ro, lse, rl = o.float().cpu(), ro.float().cpu(), lse.cpu(), rl.cpu()
+    nan = ro.isnan().any(-1)
+    assert torch.equal(o.isnan().any(-1), nan) and torch.equal(lse.isnan(), rl.isnan())
+    assert (o[~nan] - ro[~nan]).norm() / max(float(ro[~nan].norm()), 1e-6) < tol
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(rl))
+
+
+def spy_run_bound(monkeypatch) -> list:
+    """Records each call of the bound decode fast path (`DecodePlan.run_bound`), which still runs."""
+    from kvx_core.ops import decode as decode_ops
+
+    calls, real = [], decode_ops.DecodePlan.run_bound
+    monkeypatch.setattr(decode_ops.DecodePlan, "run_bound", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+

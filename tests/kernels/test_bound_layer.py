@@ -12,7 +12,7 @@ from kvx_core.enums import BlockTableFormat
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import attention, dispatch
 
-from .helpers import filled_cache
+from .helpers import filled_cache, spy_run_bound
 from .test_kv_offsets_kernels import _close, _trtllm
 
 NAMES = ["nvfp4", "int8", "k8v4_rot", "bf16", "mxfp4"]
@@ -117,15 +117,6 @@ def test_offsets_plan_over_a_layer_bound_for_packed_reads_the_right_v(device, mo
     _close((got, want[1]), want)
 
 
-def _spy_run_bound(monkeypatch) -> list:
-    """Records each call of the bound fast path (`DecodePlan.run_bound`), which still runs."""
-    from kvx_core.ops import decode as decode_ops
-
-    calls, real = [], decode_ops.DecodePlan.run_bound
-    monkeypatch.setattr(decode_ops.DecodePlan, "run_bound", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_offsets_bound_layer_takes_the_fast_path_and_equals_the_descriptor(dtype, device, monkeypatch):
     monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
@@ -138,7 +129,7 @@ def test_offsets_bound_layer_takes_the_fast_path_and_equals_the_descriptor(dtype
     q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(device)
     want, _ = plan.run(q, layer.cache, out=torch.empty_like(q), want_lse=False)
     want = want.clone()
-    calls = _spy_run_bound(monkeypatch)
+    calls = spy_run_bound(monkeypatch)
     got, _ = plan.run(q, bound, out=torch.empty_like(q), want_lse=False)
     assert calls and torch.equal(got.view(torch.int16), want.view(torch.int16))
     _close((got, want), (attention.paged_decode(q, layer.cache, layer.table, lens)[0], want), tol=2e-2)
@@ -154,7 +145,7 @@ def test_packed_plan_over_an_offsets_bound_layer_runs_on_the_descriptor(device, 
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(device)
     want, _ = plan.run(q, desc, out=torch.empty_like(q), want_lse=False)
     want = want.clone()
-    calls = _spy_run_bound(monkeypatch)
+    calls = spy_run_bound(monkeypatch)
     got, _ = plan.run(q, bound, out=torch.empty_like(q), want_lse=False)
     assert not calls and torch.equal(got.view(torch.int16), want.view(torch.int16))
 

@@ -9,24 +9,7 @@ from kvx_core.errors import KvxError, Status
 from kvx_core.ops import attention, dispatch, reference
 from kvx_core.ops.graphs import capture
 
-from .helpers import filled_cache
-
-
-def _tables(device):
-    lens = torch.tensor([13, 0, 1, 9], dtype=torch.int32)
-    bt = torch.tensor([[0, 2, 4, 6], [0, 0, 0, 0], [11, 0, 0, 0], [10, 9, 8, 0]], dtype=torch.int32)
-    return BlockTable.packed(bt.to(device)), SeqLens(lens.to(device))
-
-
-def _close(got, ref, tol=2e-2):
-    """Same NaN rows (the caches hold NaN/inf tokens: both paths propagate them), finite rows close."""
-    (o, lse), (ro, rl) = got, ref
-    o, ro, lse, rl = o.float().cpu(), ro.float().cpu(), lse.cpu(), rl.cpu()
-    nan = ro.isnan().any(-1)
-    assert torch.equal(o.isnan().any(-1), nan) and torch.equal(lse.isnan(), rl.isnan())
-    o, ro = o[~nan], ro[~nan]
-    assert (o - ro).norm() / max(float(ro.norm()), 1e-6) < tol
-    assert torch.equal(torch.isfinite(lse), torch.isfinite(rl))
+from .helpers import close_attention, filled_cache, packed_tables
 
 
 def _forbid_reference(monkeypatch):
@@ -41,7 +24,7 @@ def test_dispatch_attention_kernel_path(name, device, monkeypatch):
     monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     c = filled_cache(name, device, page_buffer=True, seed=3)  # one buffer per layer, pools are strided page views
     desc = c.descriptor(0)
-    table, lens = _tables(device)
+    table, lens = packed_tables(device)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16).to(device)
     qo = torch.tensor([0, 5, 5, 6, 9], dtype=torch.int32)
@@ -49,15 +32,15 @@ def test_dispatch_attention_kernel_path(name, device, monkeypatch):
     ref_d = attention.paged_decode(q, desc, table, lens, softcap=20.0)
     ref_p = attention.paged_prefill(qp, qo, desc, table, lens, window=6)
     _forbid_reference(monkeypatch)
-    _close(dispatch.paged_decode(q, desc, table, lens, softcap=20.0), ref_d)
-    _close(dispatch.paged_prefill(qp, qo, desc, table, lens, window=6), ref_p)
+    close_attention(dispatch.paged_decode(q, desc, table, lens, softcap=20.0), ref_d)
+    close_attention(dispatch.paged_prefill(qp, qo, desc, table, lens, window=6), ref_p)
 
 
 def test_dispatch_attention_checks(device, monkeypatch):
     monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     c = filled_cache("int4", device, seed=2)
     desc = c.descriptor(0)
-    table, lens = _tables(device)
+    table, lens = packed_tables(device)
     q = torch.randn(4, 4, 64).to(torch.bfloat16).to(device)
     bad = BlockTable.packed(table.indices.clone())
     bad.indices[3, 1] = 12  # the cache has 12 blocks; block 1 of sequence 3 (9 tokens, 4 per block) is in use
@@ -95,8 +78,8 @@ def test_dispatch_attention_gpu(name, monkeypatch):
     ref_d = attention.paged_decode(q, desc, table, lens)
     ref_p = attention.paged_prefill(qp, qo, desc, table, lens)
     _forbid_reference(monkeypatch)
-    _close(dispatch.paged_decode(q, desc, table, lens, max_seq_len=800, check=False), ref_d)
-    _close(dispatch.paged_prefill(qp, qo, desc, table, lens), ref_p)
+    close_attention(dispatch.paged_decode(q, desc, table, lens, max_seq_len=800, check=False), ref_d)
+    close_attention(dispatch.paged_prefill(qp, qo, desc, table, lens), ref_p)
 
 
 @pytest.mark.gpu

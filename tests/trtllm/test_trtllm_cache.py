@@ -16,6 +16,7 @@ from kvx_core.ops.dispatch import gather_kv, paged_decode
 from kvx_trtllm import describe_trtllm_cache, layer_views
 
 from ..adapters.engine_ref import rand, trtllm_offset, trtllm_write
+from ..kernels.helpers import spy_run_bound
 from .oracle import check_attention
 
 T, D = 4, 8
@@ -100,15 +101,6 @@ def test_decode_over_trtllm_tables_equals_attention_over_the_gathered_kv():
     check_attention(out, q, kv.key, kv.value, e.lens)
 
 
-def _spy_run_bound(monkeypatch) -> list:
-    """Records each call of the bound decode fast path (`DecodePlan.run_bound`), which still runs."""
-    from kvx_core.ops import decode as decode_ops
-
-    calls, real = [], decode_ops.DecodePlan.run_bound
-    monkeypatch.setattr(decode_ops.DecodePlan, "run_bound", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_layers_come_bound_for_their_offsets_table(kernels_on_cpu, dtype, monkeypatch):
     """On a kernel device (forced here: the kernels under the interpreter) every layer is bound for its KV_OFFSETS
@@ -118,7 +110,7 @@ def test_layers_come_bound_for_their_offsets_table(kernels_on_cpu, dtype, monkey
     fp8 = dtype == torch.float8_e4m3fn
     s = torch.tensor([0.5, 2.0, 0.125]) if fp8 else torch.ones(3)
     layers = e.describe(kv_scale_quant_orig=s if fp8 else None)
-    calls = _spy_run_bound(monkeypatch)
+    calls = spy_run_bound(monkeypatch)
     for layer, (x, (k, v)) in enumerate(zip(layers, e.written)):
         assert x.bound is not None and x.bound.cache is x.cache and x.bound.table_format == BlockTableFormat.KV_OFFSETS
         h = e.heads[x.pool]
