@@ -164,6 +164,10 @@ def check_write(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> Wr
     if check:
         cache.validate()
         write.validate(cache)
+    k5, v5 = block_view(cache.k.tensor, cache.k.layout), block_view(cache.v.tensor, cache.v.layout)
+    require(k5.data_ptr() != v5.data_ptr() or k5.stride() != v5.stride(), Status.INVALID_ARGUMENT,
+            "write: the cache's K and V are one block array (a TRT-LLM pool layer read through KV_OFFSETS tables), so "
+            "a slot-mapped write would store V over K; write through per-layer K/V views (kvx_trtllm.layer_views)")
     fmt = format_of(cache)
     kg, vg = cache_global_scales(cache, fmt, write.k_scale, write.v_scale, "write", check_values=check)
     args = check_write_args(fmt, write.io.key, write.io.value, write.slots.slots,
@@ -171,8 +175,7 @@ def check_write(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> Wr
                             k_gs=kg, v_gs=vg, invalid_slot=write.slots.invalid_slot, check=check)
     if check:
         slots = args.slots[args.keep]
-        _check_disjoint(block_view(cache.k.tensor, cache.k.layout), block_view(cache.v.tensor, cache.v.layout),
-                        slots // cache.block_size, slots % cache.block_size)
+        _check_disjoint(k5, v5, slots // cache.block_size, slots % cache.block_size)
     return WritePlan(fmt, args)
 
 

@@ -11,7 +11,7 @@ from kvx_core.codec import format_of
 from kvx_core.descriptors import GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat
 from kvx_core.errors import KvxError, Status
-from kvx_core.ops import dispatch
+from kvx_core.ops import dispatch, reference
 from kvx_core.ops.dispatch import gather_kv, paged_decode
 from kvx_trtllm import describe_trtllm_cache, layer_views
 
@@ -133,6 +133,21 @@ def test_bound_layers_take_no_writes(kernels_on_cpu, monkeypatch):
     with pytest.raises(KvxError) as err:
         dispatch.write_kv(x.bound, WriteDesc(KvIoDesc(k, k), SlotMapping(torch.tensor([0, 5]))), check=False)
     assert err.value.status == Status.INVALID_ARGUMENT and torch.equal(e.pools[x.pool], before)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_layer_descriptors_take_no_slot_mapped_writes(check):
+    """The descriptor of a layer is K and V as one block array: refused before anything is stored, also without
+    the value checks (`check=False`, the engines' mode), on the reference and the kernel path alike."""
+    e = TwoPools(secondary=False, lens=(7, 12), beams=1, d=64)
+    x = e.describe()[0]
+    before = e.pools[x.pool].clone()
+    k = torch.randn(2, e.heads[x.pool], 64).to(torch.bfloat16)
+    for write in (lambda w: dispatch.write_kv(x.cache, w, check=check), lambda w: reference.write_kv(x.cache, w)):
+        with pytest.raises(KvxError) as err:
+            write(WriteDesc(KvIoDesc(k, k), SlotMapping(torch.tensor([0, 5]))))
+        assert err.value.status == Status.INVALID_ARGUMENT and "layer_views" in err.value.message
+        assert torch.equal(e.pools[x.pool], before)
 
 
 def test_layers_the_kernels_cannot_address_are_not_bound(monkeypatch):
