@@ -17,7 +17,7 @@ from common import bench, bench_graph, copy_bandwidth, emit, env_info
 from kvx_core.calibration import global_scale_for_amax
 from kvx_core.errors import KvxError
 from kvx_core.formats import get_format
-from kvx_core.ops.write import write_kv
+from kvx_core.ops.write import write_pools
 
 FORMATS = ["bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "mxfp4_32", "k8v4", "nvfp4_rot"]
 
@@ -59,7 +59,7 @@ def main() -> None:
             kg = _amax_scale(k, fmt.k) if fmt.k.uses_global_scale else None
             vg = _amax_scale(v, fmt.v) if fmt.v.uses_global_scale else None
             for backend in args.backends:
-                fn = lambda: write_kv(k, v, slots, kd, ks, vd, vs, fmt, kg, vg, check=False, backend=backend)  # noqa: E731
+                fn = lambda: write_pools(k, v, slots, kd, ks, vd, vs, fmt, kg, vg, check=False, backend=backend)  # noqa: E731
                 try:
                     fn()
                 except KvxError as e:  # e.g. bf16 on the CUDA write: recorded, not timed

@@ -249,9 +249,9 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
     else:  # the caller's dtype: the kernel launcher checks the used ids before narrowing
         bt = table.indices.reshape(table.seq_count, table.max_blocks_per_seq).to(kd.device).contiguous()
         lens = gather.seq_lens.lengths.to(kd.device)
-    from .triton import gather_kv as triton_gather
+    from .triton import gather_pools
     smoothed = smoothing.transforms_keys(cache)  # keys decoded to FP32, times s plus c, then cast once
-    k, v = triton_gather(kd, ks, vd, vs, bt, lens, fmt, plan.k_gs, plan.v_gs, max_seq_len=plan.max_seq_len,
+    k, v = gather_pools(kd, ks, vd, vs, bt, lens, fmt, plan.k_gs, plan.v_gs, max_seq_len=plan.max_seq_len,
                          out_dtype=torch.float32 if smoothed else out_dtype,
                          out=(out.key, out.value) if out is not None and not smoothed else None)
     if smoothed:

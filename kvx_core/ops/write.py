@@ -2,7 +2,7 @@
 (`ops/cuda/write.py`) or the Triton write (`ops/triton/write.py`). Both store the bytes of the formats' encode;
 the CUDA kernel runs at 2-3x the Triton kernel's bandwidth (benchmarks/results/write_bandwidth_h100.jsonl).
 
-`ops.dispatch.write_kv` calls `launch_write` for kernel-addressable caches; `write_kv` here takes raw pools
+`ops.dispatch.write_kv` calls `launch_write` for kernel-addressable caches; `write_pools` here takes raw pools
 (the storage contract of `ops/triton`). `backend`: "auto" (CUDA where it serves the call, else Triton),
 "cuda" (refuses what it cannot serve) or "triton"; unset, `$KVX_WRITE_BACKEND` (read once) decides, else "auto".
 """
@@ -99,10 +99,10 @@ def launch_bound(launch: tuple[Choice, object], key: torch.Tensor, value: torch.
 
 
 @torch.no_grad()
-def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+def write_pools(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
              k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
              fmt: CacheFormat | str, k_gs=None, v_gs=None, *, check: bool = True, backend: str | None = None) -> None:
-    """`ops.triton.write_kv` on the chosen backend: quantize `key`/`value [T, H_kv, D]` in `fmt` and scatter
+    """`ops.triton.write_pools` on the chosen backend: quantize `key`/`value [T, H_kv, D]` in `fmt` and scatter
     them into the HND pools at `slot_mapping [T]` (negative = skip), K and V in one launch."""
     fmt = as_format(fmt)
     nb, hkv, bs = pool_geometry(k_data, v_data)

@@ -5,7 +5,7 @@ import torch
 from kvx_core.descriptors import BlockTable, GatherDesc, SeqLens, SlotMapping, WriteDesc, KvIoDesc
 from kvx_core.formats import list_formats
 from kvx_core.ops import dispatch, reference
-from kvx_core.ops.triton import gather_kv
+from kvx_core.ops.triton import gather_pools
 
 from .helpers import filled_cache
 
@@ -29,7 +29,7 @@ def test_gather_bit_identical(name, device):
     bt, lens = _table(c.block_size, device)
     rk, rv = c.gather(0, bt, lens)  # reference
     p = c.layers[0]
-    k, v = gather_kv(p.k_data, p.k_scales, p.v_data, p.v_scales, bt, lens, c.format, p.k_global, p.v_global,
+    k, v = gather_pools(p.k_data, p.k_scales, p.v_data, p.v_scales, bt, lens, c.format, p.k_global, p.v_global,
                      out_dtype=torch.float32)
     assert k.dtype == rk.dtype and k.shape == rk.shape
     assert _eq(k, rk) and _eq(v, rv)
@@ -43,7 +43,7 @@ def test_gather_max_seq_len_out_dtype_page_buffer(name, device):
     gd = GatherDesc(BlockTable.packed(bt), SeqLens(lens), 7)
     ref = reference.gather_kv(desc, gd, out_dtype=torch.float16)
     p = c.layers[0]
-    k, v = gather_kv(p.k_data, p.k_scales, p.v_data, p.v_scales, bt, lens, c.format, p.k_global, p.v_global,
+    k, v = gather_pools(p.k_data, p.k_scales, p.v_data, p.v_scales, bt, lens, c.format, p.k_global, p.v_global,
                      max_seq_len=7, out_dtype=torch.float16)
     assert _eq(k, ref.key) and _eq(v, ref.value)
 
@@ -74,6 +74,6 @@ def test_gather_gpu_realistic(name):
     bt = torch.randint(0, 600, (5, 250), device="cuda", dtype=torch.int32)
     rk, rv = c.gather(0, bt, lens)
     p = c.layers[0]
-    k, v = gather_kv(p.k_data, p.k_scales, p.v_data, p.v_scales, bt, lens, c.format, p.k_global, p.v_global,
+    k, v = gather_pools(p.k_data, p.k_scales, p.v_data, p.v_scales, bt, lens, c.format, p.k_global, p.v_global,
                      out_dtype=torch.float32)
     assert _eq(k, rk) and _eq(v, rv)

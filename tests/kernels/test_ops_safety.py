@@ -123,7 +123,7 @@ def _write(entry: str, c: PagedKVCache, key, value, slots, kg=None, vg=None, che
     if entry == "dispatch":
         return dispatch.write_kv(desc, w, check=check)
     p = c.layers[0]
-    return kernels.write_kv(key, value, slots, p.k_data, p.k_scales, p.v_data, p.v_scales, c.format,
+    return kernels.write_pools(key, value, slots, p.k_data, p.k_scales, p.v_data, p.v_scales, c.format,
                             p.k_global if kg is None else kg, p.v_global if vg is None else vg, check=check)
 
 
@@ -518,16 +518,16 @@ def test_gather_launcher_checks_its_arguments():
     bt, lens = torch.tensor([[0, 1], [4, 0]]), torch.tensor([6, 3])
     args = (p.k_data, p.k_scales, p.v_data, p.v_scales)
     snap = _snapshot(c)
-    g = lambda *a, **k: kernels.gather_kv(*args, *a, c.format, p.k_global, p.v_global, **k)
+    g = lambda *a, **k: kernels.gather_pools(*args, *a, c.format, p.k_global, p.v_global, **k)
     _raises(INV, lambda: g(bt, lens, max_seq_len=2.5), match="max_seq_len")
     _raises(OOR, lambda: g(torch.tensor([[0, 2**32 + 1], [4, 0]]), lens), match="outside")
     _raises(INV, lambda: g(bt, lens.float()), match="seq_lens")
     _raises(INV, lambda: g(bt, lens, out=(torch.zeros(8, H, D), torch.zeros(8, H, D))), match="out must be")
     _raises(INV, lambda: g(bt, lens, out=(torch.zeros(9, H, D), _pool_view(p.k_data))), match="K pool")
-    _raises(INV, lambda: kernels.gather_kv(*args, bt, lens, c.format, p.k_global, torch.tensor([1.0, math.nan])),
+    _raises(INV, lambda: kernels.gather_pools(*args, bt, lens, c.format, p.k_global, torch.tensor([1.0, math.nan])),
             match="V global scale")
-    _raises(UNS, lambda: kernels.gather_kv(*args, bt, lens, "no_such_format"), match="unknown KVX cache format")
-    _raises(INV, lambda: kernels.gather_kv(*args, bt, lens, 3), match="fmt must be")
+    _raises(UNS, lambda: kernels.gather_pools(*args, bt, lens, "no_such_format"), match="unknown KVX cache format")
+    _raises(INV, lambda: kernels.gather_pools(*args, bt, lens, 3), match="fmt must be")
     _assert_unchanged(c, snap)
 
 

@@ -34,7 +34,7 @@ def _backend_for(backend, fmt, key, value, kd, vd):
 def write_kv(k, v, slots, kd, ks, vd, vs, fmt, k_gs=None, v_gs=None, backend="triton", **kw):
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     chosen = _backend_for(backend, fmt, k, v, kd, vd)
-    ops_write.write_kv(k, v, slots, kd, ks, vd, vs, fmt, k_gs, v_gs, backend=chosen, **kw)
+    ops_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, k_gs, v_gs, backend=chosen, **kw)
 
 
 def _pools(tf, nb, h, bs, d, device):
@@ -164,11 +164,11 @@ def test_cuda_write_refusals_change_nothing(device):
         vd, vs = _pools(fmt.v, 2, 1, 4, d, device)
         x = torch.randn(2, 1, d, device=device)
         with pytest.raises(KvxError) as e:
-            ops_write.write_kv(x, x, torch.tensor([0, 1], device=device), kd, ks, vd, vs, fmt, backend="cuda")
+            ops_write.write_pools(x, x, torch.tensor([0, 1], device=device), kd, ks, vd, vs, fmt, backend="cuda")
         assert e.value.status == Status.UNSUPPORTED and "CUDA write cannot serve" in str(e.value)
         assert bool((kd.view(torch.uint8) == POISON).all() and (vd.view(torch.uint8) == POISON).all())
     with pytest.raises(KvxError, match="write backend must be"):
-        ops_write.write_kv(x, x, torch.tensor([0, 1], device=device), kd, ks, vd, vs, fmt, backend="cutlass")
+        ops_write.write_pools(x, x, torch.tensor([0, 1], device=device), kd, ks, vd, vs, fmt, backend="cutlass")
 
 
 def _chunks(top_bits: int, chunk: int):
@@ -196,7 +196,7 @@ def test_cuda_fp8_convert_every_float32(name, fmax, g):
         x = torch.cat([bits, bits.new_zeros(chunk - bits.numel())]).view(torch.float32)
         for sign in (1.0, -1.0):
             xs = (x * sign).view(rows, 1, d)
-            ops_write.write_kv(xs, xs, slots, kd, None, vd, None, fmt, gs, gs, check=False, backend="cuda")
+            ops_write.write_pools(xs, xs, slots, kd, None, vd, None, fmt, gs, gs, check=False, backend="cuda")
             ref, _ = fmt.k.encode(xs, gs)
             assert torch.equal(kd.view(torch.uint8).reshape(rows, d), ref.view(torch.uint8).reshape(rows, d)), \
                 f"{name} g={g}: first chunk bits {int(bits[0])}, sign {sign}"
@@ -219,7 +219,7 @@ def test_cuda_e2m1_code_every_float32(anchor):
         probes = torch.cat([bits, bits.new_zeros(groups * 15 - bits.numel())]).view(torch.float32).view(groups, 15)
         for sign in (1.0, -1.0):
             x = torch.cat([torch.full((groups, 1), anchor, device="cuda"), probes * sign], 1).view(rows, 1, d)
-            ops_write.write_kv(x, x, slots, kd, ks, vd, vs, fmt, check=False, backend="cuda")
+            ops_write.write_pools(x, x, slots, kd, ks, vd, vs, fmt, check=False, backend="cuda")
             ref, sc = fmt.k.encode(x)
             assert torch.equal(kd.reshape(rows, -1), ref.reshape(rows, -1)), f"first bits {int(bits[0])} sign {sign}"
             assert torch.equal(ks.reshape(rows, -1), sc.reshape(rows, -1))
@@ -244,7 +244,7 @@ def test_cuda_write_strided_input_int32_slots_odd_block_size(name):
     for be in ("cuda", "triton"):
         kd, ks = _pools(fmt.k, nb, h, bs, d, "cuda")
         vd, vs = _pools(fmt.v, nb, h, bs, d, "cuda")
-        ops_write.write_kv(k, v, slots, kd, ks, vd, vs, fmt, gk, gv, backend=be)
+        ops_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, gk, gv, backend=be)
         out[be] = [x.view(torch.uint8).cpu() for x in (kd, ks, vd, vs) if x is not None]
     assert all(torch.equal(a, b) for a, b in zip(out["cuda"], out["triton"]))
     keep = slots >= 0

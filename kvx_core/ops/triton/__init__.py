@@ -1,8 +1,8 @@
 """Triton kernels for KVX paged caches, one module per kernel with its launcher (torch tensors in, torch
 tensors out):
 
-- `write.py`   `write_kv`: fused quantize + scatter of new K/V tokens by slot mapping
-- `gather.py`  `gather_kv`: dequantize through the block table into dense ragged K/V
+- `write.py`   `write_pools`: fused quantize + scatter of new K/V tokens by slot mapping
+- `gather.py`  `gather_pools`: dequantize through the block table into dense ragged K/V
 - `decode.py`  the split-KV decode kernel and `launch_decode` (checks, backend and split choice, and the
                public `paged_decode`: `kvx_core/ops/decode.py`)
 - `merge.py`   the split merge of the decode kernels (Triton and CUDA)
@@ -16,9 +16,9 @@ On CPU the kernels run under `TRITON_INTERPRET=1` (set before triton is imported
 """
 from __future__ import annotations
 
-from .gather import gather_kv
+from .gather import gather_pools
 from .launch import interpreting
 from .prefill import PrefillPlan, paged_prefill, plan_prefill
-from .write import write_kv
+from .write import write_pools
 
-__all__ = ["PrefillPlan", "paged_prefill", "plan_prefill", "write_kv", "gather_kv", "interpreting"]
+__all__ = ["PrefillPlan", "paged_prefill", "plan_prefill", "write_pools", "gather_pools", "interpreting"]

@@ -102,7 +102,7 @@ def _gather_kernel(
 
 
 @torch.no_grad()
-def gather_kv(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
+def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
               block_table: torch.Tensor, seq_lens: torch.Tensor, fmt: CacheFormat | str, k_gs=None, v_gs=None, *,
               max_seq_len: int | None = None, out_dtype: torch.dtype | None = None,
               out: tuple[torch.Tensor, torch.Tensor] | None = None, block_t: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

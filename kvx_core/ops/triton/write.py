@@ -179,7 +179,7 @@ def _side(name, x, data, scales, gs, tf, d, hkv):
 
 
 @torch.no_grad()
-def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+def write_pools(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
              k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
              fmt: CacheFormat | str, k_gs=None, v_gs=None, *, check: bool = True, block_t: int | None = None) -> None:
     """Quantize `key`/`value [T, H_kv, D]` (bf16/fp16/fp32) in `fmt` and scatter them into the HND pools
@@ -199,7 +199,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
 def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data: torch.Tensor,
                  k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
                  fmt: CacheFormat, *, block_t: int | None = None) -> None:
-    """The fused write of arguments `check_write_args` accepted for these pools (`write_kv`, and `ops.dispatch`
+    """The fused write of arguments `check_write_args` accepted for these pools (`write_pools`, and `ops.dispatch`
     after its descriptor-level check); the pools themselves are checked here, still before the launch."""
     _, hkv, bs = pool_geometry(k_data, v_data)
     check_device(key, value, args.slots, k_data, v_data)
