@@ -120,7 +120,8 @@ class DecodePlan:
     window: int | None
     mid_o: torch.Tensor  # fp32 [B, Hq, S, D] per-split partial outputs
     mid_l: torch.Tensor  # fp32 [B, Hq, S] per-split log2-sum-exps
-    rotated_out: torch.Tensor | None  # fp32 [B, Hq, D]: the merged output before its rotation back (rotated formats)
+    rotated_out: torch.Tensor | None  # fp32 [B, Hq, D], rotated formats: the merged output before its rotation back
+    # (Triton), or the scratch of the rotated queries (CUDA)
     lse_scratch: torch.Tensor  # fp32 [B, Hq]: where the merge writes the LSE a caller does not want (`want_lse`)
     reason: str | None = None  # why Triton and not the CUDA kernel (None: CUDA, or Triton was asked for)
     sinks: torch.Tensor | None = None  # FP32 [Hq] contiguous attention sinks, joined by the split merge
@@ -152,7 +153,7 @@ class DecodePlan:
         """`run` over a layer bound once (`dispatch.bind`): its pools, scale arguments, global scales, key smoothing
         and the CUDA kernel's layer arguments were checked and derived at bind time, so this compares the query and
         output with the plan (host, attribute reads) and launches: on CUDA one library call (decode + merge; the
-        rotations of `_rot` formats around it), on Triton decode + merge."""
+        rotations of `_rot` formats inside it), on Triton decode + merge."""
         if tuple(q.shape) != (self.batch, self.num_qo_heads, self.head_dim) or q.dtype != self.q_dtype \
                 or layer.geometry != (self.num_kv_heads, self.block_size, self.head_dim) or layer.fmt is not self.fmt \
                 or (out is not None and (out.shape != q.shape or out.dtype not in cuda_decode.OUT_DTYPES
@@ -187,13 +188,11 @@ class DecodePlan:
         if step is None:
             step = self.cuda_steps[key] = cuda_decode.step_params(
                 block_table, seq_lens, self.mid_o, self.mid_l, self.sm_scale, self.softcap, self.window,
-                self.num_qo_heads // self.num_kv_heads, self.block_size, sinks, rotate_out=self.fmt.rotate)
-        if not self.fmt.rotate:  # key smoothing, if any, is in the layer's arguments
-            cuda_decode.launch_args(layer.cuda_args, step, q, out, lse)
-            return
-        if layer.k_smoothing is not None:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
-            q = scale_queries(q, layer.k_smoothing)
-        cuda_decode.launch_args(layer.cuda_args, step, rotate(q), out, lse)  # the merge rotates the output back
+                self.num_qo_heads // self.num_kv_heads, self.block_size, sinks, rotate_out=self.fmt.rotate,
+                q_rot=self.rotated_out)  # `_rot`: the library rotates q into the scratch and the output back
+        if self.fmt.rotate and layer.k_smoothing is not None:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
+            q = scale_queries(q, layer.k_smoothing)  # (other formats: the smoothing is in the layer's arguments)
+        cuda_decode.launch_args(layer.cuda_args, step, q, out, lse)
 
     def _launch(self, q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, out, lse, k_smoothing, why,
                 want_lse):
@@ -207,15 +206,17 @@ class DecodePlan:
             q = scale_queries(q, k_smoothing)
         elif k_smoothing is not None:
             qs = k_smoothing.contiguous()
-        qq = rotate(q) if fmt.rotate else q  # the fused kernel on CUDA (ops.rotation), as the write rotates
         if why is not None and self.forced:
             raise KvxError(Status.UNSUPPORTED, f"CUDA decode cannot address these pools ({why}); plan with "
                            "backend='triton' or 'auto'")
         if self.backend == "cuda" and why is None and out.dtype in cuda_decode.OUT_DTYPES:
-            cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
+            # `_rot`: the library rotates q into the scratch first and the merged output back
+            cuda_decode.launch(q, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs, out=out,
-                               lse=lse, sinks=self.sinks, rotate_out=fmt.rotate)  # `_rot`: the merge rotates back
+                               lse=lse, sinks=self.sinks, rotate_out=fmt.rotate,
+                               q_rot=self.rotated_out if fmt.rotate else None)
             return out, lse if want_lse else None
+        qq = rotate(q) if fmt.rotate else q  # the fused kernel on CUDA (ops.rotation), as the write rotates
         if self.backend == "cuda" and why is None:  # an output dtype only the Triton merge writes
             cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs)

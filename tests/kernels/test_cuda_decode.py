@@ -328,3 +328,37 @@ def test_cuda_merge_rotating_back_equals_merge_then_rotate_bit_for_bit(d, dtype)
         want = rotate(fp32, out_dtype=dtype)
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0), want.nan_to_num(0))
         assert torch.equal(lse.nan_to_num(0), lse32.nan_to_num(0)) and torch.equal(lse.isnan(), lse32.isnan())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["nvfp4_rot", "int4_rot", "k8v4_rot"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_cuda_rot_decode_rotating_q_itself_equals_rotating_q_first(name, q_dtype):
+    """`_rot` formats in one library call: the queries rotated into the step's scratch by the library give the
+    bits of `ops.rotation.rotate(q)` handed to the decode (rows of huge and non-finite values included)."""
+    from kvx_core.ops.cuda.decode import launch
+    from kvx_core.ops.rotation import rotate
+    fmt = get_format(name)
+    kd, ks, vd, vs = make_pools(fmt, 8, 2, 16, 128, device="cuda", seed=2)
+    kg = _gs(fmt, 2, 2, True)
+    vg = _gs(fmt, 2, 2, False)
+    kg, vg = (None if g is None else g.cuda() for g in (kg, vg))
+    bt, sl = make_table([100, 37], 16, 8, device="cuda"), torch.tensor([100, 37], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 8, 128, device="cuda").to(q_dtype)
+    q[1, 3] = torch.finfo(q_dtype).max
+    q[1, 4, 7] = float("inf")
+    mid_o, mid_l = torch.empty(2, 8, 4, 128, device="cuda"), torch.empty(2, 8, 4, device="cuda")
+    outs = []
+    for qq, scratch in ((q, torch.empty(2, 8, 128, device="cuda", dtype=q_dtype)), (rotate(q), None)):
+        o, lse = torch.empty_like(q), torch.empty(2, 8, device="cuda")
+        launch(qq, kd, _scales(ks, kd), vd, _scales(vs, vd), kg, vg, bt, sl, fmt, mid_o, mid_l, 128 ** -0.5, None,
+               None, out=o, lse=lse, rotate_out=True, q_rot=scratch)
+        outs.append((o, lse))
+    (a, la), (b, lb) = outs
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+    assert torch.equal(la.nan_to_num(0), lb.nan_to_num(0))
+
+
+def _scales(sc, data):
+    """The scale-pool argument of `cuda_decode.launch` (the data pool for formats without one: never read)."""
+    return data if sc is None else sc

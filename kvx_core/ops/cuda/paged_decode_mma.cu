@@ -75,6 +75,8 @@ struct DecodeParams {
   int32_t bs;      // block size, a multiple of 16
   int32_t num_splits;
   int32_t rotate_out;  // 1: the merge rotates the output back (Hadamard `_rot` formats: formats/rotation.py's math)
+  void* q_rot;  // `_rot` formats: [B, Hq, D] scratch of the query dtype the entry rotates q into first, or null (q
+                // comes rotated)
   // ---- the call
   const void* q;
   int64_t q_sb, q_sh;  // element strides
@@ -700,6 +702,9 @@ __device__ __forceinline__ __half to_out<__half>(float x) { return __float2half_
 template <>
 __device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 template <typename TO>
 __device__ __forceinline__ float out_max();
 template <>
@@ -751,10 +756,27 @@ __global__ void __launch_bounds__(MW * 32) merge_kernel(const DecodeParams p) {
   if (col == 0) store_lse(p, b, hq, m, l);
 }
 
+// formats/rotation.py's Hadamard rotation of one row held in shared memory (FP32, finite values already saturated to
+// FP32_MAX / D): stage h maps each pair (a, b) = (y[i], y[i + h]) of a 2h-block to (a + b, a - b), then times the FP32
+// value of 1 / sqrt(D), finite results saturated to TO's largest value and rounded to nearest even into `dst`. The
+// same bits as the torch butterfly and the fused Triton kernel (ops/triton/hadamard.py). Called by a whole block.
+template <typename TO, int D>
+__device__ __forceinline__ void rotate_row(float* row, TO* dst) {
+  for (int h = 1; h < D; h <<= 1) {
+    for (int i = threadIdx.x; i < D / 2; i += blockDim.x) {
+      const int a = (i / h) * 2 * h + i % h;
+      const float x = row[a], y = row[a + h];
+      row[a] = x + y;
+      row[a + h] = x - y;
+    }
+    __syncthreads();
+  }
+  const float inv_sqrt = (float)(1.0 / sqrt((double)D));
+  for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = to_out<TO>(saturate_finite(row[i] * inv_sqrt, out_max<TO>()));
+}
+
 // `_rot` formats: one block per row merges its D columns into shared memory in FP32, then rotates the row back
-// with formats/rotation.py's butterfly (saturate finite inputs to FP32_MAX / D, stage h maps each pair (a, b) =
-// (y[i], y[i + h]) of a 2h-block to (a + b, a - b), times the FP32 value of 1 / sqrt(D), saturate finite results to
-// the output dtype's largest value, round to nearest even): the same bits as merging to FP32 and rotating after.
+// (`rotate_row`): the same bits as merging to FP32 and rotating after.
 template <typename TO, int D>
 __global__ void __launch_bounds__(MW * 32) merge_rotate_kernel(const DecodeParams p) {
   __shared__ float sm[3][MW][32];
@@ -768,19 +790,32 @@ __global__ void __launch_bounds__(MW * 32) merge_rotate_kernel(const DecodeParam
     if (c0 == 0) m = mc, l = lc;
     __syncthreads();
   }
-  for (int h = 1; h < D; h <<= 1) {
-    for (int i = threadIdx.x; i < D / 2; i += MW * 32) {
-      const int a = (i / h) * 2 * h + i % h;
-      const float x = row[a], y = row[a + h];
-      row[a] = x + y;
-      row[a + h] = x - y;
-    }
-    __syncthreads();
-  }
-  const float inv_sqrt = (float)(1.0 / sqrt((double)D));
-  for (int i = threadIdx.x; i < D; i += MW * 32)
-    reinterpret_cast<TO*>(p.o)[b * p.o_sb + hq * p.o_sh + i] = to_out<TO>(saturate_finite(row[i] * inv_sqrt, out_max<TO>()));
+  rotate_row<TO, D>(row, reinterpret_cast<TO*>(p.o) + b * p.o_sb + hq * p.o_sh);
   if (threadIdx.x == 0) store_lse(p, b, hq, m, l);
+}
+
+// `_rot` formats: the queries rotated into the step's scratch `q_rot` ([B, Hq, D] contiguous, the query dtype T),
+// one block per (head, sequence), as ops.rotation.rotate would (the same bits): the decode then reads them.
+template <typename T, int D>
+__global__ void __launch_bounds__(MW * 32) rotate_q_kernel(const DecodeParams p) {
+  __shared__ float row[D];
+  const int64_t hq = blockIdx.x, b = blockIdx.y;
+  const T* q = reinterpret_cast<const T*>(p.q) + b * p.q_sb + hq * p.q_sh;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = saturate_finite(to_float(q[i]), 3.402823466e38f / D);
+  __syncthreads();
+  rotate_row<T, D>(row, reinterpret_cast<T*>(p.q_rot) + (b * gridDim.x + hq) * D);
+}
+
+template <typename T>
+cudaError_t rotate_q_by_dim(const DecodeParams& p, int d, int batch, int hq, cudaStream_t stream) {
+  const dim3 grid(hq, batch);
+  switch (d) {
+    case 64: rotate_q_kernel<T, 64><<<grid, MW * 32, 0, stream>>>(p); break;
+    case 128: rotate_q_kernel<T, 128><<<grid, MW * 32, 0, stream>>>(p); break;
+    case 256: rotate_q_kernel<T, 256><<<grid, MW * 32, 0, stream>>>(p); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 template <typename TO>
@@ -826,7 +861,7 @@ const char* kvx_decode_params_layout(void) {
   F(vd) F(vd_sb) F(vd_sh) F(vd_st) F(vs) F(vs_sb) F(vs_sh) F(vs_st)
   F(kg) F(vg) F(qs) F(bt) F(bt_sb) F(seq) F(mo) F(mo_sb)
   F(mo_sh) F(mo_ss) F(ml) F(ml_sb) F(ml_sh) F(sinks) F(sm_scale) F(softcap)
-  F(window) F(qh) F(bs) F(num_splits) F(rotate_out) F(q) F(q_sb) F(q_sh) F(o)
+  F(window) F(qh) F(bs) F(num_splits) F(rotate_out) F(q_rot) F(q) F(q_sb) F(q_sh) F(o)
   F(o_sb) F(o_sh) F(lse) F(lse_sb) F(lse_sh) F(o_dtype)
 #undef F
   return buf;
@@ -834,7 +869,8 @@ const char* kvx_decode_params_layout(void) {
 
 // kfmt / vfmt: 0 NVFP4 (group 16), 1 MXFP4 (group 16 | 32, bf16 queries), 2 INT4, 3 FP8 E4M3, 4 FP8 E5M2,
 // 5 INT8; K and V share a format, or K is E4M3 and V NVFP4 (k8v4). bf16: the query dtype is bf16 (else f16).
-// 4 warps per CTA. With p->o set, the split merge follows on the same stream (decode and merge: one call).
+// 4 warps per CTA. With p->q_rot set, the queries are rotated into it first; with p->o set, the split merge follows
+// on the same stream (rotation, decode and merge: one call).
 // Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
 static int decode_only(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, int head_dim, int group,
                        int num_warps, int batch, int num_kv_heads, void* stream) {
@@ -875,9 +911,21 @@ int kvx_merge_splits(const kvx::DecodeParams* p, int head_dim, int batch, int nu
 int kvx_paged_decode(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, int head_dim, int group,
                      int num_warps, int batch, int num_kv_heads, void* stream) {
   if (p->o != nullptr && (p->lse == nullptr || p->o_dtype < 0 || p->o_dtype > 2)) return (int)cudaErrorInvalidValue;
+  if (batch == 0) return 0;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const int hq = num_kv_heads * p->qh;
+  kvx::DecodeParams rp;  // with q_rot: the decode reads the rotated queries from the scratch
+  if (p->q_rot != nullptr) {
+    const cudaError_t e = bf16 ? kvx::rotate_q_by_dim<__nv_bfloat16>(*p, head_dim, batch, hq, s)
+                               : kvx::rotate_q_by_dim<__half>(*p, head_dim, batch, hq, s);
+    if (e != cudaSuccess) return (int)e;
+    rp = *p;
+    rp.q = p->q_rot, rp.q_sb = (int64_t)hq * head_dim, rp.q_sh = head_dim;
+    p = &rp;
+  }
   const int err = decode_only(p, kfmt, vfmt, bf16, head_dim, group, num_warps, batch, num_kv_heads, stream);
-  if (err != 0 || p->o == nullptr || batch == 0) return err;
-  return (int)kvx::launch_merge(*p, head_dim, batch, num_kv_heads * p->qh, reinterpret_cast<cudaStream_t>(stream));
+  if (err != 0 || p->o == nullptr) return err;
+  return (int)kvx::launch_merge(*p, head_dim, batch, hq, s);
 }
 
 }  // extern "C"
