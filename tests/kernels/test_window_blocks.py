@@ -3,7 +3,7 @@ sliding-window manager frees those blocks and leaves their ids, or the null bloc
 (the CPU path) and the Triton kernels (forced on CPU under the interpreter, natural on CUDA) never read a block that
 lies wholly before the first key a query's window sees. Here those ids point at a block of NaN K/V: any read of
 it shows as NaN. Also the `queries_after` prefill (a chunk's queries right after the cached tokens: vLLM's split
-prefill of a window layer) against an FP64 oracle written here.
+prefill of a window layer) against an FP64 oracle (`oracle.windowed`).
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from kvx_core.cache import PagedKVCache
 from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import attention, dispatch, reference
+
+from .oracle import windowed
 
 BS, HKV, QH, D = 4, 2, 2, 64
 WINDOW = 6
@@ -48,19 +50,6 @@ def _poisoned(bt: torch.Tensor, first_keys: list[int], poison: int) -> torch.Ten
     for b, f in enumerate(first_keys):
         out[b, :max(f, 0) // BS] = poison
     return out
-
-
-def _oracle(q, k, v, q_pos, window, scale):
-    """FP64 softmax attention of q [T, Hq, D] at positions q_pos over k/v [L, Hkv, D] (positions 0..L-1): key j is
-    seen iff j <= pos and j >= pos - window; rows with no key give 0."""
-    kk = k.double().repeat_interleave(QH, dim=1)
-    vv = v.double().repeat_interleave(QH, dim=1)
-    s = torch.einsum("thd,lhd->thl", q.double(), kk) * scale
-    j = torch.arange(k.shape[0])
-    seen = (j[None, :] <= q_pos[:, None]) & (j[None, :] >= q_pos[:, None] - window)
-    s = s.masked_fill(~seen[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("thl,lhd->thd", p, vv)
 
 
 @pytest.mark.parametrize("kernels", [False, True])
@@ -119,8 +108,8 @@ def test_queries_after_matches_the_oracle(window, kernels, device, monkeypatch):
     starts = [0, *torch.tensor(lens_list).cumsum(0).tolist()]
     for b, (n, m) in enumerate(zip(lens_list, Q_LENS)):
         rows = slice(int(qo[b]), int(qo[b + 1]))
-        want = _oracle(qp[rows].cpu(), kv.key[starts[b]:starts[b + 1]].cpu(), kv.value[starts[b]:starts[b + 1]].cpu(),
-                       torch.arange(n, n + m), 10**9 if window is None else window, D ** -0.5)
+        want = windowed(qp[rows], kv.key[starts[b]:starts[b + 1]], kv.value[starts[b]:starts[b + 1]],
+                        torch.arange(n, n + m), window, D ** -0.5)
         err = (out[rows].cpu().double() - want).norm() / max(float(want.norm()), 1e-30)
         assert err < 1e-2 or float(want.norm()) == 0 and float(out[rows].float().norm()) == 0, (b, float(err))
 
