@@ -100,6 +100,7 @@ def windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Ten
     kk, vv = k.double().cpu().repeat_interleave(g, dim=1), v.double().cpu().repeat_interleave(g, dim=1)
     s = torch.einsum("thd,lhd->thl", q.double().cpu(), kk) * scale
     j, pos = torch.arange(k.shape[0]), q_pos.cpu()
-    seen = (j[None, :] <= pos[:, None]) & (j[None, :] >= pos[:, None] - (k.shape[0] if window is None else window))
+    first = torch.zeros_like(pos) if window is None else pos - window
+    seen = (j[None, :] <= pos[:, None]) & (j[None, :] >= first[:, None])
     s = s.masked_fill(~seen[:, None, :], float("-inf"))
     return torch.einsum("thl,lhd->thd", torch.softmax(s, dim=-1).nan_to_num(0.0), vv)
