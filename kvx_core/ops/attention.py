@@ -27,6 +27,7 @@ import numbers
 import torch
 
 from ..descriptors import BlockTable, CacheDesc, GatherDesc, SeqLens
+from ..enums import BlockTableFormat
 from ..errors import Status, require
 from .checks import UINT32_MAX, check_table_types, require_type
 from .reference import gather_kv
@@ -109,9 +110,14 @@ def sink_values(sinks, num_qo_heads: int, device, what: str, *, check_values: bo
     return s
 
 
-def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal=True, sinks=None) -> None:
-    """The attention options: finite numbers, softcap >= 0, an int window, sinks' type (host only)."""
+def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal=True, sinks=None,
+                  queries_after=False) -> None:
+    """The attention options: finite numbers, softcap >= 0, an int window, sinks' type, `queries_after` only
+    without `causal` (host only)."""
     require(isinstance(causal, bool), Status.INVALID_ARGUMENT, f"{what}: causal must be a bool, got {causal!r}")
+    require(isinstance(queries_after, bool) and not (queries_after and causal), Status.INVALID_ARGUMENT,
+            f"{what}: queries_after must be a bool and needs causal=False (the queries follow every cached key), "
+            f"got queries_after={queries_after!r}, causal={causal!r}")
     for name, x in (("sm_scale", sm_scale), ("softcap", softcap)):
         require(x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)),
                 Status.INVALID_ARGUMENT, f"{what}: {name} must be None or a finite number, got {x!r}")
@@ -123,10 +129,11 @@ def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal
 
 
 def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, what: str, *,
-               sm_scale=None, softcap=None, window=None, causal=True, sinks=None) -> None:
+               sm_scale=None, softcap=None, window=None, causal=True, sinks=None, queries_after=False) -> None:
     """Argument types, the query's shape and the options (the gather checks the rest); sync-free, so the
     kernel path of `ops.dispatch` runs it too."""
-    check_options(what, sm_scale=sm_scale, softcap=softcap, window=window, causal=causal, sinks=sinks)
+    check_options(what, sm_scale=sm_scale, softcap=softcap, window=window, causal=causal, sinks=sinks,
+                  queries_after=queries_after)
     require_type(cache, CacheDesc, f"{what}: cache")
     require(not softcap or cache.quant is None or cache.quant.k_center is None, Status.UNSUPPORTED,
             f"{what}: a soft cap over a cache with key centering (tanh is not shift invariant: the kernels' logits "
@@ -160,14 +167,37 @@ def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | 
     return ip
 
 
-def queries_cached(causal: bool, window: int | None) -> bool:
+def queries_cached(causal: bool, window: int | None, queries_after: bool = False) -> bool:
     """Whether a prefill's queries must be the last cached tokens: their positions matter for a causal or
     windowed mask; without either each query attends to all of its sequence's cached tokens (e.g. a new chunk
-    attending its cached prefix, its own K/V attended elsewhere and merged by LSE)."""
-    return causal or (window is not None and window >= 0)
+    attending its cached prefix, its own K/V attended elsewhere and merged by LSE). `queries_after`: the queries
+    are the tokens right after the cached ones (positions `seq_len ..`), so none need be cached."""
+    return not queries_after and (causal or (window is not None and window >= 0))
 
 
-def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
+def _window_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, first_key: list[int] | None):
+    """(table, seq_lens) without each PACKED row's blocks that lie wholly before `first_key[b]`, the first key
+    position a window lets sequence b's queries see, so those blocks are never read (vLLM's sliding-window manager
+    frees them and leaves stale or null ids in the row). Positions stay right relative to the shortened lengths
+    (queries sit at the end of a sequence or right after it). Other table formats and no window: unchanged."""
+    rows = table.indices
+    if first_key is None or table.format != BlockTableFormat.PACKED or rows.dim() != 2 or not seq_lens.seq_count:
+        return table, seq_lens
+    bs = cache.block_size
+    # a row longer than its table keeps every block: the gather refuses it as before
+    skip = [max(f, 0) // bs if 0 <= n <= rows.shape[1] * bs else 0
+            for f, n in zip(first_key, seq_lens.lengths.tolist())]
+    if not any(skip):
+        return table, seq_lens
+    cols = torch.arange(rows.shape[1], device=rows.device)[None, :] + torch.tensor(skip, device=rows.device)[:, None]
+    shifted = rows.gather(1, cols.clamp_(max=rows.shape[1] - 1))  # past a row's new end: never read
+    lens = seq_lens.lengths - torch.tensor(skip, device=seq_lens.lengths.device).to(seq_lens.lengths.dtype) * bs
+    return BlockTable.packed(shifted), SeqLens(lens)
+
+
+def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, first_key: list[int] | None = None):
+    """The sequences' K/V from their first needed block on (`_window_table`) -> (io, lens, starts)."""
+    table, seq_lens = _window_table(cache, table, seq_lens, first_key)
     # capped to the C field's range: a longer sequence is then refused by the gather as OUT_OF_RANGE
     max_len = min(int(seq_lens.lengths.max()), UINT32_MAX) if seq_lens.seq_count else 0
     io = gather_kv(cache, GatherDesc(table, seq_lens, max_len))
@@ -177,6 +207,11 @@ def _gather_all(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens):
     for n in lens:
         starts.append(starts[-1] + n)
     return io, lens, starts
+
+
+def _first_keys(window: int | None, first_query: list[int]) -> list[int] | None:
+    """The first key position each sequence's queries see under `window` (None: no window)."""
+    return None if window is None or window < 0 else [p - window for p in first_query]
 
 
 def _outputs(query: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +240,8 @@ def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_l
             + (f" x {table.beam_width} beams" if table.beam_width > 1 else ""))
     scale = softmax_scale(sm_scale, cache.head_dim)
     sinks = sink_values(sinks, query.shape[1], query.device, "paged_decode")
-    io, lens, starts = _gather_all(cache, table, seq_lens)
+    io, lens, starts = _gather_all(cache, table, seq_lens,
+                                   _first_keys(window, [n - 1 for n in seq_lens.lengths.tolist()]))
     out, lse = _outputs(query, sinks)
     for b, n in enumerate(lens):
         if n == 0:
@@ -219,28 +255,32 @@ def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_l
 def paged_prefill(query: torch.Tensor, qo_indptr: torch.Tensor, cache: CacheDesc, table: BlockTable,
                   seq_lens: SeqLens, *, causal: bool = True, sm_scale: float | None = None,
                   softcap: float | None = None, window: int | None = None,
-                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  sinks: torch.Tensor | None = None, queries_after: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill / extend: sequence b's `q_len` new tokens (rows `qo_indptr[b]:qo_indptr[b+1]` of
     `query [T, Hq, D]`) are its last `q_len` cached tokens (already written); each attends to the
     cached prefix plus itself, causally. `seq_lens` are total cached lengths including the new tokens.
     `causal=False` (no window): each query attends to all `seq_lens[b]` cached tokens, which need not include
-    the queries (a chunk's attention over its cached prefix only). `sinks [Hq]`: see the module docstring.
+    the queries (a chunk's attention over its cached prefix only). `queries_after=True` (needs `causal=False`):
+    the queries are the `q_len` tokens right AFTER the cached ones (positions `seq_lens[b] ..`), for the window
+    of such a chunk (vLLM's split prefill of a sliding-window layer). `sinks [Hq]`: see the module docstring.
     """
     check_args(query, cache, table, seq_lens, "paged_prefill", sm_scale=sm_scale, softcap=softcap, window=window,
-               sinks=sinks)
+               sinks=sinks, causal=causal, queries_after=queries_after)
     require(table.beam_width == 1, Status.UNSUPPORTED,
             f"paged_prefill: a table of {table.beam_width} beams (prefill runs before beams fork: one beam)")
-    ip = check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), query.shape[0],
-                         queries_cached(causal, window))
+    cached = seq_lens.lengths.to(torch.int64).tolist()
+    ip = check_qo_indptr(qo_indptr, cached, query.shape[0], queries_cached(causal, window, queries_after))
     scale = softmax_scale(sm_scale, cache.head_dim)
     sinks = sink_values(sinks, query.shape[1], query.device, "paged_prefill")
-    io, lens, starts = _gather_all(cache, table, seq_lens)
+    first_query = [n if queries_after else n - (ip[b + 1] - ip[b]) for b, n in enumerate(cached)]
+    io, lens, starts = _gather_all(cache, table, seq_lens, _first_keys(window, first_query))
     out, lse = _outputs(query, sinks)
     for b, n in enumerate(lens):
         q0, q1 = ip[b], ip[b + 1]
         if q1 == q0:
             continue
         k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]
-        pos = torch.arange(n - (q1 - q0), n, device=query.device)
+        pos = torch.arange(n, n + q1 - q0, device=query.device) if queries_after else \
+            torch.arange(n - (q1 - q0), n, device=query.device)
         out[q0:q1], lse[q0:q1] = attend(query[q0:q1], k, v, pos, scale, softcap, window, causal, sinks)  # -> FP32
     return out.to(query.dtype), lse

@@ -454,18 +454,20 @@ def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
 def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype,
                  device=None, causal: bool = True, sm_scale: float | None = None, softcap: float | None = None,
-                 window: int | None = None, check: bool = True, sinks: torch.Tensor | None = None) -> AttentionPlan:
+                 window: int | None = None, check: bool = True, sinks: torch.Tensor | None = None,
+                 queries_after: bool = False) -> AttentionPlan:
     """Plan a prefill / extend step: sequence b's new queries are rows `qo_indptr[b]:qo_indptr[b+1]` (the work
     list reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync). `causal=False` without a
-    window attends every query to all of its sequence's cached tokens (`attention.paged_prefill`). `sinks`: as
-    in `plan_decode`."""
+    window attends every query to all of its sequence's cached tokens (`attention.paged_prefill`; with
+    `queries_after` the queries follow them, for a window). `sinks`: as in `plan_decode`."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
+    attention.check_options("paged_prefill", causal=causal, queries_after=queries_after)
     fmt, device, bt, lens = _plan_tables("paged_prefill", fmt, table, seq_lens, options, device, check, block_size)
     if bt is not None and bt.shape[0] != seq_lens.seq_count:  # beams: one query range per request, rows per beam
         bt = lens = None
     if check:  # on the caller's dtype, before narrowing
         attention.check_qo_indptr(qo_indptr, seq_lens.lengths.to(torch.int64).tolist(), None,
-                                  attention.queries_cached(causal, window))
+                                  attention.queries_cached(causal, window, queries_after))
     kernel = None
     if bt is not None and q_dtype in (torch.bfloat16, torch.float16):
         from .triton import prefill as prefill_kernel
@@ -473,9 +475,9 @@ def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, 
         kernel = prefill_kernel.plan_prefill(fmt, ip.cpu(), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                              head_dim=head_dim, block_size=block_size, q_dtype=q_dtype,
                                              device=device, causal=causal, sm_scale=sm_scale, softcap=softcap,
-                                             window_left=window)
+                                             window_left=window, queries_after=queries_after)
     plan = AttentionPlan("paged_prefill", fmt, table, seq_lens, qo_indptr, num_qo_heads, device,
-                         dict(options, causal=causal, sinks=None), check, kernel, bt, lens)
+                         dict(options, causal=causal, sinks=None, queries_after=queries_after), check, kernel, bt, lens)
     return plan if sinks is None else plan.with_sinks(sinks)
 
 

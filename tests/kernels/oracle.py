@@ -89,3 +89,18 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tup
     m = torch.maximum(lse.double(), s)
     keys, sink = torch.exp(lse.double() - m), torch.exp(s - m)
     return out.double() * (keys / (keys + sink))[..., None], m + torch.log(keys + sink)
+
+
+def windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None,
+             scale: float) -> torch.Tensor:
+    """FP64 sliding-window attention written out here (not `attend`): q [T, Hq, D] at positions `q_pos` over k/v
+    [L, Hkv, D] at positions 0..L-1 (GQA: query head h reads KV head h // (Hq / Hkv)); key j is seen iff
+    `pos - window <= j <= pos` (window None: `j <= pos`); rows with no key give 0."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().cpu().repeat_interleave(g, dim=1), v.double().cpu().repeat_interleave(g, dim=1)
+    s = torch.einsum("thd,lhd->thl", q.double().cpu(), kk) * scale
+    j, pos = torch.arange(k.shape[0]), q_pos.cpu()
+    first = torch.zeros_like(pos) if window is None else pos - window
+    seen = (j[None, :] <= pos[:, None]) & (j[None, :] >= first[:, None])
+    s = s.masked_fill(~seen[:, None, :], float("-inf"))
+    return torch.einsum("thl,lhd->thd", torch.softmax(s, dim=-1).nan_to_num(0.0), vv)

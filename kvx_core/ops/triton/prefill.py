@@ -12,7 +12,8 @@ kernel works in the rotated domain; q is rotated before it and its FP32 output b
 `ops.rotation.rotate`, as in decode. Attention sinks (`ops.attention`) join each row's denominator in its final
 normalisation (`dequant.join_sink`). `plan_prefill` builds the work list once per step; `PrefillPlan.run`
 launches one layer. `window_left` follows FlashInfer, `paged_decode` and
-`attention.paged_prefill(window=...)`: key j is attended iff `j >= pos - window_left`.
+`attention.paged_prefill(window=...)`: key j is attended iff `j >= pos - window_left`. `queries_after`
+(non-causal only) places the queries right after the cached tokens instead of at their end (`attention.paged_prefill`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def _prefill_kernel(
     KDT: tl.constexpr, VDT: tl.constexpr, KIEEE: tl.constexpr, VIEEE: tl.constexpr,
     KGS: tl.constexpr, VGS: tl.constexpr, K8: tl.constexpr, V8: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    AFTER: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -56,6 +58,8 @@ def _prefill_kernel(
     q_len = tl.load(QO + b + 1) - q0
     seq_len = tl.load(SEQ + b)
     prefix = seq_len - q_len
+    if AFTER:  # the queries follow the cached tokens (non-causal: every cached key precedes them)
+        prefix = seq_len
 
     r = row0 + tl.arange(0, BM)
     tok = r // QH
@@ -154,6 +158,7 @@ class PrefillPlan:
     tile_row: torch.Tensor  # int32 [programs]: its first packed (token, query head) row
     rotated_out: torch.Tensor | None  # fp32 [T, Hq, D]: the output before its rotation back (rotated formats)
     sinks: torch.Tensor | None = None  # FP32 [Hq] contiguous attention sinks (`ops.attention.sink_values`)
+    queries_after: bool = False  # the queries follow the cached tokens (`attention.paged_prefill`)
 
     def run(self, q: torch.Tensor, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table: torch.Tensor,
             seq_lens: torch.Tensor, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +187,7 @@ class PrefillPlan:
                 KIEEE=kk.storage == torch.float32, VIEEE=kv.storage == torch.float32,
                 KGS=kk.global_scale, VGS=kv.global_scale, K8=fp8_type(kk), V8=fp8_type(kv),
                 CAUSAL=self.causal, SOFTCAP=bool(self.softcap), WINDOW=w is not None and w >= 0,
-                HAS_SINKS=self.sinks is not None,
+                HAS_SINKS=self.sinks is not None, AFTER=self.queries_after,
                 num_warps=self.num_warps, num_stages=self.num_stages,
             )
         if self.rotated_out is not None:  # one rotation back into the output dtype
@@ -194,7 +199,7 @@ def plan_prefill(fmt: CacheFormat | str, qo_indptr: torch.Tensor, *, num_qo_head
                  head_dim: int, block_size: int, q_dtype: torch.dtype, device, causal: bool = True,
                  sm_scale: float | None = None, softcap: float | None = None, window_left: int | None = None,
                  block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> PrefillPlan:
+                 num_stages: int | None = None, queries_after: bool = False) -> PrefillPlan:
     """Plan a prefill step from `qo_indptr` (int32/int64 `[B+1]`; pass it on the host to avoid a device sync)."""
     fmt, kk, kv = check_plan("paged_prefill", fmt, q_dtype, (torch.bfloat16, torch.float16), num_qo_heads,
                              num_kv_heads, head_dim)
@@ -212,7 +217,8 @@ def plan_prefill(fmt: CacheFormat | str, qo_indptr: torch.Tensor, *, num_qo_head
                        _default_block_n(kk, kv) if block_n is None else block_n,
                        (8 if block_m >= 128 else 4) if num_warps is None else num_warps,
                        2 if num_stages is None else num_stages,
-                       qo_indptr.to(device=device, dtype=torch.int32), seq.to(device), row.to(device), rotated)
+                       qo_indptr.to(device=device, dtype=torch.int32), seq.to(device), row.to(device), rotated,
+                       queries_after=queries_after)
 
 
 def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_data, v_scales, k_gs, v_gs,

@@ -8,7 +8,9 @@ runs over its own pages, writing into vLLM's output buffer: on CUDA pages the fu
 and Triton prefill kernels (sync-free: vLLM owns its slot mappings and block tables, `max_seq_len` and the host
 copy of `query_start_loc` come from its metadata), on CPU the torch reference ops. Steps with prompt tokens run
 the split prefill of `prefill` (new tokens by FlashAttention, cached prefix by KVX, merged) unless the run
-asks for `{"kvx": {"prefill": "cache"}}`. Attention sinks (gpt-oss: the impl's `sinks`, one logit per query head
+asks for `{"kvx": {"prefill": "cache"}}`. Sliding-window layers (Mistral's `sliding_window`, Gemma 2/3 and
+gpt-oss `layer_types`): vLLM gives each KV cache group its own builder, so a window group plans its steps with
+its window (`window_of`) and frees the blocks that fall out of it (KVX never reads them, `ops.attention`). Attention sinks (gpt-oss: the impl's `sinks`, one logit per query head
 and layer) are checked once when the weights are loaded and given to each layer's run of the step's plan
 (`AttentionPlan.with_sinks`, `SplitPrefill.run`).
 """
@@ -57,6 +59,19 @@ def _run_format() -> CacheFormat:
     return _run["format"]
 
 
+def window_of(sliding_window: int | None) -> int | None:
+    """KVX's `window` (FlashInfer's `window_left`: a query at position p sees keys p - window .. p) for vLLM's
+    `sliding_window` (the window's length in tokens, the query's own included): `sliding_window - 1`, as vLLM's
+    FlashAttention backend passes `window_size = (sliding_window - 1, 0)` (vllm/v1/attention/backends/flash_attn.py,
+    `FlashAttentionImpl.__init__`) and its SlidingWindowManager keeps the last `sliding_window - 1` computed tokens
+    for the next one (`get_num_skipped_tokens`, vllm/v1/core/single_type_kv_cache_manager.py). None: no window."""
+    if sliding_window is None:
+        return None
+    if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+        raise ValueError(f"KVX attention backend: sliding_window must be a positive int, got {sliding_window!r}")
+    return sliding_window - 1
+
+
 class KvxAttentionBackend(AttentionBackend):
     """Paged attention over KVX-quantized pages (one page = K/V payload + scales of one block)."""
 
@@ -75,6 +90,11 @@ class KvxAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type["KvxMetadataBuilder"]:
         return KvxMetadataBuilder
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """Sliding-window layers: every KVX attention path takes the window (`window_of`)."""
+        return True
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -123,8 +143,8 @@ class KvxMetadata:
 
 class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
     """Slices vLLM's common metadata to the live requests and plans the step's attention once for all layers
-    of the group (they must share sm_scale and softcap, as FlashInfer's plan requires); checks the run's config
-    at startup.
+    of the group (they must share sm_scale, softcap and sliding window, as FlashInfer's plan requires: vLLM
+    groups layers by window); checks the run's config at startup.
 
     CUDA graphs (decode-only batches): a captured step replays the kernels with the addresses and split counts
     of its capture, so everything a plan hands the kernels must outlive the step at a fixed address: vLLM's
@@ -140,11 +160,12 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         self.split_prefill = options_of(vllm_config).prefill == "split"
         impls = [layer.impl for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase,
                                                                      layer_names).values()]
-        params = {(impl.scale, impl.softcap) for impl in impls}
+        params = {(impl.scale, impl.softcap, impl.window) for impl in impls}
         if len(params) > 1:
-            raise ValueError(f"KVX attention backend: the layers of one KV cache group must share sm_scale and "
-                             f"logits_soft_cap, got {sorted(params, key=str)}")
-        self.sm_scale, self.softcap = params.pop() if params else (None, None)
+            raise ValueError(f"KVX attention backend: the layers of one KV cache group must share sm_scale, "
+                             f"logits_soft_cap and sliding window, got (scale, softcap, window_left) "
+                             f"{sorted(params, key=str)}")
+        self.sm_scale, self.softcap, self.window = params.pop() if params else (None, None, None)
         self.num_qo_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.q_dtype = vllm_config.model_config.dtype
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -173,7 +194,8 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         lens, table = seq_lens_from_vllm(m.seq_lens, n), block_table_from_vllm(m.block_table_tensor, n)
         geometry = dict(fmt=self.format, num_qo_heads=self.num_qo_heads, num_kv_heads=spec.num_kv_heads,
                         head_dim=spec.head_size, block_size=spec.block_size, q_dtype=self.q_dtype,
-                        device=self.device, sm_scale=self.sm_scale, softcap=self.softcap, check=False)
+                        device=self.device, sm_scale=self.sm_scale, softcap=self.softcap, window=self.window,
+                        check=False)
         if m.max_query_len == 1 and m.num_actual_tokens == n:
             # splits sized for the longest context the run allows and for the CUDA-graph bucket vLLM pads this
             # batch to, not for this step's lengths and batch: a graph replays the splits of its capture
@@ -188,13 +210,16 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         return KvxMetadata(m.num_actual_tokens, plan)
 
     def _split_prefill(self, m: CommonAttentionMetadata, table, geometry: dict) -> SplitPrefill:
-        """New tokens over themselves (FlashAttention) + over the cached prefix (KVX), merged (`prefill`)."""
+        """New tokens over themselves (FlashAttention) + over the cached prefix (KVX), merged (`prefill`); the
+        prefix plan places each request's queries right after its prefix, so a window counts from their positions."""
         n = m.num_reqs
         cu = m.query_start_loc[:n + 1]
         prefix_lens = seq_lens_from_vllm(m.seq_lens[:n] - (cu[1:] - cu[:-1]), n)  # on the device: no sync
-        prefix = plan_prefill(m.query_start_loc_cpu[:n + 1], table, prefix_lens, causal=False, **geometry)
+        prefix = plan_prefill(m.query_start_loc_cpu[:n + 1], table, prefix_lens, causal=False, queries_after=True,
+                              **geometry)
         scale = self.sm_scale if self.sm_scale is not None else self.kv_cache_spec.head_size ** -0.5
-        return SplitPrefill(prefix, cu, m.query_start_loc_cpu[:n + 1].tolist(), m.max_query_len, scale, self.softcap)
+        return SplitPrefill(prefix, cu, m.query_start_loc_cpu[:n + 1].tolist(), m.max_query_len, scale, self.softcap,
+                            self.window)
 
 
 class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
@@ -208,7 +233,6 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         unsupported = {
             "attention type " + str(attn_type): attn_type != AttentionType.DECODER,
             "ALiBi": alibi_slopes is not None,
-            "sliding window": sliding_window is not None,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
             "extra attention arguments " + str(sorted(k for k, v in extra.items() if v is not None)):
                 any(v is not None for v in extra.values()),
@@ -220,6 +244,8 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = float(scale)
         self.softcap = logits_soft_cap or None
+        self.sliding_window = sliding_window  # vLLM's, as its impls keep it
+        self.window = window_of(sliding_window)
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.format = _run_format()

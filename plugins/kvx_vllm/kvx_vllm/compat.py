@@ -6,7 +6,7 @@
   `Attention.get_kv_cache_spec`, whose `FullAttentionSpec` counts `2 * head_size * dtype` bytes per token
   and head; `install_version_hooks` wraps it so `kvx_*` layers get a `KvxFullAttentionSpec` (a
   `FullAttentionSpec` whose page is `block_size * token_bytes`: the format's real bytes, so a 4-bit cache
-  holds ~3.5x the blocks), and the backend's `get_kv_cache_shape` views each page as
+  holds ~3.5x the blocks; sliding-window layers likewise a `KvxSlidingWindowSpec`), and the backend's `get_kv_cache_shape` views each page as
   `[num_blocks, 1, block_size, token_bytes]` bytes. Selection goes through `FLASH_ATTN`'s path.
 Other minors are refused at load (0.27-0.31 require torch 2.13 and were not run; 0.33+ not verified).
 This module imports nothing from vLLM at module level (tests load it without vLLM).
@@ -89,51 +89,55 @@ def _install_page_spec_026() -> None:
 
 
 def kvx_spec_026(spec: Any, vllm_config: Any) -> Any:
-    """vLLM 0.26: the layer's `FullAttentionSpec` as a `KvxFullAttentionSpec` of the run's format."""
+    """vLLM 0.26: the layer's `FullAttentionSpec` / `SlidingWindowSpec` as its KVX subclass of the run's format
+    (the same fields, the page of the format's bytes), so vLLM's hybrid allocator mixes full and window groups of
+    one page size."""
     from dataclasses import fields
-
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvx_core.formats import get_format
 
     from .options import check_config
     from .pages import token_bytes
 
-    if type(spec) is not FullAttentionSpec:
+    classes = _spec_classes_026()
+    if type(spec) not in classes:
         raise ValueError(f"KVX cache dtype {vllm_config.cache_config.cache_dtype}: this layer needs a "
-                         f"{type(spec).__name__} (sliding window, chunked local attention, ...), which the KVX "
-                         "vLLM backend does not serve; use another --kv-cache-dtype")
-    cls = _spec_class_026()
+                         f"{type(spec).__name__} (chunked local attention, ...), which the KVX vLLM backend does not "
+                         "serve; use another --kv-cache-dtype")
     fmt = get_format(check_config(vllm_config))
     kw = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
-    return cls(**kw, kvx_token_bytes=token_bytes(fmt, spec.num_kv_heads, spec.head_size))
+    return classes[type(spec)](**kw, kvx_token_bytes=token_bytes(fmt, spec.num_kv_heads, spec.head_size))
 
 
 @functools.cache
-def _spec_class_026() -> type:
-    """`KvxFullAttentionSpec`, defined once vLLM 0.26 is importable."""
+def _spec_classes_026() -> dict[type, type]:
+    """vLLM's spec class -> its KVX subclass (`KvxFullAttentionSpec`, `KvxSlidingWindowSpec`), defined once vLLM
+    0.26 is importable. Each is managed as its vLLM base (vLLM's registry walks the MRO)."""
     from dataclasses import dataclass, replace
 
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    @dataclass(frozen=True, kw_only=True)
-    class KvxFullAttentionSpec(FullAttentionSpec):
-        """A full-attention layer whose page holds one block of a KVX format: `block_size * kvx_token_bytes`
-        (K and V payload plus scales of all KV heads). Managed as a FullAttentionSpec (vLLM's registry walks
-        the MRO)."""
+    def kvx_spec(base: type) -> type:
+        @dataclass(frozen=True, kw_only=True)
+        class KvxSpec(base):
+            """A layer whose page holds one block of a KVX format: `block_size * kvx_token_bytes` (K and V
+            payload plus scales of all KV heads)."""
 
-        kvx_token_bytes: int = 0
+            kvx_token_bytes: int = 0
 
-        @property
-        def real_page_size_bytes(self) -> int:
-            assert self.kvx_token_bytes > 0, "KvxFullAttentionSpec without its bytes per token"
-            return self.block_size * self.kvx_token_bytes
+            @property
+            def real_page_size_bytes(self) -> int:
+                assert self.kvx_token_bytes > 0, f"{type(self).__name__} without its bytes per token"
+                return self.block_size * self.kvx_token_bytes
 
-        @classmethod
-        def merge(cls, specs):
-            merged = super().merge(specs)
-            if len({s.kvx_token_bytes for s in specs}) != 1:
-                raise ValueError("KVX: the layers of one KV cache group need the same bytes per token")
-            return replace(merged, kvx_token_bytes=specs[0].kvx_token_bytes)
+            @classmethod
+            def merge(cls, specs):
+                merged = super().merge(specs)
+                if len({s.kvx_token_bytes for s in specs}) != 1:
+                    raise ValueError("KVX: the layers of one KV cache group need the same bytes per token")
+                return replace(merged, kvx_token_bytes=specs[0].kvx_token_bytes)
 
-    return KvxFullAttentionSpec
+        KvxSpec.__name__ = KvxSpec.__qualname__ = "Kvx" + base.__name__
+        return KvxSpec
+
+    return {base: kvx_spec(base) for base in (FullAttentionSpec, SlidingWindowSpec)}

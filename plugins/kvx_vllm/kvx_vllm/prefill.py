@@ -27,6 +27,11 @@ Attention sinks (gpt-oss: one logit per query head joins each row's softmax deno
 are counted once: both pieces are computed without them and `attention.apply_sinks` joins them to the merged output
 and LSE (one more rounding of the output, in its dtype).
 
+Sliding-window layers (`window` = window_left = vLLM's `sliding_window - 1`): the new tokens attend to themselves
+within the window (FlashAttention's `window_size = (window, 0)`, as vLLM's FlashAttention backend), and the prefix plan
+places each request's queries right after its prefix (`plan_prefill(queries_after=True)`), so query i of a request
+with prefix P sees prefix keys from `P + i - window` on; neither piece reads blocks before that (vLLM has freed them).
+
 Off CUDA (vLLM CPU, the CI path) the new-token attention is KVX's FP64 reference core (`ops.attention.attend`),
 per request: the same math, for testing the route on small models.
 """
@@ -42,25 +47,27 @@ from kvx_core.ops.dispatch import AttentionPlan
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
 
-def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_scale, softcap):
-    """FlashAttention (the version vLLM picks for this GPU) over each request's new tokens, causally."""
+def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_scale, softcap, window):
+    """FlashAttention (the version vLLM picks for this GPU) over each request's new tokens, causally, with the
+    layer's window as vLLM's FlashAttention backend passes it (`window_size = (window_left, 0)`)."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
     out, lse = flash_attn_varlen_func(q=query.contiguous(), k=key, v=value, cu_seqlens_q=cu_seqlens, max_seqlen_q=max_query_len,
                                       cu_seqlens_k=cu_seqlens, max_seqlen_k=max_query_len, softmax_scale=sm_scale,
                                       causal=True, softcap=softcap or 0.0, return_softmax_lse=True,
+                                      window_size=(-1, -1) if window is None else (window, 0),
                                       fa_version=get_flash_attn_version(head_size=query.shape[-1]))
     return out, lse
 
 
-def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_scale, softcap):
+def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_scale, softcap, window):
     """The same attention with KVX's FP64 reference core, request by request (off CUDA)."""
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
     for q0, q1 in zip(starts, starts[1:]):
         if q1 > q0:
             o, l = attention.attend(query[q0:q1], key[q0:q1], value[q0:q1], torch.arange(q1 - q0), sm_scale,
-                                    softcap, None, True)
+                                    softcap, window, True)
             out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), l.t().float()
     return out, lse
 
@@ -69,12 +76,13 @@ def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_sca
 class SplitPrefill:
     """One prefill step's plan: run by every layer over its own pages and this step's new K/V."""
 
-    prefix: AttentionPlan  # KVX, causal=False, over each request's cached prefix
+    prefix: AttentionPlan  # KVX, causal=False, queries after each request's cached prefix, with the window
     cu_seqlens: torch.Tensor  # vLLM's query_start_loc (int32, device)
     starts: list[int]  # the same on the host
     max_query_len: int
     sm_scale: float
     softcap: float | None
+    window: int | None = None  # window_left of a sliding-window layer (`backend.window_of`)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: CacheDesc,
             out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,10 +91,10 @@ class SplitPrefill:
         them), with the layer's attention `sinks` (FP32 `[Hq]` on the device, checked: `attention.sink_values`)."""
         if query.is_cuda:
             new_out, new_lse = _new_tokens_attention_cuda(query, key, value, self.cu_seqlens, self.max_query_len,
-                                                          self.sm_scale, self.softcap)
+                                                          self.sm_scale, self.softcap, self.window)
         else:
             new_out, new_lse = _new_tokens_attention_reference(query, key, value, self.starts, self.sm_scale,
-                                                               self.softcap)
+                                                               self.softcap, self.window)
         prefix_out = torch.empty_like(query)
         prefix_lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         self.prefix.run(query, cache, out=prefix_out, lse=prefix_lse)

@@ -1,0 +1,74 @@
+"""One offline vLLM CPU run of a sliding-window model for one cache dtype; prints one JSON line of results.
+
+    python tests/vllm/vllm_window_run.py MODEL_DIR CACHE_DTYPE
+
+MODEL_DIR: SmolLM2-135M with `layer_types` alternating "sliding_attention" / "full_attention" and a `sliding_window`
+(`test_vllm_window.window_model_dir`): vLLM's Llama gives the even layers a window, so the run has a full and a
+window KV cache group (the hybrid allocator). Blocks of 32 tokens under a 64-token window: blocks fall out of the
+window (vLLM frees them) in the 512-token perplexity text, in the decode past the window, and before a prefix hit.
+Measures: KV cache groups, prompt_logprobs perplexity (256-token chunks: the second one's split prefill reads its
+prefix through the window), greedy tokens decoded past the window, prefix-cache reuse with a hit past the window.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+BLOCK = 32
+PPL_TOKENS = 512
+GEN_TOKENS = 96
+PREFIX_REPEAT = 27  # 270 shared tokens: a hit of 256 (8 blocks, 6 of them out of the window: null in the table),
+#                    where the cold run's second 256-token chunk starts, so hit and miss split alike
+
+
+def main(model: str, cache_dtype: str) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from kvx_demo.text import default_text, tokenize
+
+    llm = LLM(model=model, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=1024, enforce_eager=True,
+              max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=True, seed=0, block_size=BLOCK,
+              distributed_executor_backend="uni")
+    cfg = llm.llm_engine.vllm_config
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    out: dict = {"dtype": cache_dtype, "block_size": cfg.cache_config.block_size,
+                 "groups": sorted([type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None),
+                                   len(g.layer_names)] for g in groups)}
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tokenize(tok, default_text(), max_tokens=PPL_TOKENS).tolist()
+    scored = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)[0]
+    nll = [-lp[t].logprob for t, lp in zip(ids[1:], scored.prompt_logprobs[1:])]
+    out["ppl"] = math.exp(sum(nll) / len(nll))
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
+    gen = llm.generate([{"prompt_token_ids": ids[:40]}], greedy, use_tqdm=False)[0]
+    out["gen_tokens"] = list(gen.outputs[0].token_ids)
+    # the generated sequence re-scored in one teacher-forced prefill: each decoded token's gap to the top token
+    full = ids[:40] + out["gen_tokens"]
+    rescored = llm.generate([{"prompt_token_ids": full}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                            use_tqdm=False)[0]
+    out["greedy_gaps"] = [next(v for v in lp.values() if v.rank == 1).logprob - lp[t].logprob
+                          for t, lp in zip(full[40:], rescored.prompt_logprobs[40:])]
+
+    prefix = " ".join(["The quick brown fox jumps over the lazy dog."] * PREFIX_REPEAT)
+    probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    llm.generate([prefix + " First question: what"], probe, use_tqdm=False)
+    warm = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
+    llm.reset_prefix_cache()
+    cold = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
+    out["prefix"] = {"prompt_tokens": len(warm.prompt_token_ids), "warm_cached": warm.num_cached_tokens,
+                     "cold_cached": cold.num_cached_tokens, "warm": _logprobs(warm), "cold": _logprobs(cold)}
+    return out
+
+
+def _logprobs(req) -> list[list]:
+    o = req.outputs[0]
+    return [[t, sorted((k, v.logprob) for k, v in lp.items())] for t, lp in zip(o.token_ids, o.logprobs)]
+
+
+if __name__ == "__main__":
+    print("KVX_RESULT " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
