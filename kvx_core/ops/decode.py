@@ -349,15 +349,15 @@ def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device,
 def workspace_size(fmt: CacheFormat | str, *, max_batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, q_dtype: torch.dtype, device, max_seq_len: int, rows_per_seq: int = 1) -> int:
     """fp32 elements of a `plan_decode` workspace that serves every step of up to `max_batch` sequences of up to
-    `max_seq_len` tokens with the default backend and split choice (splits never shrink as lengths grow), with
-    `rows_per_seq` query rows per sequence (`plan_decode`)."""
+    `max_seq_len` tokens with the default backend and split choice (splits never shrink as lengths grow), with up
+    to `rows_per_seq` query rows per sequence (`plan_decode`: any plan of at most `max_batch * rows_per_seq` rows)."""
     fmt, kk, kv = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
                              num_qo_heads, num_kv_heads, head_dim)
     check_rows_per_seq(rows_per_seq)
     device = torch.device(device)
     block_n = triton_decode.default_block_n(kk, kv, head_dim)
     best = 0
-    for batch in range(rows_per_seq, max_batch * rows_per_seq + 1, rows_per_seq):
+    for batch in range(1, max_batch * rows_per_seq + 1):
         chosen = choose_backend(None, fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, head_dim, block_size,
                                 None).backend
         splits = choose_splits(chosen, batch, num_kv_heads, max_seq_len, block_n, device)
