@@ -286,6 +286,7 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
     fmt, kk, kv = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
                              num_qo_heads, num_kv_heads, head_dim)
     check_rows_per_seq(rows_per_seq)
+    rows_per_seq = int(rows_per_seq)  # a plain int for the kernels' arguments (numpy integers pass the check)
     require(isinstance(batch, int) and batch >= 0 and batch % rows_per_seq == 0, Status.INVALID_ARGUMENT,
             f"paged_decode: batch {batch!r} query rows must be a multiple of rows_per_seq {rows_per_seq}")
     device = torch.device(device)

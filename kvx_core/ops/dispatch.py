@@ -443,6 +443,7 @@ def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
     sequence's rows attend `max(0, ...)` keys (`ops.decode.DecodePlan.row_lens`)."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
     attention.check_rows_per_seq(rows_per_seq)
+    rows_per_seq = int(rows_per_seq)
     fmt, device, bt, lens = _plan_tables("paged_decode", fmt, table, seq_lens, options, device, check, block_size)
     if check and rows_per_seq > 1:
         attention.check_rows_fit(rows_per_seq, seq_lens.lengths.to(torch.int64).tolist())

@@ -8,6 +8,7 @@ the row lengths living in the caller's workspace (CUDA graphs replay one address
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -168,6 +169,13 @@ def test_bad_rows_per_seq_is_refused(bad, device):
     with pytest.raises(KvxError) as e:
         plan_decode("nvfp4", batch=6, rows_per_seq=4, **geo)  # 6 rows are not whole sequences of 4
     assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_integer_types_of_rows_per_seq_become_an_int(device):
+    """A numpy integer is an int for the kernels' arguments (ctypes and Triton take plain ints)."""
+    plan = plan_decode("nvfp4", batch=4, rows_per_seq=np.int64(2), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, q_dtype=torch.bfloat16, device=device, max_seq_len=64)
+    assert type(plan.rows_per_seq) is int and plan.rows_per_seq == 2
 
 
 def test_row_lens_refuses_lengths_of_another_shape(device):
