@@ -106,9 +106,9 @@ def test_format_names():
             format_name(bad, False)
 
 
-def _run_config(kv_transfer_config):
+def _run_config(kv_transfer_config, speculative_config=None):
     return SimpleNamespace(
-        additional_config=None, kv_transfer_config=kv_transfer_config, speculative_config=None,
+        additional_config=None, kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
         cache_config=SimpleNamespace(kv_cache_dtype_skip_layers=None, cache_dtype="kvx_nvfp4"),
         parallel_config=SimpleNamespace(), model_config=None)
 
@@ -124,3 +124,17 @@ def test_other_connectors_are_refused_with_kvx_dtypes(name):
     """vLLM's own connectors move raw pages and check dtypes by name or byte size; they are refused, naming ours."""
     with pytest.raises(ValueError, match="KvxConnector"):
         options.check_config(_run_config(SimpleNamespace(kv_connector=name, kv_connector_module_path=None)))
+
+
+def test_ngram_speculative_decoding_is_accepted():
+    """The n-gram speculator (no attention of its own): its verification steps run as multi-row decodes."""
+    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+    assert options.check_config(_run_config(None, spec)) == "nvfp4"
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model", "mtp", "suffix", None])
+def test_other_speculators_are_refused_with_the_reason(method):
+    """Drafters that run attention layers through the backend (or are not tested) are refused, naming the method
+    and what is verified."""
+    with pytest.raises(ValueError, match=f"speculative decoding with method {method!r}.*'ngram'"):
+        options.check_config(_run_config(None, SimpleNamespace(method=method, num_speculative_tokens=2)))

@@ -147,6 +147,22 @@ def check_args(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_len
     check_sinks(sinks, what, query.shape[1])
 
 
+def check_rows_per_seq(rows_per_seq) -> None:
+    """`rows_per_seq`: an int >= 1 (query rows per sequence of a decode step: 1, or 1 + k with k speculative
+    tokens)."""
+    require(isinstance(rows_per_seq, numbers.Integral) and not isinstance(rows_per_seq, bool) and rows_per_seq >= 1,
+            Status.INVALID_ARGUMENT, f"paged_decode: rows_per_seq must be an int >= 1, got {rows_per_seq!r}")
+
+
+def check_rows_fit(rows_per_seq: int, lens: list[int]) -> None:
+    """Each sequence's cached length holds its `rows_per_seq` new tokens (the rows' queries are its last cached
+    tokens) or is 0 (an empty sequence, e.g. an engine's padding: its rows give 0 and -inf or the sink)."""
+    for b, n in enumerate(lens):
+        require(n == 0 or n >= rows_per_seq, Status.INVALID_ARGUMENT,
+                f"paged_decode: sequence {b} has {n} cached tokens, fewer than its {rows_per_seq} query rows (the "
+                "new tokens must be written before attention)")
+
+
 def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | None,
                     queries_cached: bool = True) -> list[int]:
     """`qo_indptr` as a host list, after checking it is an int32/int64 tensor of `len(lens) + 1` non-decreasing
@@ -225,30 +241,41 @@ def _outputs(query: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Ten
 
 def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
-                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sinks: torch.Tensor | None = None, rows_per_seq: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence (`query [B, Hq, D]`) attending over its whole cached sequence (a KV_OFFSETS
     table with beams: one query per (sequence, beam) row, in that order, `B = seqs * beam_width`).
+
+    `rows_per_seq = R > 1` (speculative decoding's verification, R = 1 + k): R consecutive query rows per
+    (sequence, beam) row, `B = seqs * beam_width * R`; they are its last R cached tokens (written before attention),
+    so row t of a sequence of `n` cached tokens attends causally to its first `n - R + 1 + t` tokens: the prefill
+    of R new tokens (`paged_prefill` with `qo_indptr = [0, R, 2R, ...]` computes the same). A sequence with
+    `0 < n < R` is refused (INVALID_ARGUMENT); an empty one gives its rows 0 and -inf.
 
     Returns `(out [B, Hq, D] in query.dtype, lse [B, Hq] FP32)`; empty sequences give 0 and -inf (the sink
     with `sinks [Hq]`, see the module docstring).
     """
     check_args(query, cache, table, seq_lens, "paged_decode", sm_scale=sm_scale, softcap=softcap, window=window,
                sinks=sinks)
-    rows = seq_lens.seq_count * table.beam_width
+    check_rows_per_seq(rows_per_seq)
+    r = int(rows_per_seq)
+    rows = seq_lens.seq_count * table.beam_width * r
     require(query.shape[0] == rows, Status.INVALID_ARGUMENT,
             f"paged_decode: {query.shape[0]} queries for {seq_lens.seq_count} sequences"
-            + (f" x {table.beam_width} beams" if table.beam_width > 1 else ""))
+            + (f" x {table.beam_width} beams" if table.beam_width > 1 else "")
+            + (f" x {r} rows per sequence" if r > 1 else ""))
     scale = softmax_scale(sm_scale, cache.head_dim)
     sinks = sink_values(sinks, query.shape[1], query.device, "paged_decode")
-    io, lens, starts = _gather_all(cache, table, seq_lens,
-                                   _first_keys(window, [n - 1 for n in seq_lens.lengths.tolist()]))
+    lengths = seq_lens.lengths.to(torch.int64).tolist()
+    check_rows_fit(r, lengths)  # a sequence's first query row is at position n - r
+    io, lens, starts = _gather_all(cache, table, seq_lens, _first_keys(window, [n - r for n in lengths]))
     out, lse = _outputs(query, sinks)
     for b, n in enumerate(lens):
         if n == 0:
             continue
         k, v = io.key[starts[b]:starts[b + 1]], io.value[starts[b]:starts[b + 1]]
-        pos = torch.tensor([n - 1], device=query.device)
-        out[b:b + 1], lse[b:b + 1] = attend(query[b:b + 1], k, v, pos, scale, softcap, window, True, sinks)  # -> FP32
+        pos = torch.arange(n - r, n, device=query.device)
+        q0, q1 = b * r, (b + 1) * r
+        out[q0:q1], lse[q0:q1] = attend(query[q0:q1], k, v, pos, scale, softcap, window, True, sinks)  # -> FP32
     return out.to(query.dtype), lse
 
 

@@ -8,6 +8,14 @@ Hadamard formats: q is rotated before the kernel and the merged FP32 output back
 `ops.dispatch.paged_decode` calls `paged_decode` here for kernel-addressable caches; the benchmarks call it on
 raw pools. Pools follow the storage contract of `ops/triton` (HND data `[num_blocks, H_kv, block_size, Dk]`,
 uint8 scale pools, FP32 `[H_kv]` global scales, int32 block table `[B, max_blocks]`, int32 seq_lens `[B]`).
+
+Multi-row decode (speculative decoding's verification step, `rows_per_seq = 1 + k`): the plan's `batch` counts
+query rows; row r is token `t = r % rows_per_seq` of sequence `r // rows_per_seq`, whose last `rows_per_seq`
+cached tokens are the step's new tokens (written before attention), so it attends causally to the first
+`len - rows_per_seq + 1 + t` tokens of its sequence: `DecodePlan.row_lens` turns sequence lengths into these
+per-row lengths once per step (on the device), and the kernels read block-table row `r // rows_per_seq` and the
+row's own length. Every kernel of the one-row decode serves it unchanged otherwise (splits, merge, sinks, window:
+the window counts back from the row's own position).
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import torch
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat
 from .rotation import rotate
+from .attention import check_rows_per_seq
 from .checks import check_max_seq_len
 from .smoothing import scale_queries
 from .cuda import Choice, choose, env_backend
@@ -125,8 +134,29 @@ class DecodePlan:
     lse_scratch: torch.Tensor  # fp32 [B, Hq]: where the merge writes the LSE a caller does not want (`want_lse`)
     reason: str | None = None  # why Triton and not the CUDA kernel (None: CUDA, or Triton was asked for)
     sinks: torch.Tensor | None = None  # FP32 [Hq] contiguous attention sinks, joined by the split merge
+    rows_per_seq: int = 1  # query rows per block-table row (speculative decoding: 1 + k; see the module docstring)
+    row_lens_buf: torch.Tensor | None = None  # int32 [batch] where `row_lens` writes (rows_per_seq > 1)
     cuda_steps: dict = field(default_factory=dict, compare=False)  # (table, lens, sinks) addresses -> CUDA step
     # params (plans copied per layer for their sinks share it: the key has the sinks' address)
+
+    def row_lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """The int32 lengths the kernels read per query row, from int32 `seq_lens [batch / rows_per_seq]` (cached
+        lengths including the step's new tokens): `seq_lens` itself for one row per sequence, else row r's
+        `seq_lens[r // R] - R + 1 + r % R` written into the plan's workspace (a fixed address for CUDA graphs:
+        compute it once per step, before the layers run). Device ops only, no host sync. A row whose length would be
+        negative (a sequence shorter than its rows, which `dispatch.plan_decode(check=True)` and the reference
+        refuse) gets 0: it attends no key, and reads no block."""
+        if self.rows_per_seq == 1:
+            return seq_lens
+        r = self.rows_per_seq
+        require(isinstance(seq_lens, torch.Tensor) and seq_lens.dtype == torch.int32
+                and tuple(seq_lens.shape) == (self.batch // r,), Status.INVALID_ARGUMENT,
+                f"paged_decode: seq_lens must be int32 [{self.batch // r}] (one per sequence of {r} query rows), got "
+                f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} {tuple(getattr(seq_lens, 'shape', ()))}")
+        offsets = torch.arange(1 - r, 1, dtype=torch.int32, device=seq_lens.device)
+        out = self.row_lens_buf.view(-1, r)
+        torch.add(seq_lens[:, None], offsets, out=out)
+        return out.clamp_min_(0).view(-1)
 
     def run(self, q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=None, lse=None,
             k_smoothing: torch.Tensor | None = None, want_lse: bool = True):
@@ -134,13 +164,14 @@ class DecodePlan:
         `out [B, Hq, D]` of any float dtype with a contiguous last dim, `lse [B, Hq]` fp32). `k_smoothing`: FP32
         `[Hkv, D]` the pools' keys were divided by (`ops.smoothing`): the kernels multiply the queries as they load
         them; rotated formats scale them first (torch, before the rotation). `want_lse=False` returns `(out, None)`
-        (the merge writes the LSE into the plan's scratch: nothing is allocated per layer)."""
+        (the merge writes the LSE into the plan's scratch: nothing is allocated per layer). Multi-row plans:
+        `block_table [B / rows_per_seq, max_blocks]` and `seq_lens` = `row_lens(...)` `[B]`."""
         fmt = self.fmt
         if not want_lse:
             require(lse is None, Status.INVALID_ARGUMENT, "paged_decode: an lse buffer with want_lse=False")
             lse = self.lse_scratch
-        ks, vs, out, lse = check_layer(self, q, self.batch, self.batch, k_data, k_scales, v_data, v_scales,
-                                       block_table, seq_lens, out, lse)
+        ks, vs, out, lse = check_layer(self, q, self.batch, self.batch // self.rows_per_seq, k_data, k_scales, v_data,
+                                       v_scales, block_table, seq_lens, out, lse, num_lens=self.batch)
         kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
         kg = global_scale_arg(k_gs, kk, self.num_kv_heads, q.device)
         vg = global_scale_arg(v_gs, kv, self.num_kv_heads, q.device)
@@ -189,7 +220,7 @@ class DecodePlan:
             step = self.cuda_steps[key] = cuda_decode.step_params(
                 block_table, seq_lens, self.mid_o, self.mid_l, self.sm_scale, self.softcap, self.window,
                 self.num_qo_heads // self.num_kv_heads, self.block_size, sinks, rotate_out=self.fmt.rotate,
-                q_rot=self.rotated_out)  # `_rot`: the library rotates q into the scratch and the output back
+                rows_per_seq=self.rows_per_seq, q_rot=self.rotated_out)  # `_rot`: the library rotates q and the output
         if self.fmt.rotate and layer.k_smoothing is not None:  # s before the rotation: (H (q s)) . (H (k / s)) = q . k
             q = scale_queries(q, layer.k_smoothing)  # (other formats: the smoothing is in the layer's arguments)
         cuda_decode.launch_args(layer.cuda_args, step, q, out, lse)
@@ -213,17 +244,19 @@ class DecodePlan:
             # `_rot`: the library rotates q into the scratch first and the merged output back
             cuda_decode.launch(q, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs, out=out,
-                               lse=lse, sinks=self.sinks, rotate_out=fmt.rotate,
+                               lse=lse, sinks=self.sinks, rotate_out=fmt.rotate, rows_per_seq=self.rows_per_seq,
                                q_rot=self.rotated_out if fmt.rotate else None)
             return out, lse if want_lse else None
         qq = rotate(q) if fmt.rotate else q  # the fused kernel on CUDA (ops.rotation), as the write rotates
         if self.backend == "cuda" and why is None:  # an output dtype only the Triton merge writes
             cuda_decode.launch(qq, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
-                               self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs)
+                               self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs,
+                               rows_per_seq=self.rows_per_seq)
         else:  # Triton, also for pools the planned CUDA kernel cannot address (same splits)
             triton_decode.launch_decode(qq, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                         self.mid_l, self.sm_scale, self.softcap, self.window, self.block_n,
-                                        self.num_warps, self.num_stages, q_smoothing=qs)
+                                        self.num_warps, self.num_stages, q_smoothing=qs,
+                                        rows_per_seq=self.rows_per_seq)
         merged = out if self.rotated_out is None else self.rotated_out  # rotated: merged in FP32, rotated back
         merge_splits(self.mid_o, self.mid_l, merged, lse, self.sinks)
         if self.rotated_out is not None:
@@ -236,9 +269,12 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
                 softcap: float | None = None, window: int | None = None, num_splits: int | None = None,
                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                 backend: str | None = None, workspace: torch.Tensor | None = None,
-                split_batch: int | None = None) -> DecodePlan:
+                split_batch: int | None = None, rows_per_seq: int = 1) -> DecodePlan:
     """Plan a decode step (host only, no sync): `max_seq_len` bounds the step's sequence lengths and sizes the
     splits only (each split reads its own sequence length). See `paged_decode` for the options.
+
+    `rows_per_seq` (>= 1, dividing `batch`): `batch` query rows of which each `rows_per_seq` consecutive ones are
+    the new tokens of one sequence (speculative decoding, see the module docstring; their lengths: `row_lens`).
 
     `split_batch` (>= batch): choose the backend and splits as for a batch of this size, e.g. the CUDA-graph
     bucket vLLM pads `batch` to, so eager and replayed steps of one bucket sum in the same order.
@@ -247,6 +283,10 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
     default: fresh buffers."""
     fmt, kk, kv = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
                              num_qo_heads, num_kv_heads, head_dim)
+    check_rows_per_seq(rows_per_seq)
+    rows_per_seq = int(rows_per_seq)  # a plain int for the kernels' arguments (numpy integers pass the check)
+    require(isinstance(batch, int) and batch >= 0 and batch % rows_per_seq == 0, Status.INVALID_ARGUMENT,
+            f"paged_decode: batch {batch!r} query rows must be a multiple of rows_per_seq {rows_per_seq}")
     device = torch.device(device)
     d = head_dim
     if block_n is None:
@@ -259,17 +299,21 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
                                     num_warps)
     if num_splits is None:
         num_splits = choose_splits(chosen, sb, num_kv_heads, max_seq_len, block_n, device)
-    mid_o, mid_l, rotated, lse_scratch = _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device)
+    mid_o, mid_l, rotated, lse_scratch, lens = _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d,
+                                                                device, rows_per_seq)
     forced = requested_backend(backend) != "auto"
     return DecodePlan(fmt, batch, num_qo_heads, num_kv_heads, d, block_size, q_dtype, chosen, forced, num_splits, block_n,
                       num_warps, num_stages, 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
-                      softcap, window, mid_o, mid_l, rotated, lse_scratch, reason)
+                      softcap, window, mid_o, mid_l, rotated, lse_scratch, reason, rows_per_seq=rows_per_seq,
+                      row_lens_buf=lens)
 
 
-def _workspace_sizes(fmt: CacheFormat, batch: int, num_qo_heads: int, num_splits: int, d: int) -> tuple[int, ...]:
-    """Elements of (mid_o, mid_l, rotated output, LSE scratch) for one step."""
+def _workspace_sizes(fmt: CacheFormat, batch: int, num_qo_heads: int, num_splits: int, d: int,
+                     rows_per_seq: int = 1) -> tuple[int, ...]:
+    """Elements of (mid_o, mid_l, rotated output, LSE scratch, int32 row lengths) for one step."""
     rows = batch * num_qo_heads
-    return rows * num_splits * d, rows * num_splits, rows * d if fmt.rotate else 0, rows
+    return (rows * num_splits * d, rows * num_splits, rows * d if fmt.rotate else 0, rows,
+            batch if rows_per_seq > 1 else 0)
 
 
 def _same_device(a: torch.device, b) -> bool:
@@ -280,9 +324,10 @@ def _same_device(a: torch.device, b) -> bool:
     return a == b
 
 
-def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device):
-    """(mid_o, mid_l, rotated output or None, LSE scratch): views of `workspace`, or new tensors when it is None."""
-    sizes = _workspace_sizes(fmt, batch, num_qo_heads, num_splits, d)
+def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device, rows_per_seq=1):
+    """(mid_o, mid_l, rotated output or None, LSE scratch, int32 row lengths or None): views of `workspace`, or new
+    tensors when it is None."""
+    sizes = _workspace_sizes(fmt, batch, num_qo_heads, num_splits, d, rows_per_seq)
     if workspace is None:
         workspace = torch.empty(sum(sizes), dtype=torch.float32, device=device)
     elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32 or workspace.dim() != 1 \
@@ -291,28 +336,31 @@ def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device)
         raise KvxError(Status.INVALID_ARGUMENT, f"workspace must be a contiguous 1-D fp32 tensor on {device} of at "
                        f"least {sum(sizes)} elements for this step (see workspace_size), got "
                        f"{getattr(workspace, 'dtype', type(workspace).__name__)} {tuple(getattr(workspace, 'shape', ()))}")
-    a, b, c, e = sizes
+    a, b, c, e, f = sizes
     mid_o = workspace[:a].view(batch, num_qo_heads, num_splits, d)
     mid_l = workspace[a:a + b].view(batch, num_qo_heads, num_splits)
     rotated = workspace[a + b:a + b + c].view(batch, num_qo_heads, d) if fmt.rotate else None
     lse_scratch = workspace[a + b + c:a + b + c + e].view(batch, num_qo_heads)
-    return mid_o, mid_l, rotated, lse_scratch
+    lens = workspace[a + b + c + e:a + b + c + e + f].view(torch.int32) if rows_per_seq > 1 else None  # 4-byte words
+    return mid_o, mid_l, rotated, lse_scratch, lens
 
 
 def workspace_size(fmt: CacheFormat | str, *, max_batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                   block_size: int, q_dtype: torch.dtype, device, max_seq_len: int) -> int:
+                   block_size: int, q_dtype: torch.dtype, device, max_seq_len: int, rows_per_seq: int = 1) -> int:
     """fp32 elements of a `plan_decode` workspace that serves every step of up to `max_batch` sequences of up to
-    `max_seq_len` tokens with the default backend and split choice (splits never shrink as lengths grow)."""
+    `max_seq_len` tokens with the default backend and split choice (splits never shrink as lengths grow), with up
+    to `rows_per_seq` query rows per sequence (`plan_decode`: any plan of at most `max_batch * rows_per_seq` rows)."""
     fmt, kk, kv = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
                              num_qo_heads, num_kv_heads, head_dim)
+    check_rows_per_seq(rows_per_seq)
     device = torch.device(device)
     block_n = triton_decode.default_block_n(kk, kv, head_dim)
     best = 0
-    for batch in range(1, max_batch + 1):
+    for batch in range(1, max_batch * rows_per_seq + 1):
         chosen = choose_backend(None, fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, head_dim, block_size,
                                 None).backend
         splits = choose_splits(chosen, batch, num_kv_heads, max_seq_len, block_n, device)
-        best = max(best, sum(_workspace_sizes(fmt, batch, num_qo_heads, splits, head_dim)))
+        best = max(best, sum(_workspace_sizes(fmt, batch, num_qo_heads, splits, head_dim, rows_per_seq)))
     return best
 
 
@@ -320,8 +368,10 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
                  num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, rows_per_seq: int = 1):
     """Decode attention: `q [B, Hq, D]` over the paged quantized cache -> (`out [B, Hq, D]` q.dtype, `lse [B, Hq]` fp32).
+    `rows_per_seq`: each `rows_per_seq` consecutive query rows are the new tokens of one sequence (block-table row
+    and `seq_lens` entry `r // rows_per_seq`; see the module docstring).
 
     `plan_decode` then `DecodePlan.run` (engines plan once per step and run per layer). `lse` is the natural-log
     sum-exp of the (scaled, soft-capped) scores; `-inf` and a zero output for an empty sequence. `window` =
@@ -342,5 +392,6 @@ def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
     plan = plan_decode(fmt, batch=bsz, num_qo_heads=hq, num_kv_heads=k_data.shape[1], head_dim=d,
                        block_size=k_data.shape[2], q_dtype=q.dtype, device=q.device, max_seq_len=max_seq_len,
                        sm_scale=sm_scale, softcap=softcap, window=window, num_splits=num_splits, block_n=block_n,
-                       num_warps=num_warps, num_stages=num_stages, backend=backend)
-    return plan.run(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, out=out, lse=lse)
+                       num_warps=num_warps, num_stages=num_stages, backend=backend, rows_per_seq=rows_per_seq)
+    return plan.run(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, plan.row_lens(seq_lens), out=out,
+                    lse=lse)

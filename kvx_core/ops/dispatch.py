@@ -331,7 +331,8 @@ class AttentionPlan:
     check: bool
     kernel: DecodePlan | PrefillPlan | None  # None: not on a device the kernels run on
     block_table: torch.Tensor | None  # int32 [B, max_blocks] for the kernels
-    lens: torch.Tensor | None  # int32 [B] for the kernels
+    lens: torch.Tensor | None  # int32 [B] for the kernels (decode: one per query row, `DecodePlan.row_lens`)
+    rows_per_seq: int = 1  # decode: query rows per sequence (speculative decoding: 1 + k)
 
     def with_sinks(self, sinks: torch.Tensor | None) -> AttentionPlan:
         """This step's plan for a layer with its own attention sinks `[Hq]` (vLLM: one tensor per layer, one plan per
@@ -398,7 +399,8 @@ class AttentionPlan:
     def _reference(self, query, cache, out, lse):
         opts = self.options
         if self.what == "paged_decode":
-            o, l = attention.paged_decode(query, cache, self.table, self.seq_lens, **opts)
+            o, l = attention.paged_decode(query, cache, self.table, self.seq_lens, rows_per_seq=self.rows_per_seq,
+                                          **opts)
         else:
             o, l = attention.paged_prefill(query, self.qo_indptr, cache, self.table, self.seq_lens, **opts)
         if out is not None:
@@ -428,26 +430,36 @@ def plan_decode(table: BlockTable, seq_lens: SeqLens, *, fmt: CacheFormat | str,
                 num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype, device=None,
                 max_seq_len: int | None = None, sm_scale: float | None = None, softcap: float | None = None,
                 window: int | None = None, check: bool = True, workspace: torch.Tensor | None = None,
-                split_batch: int | None = None, sinks: torch.Tensor | None = None) -> AttentionPlan:
+                split_batch: int | None = None, sinks: torch.Tensor | None = None,
+                rows_per_seq: int = 1) -> AttentionPlan:
     """Plan a decode step (one query token per sequence) for caches of this format and geometry on `device`
     (default: the table's). `max_seq_len` bounds the step's lengths (default: read from `seq_lens`, one host
     sync); with it and `check=False` planning never syncs, so engines plan in their metadata builder and run
     under CUDA graphs (with a persistent `workspace`: `ops.decode.workspace_size`, and `split_batch`: the graph
-    bucket, see `ops.decode.plan_decode`). `sinks [Hq]`: attention sinks (`ops.attention`; `with_sinks` gives a
-    layer's own)."""
+    bucket in query rows, see `ops.decode.plan_decode`). `sinks [Hq]`: attention sinks (`ops.attention`;
+    `with_sinks` gives a layer's own). `rows_per_seq` (speculative decoding: 1 + k): that many query rows per
+    sequence, its last cached tokens (`attention.paged_decode`); the per-row lengths are computed here, once per
+    step, on the device. `check` refuses a sequence shorter than its rows (one host sync); without it such a
+    sequence's rows attend `max(0, ...)` keys (`ops.decode.DecodePlan.row_lens`)."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
+    attention.check_rows_per_seq(rows_per_seq)
+    rows_per_seq = int(rows_per_seq)
     fmt, device, bt, lens = _plan_tables("paged_decode", fmt, table, seq_lens, options, device, check, block_size)
+    if check and rows_per_seq > 1:
+        attention.check_rows_fit(rows_per_seq, seq_lens.lengths.to(torch.int64).tolist())
     kernel = None
     if bt is not None:
         if max_seq_len is None:
             max_seq_len = int(lens.max().item()) if lens.numel() else 0
         from . import decode as decode_kernel
-        kernel = decode_kernel.plan_decode(fmt, batch=int(bt.shape[0]), num_qo_heads=num_qo_heads,
+        kernel = decode_kernel.plan_decode(fmt, batch=int(bt.shape[0]) * rows_per_seq, num_qo_heads=num_qo_heads,
                                            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                                            q_dtype=q_dtype, device=device, max_seq_len=max_seq_len,
-                                           workspace=workspace, split_batch=split_batch, **options)
+                                           workspace=workspace, split_batch=split_batch, rows_per_seq=rows_per_seq,
+                                           **options)
+        lens = kernel.row_lens(lens)
     plan = AttentionPlan("paged_decode", fmt, table, seq_lens, None, num_qo_heads, device, dict(options, sinks=None),
-                         check, kernel, bt, lens)
+                         check, kernel, bt, lens, rows_per_seq)
     return plan if sinks is None else plan.with_sinks(sinks)
 
 
@@ -483,8 +495,8 @@ def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, 
 
 def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, *,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
-                 max_seq_len: int | None = None, check: bool = True,
-                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_seq_len: int | None = None, check: bool = True, sinks: torch.Tensor | None = None,
+                 rows_per_seq: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention.paged_decode`, on the decode kernels (CUDA or Triton, `ops.decode`'s choice) for PACKED tables
     over kernel-addressable pools: `plan_decode` for this cache, then `run`. `check` validates the table against
     the cache (one host sync); engines that own their tables plan once per step with `check=False` and
@@ -494,7 +506,7 @@ def paged_decode(query: torch.Tensor, cache: CacheDesc, table: BlockTable, seq_l
     plan = plan_decode(table, seq_lens, fmt=format_of(cache), num_qo_heads=query.shape[1],
                        num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, block_size=cache.block_size,
                        q_dtype=query.dtype, device=query.device, max_seq_len=max_seq_len, sm_scale=sm_scale,
-                       softcap=softcap, window=window, check=check, sinks=sinks)
+                       softcap=softcap, window=window, check=check, sinks=sinks, rows_per_seq=rows_per_seq)
     return plan.run(query, cache)
 
 

@@ -64,20 +64,24 @@ def dense_kv(fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, s
 
 
 def ref_decode(q, fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens,
-               sm_scale=None, softcap=None, window=None):
-    """FP64 decode attention over the formats' decode of the pools -> (out [B,Hq,D] f64, lse [B,Hq] f64)."""
+               sm_scale=None, softcap=None, window=None, rows_per_seq=1):
+    """FP64 decode attention over the formats' decode of the pools -> (out [B,Hq,D] f64, lse [B,Hq] f64).
+    `rows_per_seq = R`: query row r is at position `L - R + r % R` of sequence `r // R` (its last R tokens), causal;
+    a row at a negative position attends nothing (0, -inf)."""
     bsz, hq, d = q.shape
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.zeros(bsz, hq, d, dtype=torch.float64)
     lse = torch.full((bsz, hq), float("-inf"), dtype=torch.float64)
-    for b in range(bsz):
+    for r in range(bsz):
+        b = r // rows_per_seq
         L = int(seq_lens[b])
-        if L == 0:
+        pos = L - rows_per_seq + r % rows_per_seq
+        if pos < 0:
             continue
         k, v = dense_kv(fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, L, b)
-        qq = fmt.rotate_q(q[b:b + 1].cpu().double())  # [1, Hq, D], K's (rotated) domain
-        o, lse[b:b + 1] = attend(qq, k, v, torch.tensor([L - 1]), sm_scale, softcap, window, causal=True)
-        out[b] = fmt.unrotate_output(o[0])
+        qq = fmt.rotate_q(q[r:r + 1].cpu().double())  # [1, Hq, D], K's (rotated) domain
+        o, lse[r:r + 1] = attend(qq, k, v, torch.tensor([pos]), sm_scale, softcap, window, causal=True)
+        out[r] = fmt.unrotate_output(o[0])
     return out, lse
 
 

@@ -37,7 +37,7 @@ class DecodeParams(ctypes.Structure):
         ("ml", ctypes.c_void_p), ("ml_sb", ctypes.c_int64), ("ml_sh", ctypes.c_int64), ("sinks", ctypes.c_void_p),
         ("sm_scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
         ("qh", ctypes.c_int32), ("bs", ctypes.c_int32), ("num_splits", ctypes.c_int32), ("rotate_out", ctypes.c_int32),
-        ("q_rot", ctypes.c_void_p),
+        ("rows_per_seq", ctypes.c_int32), ("q_rot", ctypes.c_void_p),
         ("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64),
         ("o", ctypes.c_void_p), ("o_sb", ctypes.c_int64), ("o_sh", ctypes.c_int64),
         ("lse", ctypes.c_void_p), ("lse_sb", ctypes.c_int64), ("lse_sh", ctypes.c_int64),
@@ -163,13 +163,14 @@ def layer_args(fmt: CacheFormat, k_data, k_scales, v_data, v_scales, kg, vg,
 
 def step_params(block_table: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.Tensor, mid_l: torch.Tensor,
                 sm_scale: float, softcap: float | None, window: int | None, qh: int, block_size: int,
-                sinks: torch.Tensor | None = None, rotate_out: bool = False,
+                sinks: torch.Tensor | None = None, rotate_out: bool = False, rows_per_seq: int = 1,
                 q_rot: torch.Tensor | None = None) -> DecodeParams:
-    """The step group: int32 `block_table [B, max_blocks]` / `seq_lens [B]`, the split workspace `mid_o [B, Hq, S, D]`
-    / `mid_l [B, Hq, S]`, the options, `sinks` (contiguous FP32 `[Hq]` natural-log logits, or None), whether the merge
-    rotates the output back and `q_rot`, contiguous scratch of at least B * Hq * D query-dtype elements the library
-    rotates the queries into first (`_rot` formats: then the queries come unrotated and the output leaves
-    unrotated, one library call)."""
+    """The step group: int32 `block_table [B / rows_per_seq, max_blocks]` / `seq_lens [B]` (the keys each of the B
+    query rows attends; row r reads block-table row `r // rows_per_seq`: speculative decoding's 1 + k tokens of a
+    sequence), the split workspace `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]`, the options, `sinks` (contiguous FP32
+    `[Hq]` natural-log logits, or None), whether the merge rotates the output back and `q_rot`, contiguous scratch of
+    at least B * Hq * D query-dtype elements the library rotates the queries into first (`_rot` formats: then the
+    queries come unrotated and the output leaves unrotated, one library call)."""
     p = DecodeParams()
     p.bt, p.bt_sb, p.seq = block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr()
     p.mo, p.mo_sb, p.mo_sh, p.mo_ss = mid_o.data_ptr(), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
@@ -178,6 +179,7 @@ def step_params(block_table: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.
     p.sm_scale, p.softcap = sm_scale, float(softcap) if softcap else 0.0
     p.window = min(int(window), 2**31 - 1) if window is not None and window >= 0 else -1  # int32 field: saturate
     p.qh, p.bs, p.num_splits, p.rotate_out = qh, block_size, mid_o.shape[2], int(rotate_out)
+    p.rows_per_seq = rows_per_seq
     p.q_rot = q_rot.data_ptr() if q_rot is not None else None
     return p
 
@@ -205,13 +207,13 @@ def launch(q, k_data, k_scales, v_data, v_scales, kg, vg, block_table, seq_lens,
            mid_o: torch.Tensor, mid_l: torch.Tensor, sm_scale: float, softcap: float | None,
            window: int | None, q_smoothing: torch.Tensor | None = None, out: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None, rotate_out: bool = False,
-           q_rot: torch.Tensor | None = None) -> None:
+           rows_per_seq: int = 1, q_rot: torch.Tensor | None = None) -> None:
     """`launch_args` on arguments derived for this call: write the per-split partials of `supports`-approved inputs
     into `mid_o [B, Hq, S, D]` / `mid_l [B, Hq, S]` and, with `out` and `lse`, merge them (with `sinks`; rotated back
-    with `rotate_out`; `q_rot`: see `step_params`)."""
+    with `rotate_out`; `rows_per_seq`, `q_rot`: see `step_params`)."""
     layer = layer_args(fmt, k_data, k_scales, v_data, v_scales, kg, vg, q_smoothing)
     step = step_params(block_table, seq_lens, mid_o, mid_l, sm_scale, softcap, window, q.shape[1] // k_data.shape[1],
-                       int(k_data.shape[2]), sinks, rotate_out, q_rot)
+                       int(k_data.shape[2]), sinks, rotate_out, rows_per_seq, q_rot)
     launch_args(layer, step, q, out, lse)
 
 

@@ -20,7 +20,7 @@
 //          by a power of two into the f16 range (QB) and the scores undo it.
 //   K8V4:  K and V are template parameters apart (KF / VF, operand types TK / TV): E4M3 keys as FP8 above,
 //          NVFP4 values on f16 operands (exact: e2m1 * s * 2^-7 >= 2^-17 in steps of 2^-17) with P in f16.
-// One CTA = (split, KV head, sequence). Its warps take 16-token tiles round-robin, each with its own
+// One CTA = (split, KV head, query row; a row is one query token, `rows_per_seq` rows share a block-table row). Its warps take 16-token tiles round-robin, each with its own
 // online softmax (a warp's next tile's words are loaded while its current tile is computed), and are merged through
 // shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
 // Triton split merge (kvx_core/ops/triton/merge.py); `merge_kernel` below merges them (the Triton merge does for
@@ -62,7 +62,7 @@ struct DecodeParams {
   // ---- the step
   const int32_t* bt;
   int64_t bt_sb;
-  const int32_t* seq;
+  const int32_t* seq;  // [rows] the keys each query row attends (its causal prefix)
   float* mo;
   int64_t mo_sb, mo_sh, mo_ss;
   float* ml;
@@ -75,6 +75,7 @@ struct DecodeParams {
   int32_t bs;      // block size, a multiple of 16
   int32_t num_splits;
   int32_t rotate_out;  // 1: the merge rotates the output back (Hadamard `_rot` formats: formats/rotation.py's math)
+  int32_t rows_per_seq;  // >= 1 query rows per block-table row (speculative decoding: 1 + k); seq holds each row's length
   void* q_rot;  // `_rot` formats: [B, Hq, D] scratch of the query dtype the entry rotates q into first, or null (q
                 // comes rotated)
   // ---- the call
@@ -388,7 +389,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   // loads are its per-CTA base + page offset + compile-time row offsets.
   constexpr int KROW = KBYTE ? D : D / 2, VROW = VBYTE ? D : D / 2;
   constexpr int KSROW = KAFF ? 4 : D / GROUP, VSROW = VAFF ? 4 : D / GROUP;
-  const int32_t* bt = p.bt + (int64_t)b * p.bt_sb;
+  const int32_t* bt = p.bt + (int64_t)(b / p.rows_per_seq) * p.bt_sb;  // row b is token b % rows_per_seq of its sequence
   const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (KROW / 4);
   const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (VROW / 8);
   const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (KAFF ? 0 : (t * (D / 4)) / GROUP);
@@ -861,7 +862,7 @@ const char* kvx_decode_params_layout(void) {
   F(vd) F(vd_sb) F(vd_sh) F(vd_st) F(vs) F(vs_sb) F(vs_sh) F(vs_st)
   F(kg) F(vg) F(qs) F(bt) F(bt_sb) F(seq) F(mo) F(mo_sb)
   F(mo_sh) F(mo_ss) F(ml) F(ml_sb) F(ml_sh) F(sinks) F(sm_scale) F(softcap)
-  F(window) F(qh) F(bs) F(num_splits) F(rotate_out) F(q_rot) F(q) F(q_sb) F(q_sh) F(o)
+  F(window) F(qh) F(bs) F(num_splits) F(rotate_out) F(rows_per_seq) F(q_rot) F(q) F(q_sb) F(q_sh) F(o)
   F(o_sb) F(o_sh) F(lse) F(lse_sb) F(lse_sh) F(o_dtype)
 #undef F
   return buf;
@@ -877,7 +878,7 @@ static int decode_only(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16,
   using namespace kvx;
   using bf = __nv_bfloat16;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || num_warps != kvx::NW) return (int)cudaErrorInvalidValue;
+  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || p->rows_per_seq < 1 || num_warps != kvx::NW) return (int)cudaErrorInvalidValue;
   const int d = head_dim, b = batch, hkv = num_kv_heads;
   if (kfmt == F_E4M3 && vfmt == F_NVFP4 && group == 16)  // k8v4: f16 operands for both products
     return bf16 ? (int)by_dim<F_E4M3, F_NVFP4, __half, __half, 16, true>(*p, d, b, hkv, s)

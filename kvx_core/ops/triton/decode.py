@@ -1,6 +1,6 @@
 """Paged decode attention over quantized KV pools (split-KV / flash-decoding + a reduction kernel).
 
-One program = (sequence b, KV head h, split s): it loads each K/V tile of its token range once for
+One program = (query row b, KV head h, split s): it loads each K/V tile of its token range once for
 all `QH = Hq / H_kv` query heads that share the KV head (GQA), dequantizes in registers (see
 `dequant.py`), and runs the online softmax with the tile dots on tensor cores (M = QH padded to 16).
 4-bit formats are never interleaved in registers: even head_dim elements (low nibbles) and odd ones
@@ -9,6 +9,8 @@ accumulate into even / odd output columns. The tile steps are `tiles.py`'s, shar
 with INT codes as fp16 subnormals, `SUB`, and the inline-PTX decoders, `ASM`). `merge.py` merges the splits
 (LSE-weighted), casts to the output dtype and writes the LSE. Hadamard formats: the kernel works in the rotated
 domain; `kvx_core/ops/decode.py` rotates q before and the merged output back after (`ops.rotation.rotate`).
+A query row is one query token: `RPS` (rows_per_seq) consecutive rows share a block-table row (speculative
+decoding's 1 + k tokens of a sequence), each attending the keys its own length in SEQ gives (`ops/decode.py`).
 `launch_decode` (below) launches this kernel; `kvx_core/ops/decode.py` plans (backend, splits) and merges.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _decode_kernel(
     VD, s_vdb, s_vdh, s_vdt,
     VS, s_vsb, s_vsh, s_vst,
     KG, VG,
-    BT, s_btb, SEQ,
+    BT, s_btb, SEQ, RPS,
     MO, s_mob, s_moh, s_mos,
     ML, s_mlb, s_mlh,
     sm_scale, softcap, window,
@@ -66,7 +68,7 @@ def _decode_kernel(
     h64 = h.to(tl.int64)
 
     for start in range(lo, hi, BLOCK_N):
-        t, tmask, phys, off = tile_slots(BT, s_btb, b, start, hi, BLOCK_N, BS)
+        t, tmask, phys, off = tile_slots(BT, s_btb, b // RPS, start, hi, BLOCK_N, BS)
 
         s = qk_tile(qa, qb, qsum, k_fac, softcap, KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, phys, h64, off,
                     tmask, KF, KGRP, D, BLOCK_N, KDT, K8, KIEEE, SOFTCAP, True, ASM)
@@ -94,10 +96,11 @@ def default_block_n(kk: KernelFormat, kv: KernelFormat, head_dim: int) -> int:
 
 
 def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt, mid_o, mid_l, sm_scale,
-                  softcap, window, block_n, num_warps, num_stages, q_smoothing=None) -> None:
+                  softcap, window, block_n, num_warps, num_stages, q_smoothing=None, rows_per_seq: int = 1) -> None:
     """The Triton split-KV decode kernel on checked arguments: per-split partials into `mid_o [B, Hq, S, D]` /
     `mid_l [B, Hq, S]` (`ks` / `vs`: `launch.scale_args`; `kg` / `vg`: `launch.global_scale_arg`; `q_smoothing`:
-    contiguous FP32 `[Hkv, D]` the queries are multiplied by as they load)."""
+    contiguous FP32 `[Hkv, D]` the queries are multiplied by as they load). `seq_lens [B]`: the keys each query row
+    attends; row r reads `block_table` row `r // rows_per_seq`."""
     bsz, hq, d = q.shape
     _, hkv, bs, _ = k_data.shape
     kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
@@ -119,7 +122,7 @@ def launch_decode(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, fmt,
         as_bytes(v_data), v_data.stride(0), v_data.stride(1), v_data.stride(2),
         vs[0], vs[1], vs[2], vs[3],
         kg, vg,
-        block_table, block_table.stride(0), seq_lens,
+        block_table, block_table.stride(0), seq_lens, rows_per_seq,
         mid_o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_l, mid_l.stride(0), mid_l.stride(1),
         sm_scale, float(softcap) if softcap else 1.0, int(window) if window is not None and window >= 0 else 0,

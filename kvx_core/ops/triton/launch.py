@@ -85,10 +85,12 @@ def check_plan(what: str, fmt: CacheFormat | str, q_dtype: torch.dtype, q_dtypes
 
 
 def check_layer(plan, q, rows: int, batch: int, k_data, k_scales, v_data, v_scales, block_table, seq_lens, out,
-                lse):
+                lse, num_lens: int | None = None):
     """One layer's tensors against its step's plan (a decode or prefill plan: `fmt`, `num_qo_heads`,
     `num_kv_heads`, `head_dim`, `block_size`, `q_dtype`), host only -> (K scale args, V scale args, out, lse),
-    allocating `out` / `lse` when not given. `rows`: query rows, `batch`: sequences."""
+    allocating `out` / `lse` when not given. `rows`: query rows, `batch`: block-table rows, `num_lens`: entries of
+    `seq_lens` (default `batch`; a multi-row decode has one per query row)."""
+    num_lens = batch if num_lens is None else num_lens
     fmt, hq, hkv, d, bs = plan.fmt, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.block_size
     check_device(q, k_data, v_data, block_table, seq_lens)
     if tuple(q.shape) != (rows, hq, d) or q.dtype != plan.q_dtype or q.stride(2) != 1:
@@ -101,9 +103,9 @@ def check_layer(plan, q, rows: int, batch: int, k_data, k_scales, v_data, v_scal
         raise KvxError(Status.INVALID_ARGUMENT, f"K and V pools must be [num_blocks, {hkv}, {bs}, *] as planned, got "
                        f"{tuple(k_data.shape)} / {tuple(v_data.shape)}")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch \
-            or block_table.stride(1) != 1 or seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (batch,):
-        raise KvxError(Status.INVALID_ARGUMENT, f"need an int32 block_table [B={batch}, max_blocks] with a contiguous "
-                       "last dim and int32 seq_lens [B]")
+            or block_table.stride(1) != 1 or seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (num_lens,):
+        raise KvxError(Status.INVALID_ARGUMENT, f"need an int32 block_table [{batch}, max_blocks] with a contiguous "
+                       f"last dim and int32 seq_lens [{num_lens}]")
     ks = scale_args("K", k_scales, k_data, kk, fmt.k, d)
     vs = scale_args("V", v_scales, v_data, kv, fmt.v, d)
     out = torch.empty_like(q) if out is None else check_out_tensor("out", out, q.shape, None, q.device)

@@ -6,7 +6,9 @@ the slot mapping) and attention through a `dispatch.AttentionPlan` that the meta
 step (`plan_decode` / `plan_prefill`: backend, splits, work list, workspace, int32 tables) and every layer
 runs over its own pages, writing into vLLM's output buffer: on CUDA pages the fused write, CUDA/Triton decode
 and Triton prefill kernels (sync-free: vLLM owns its slot mappings and block tables, `max_seq_len` and the host
-copy of `query_start_loc` come from its metadata), on CPU the torch reference ops. Steps with prompt tokens run
+copy of `query_start_loc` come from its metadata), on CPU the torch reference ops. Uniform steps of 1 + k tokens
+per request (speculative decoding's verification, k <= num_speculative_tokens) take the decode plan with
+`rows_per_seq = 1 + k` (each token attends its causal prefix of the pages). Other steps with prompt tokens run
 the split prefill of `prefill` (new tokens by FlashAttention, cached prefix by KVX, merged) unless the run
 asks for `{"kvx": {"prefill": "cache"}}`. Sliding-window layers (Mistral's `sliding_window`, Gemma 2/3 and
 gpt-oss `layer_types`): vLLM gives each KV cache group its own builder, so a window group plans its steps with
@@ -146,12 +148,17 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
     of the group (they must share sm_scale, softcap and sliding window, as FlashInfer's plan requires: vLLM
     groups layers by window); checks the run's config at startup.
 
-    CUDA graphs (decode-only batches): a captured step replays the kernels with the addresses and split counts
-    of its capture, so everything a plan hands the kernels must outlive the step at a fixed address: vLLM's
-    persistent block table / seq_lens / slot mapping buffers (narrowed without copies) and the split
-    workspace, one buffer allocated here for the largest batch and context the run can see."""
+    CUDA graphs (uniform decode batches: 1 token per request, or 1 + num_speculative_tokens with speculative
+    decoding, whose capture sizes vLLM rounds to multiples of that): a captured step replays the kernels with the
+    addresses and split counts of its capture, so everything a plan hands the kernels must outlive the step at a
+    fixed address: vLLM's persistent block table / seq_lens / slot mapping buffers (narrowed without copies) and the
+    split workspace, one buffer allocated here for the largest batch and context the run can see, which also holds
+    the per-row lengths of multi-row steps (computed by the plan, on the device, before the graph replays).
 
-    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    No `reorder_batch_threshold` (as vLLM's FlashAttention backend): the decode plan serves whole uniform batches
+    only (`decode_rows`), never a decode part split off a mixed batch, so reordering would buy nothing."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
@@ -170,6 +177,9 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         self.q_dtype = vllm_config.model_config.dtype
         self.max_model_len = vllm_config.model_config.max_model_len
         self.graph_sizes = sorted(vllm_config.compilation_config.cudagraph_capture_sizes or [])
+        spec = vllm_config.speculative_config
+        self.decode_rows = 1 + (getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 1
+        """The most query tokens per request a uniform step runs as a decode (1 + num_speculative_tokens)."""
         self.workspace = None
         if device.type == "cuda":
             from kvx_core.ops.decode import workspace_size
@@ -178,7 +188,7 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
                                num_qo_heads=self.num_qo_heads, num_kv_heads=kv_cache_spec.num_kv_heads,
                                head_dim=kv_cache_spec.head_size, block_size=kv_cache_spec.block_size,
                                q_dtype=self.q_dtype, device=device,
-                               max_seq_len=self.max_model_len)
+                               max_seq_len=self.max_model_len, rows_per_seq=self.decode_rows)
             self.workspace = torch.empty(n, dtype=torch.float32, device=device)
         geometry = backends.Geometry(self.num_qo_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.block_size, self.q_dtype, vllm_config.scheduler_config.max_num_seqs)
@@ -196,13 +206,16 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
                         head_dim=spec.head_size, block_size=spec.block_size, q_dtype=self.q_dtype,
                         device=self.device, sm_scale=self.sm_scale, softcap=self.softcap, window=self.window,
                         check=False)
-        if m.max_query_len == 1 and m.num_actual_tokens == n:
-            # splits sized for the longest context the run allows and for the CUDA-graph bucket vLLM pads this
-            # batch to, not for this step's lengths and batch: a graph replays the splits of its capture
-            # (whatever lengths vLLM captured with), and eager steps then split alike, so graph and eager decode
-            # sum in the same order (each split reads its own sequence length)
+        rows = m.max_query_len
+        if 1 <= rows <= self.decode_rows and m.num_actual_tokens == n * rows:
+            # every request has `rows` new tokens (speculative decoding: 1 + k; also vLLM's graph padding, whose
+            # requests have length 0 and attend nothing); splits sized for the longest context the run allows and
+            # for the CUDA-graph bucket (in tokens) vLLM pads this batch to, not for this step's lengths and batch:
+            # a graph replays the splits of its capture (whatever lengths vLLM captured with), and eager steps then
+            # split alike, so graph and eager decode sum in the same order (each split reads its own row length)
             plan = plan_decode(table, lens, max_seq_len=self.max_model_len, workspace=self.workspace,
-                               split_batch=next((b for b in self.graph_sizes if b >= n), n), **geometry)
+                               split_batch=next((b for b in self.graph_sizes if b >= n * rows), n * rows),
+                               rows_per_seq=rows, **geometry)
         elif self.split_prefill:
             plan = self._split_prefill(m, table, geometry)
         else:

@@ -32,6 +32,9 @@ LM_HEAD_FORMATS = ("mxfp4",)
 CONNECTOR = ("KvxConnector", "kvx_vllm.connector", "KvxConnector")
 """(name for --kv-transfer-config, module, class) of the KVX KV connector."""
 PREFILL_ROUTES = ("split", "cache")
+SPECULATORS = ("ngram",)
+"""Speculative decoding methods verified with KVX pages: drafters without attention of their own, whose 1 + k
+verification tokens per request the backend attends as a multi-row decode (`backend.KvxMetadataBuilder`)."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,11 @@ def refusals(vllm_config: Any) -> list[str]:
     if vllm_config.kv_transfer_config is not None and not _is_kvx_connector(vllm_config.kv_transfer_config):
         out.append("--kv-transfer-config: vLLM's other connectors copy raw pages and refuse mixed dtypes; "
                    'use {"kv_connector": "KvxConnector", ...} (kvx_vllm.connector)')
-    if vllm_config.speculative_config is not None:
-        out.append("speculative decoding: not verified with KVX pages")
+    spec = vllm_config.speculative_config
+    if spec is not None and getattr(spec, "method", None) not in SPECULATORS:
+        out.append(f"speculative decoding with method {getattr(spec, 'method', None)!r}: verified with KVX pages for "
+                   f"{', '.join(map(repr, SPECULATORS))} only (draft models and EAGLE-style drafters run attention "
+                   "layers of their own through the backend, not tested)")
     if getattr(par, "decode_context_parallel_size", 1) > 1 or getattr(par, "prefill_context_parallel_size", 1) > 1:
         out.append("context parallelism (DCP/PCP): the KVX kernels do not merge partial attention across ranks")
     model = vllm_config.model_config
