@@ -339,11 +339,11 @@ def test_cuda_rot_decode_rotating_q_itself_equals_rotating_q_first(name, q_dtype
     from kvx_core.ops.cuda.decode import launch
     from kvx_core.ops.rotation import rotate
     fmt = get_format(name)
-    kd, ks, vd, vs = make_pools(fmt, 8, 2, 16, 128, device="cuda", seed=2)
+    kd, ks, vd, vs = make_pools(fmt, 12, 2, 16, 128, device="cuda", seed=2)
     kg = _gs(fmt, 2, 2, True)
     vg = _gs(fmt, 2, 2, False)
     kg, vg = (None if g is None else g.cuda() for g in (kg, vg))
-    bt, sl = make_table([100, 37], 16, 8, device="cuda"), torch.tensor([100, 37], dtype=torch.int32, device="cuda")
+    bt, sl = make_table([100, 37], 16, 12, device="cuda"), torch.tensor([100, 37], dtype=torch.int32, device="cuda")
     q = torch.randn(2, 8, 128, device="cuda").to(q_dtype)
     q[1, 3] = torch.finfo(q_dtype).max
     q[1, 4, 7] = float("inf")
