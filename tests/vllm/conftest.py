@@ -43,3 +43,27 @@ def centered_model_dir(checkpoint, tmp_path_factory) -> Path:
     """A model directory with a key-centering + smoothing calibration (`--smooth-keys 0.5 --center-keys`; the
     smoothing fitted on the centered keys)."""
     return _calibrated_model_dir(checkpoint, tmp_path_factory, "centered", "--smooth-keys", "0.5", "--center-keys")
+
+
+@pytest.fixture(scope="module")
+def config(checkpoint, request):
+    """A VllmConfig of the checkpoint with the test module's `DTYPE` cache and `BS` blocks (the impl and builder unit
+    tests build vLLM objects inside it)."""
+    import kvx_vllm
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    kvx_vllm.register()
+    return VllmConfig(model_config=ModelConfig(model=checkpoint, dtype="bfloat16"),
+                      cache_config=CacheConfig(cache_dtype=request.module.DTYPE, block_size=request.module.BS))
+
+
+def kvx_impl(config, num_heads: int, head_size: int, num_kv_heads: int, *, sliding_window=None, sinks=None):
+    """The plugin's attention impl as vLLM builds it for one layer inside `config`."""
+    from vllm.config import set_current_vllm_config
+
+    from kvx_vllm.backend import KvxAttentionImpl
+
+    with set_current_vllm_config(config):
+        return KvxAttentionImpl(num_heads, head_size, head_size ** -0.5, num_kv_heads, None, sliding_window,
+                                config.cache_config.cache_dtype, sinks=sinks)
+

@@ -13,29 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from .conftest import kvx_impl
+
 pytestmark = pytest.mark.vllm
 
 HQ, HKV, D, BS = 8, 2, 64, 16
 DTYPE = "kvx_int8"
 
 
-@pytest.fixture(scope="module")
-def config(checkpoint):
-    import kvx_vllm
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-
-    kvx_vllm.register()
-    return VllmConfig(model_config=ModelConfig(model=checkpoint, dtype="bfloat16"),
-                      cache_config=CacheConfig(cache_dtype=DTYPE, block_size=BS))
-
-
 def _impl(config, sinks):
-    from vllm.config import set_current_vllm_config
-
-    from kvx_vllm.backend import KvxAttentionImpl
-
-    with set_current_vllm_config(config):
-        return KvxAttentionImpl(HQ, D, D ** -0.5, HKV, None, None, DTYPE, sinks=sinks)
+    return kvx_impl(config, HQ, D, HKV, sinks=sinks)
 
 
 def _param(values, dtype=torch.bfloat16):

@@ -24,6 +24,8 @@ import torch
 from ..procs import run
 from .bounds import PPL_BOUND
 
+from .conftest import kvx_impl
+
 pytestmark = pytest.mark.vllm
 
 HQ, HKV, D, BS = 8, 2, 64, 16
@@ -34,23 +36,8 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLL
 MODEL_WINDOW = 64
 
 
-@pytest.fixture(scope="module")
-def config(checkpoint):
-    import kvx_vllm
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-
-    kvx_vllm.register()
-    return VllmConfig(model_config=ModelConfig(model=checkpoint, dtype="bfloat16"),
-                      cache_config=CacheConfig(cache_dtype=DTYPE, block_size=BS))
-
-
 def _impl(config, sliding_window):
-    from vllm.config import set_current_vllm_config
-
-    from kvx_vllm.backend import KvxAttentionImpl
-
-    with set_current_vllm_config(config):
-        return KvxAttentionImpl(HQ, D, D ** -0.5, HKV, None, sliding_window, DTYPE)
+    return kvx_impl(config, HQ, D, HKV, sliding_window=sliding_window)
 
 
 def _window_spec(**kw):

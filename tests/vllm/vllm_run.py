@@ -58,15 +58,7 @@ def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool, prefill: st
     out["text_top1"] = [next(t for t, v in lp.items() if v.rank == 1) for lp in scored.prompt_logprobs[1:]]
     t_ppl = time.perf_counter()
 
-    prefix = " ".join(["The quick brown fox jumps over the lazy dog."] * PREFIX_REPEAT)
-    probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
-    llm.generate([prefix + " First question: what"], probe, use_tqdm=False)
-    warm = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
-    llm.reset_prefix_cache()
-    cold = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
-    out["prefix"] = {"prompt_tokens": len(warm.prompt_token_ids), "warm_cached": warm.num_cached_tokens,
-                     "cold_cached": cold.num_cached_tokens,
-                     "warm": _logprobs(warm), "cold": _logprobs(cold)}
+    out["prefix"] = prefix_reuse(llm, PREFIX_REPEAT)
     t1 = time.perf_counter()
     out["timing"] = {"gen": round(t_gen - t0 - startup, 1), "ppl": round(t_ppl - t_gen, 1), "prefix": round(t1 - t_ppl, 1)}
     out["total_s"] = round(time.perf_counter() - t0, 1)
@@ -122,6 +114,21 @@ def _rank1(lp: dict):
 
 def _preemptions(llm) -> float:
     return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def prefix_reuse(llm, repeat: int) -> dict:
+    """A prompt sharing `repeat` sentences with an earlier one, run warm (its prefix cached) and cold: the tokens
+    cached and both runs' greedy tokens with their top-5 log-probs."""
+    from vllm import SamplingParams
+
+    prefix = " ".join(["The quick brown fox jumps over the lazy dog."] * repeat)
+    probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    llm.generate([prefix + " First question: what"], probe, use_tqdm=False)
+    warm = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
+    llm.reset_prefix_cache()
+    cold = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
+    return {"prompt_tokens": len(warm.prompt_token_ids), "warm_cached": warm.num_cached_tokens,
+            "cold_cached": cold.num_cached_tokens, "warm": _logprobs(warm), "cold": _logprobs(cold)}
 
 
 def _logprobs(req) -> list[list]:

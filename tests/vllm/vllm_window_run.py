@@ -15,6 +15,8 @@ import json
 import math
 import sys
 
+from vllm_run import prefix_reuse  # this folder is the script's sys.path[0]
+
 BLOCK = 32
 PPL_TOKENS = 512
 GEN_TOKENS = 96
@@ -54,20 +56,8 @@ def main(model: str, cache_dtype: str) -> dict:
     out["greedy_gaps"] = [next(v for v in lp.values() if v.rank == 1).logprob - lp[t].logprob
                           for t, lp in zip(full[40:], rescored.prompt_logprobs[40:])]
 
-    prefix = " ".join(["The quick brown fox jumps over the lazy dog."] * PREFIX_REPEAT)
-    probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
-    llm.generate([prefix + " First question: what"], probe, use_tqdm=False)
-    warm = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
-    llm.reset_prefix_cache()
-    cold = llm.generate([prefix + " Second question: why"], probe, use_tqdm=False)[0]
-    out["prefix"] = {"prompt_tokens": len(warm.prompt_token_ids), "warm_cached": warm.num_cached_tokens,
-                     "cold_cached": cold.num_cached_tokens, "warm": _logprobs(warm), "cold": _logprobs(cold)}
+    out["prefix"] = prefix_reuse(llm, PREFIX_REPEAT)
     return out
-
-
-def _logprobs(req) -> list[list]:
-    o = req.outputs[0]
-    return [[t, sorted((k, v.logprob) for k, v in lp.items())] for t, lp in zip(o.token_ids, o.logprobs)]
 
 
 if __name__ == "__main__":
