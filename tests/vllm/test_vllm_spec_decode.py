@@ -81,7 +81,7 @@ def test_the_builder_runs_uniform_steps_of_up_to_1_plus_k_tokens_as_decodes():
     assert KvxMetadataBuilder.reorder_batch_threshold is None
     builder = SimpleNamespace(kv_cache_spec=SimpleNamespace(num_kv_heads=2, head_size=64, block_size=16),
                               format=get_format("nvfp4"), num_qo_heads=4, q_dtype=torch.bfloat16,
-                              device=torch.device("cpu"), sm_scale=None, softcap=None, max_model_len=256,
+                              device=torch.device("cpu"), sm_scale=None, softcap=None, window=None, max_model_len=256,
                               workspace=None, graph_sizes=[4, 8, 16], split_prefill=False, decode_rows=4)
 
     def step(q_lens, seq_lens):
