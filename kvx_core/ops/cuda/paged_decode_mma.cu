@@ -872,13 +872,13 @@ const char* kvx_decode_params_layout(void) {
 // 5 INT8; K and V share a format, or K is E4M3 and V NVFP4 (k8v4). bf16: the query dtype is bf16 (else f16).
 // 4 warps per CTA. With p->q_rot set, the queries are rotated into it first; with p->o set, the split merge follows
 // on the same stream (rotation, decode and merge: one call).
-// Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
+// Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination. The entry point below
+// checks the parameters first.
 static int decode_only(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, int head_dim, int group,
                        int num_warps, int batch, int num_kv_heads, void* stream) {
   using namespace kvx;
   using bf = __nv_bfloat16;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || p->rows_per_seq < 1 || num_warps != kvx::NW) return (int)cudaErrorInvalidValue;
   const int d = head_dim, b = batch, hkv = num_kv_heads;
   if (kfmt == F_E4M3 && vfmt == F_NVFP4 && group == 16)  // k8v4: f16 operands for both products
     return bf16 ? (int)by_dim<F_E4M3, F_NVFP4, __half, __half, 16, true>(*p, d, b, hkv, s)
@@ -911,7 +911,10 @@ int kvx_merge_splits(const kvx::DecodeParams* p, int head_dim, int batch, int nu
 
 int kvx_paged_decode(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16, int head_dim, int group,
                      int num_warps, int batch, int num_kv_heads, void* stream) {
-  if (p->o != nullptr && (p->lse == nullptr || p->o_dtype < 0 || p->o_dtype > 2)) return (int)cudaErrorInvalidValue;
+  // every parameter checked before the first launch (the q rotation writes the scratch): a refused call runs nothing
+  if (p->qh < 1 || p->qh > 16 || p->bs <= 0 || p->bs % 16 != 0 || p->rows_per_seq < 1 || num_warps != kvx::NW ||
+      (p->o != nullptr && (p->lse == nullptr || p->o_dtype < 0 || p->o_dtype > 2)))
+    return (int)cudaErrorInvalidValue;
   if (batch == 0) return 0;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int hq = num_kv_heads * p->qh;
