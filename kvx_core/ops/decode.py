@@ -2,8 +2,9 @@
 the Triton kernel in `ops/triton/decode.py`) and the number of KV splits (`plan_decode`, once per step), then
 launches the chosen split-KV kernel and its split merge per layer (`DecodePlan.run`; the CUDA library merges in the
 same call, the Triton decode through `ops/triton/merge.py`).
-Hadamard formats: q is rotated before the kernel and the merged FP32 output back after it by
-`ops.rotation.rotate` (the one rotation every KVX path uses); the kernels work in the rotated domain.
+Hadamard formats: the kernels work in the rotated domain. The Triton path rotates q before the kernel and the merged
+FP32 output back after it by `ops.rotation.rotate` (the one rotation every KVX path uses); the CUDA library does
+both itself, in its one call, with the same math and bits (`paged_decode_mma.cu`'s `rotate_row`).
 
 `ops.dispatch.paged_decode` calls `paged_decode` here for kernel-addressable caches; the benchmarks call it on
 raw pools. Pools follow the storage contract of `ops/triton` (HND data `[num_blocks, H_kv, block_size, Dk]`,

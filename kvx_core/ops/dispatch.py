@@ -183,13 +183,13 @@ def _write_bound(layer: BoundLayer, write: WriteDesc) -> None:
     s = kernel_slots(slots, key.device, write.slots.invalid_slot)
     if layer.transforms_keys:
         key = smoothing.smooth_keys(layer.cache, key)
-    launch = layer.write_launch.get((key.dtype, value.dtype, t >= 2**30))
+    kind = (key.dtype, value.dtype, t >= 2**30)
+    launch = layer.write_launch.get(kind)
     if launch is None:
-        launch = write_ops.bind_write(key, value, layer.fmt, layer.k_data, layer.k_scales, layer.v_data,
-                                      layer.v_scales, layer.k_gs, layer.v_gs)
-        layer.write_launch[(key.dtype, value.dtype, t >= 2**30)] = launch
-    write_ops.launch_bound(launch, key, value, s, WriteArgs(s, layer.k_gs, layer.v_gs), layer.k_data,
-                           layer.k_scales, layer.v_data, layer.v_scales, layer.fmt)
+        launch = layer.write_launch[kind] = write_ops.bind_write(key, value, layer.fmt, layer.k_data, layer.k_scales,
+                                                                 layer.v_data, layer.v_scales, layer.k_gs, layer.v_gs)
+    write_ops.launch_bound(launch, key, value, WriteArgs(s, layer.k_gs, layer.v_gs), layer.k_data, layer.k_scales,
+                           layer.v_data, layer.v_scales, layer.fmt)
 
 
 def _attention_pools(cache: CacheDesc):

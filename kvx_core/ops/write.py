@@ -8,7 +8,6 @@ the CUDA kernel runs at 2-3x the Triton kernel's bandwidth (benchmarks/results/w
 """
 from __future__ import annotations
 
-
 import torch
 
 from ..errors import KvxError, Status
@@ -85,17 +84,18 @@ def bind_write(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data,
     return choice, cuda_write.layer_write(fmt, k_data, k_scales, v_data, v_scales, k_gs, v_gs)
 
 
-def launch_bound(launch: tuple[Choice, object], key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-                 args: WriteArgs, k_data, k_scales, v_data, v_scales, fmt: CacheFormat) -> None:
-    """The write into a bound layer as `bind_write` chose it: the CUDA write kernel alone (after the `_rot` formats'
-    rotation: one launch when V follows K in one buffer), or the Triton launcher (`args`, the pools)."""
+def launch_bound(launch: tuple[Choice, object], key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data,
+                 k_scales, v_data, v_scales, fmt: CacheFormat) -> None:
+    """The write into a bound layer as `bind_write` chose it: the CUDA write kernel alone at `args.slots` (after the
+    `_rot` formats' rotation: one launch when V follows K in one buffer), or the Triton launcher (`args`, the
+    pools)."""
     choice, layer = launch
     if layer is None:
         launch_chosen(choice.backend, key, value, args, k_data, k_scales, v_data, v_scales, fmt)
     elif key.shape[0]:
         if fmt.rotate:
             key, value = rotate_kv(key, value)
-        cuda_write.launch_layer(layer, key, value, slots)
+        cuda_write.launch_layer(layer, key, value, args.slots)
 
 
 @torch.no_grad()

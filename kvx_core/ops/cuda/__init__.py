@@ -197,8 +197,9 @@ def mirror_mismatch(lib: ctypes.CDLL, size_entry: str, params, layout_entry: str
     (`const char* f(void)`: "name@offset ..." of the C fields in declaration order), its fields by name and offset;
     else how they differ."""
     getattr(lib, size_entry).restype = ctypes.c_int
-    if getattr(lib, size_entry)() != ctypes.sizeof(params):
-        return f"size {getattr(lib, size_entry)()} != {ctypes.sizeof(params)}"
+    size = getattr(lib, size_entry)()
+    if size != ctypes.sizeof(params):
+        return f"size {size} != {ctypes.sizeof(params)}"
     if layout_entry is None:
         return None
     getattr(lib, layout_entry).restype = ctypes.c_char_p
