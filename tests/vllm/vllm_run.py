@@ -27,8 +27,6 @@ PREFIX_REPEAT = 30  # shared prefix of ~300 tokens: two full 128-token blocks
 
 def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool, prefill: str) -> dict:
     from vllm import LLM, SamplingParams
-    from kvx_demo.text import default_text, tokenize
-    from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
     kvx = {k: v for k, v in (("rotate", rotate), ("prefill", prefill)) if v not in (False, "split")}
@@ -48,12 +46,7 @@ def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool, prefill: st
     out["gen_text"] = [g.outputs[0].text for g in gens]
     t_gen = time.perf_counter()
 
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    ids = tokenize(tok, default_text(), max_tokens=PPL_TOKENS).tolist()
-    scored = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                          use_tqdm=False)[0]
-    nll = [-lp[t].logprob for t, lp in zip(ids[1:], scored.prompt_logprobs[1:])]
-    out["ppl"] = math.exp(sum(nll) / len(nll))
+    _, scored, out["ppl"] = score_demo_text(llm, ckpt, PPL_TOKENS)
     # greedy next token at every position of the text (teacher-forced), to compare dtypes position by position
     out["text_top1"] = [next(t for t, v in lp.items() if v.rank == 1) for lp in scored.prompt_logprobs[1:]]
     t_ppl = time.perf_counter()
@@ -114,6 +107,21 @@ def _rank1(lp: dict):
 
 def _preemptions(llm) -> float:
     return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def score_demo_text(llm, model: str, tokens: int):
+    """The demo text's first `tokens` tokens scored teacher-forced (`prompt_logprobs`): (their ids, the request's
+    output, the perplexity)."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from kvx_demo.text import default_text, tokenize
+
+    ids = tokenize(AutoTokenizer.from_pretrained(model), default_text(), max_tokens=tokens).tolist()
+    scored = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)[0]
+    nll = [-lp[t].logprob for t, lp in zip(ids[1:], scored.prompt_logprobs[1:])]
+    return ids, scored, math.exp(sum(nll) / len(nll))
 
 
 def prefix_reuse(llm, repeat: int) -> dict:

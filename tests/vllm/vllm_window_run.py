@@ -12,10 +12,9 @@ prefix through the window), greedy tokens decoded past the window, prefix-cache 
 from __future__ import annotations
 
 import json
-import math
 import sys
 
-from vllm_run import prefix_reuse  # this folder is the script's sys.path[0]
+from vllm_run import prefix_reuse, score_demo_text  # this folder is the script's sys.path[0]
 
 BLOCK = 32
 PPL_TOKENS = 512
@@ -25,10 +24,7 @@ PREFIX_REPEAT = 27  # 270 shared tokens: a hit of 256 (8 blocks, 6 of them out o
 
 
 def main(model: str, cache_dtype: str) -> dict:
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
-
-    from kvx_demo.text import default_text, tokenize
 
     llm = LLM(model=model, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=1024, enforce_eager=True,
               max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=True, seed=0, block_size=BLOCK,
@@ -39,12 +35,7 @@ def main(model: str, cache_dtype: str) -> dict:
                  "groups": sorted([type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None),
                                    len(g.layer_names)] for g in groups)}
 
-    tok = AutoTokenizer.from_pretrained(model)
-    ids = tokenize(tok, default_text(), max_tokens=PPL_TOKENS).tolist()
-    scored = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                          use_tqdm=False)[0]
-    nll = [-lp[t].logprob for t, lp in zip(ids[1:], scored.prompt_logprobs[1:])]
-    out["ppl"] = math.exp(sum(nll) / len(nll))
+    ids, _, out["ppl"] = score_demo_text(llm, model, PPL_TOKENS)
 
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
     gen = llm.generate([{"prompt_token_ids": ids[:40]}], greedy, use_tqdm=False)[0]
