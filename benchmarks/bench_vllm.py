@@ -3,9 +3,10 @@
     python benchmarks/bench_vllm.py --out benchmarks/results/vllm_kv_dtypes_h200.jsonl
     python benchmarks/bench_vllm.py --dtypes auto,kvx_nvfp4 --out /tmp/x.jsonl      # a subset
 
-Model: a random-weight Llama of 8B geometry cut to 8 layers (hidden 4096, MLP 14336, GQA 32/8, head_dim 128,
-vocab 32000, bf16; `load_format="dummy"`, no tokenizer), so the GPU's memory goes to the KV cache and attention
-is a real share of the step. Settings (the same for every dtype): gpu_memory_utilization 0.85, prefix caching on,
+Model (`--model`, `model_geometries.MODELS`): by default a random-weight Llama of 8B geometry cut to 8 layers
+(hidden 4096, MLP 14336, GQA 32/8, head_dim 128, vocab 32000, bf16; `load_format="dummy"`, no tokenizer), so the
+GPU's memory goes to the KV cache and attention is a real share of the step; gpt-oss-20b / Gemma 3 27B / Qwen3-8B
+geometries cut to a few layers serve their window layers, sinks and softmax scales. Settings (the same for every dtype): gpu_memory_utilization 0.85, prefix caching on,
 block size 16, max_num_batched_tokens 16384 (vLLM's LLM-class default on 80 GB GPUs), max_model_len 32768 + the
 decode steps, decode in full CUDA graphs (`cudagraph_mode=FULL_DECODE_ONLY`, capture sizes 1..64) and no
 torch.compile (`mode=0`: every dtype would compile its own graphs, ~1 minute each; prefill runs eagerly, which
@@ -30,13 +31,12 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_geometries import DEFAULT, MODELS, write_config  # noqa: E402
+
 DTYPES = ["auto", "fp8", "int8_per_token_head", "int4_per_token_head", "kvx_int8", "kvx_k8v4", "kvx_int4",
           "kvx_nvfp4", "kvx_mxfp4"]
-MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-         "intermediate_size": 14336, "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
-         "head_dim": 128, "vocab_size": 32000, "max_position_embeddings": 65536, "rope_theta": 500000.0,
-         "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-         "bos_token_id": 1, "eos_token_id": 2}
+MODEL = MODELS[DEFAULT]
 CTX_SHORT, CTX_LONG, BATCH = 8192, 32768, 64
 
 
@@ -84,18 +84,17 @@ def _long_batch(llm, long, kv_tokens: int, steps: int, predicted_s: float, long_
 
 
 def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill_s: float,
-            cases: tuple[str, ...] = CASES) -> None:
+            cases: tuple[str, ...] = CASES, model: str = DEFAULT) -> None:
     """Everything for one dtype in this process (the capacity, then `cases`)."""
     import vllm
     from vllm import LLM
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import emit, env_info
 
-    base = {**env_info(), "bench": "vllm", "vllm": vllm.__version__, "kv_cache_dtype": dtype}
+    base = {**env_info(), "bench": "vllm", "vllm": vllm.__version__, "model": model, "kv_cache_dtype": dtype}
+    vocab = MODELS[model]["vocab_size"]
     with tempfile.TemporaryDirectory() as model_dir:
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(MODEL, f)
+        write_config(model, model_dir)
         t0 = time.perf_counter()
         llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   kv_cache_dtype=dtype, max_model_len=CTX_LONG + max(steps, steps_b1) + 16, block_size=16,
@@ -109,7 +108,7 @@ def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill
                    "max_concurrency_32k": round(kv_tokens / CTX_LONG, 2),
                    "startup_s": round(time.perf_counter() - t0, 1)})
 
-        short = _prompts(BATCH, CTX_SHORT, seed=1)
+        short = _prompts(BATCH, CTX_SHORT, seed=1, vocab=vocab)
         t_prefill = None
         if "prefill" in cases or "b64_32k" in cases:
             t_prefill = _timed(llm, short, 1)
@@ -117,12 +116,12 @@ def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill
             emit(out, {**base, "metric": "prefill", "batch": BATCH, "ctx": CTX_SHORT,
                        "prefill_s": round(t_prefill, 3)})
             emit(out, {**base, "metric": "ttft", "ctx": CTX_SHORT,
-                       "ttft_s": round(_timed(llm, _prompts(1, CTX_SHORT, seed=2), 1), 4)})
+                       "ttft_s": round(_timed(llm, _prompts(1, CTX_SHORT, seed=2, vocab=vocab), 1), 4)})
         if "b64_8k" in cases:
             emit(out, {**base, "metric": "decode", **_decode(llm, short, steps)})
         llm.reset_prefix_cache()
 
-        long = _prompts(BATCH, CTX_LONG, seed=3)
+        long = _prompts(BATCH, CTX_LONG, seed=3, vocab=vocab)
         if "b64_32k" in cases:
             emit(out, {**base, "metric": "decode", **_long_batch(llm, long, kv_tokens, steps, 16 * t_prefill,
                                                                    long_prefill_s)})
@@ -131,13 +130,13 @@ def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill
 
 
 def summarize(path: str) -> str:
-    """A markdown table of a results file: each dtype's numbers and ratios to `auto` of the same run."""
-    rows: dict[str, dict] = {}
+    """A markdown table of a results file: each (model, dtype)'s numbers and ratios to `auto` of the same model."""
+    rows: dict[tuple[str, str], dict] = {}
     with open(path) as f:
         lines = f.read().splitlines()
     for line in lines:
         r = json.loads(line)
-        d = rows.setdefault(r["kv_cache_dtype"], {})
+        d = rows.setdefault((r.get("model", DEFAULT), r["kv_cache_dtype"]), {})
         if r["metric"] == "decode":
             key = f"decode_b{r['batch']}_{r['ctx'] // 1024}k"
             d[key] = r.get("tok_s", "skipped")
@@ -146,9 +145,10 @@ def summarize(path: str) -> str:
     cols = [("kv_tokens", "KV tokens", True), ("decode_b64_8k", "decode B64 8k tok/s", True),
             ("decode_b64_32k", "decode B64 32k tok/s", True), ("decode_b1_32k", "decode B1 32k tok/s", True),
             ("prefill_s", "prefill 64x8k s", False), ("ttft_s", "TTFT 8k s", False)]
-    base = rows.get("auto", {})
-    out = ["| dtype | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for dtype, d in rows.items():
+    cols = [c for c in cols if any(c[0] in d for d in rows.values())]
+    out = ["| model | dtype | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for (model, dtype), d in rows.items():
+        base = rows.get((model, "auto"), {})
         cells = []
         for key, _, higher_better in cols:
             v, b = d.get(key), base.get(key)
@@ -158,7 +158,7 @@ def summarize(path: str) -> str:
                 cells.append(f"{v:,} ({v / b:.2f}x)")
             else:
                 cells.append(f"{v:,}")
-        out.append(f"| {dtype} | " + " | ".join(cells) + " |")
+        out.append(f"| {model} | {dtype} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -174,6 +174,7 @@ def main() -> None:
     ap.add_argument("--summarize", metavar="JSONL", help="print a markdown table of a results file and exit")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)} "
                     "(the capacity line is always written)")
+    ap.add_argument("--model", default=DEFAULT, choices=list(MODELS), help="model geometry (random weights)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run this dtype here
     a = ap.parse_args()
     if a.summarize:
@@ -183,13 +184,13 @@ def main() -> None:
         cases = tuple(a.cases.split(","))
         if not set(cases) <= set(CASES):
             ap.error(f"--cases: unknown {sorted(set(cases) - set(CASES))}; choose from {', '.join(CASES)}")
-        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s, cases)
+        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s, cases, a.model)
         return
     from common import run_per_process
 
     run_per_process(os.path.abspath(__file__), a.dtypes.split(","),
                     ["--steps", str(a.steps), "--steps-b1", str(a.steps_b1), "--long-prefill-s", str(a.long_prefill_s),
-                     "--cases", a.cases],
+                     "--cases", a.cases, "--model", a.model],
                     a.out, a.timeout_s)
 
 if __name__ == "__main__":

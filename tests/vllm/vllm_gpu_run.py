@@ -2,8 +2,8 @@
 
     python tests/vllm/vllm_gpu_run.py CKPT_DIR CACHE_DTYPE [--eager] [--prefill-cache]
 
-CKPT_DIR: an HF checkpoint with its tokenizer (the demo's SmolLM2-135M, e.g. a bf16 copy). Measures: KV
-capacity vLLM reports, greedy continuations (with logprobs) of prompts of several lengths batched together
+CKPT_DIR: an HF checkpoint with its tokenizer (the demo's SmolLM2-135M, e.g. a bf16 copy). Measures: the KV
+blocks vLLM makes of `KV_BYTES`, greedy continuations (with logprobs) of prompts of several lengths batched together
 (decode in full CUDA graphs unless --eager; no torch.compile either way, so graph and eager runs share their
 prefill), `prompt_logprobs` perplexity of 4096 demo-text tokens, and prefix-cache reuse (warm vs cold logprobs of
 the same request). Prefill runs in 512-token chunks: under the default split prefill a chunk sees its own K/V
@@ -21,6 +21,9 @@ import time
 PROMPT_LENS = [5, 100, 333, 1500, 4000]
 GEN_TOKENS = 32
 PPL_TOKENS = 4096
+KV_BYTES = 2 << 30
+"""The KV cache's memory, fixed (vLLM's `kv_cache_memory_bytes`) rather than profiled from a utilization, so the
+capacity compares formats exactly and runs sharing the GPU (the GPU suite beside them) size their caches alike."""
 
 
 def main(ckpt: str, cache_dtype: str, eager: bool, prefill_cache: bool) -> dict:
@@ -35,7 +38,8 @@ def main(ckpt: str, cache_dtype: str, eager: bool, prefill_cache: bool) -> dict:
                    "cudagraph_capture_sizes": [1, 2, 4, 8]}
     extra = {"additional_config": {"kvx": {"prefill": "cache"}}} if prefill_cache else {}
     llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=8192, max_num_seqs=8,
-              max_num_batched_tokens=512, gpu_memory_utilization=0.5, enable_prefix_caching=True, seed=0,
+              max_num_batched_tokens=512, gpu_memory_utilization=0.3, kv_cache_memory_bytes=KV_BYTES,
+              enable_prefix_caching=True, seed=0,
               compilation_config=compilation, **extra)
     cc = llm.llm_engine.vllm_config.cache_config
     out: dict = {"dtype": cache_dtype, "eager": eager, "prefill": "cache" if prefill_cache else "split", "startup_s": round(time.perf_counter() - t0, 1),
