@@ -32,7 +32,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_geometries import DEFAULT, MODELS, write_config  # noqa: E402
+from model_geometries import DEFAULT, MODELS, write_config
 
 DTYPES = ["auto", "fp8", "int8_per_token_head", "int4_per_token_head", "kvx_int8", "kvx_k8v4", "kvx_int4",
           "kvx_nvfp4", "kvx_mxfp4"]
@@ -87,9 +87,8 @@ def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill
             cases: tuple[str, ...] = CASES, model: str = DEFAULT) -> None:
     """Everything for one dtype in this process (the capacity, then `cases`)."""
     import vllm
-    from vllm import LLM
-
     from common import emit, env_info
+    from vllm import LLM
 
     base = {**env_info(), "bench": "vllm", "vllm": vllm.__version__, "model": model, "kv_cache_dtype": dtype}
     vocab = MODELS[model]["vocab_size"]

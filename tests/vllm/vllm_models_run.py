@@ -32,7 +32,7 @@ import time
 from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-from model_geometries import MODELS, realistic_weights, write_config  # noqa: E402
+from model_geometries import MODELS, realistic_weights, write_config
 
 PROMPT_TOKENS = 3072
 CHUNK = 512
@@ -62,7 +62,8 @@ class Oracle:
         self.plans = Counter()
 
     def install(self):
-        import kvx_vllm.backend as backend
+        from kvx_vllm import backend
+
         from kvx_core.ops.attention import paged_decode
 
         orig = backend.KvxAttentionImpl.forward
@@ -171,7 +172,7 @@ def main(model: str, dtypes: list[str], spec: list[str]) -> None:
         for dtype, with_spec in [(d, False) for d in dtypes] + [(d, True) for d in spec]:
             try:
                 r = run(model_dir, MODELS[model]["vocab_size"], dtype, with_spec, oracle)
-            except Exception as e:  # recorded: the next dtype still runs
+            except Exception as e:  # noqa: BLE001 (recorded: the next dtype still runs)
                 r = {"dtype": dtype, "spec": with_spec, "error": f"{type(e).__name__}: {e}"[:2000]}
             r["model"] = model
             if "logprobs" in r:
