@@ -2,7 +2,10 @@
 few layers) with random weights, one engine after another in this process, for each KV cache dtype; prints one
 `KVX_RESULT {json}` line per run.
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/vllm_models_run.py MODEL DTYPE[,DTYPE...] [--spec DTYPE,...]
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/vllm_models_run.py MODEL RUN[,RUN...]
+
+RUN: a KV cache dtype, or `DTYPE:spec` for its run with the n-gram speculator; the first run without `:spec` is
+the baseline the others' log-probs are compared with (`auto`).
 
 Engine core and worker run in this process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0), so two things
 can be hooked in:
@@ -19,7 +22,7 @@ KV cache groups and blocks, `prompt_logprobs` of two 3072-token random prompts (
 top-1 token per position, compared with the first dtype's run, `auto`, in the summary fields), greedy
 continuations of prompts with repeats (the n-gram speculator's baseline). `--spec`: the same greedy
 continuations with vLLM's n-gram speculator (3 tokens), with its acceptance counters and the decode plans per
-`rows_per_seq`.
+`rows_per_seq`. No torch.compile (`mode` 0): every run would compile its own graphs.
 """
 from __future__ import annotations
 
@@ -114,6 +117,7 @@ def run(model_dir: str, vocab: int, dtype: str, spec: bool, oracle: Oracle) -> d
               max_model_len=PROMPT_TOKENS + 2 * GEN_TOKENS, max_num_seqs=8, max_num_batched_tokens=CHUNK,
               enable_prefix_caching=False, enforce_eager=True, seed=0, distributed_executor_backend="uni",
               gpu_memory_utilization=0.3, kv_cache_memory_bytes=4 << 30, disable_log_stats=False,
+              compilation_config={"mode": 0},
               **({"speculative_config": SPEC} if spec else {}))
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     out: dict = {"dtype": dtype, "spec": spec, "startup_s": round(time.perf_counter() - t0, 1),
@@ -158,7 +162,7 @@ def compare(run: dict, base: dict) -> dict:
             "top1_agree": sum(x == y for x, y in zip(ta, tb)) / len(ta)}
 
 
-def main(model: str, dtypes: list[str], spec: list[str]) -> None:
+def main(model: str, runs: list[str]) -> None:
     import tempfile
 
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
@@ -169,7 +173,7 @@ def main(model: str, dtypes: list[str], spec: list[str]) -> None:
     base = None
     with tempfile.TemporaryDirectory() as model_dir:
         write_config(model, model_dir)
-        for dtype, with_spec in [(d, False) for d in dtypes] + [(d, True) for d in spec]:
+        for dtype, with_spec in ((r.removesuffix(":spec"), r.endswith(":spec")) for r in runs):
             try:
                 r = run(model_dir, MODELS[model]["vocab_size"], dtype, with_spec, oracle)
             except Exception as e:  # noqa: BLE001 (recorded: the next dtype still runs)
@@ -185,10 +189,4 @@ def main(model: str, dtypes: list[str], spec: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    spec_dtypes = []
-    if "--spec" in args:
-        i = args.index("--spec")
-        spec_dtypes = args[i + 1].split(",")
-        args = args[:i] + args[i + 2:]
-    main(args[0], args[1].split(","), spec_dtypes)
+    main(sys.argv[1], sys.argv[2].split(","))
