@@ -62,11 +62,15 @@ def write_config(name: str, model_dir: str, **overrides) -> dict:
     return cfg
 
 
-def realistic_weights(model, seed: int = 0, std: float = 0.02) -> None:
+def realistic_weights(model, seed: int = 0, std: float = 0.02, tie_head: bool = False) -> None:
     """Random weights that make attention matter, in place (vLLM's dummy loader draws U(-1e-3, 1e-3), which makes
     every norm ~0 and the logits ~uniform, whatever the KV cache holds): N(0, std) matrices (HF's init), norms at
     their identity (1, or 0 for Gemma's `1 + w` norms), biases 0, attention sinks N(0, 1). Deterministic for a
-    given seed and model, so runs with different KV cache dtypes share their weights."""
+    given seed and model, so runs with different KV cache dtypes share their weights.
+
+    `tie_head`: the LM head set to the input embedding (as tied models have it, e.g. Gemma). Such a random model
+    mostly predicts the token it just read, so greedy continuations repeat and the n-gram speculator finds drafts
+    (with an independent random head it never does: each new token is unrelated to the context)."""
     import torch
 
     norms = {}
@@ -89,3 +93,8 @@ def realistic_weights(model, seed: int = 0, std: float = 0.02) -> None:
                 p.normal_(0.0, 1.0, generator=gen)
             else:
                 p.normal_(0.0, std, generator=gen)
+        if tie_head:
+            emb = next((p for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")), None)
+            head = next((p for n, p in model.named_parameters() if n.endswith("lm_head.weight")), None)
+            if emb is not None and head is not None and head is not emb and head.shape == emb.shape:
+                head.copy_(emb)

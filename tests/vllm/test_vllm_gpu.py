@@ -73,10 +73,12 @@ def runs() -> dict[str, dict]:
         from kvx_demo.model import ensure_local_checkpoint
 
         ckpt = str(ensure_local_checkpoint())
-    runs = {t: _run(ckpt, t) for t in TAGS}
     record = os.environ.get("KVX_VLLM_GPU_RECORD")
-    if record:  # the runs as KVX_VLLM_GPU_RESULTS reads them back
-        Path(record).write_text(json.dumps({"runs": runs}))
+    runs = {}
+    for t in TAGS:
+        runs[t] = _run(ckpt, t)
+        if record:  # after every run (a later failure keeps the earlier ones), as KVX_VLLM_GPU_RESULTS reads them
+            Path(record).write_text(json.dumps({"runs": runs}))
     return runs
 
 

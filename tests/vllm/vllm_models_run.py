@@ -20,9 +20,11 @@ can be hooked in:
 Per dtype (eager, prefill in 512-token chunks so most prompt tokens attend their prefix through the pages):
 KV cache groups and blocks, `prompt_logprobs` of two 3072-token random prompts (log-prob of each token and the
 top-1 token per position, compared with the first dtype's run, `auto`, in the summary fields), greedy
-continuations of prompts with repeats (the n-gram speculator's baseline). `--spec`: the same greedy
-continuations with vLLM's n-gram speculator (3 tokens), with its acceptance counters and the decode plans per
-`rows_per_seq`. No torch.compile (`mode` 0): every run would compile its own graphs.
+continuations of prompts with repeats (the longest, 1500 tokens, decodes past a 1024-token window). `DTYPE:spec`:
+two engines with the LM head tied to the embedding (`realistic_weights(tie_head=True)`: greedy continuations
+repeat, so the n-gram speculator drafts): the greedy continuations without speculation (`gen_base`, with the two
+best log-probs per position) and with vLLM's n-gram speculator (3 tokens, `gen`), its acceptance counters and the
+decode plans per `rows_per_seq`. No torch.compile (`mode` 0): every run would compile its own graphs.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def _prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     g = torch.Generator().manual_seed(7)
     scored = [torch.randint(3, vocab, (PROMPT_TOKENS,), generator=g).tolist() for _ in range(2)]
     greedy = []
-    for period, reps, tail in ((16, 8, 0), (40, 5, 7), (97, 3, 11), (300, 2, 0)):
+    for period, reps, tail in ((16, 8, 0), (40, 5, 7), (97, 3, 11), (300, 5, 0)):
         unit = torch.randint(3, vocab, (period,), generator=g).tolist()
         greedy.append(unit * reps + unit[:tail])
     return scored, greedy
@@ -93,6 +95,10 @@ class Oracle:
         backend.KvxAttentionImpl.forward = forward
 
 
+TIE_HEAD = {"on": False}
+"""Whether the next engine's weights tie the LM head to the embedding (the speculative runs)."""
+
+
 def _realistic_loader():
     """vLLM's dummy loader followed by `realistic_weights` (before vLLM processes the weights: sinks are read then)."""
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
@@ -101,18 +107,21 @@ def _realistic_loader():
 
     def load_weights(self, model, model_config):
         orig(self, model, model_config)
-        realistic_weights(model)
+        realistic_weights(model, tie_head=TIE_HEAD["on"])
 
     DummyModelLoader.load_weights = load_weights
 
 
-def run(model_dir: str, vocab: int, dtype: str, spec: bool, oracle: Oracle) -> dict:
+def run(model_dir: str, vocab: int, dtype: str, spec: bool, oracle: Oracle, *, tied: bool = False,
+        score: bool = True) -> dict:
+    """One engine: `spec` with the n-gram speculator, `tied` with the tied LM head, `score` the prompt log-probs."""
     from vllm import LLM, SamplingParams
 
     scored, greedy = _prompts(vocab)
     t0 = time.perf_counter()
     oracle.errors.clear()
     oracle.plans.clear()
+    TIE_HEAD["on"] = tied
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", kv_cache_dtype=dtype,
               max_model_len=PROMPT_TOKENS + 2 * GEN_TOKENS, max_num_seqs=8, max_num_batched_tokens=CHUNK,
               enable_prefix_caching=False, enforce_eager=True, seed=0, distributed_executor_backend="uni",
@@ -120,11 +129,11 @@ def run(model_dir: str, vocab: int, dtype: str, spec: bool, oracle: Oracle) -> d
               compilation_config={"mode": 0},
               **({"speculative_config": SPEC} if spec else {}))
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    out: dict = {"dtype": dtype, "spec": spec, "startup_s": round(time.perf_counter() - t0, 1),
+    out: dict = {"dtype": dtype, "spec": spec, "tied_head": tied, "startup_s": round(time.perf_counter() - t0, 1),
                  "groups": sorted([type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None),
                                    len(g.layer_names)] for g in sched.kv_cache_config.kv_cache_groups),
                  "num_blocks": sched.kv_cache_config.num_blocks}
-    if not spec:
+    if score:
         res = llm.generate([{"prompt_token_ids": p} for p in scored],
                            SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False), use_tqdm=False)
         out["logprobs"] = [[lp[t].logprob for t, lp in zip(p[1:], r.prompt_logprobs[1:])] for p, r in zip(scored, res)]
@@ -162,6 +171,14 @@ def compare(run: dict, base: dict) -> dict:
             "top1_agree": sum(x == y for x, y in zip(ta, tb)) / len(ta)}
 
 
+def speculative(model_dir: str, vocab: int, dtype: str, oracle: Oracle) -> dict:
+    """The `DTYPE:spec` pair (module docstring): the tied-head model's greedy tokens without and with speculation."""
+    base = run(model_dir, vocab, dtype, False, oracle, tied=True, score=False)
+    out = run(model_dir, vocab, dtype, True, oracle, tied=True, score=False)
+    out.update(gen_base=base["gen"], top2_base=base["top2"], oracle_base=base["oracle"])
+    return out
+
+
 def main(model: str, runs: list[str]) -> None:
     import tempfile
 
@@ -175,7 +192,9 @@ def main(model: str, runs: list[str]) -> None:
         write_config(model, model_dir)
         for dtype, with_spec in ((r.removesuffix(":spec"), r.endswith(":spec")) for r in runs):
             try:
-                r = run(model_dir, MODELS[model]["vocab_size"], dtype, with_spec, oracle)
+                vocab = MODELS[model]["vocab_size"]
+                r = speculative(model_dir, vocab, dtype, oracle) if with_spec else run(model_dir, vocab, dtype, False,
+                                                                                      oracle)
             except Exception as e:  # noqa: BLE001 (recorded: the next dtype still runs)
                 r = {"dtype": dtype, "spec": with_spec, "error": f"{type(e).__name__}: {e}"[:2000]}
             r["model"] = model

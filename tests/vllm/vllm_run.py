@@ -75,7 +75,8 @@ def preempt(ckpt: str, cache_dtype: str) -> dict:
               max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=False, seed=0, block_size=block,
               num_gpu_blocks_override=PREEMPT_KV_TOKENS // block, disable_log_stats=False,
               distributed_executor_backend="uni", additional_config={"kvx": {"prefill": "cache"}},
-              **({"gpu_memory_utilization": 0.3} if block == 16 else {}))
+              # CUDA: the cache's memory given, not profiled (runs sharing the GPU would disturb the profile)
+              **({"gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 1 << 30} if block == 16 else {}))
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool  # in-process engine core
     base = "Write a long story about a lighthouse keeper and the ships that pass in the night. "
     prompts = [base * (8 + i) + f"Chapter {i + 1}:" for i in range(4)]

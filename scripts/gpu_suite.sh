@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU suite, on a CUDA machine: every test outside tests/vllm and tests/tgi, unfiltered. `gpu`-marked tests
+# need the GPU; the kernel, transfer and bridge tests that take the `device` fixture run on CUDA there (on CPU
+# under the Triton interpreter), so `-m gpu` alone would skip them. The plugins are put on PYTHONPATH (the TRT-LLM
+# bridge tests import kvx_trtllm). The CUDA library is built first, once, so the xdist workers do not all compile it.
+#   bash scripts/gpu_suite.sh                    # everything, 14 workers
+#   bash scripts/gpu_suite.sh -n 8 tests/kernels # other workers / paths
+# vLLM's GPU tests (tests/vllm/test_vllm_gpu.py, test_vllm_models_gpu.py) need vLLM 0.26 on PYTHONPATH: README.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+workers=14
+if [ "${1:-}" = "-n" ]; then workers=$2; shift 2; fi
+[ $# -gt 0 ] || set -- tests --ignore=tests/vllm --ignore=tests/tgi
+python3 -c "import torch; from kvx_core.ops.cuda import library; library(torch.device('cuda'))"
+PYTHONPATH="$PWD:$PWD/plugins/kvx_trtllm:$PWD/plugins/kvx_tgi${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m pytest -q -n "$workers" -p no:cacheprovider -rf --tb=line "$@"
