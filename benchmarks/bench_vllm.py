@@ -34,8 +34,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_geometries import DEFAULT, MODELS, write_config
 
-DTYPES = ["auto", "fp8", "int8_per_token_head", "int4_per_token_head", "kvx_int8", "kvx_k8v4", "kvx_int4",
-          "kvx_nvfp4", "kvx_mxfp4"]
+DTYPES = ["auto", "fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "turboquant_k8v4",
+          "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "nvfp4", "kvx_int8", "kvx_k8v4",
+          "kvx_int4", "kvx_nvfp4", "kvx_mxfp4"]
+"""Every KV cache dtype of vLLM 0.26's `CacheDType` that stores K/V per head (not `fp8_ds_mla`, `fp8_inc`), and
+the kvx ones. A dtype vLLM refuses on the GPU at hand (e.g. its own `nvfp4` before Blackwell) fails its process:
+the run goes on and names it at the end."""
 MODEL = MODELS[DEFAULT]
 CTX_SHORT, CTX_LONG, BATCH = 8192, 32768, 64
 

@@ -138,7 +138,7 @@ class DecodePlan:
     rows_per_seq: int = 1  # query rows per block-table row (speculative decoding: 1 + k; see the module docstring)
     row_lens_buf: torch.Tensor | None = None  # int32 [batch] where `row_lens` writes (rows_per_seq > 1)
     cuda_steps: dict = field(default_factory=dict, compare=False)  # (table, lens, sinks) addresses -> CUDA step
-    # params (plans copied per layer for their sinks share it: the key has the sinks' address)
+    # params (each layer's own sinks, given to `run_bound`, get their own entry: the key has the sinks' address)
 
     def row_lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """The int32 lengths the kernels read per query row, from int32 `seq_lens [batch / rows_per_seq]` (cached
@@ -178,14 +178,16 @@ class DecodePlan:
         vg = global_scale_arg(v_gs, kv, self.num_kv_heads, q.device)
         why = cuda_decode.pool_reason(q, fmt, k_data, ks[0], v_data, vs[0]) if self.backend == "cuda" else None
         return self._launch(q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, out, lse, k_smoothing, why,
-                            want_lse)
+                            want_lse, self.sinks)
 
     def run_bound(self, q: torch.Tensor, layer, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  out: torch.Tensor | None = None, want_lse: bool = False):
+                  out: torch.Tensor | None = None, want_lse: bool = False, sinks: torch.Tensor | None = None):
         """`run` over a layer bound once (`dispatch.bind`): its pools, scale arguments, global scales, key smoothing
         and the CUDA kernel's layer arguments were checked and derived at bind time, so this compares the query and
         output with the plan (host, attribute reads) and launches: on CUDA one library call (decode + merge; the
-        rotations of `_rot` formats inside it), on Triton decode + merge."""
+        rotations of `_rot` formats inside it), on Triton decode + merge. `sinks`: the layer's FP32 `[Hq]`
+        contiguous attention sinks on q's device (prepared once by the engine, not checked here), in place of the
+        plan's."""
         if tuple(q.shape) != (self.batch, self.num_qo_heads, self.head_dim) or q.dtype != self.q_dtype \
                 or layer.geometry != (self.num_kv_heads, self.block_size, self.head_dim) or layer.fmt is not self.fmt \
                 or (out is not None and (out.shape != q.shape or out.dtype not in cuda_decode.OUT_DTYPES
@@ -201,19 +203,19 @@ class DecodePlan:
             else self.lse_scratch
         if self.backend == "cuda" and layer.cuda_args is not None and q.stride(2) == 1:
             if self.batch:
-                self._cuda_bound(q, layer, block_table, seq_lens, out, lse)
+                self._cuda_bound(q, layer, block_table, seq_lens, out, lse, self.sinks if sinks is None else sinks)
             return out, lse if want_lse else None
         why = None
         if self.backend == "cuda":
             why = ("query last dim not contiguous" if q.stride(2) != 1 else layer.cuda_pool_reason
                    or "the CUDA kernels are not available for the layer's device")
         return self._launch(q, layer.k_data, layer.k_scale_args, layer.v_data, layer.v_scale_args, layer.k_global,
-                            layer.v_global, block_table, seq_lens, out, lse, layer.k_smoothing, why, want_lse)
+                            layer.v_global, block_table, seq_lens, out, lse, layer.k_smoothing, why, want_lse,
+                            self.sinks if sinks is None else sinks)
 
-    def _cuda_bound(self, q, layer, block_table, seq_lens, out, lse) -> None:
-        """The CUDA decode + merge over a bound layer: the step's parameter group is made once per plan and tables
-        (`cuda_decode.step_params`), the layer's at bind time."""
-        sinks = self.sinks
+    def _cuda_bound(self, q, layer, block_table, seq_lens, out, lse, sinks) -> None:
+        """The CUDA decode + merge over a bound layer: the step's parameter group is made once per plan, tables and
+        sinks (`cuda_decode.step_params`), the layer's at bind time."""
         key = (block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                0 if sinks is None else sinks.data_ptr())
         step = self.cuda_steps.get(key)
@@ -227,7 +229,7 @@ class DecodePlan:
         cuda_decode.launch_args(layer.cuda_args, step, q, out, lse)
 
     def _launch(self, q, k_data, ks, v_data, vs, kg, vg, block_table, seq_lens, out, lse, k_smoothing, why,
-                want_lse):
+                want_lse, sinks):
         """Decode + merge (+ the rotations of `_rot` formats) on checked arguments; `why`: why the planned CUDA
         kernel cannot address these pools (None: it can), which sends the step to Triton unless CUDA was forced."""
         fmt = self.fmt
@@ -245,7 +247,7 @@ class DecodePlan:
             # `_rot`: the library rotates q into the scratch first and the merged output back
             cuda_decode.launch(q, k_data, ks[0], v_data, vs[0], kg, vg, block_table, seq_lens, fmt, self.mid_o,
                                self.mid_l, self.sm_scale, self.softcap, self.window, q_smoothing=qs, out=out,
-                               lse=lse, sinks=self.sinks, rotate_out=fmt.rotate, rows_per_seq=self.rows_per_seq,
+                               lse=lse, sinks=sinks, rotate_out=fmt.rotate, rows_per_seq=self.rows_per_seq,
                                q_rot=self.rotated_out if fmt.rotate else None)
             return out, lse if want_lse else None
         qq = rotate(q) if fmt.rotate else q  # the fused kernel on CUDA (ops.rotation), as the write rotates
@@ -259,7 +261,7 @@ class DecodePlan:
                                         self.num_warps, self.num_stages, q_smoothing=qs,
                                         rows_per_seq=self.rows_per_seq)
         merged = out if self.rotated_out is None else self.rotated_out  # rotated: merged in FP32, rotated back
-        merge_splits(self.mid_o, self.mid_l, merged, lse, self.sinks)
+        merge_splits(self.mid_o, self.mid_l, merged, lse, sinks)
         if self.rotated_out is not None:
             rotate(self.rotated_out, out=out)
         return out, lse if want_lse else None

@@ -348,19 +348,30 @@ class AttentionPlan:
         return self.options["sinks"] is not None and smoothing.center_of(cache) is not None
 
     def run(self, query: torch.Tensor, cache: CacheDesc | BoundLayer, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None, *, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+            lse: torch.Tensor | None = None, *, want_lse: bool = True,
+            sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of `query` over `cache` (this layer's descriptor, or the layer bound once by `bind`) ->
         (`out`, `lse`), written in place when given. `want_lse=False` (callers that only read `out`, e.g. an
         engine's decode) returns `(out, None)` and skips the LSE's centering correction
         (`ops.smoothing.center_lse`), a few small launches per layer. A bound layer's decode under `check=False`
         launches decode and merge and nothing else when it was bound for this plan's table format (else the
-        descriptor it was bound from serves the call)."""
+        descriptor it was bound from serves the call).
+
+        `sinks`: this layer's attention sinks `[Hq]` in place of the plan's (vLLM: one tensor per layer, one plan
+        per step for the layers of a group). On the bound decode path they must be FP32, contiguous, on the
+        query's device (`attention.sink_values` once, when the engine loads them) and are not checked again;
+        elsewhere they are checked as `with_sinks` checks them."""
         require(want_lse or lse is None, Status.INVALID_ARGUMENT, f"{self.what}: an lse buffer with want_lse=False")
         if isinstance(cache, BoundLayer):
             if not self.check and self.what == "paged_decode" and self.kernel is not None and not want_lse \
-                    and cache.table_format == self.table.format and not self._sinks_after_kernel(cache.cache):
-                return self.kernel.run_bound(query, cache, self.block_table, self.lens, out, want_lse=False)
+                    and cache.table_format == self.table.format \
+                    and not (smoothing.center_of(cache.cache) is not None
+                             and (sinks is not None or self.options["sinks"] is not None)):
+                return self.kernel.run_bound(query, cache, self.block_table, self.lens, out, want_lse=False,
+                                             sinks=sinks)
             cache = cache.cache
+        if sinks is not None:
+            return self.with_sinks(sinks).run(query, cache, out, lse, want_lse=want_lse)
         attention.check_args(query, cache, self.table, self.seq_lens, self.what, **self.options)
         fmt = format_of(cache)
         require(fmt == self.fmt, Status.INVALID_ARGUMENT,

@@ -211,6 +211,12 @@ def test_dispatch_kernel_paths_with_sinks_match_the_reference(name, device, monk
     assert none is None
     torch.testing.assert_close(fast, layer2.run(q, desc)[0], **same)
     torch.testing.assert_close(plan.with_sinks(None).run(q, desc), dispatch.paged_decode(q, desc, table, lens), **same)
+    # a layer's sinks given to `run` (the engine's per-layer call, no plan copy) replace the plan's: same bits
+    bound = dispatch.bind(desc)
+    for s in (s2, s1):  # back and forth: the bound path keys its step arguments by the sinks' address
+        by_run, _ = plan.run(q, bound, want_lse=False, sinks=s)
+        torch.testing.assert_close(by_run, plan.with_sinks(s).run(q, bound, want_lse=False)[0], **same)
+    torch.testing.assert_close(plan.run(q, desc, sinks=s2), layer2.run(q, desc), **same)
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "int8", "k8v4_rot"])
@@ -246,6 +252,10 @@ def test_centered_cache_joins_the_sink_after_the_kernel(name, device, monkeypatc
                                 q_dtype=q.dtype, device=device, sinks=s, check=False, max_seq_len=nb * bs)
     fast, _ = plan.run(q, dispatch.bind(desc), want_lse=False)
     assert torch.equal(fast, plan.run(q, desc)[0])
+    unsunk = dispatch.plan_decode(table, lens, fmt=name, num_qo_heads=2 * h, num_kv_heads=h, head_dim=d,
+                                  block_size=bs, q_dtype=q.dtype, device=device, check=False, max_seq_len=nb * bs)
+    late, _ = unsunk.run(q, dispatch.bind(desc), want_lse=False, sinks=s)  # a layer's sinks, given to run
+    assert torch.equal(late, fast)
 
 
 def test_a_cuda_decode_plan_with_sinks_stays_on_cuda(device, monkeypatch):

@@ -14,7 +14,7 @@ asks for `{"kvx": {"prefill": "cache"}}`. Sliding-window layers (Mistral's `slid
 gpt-oss `layer_types`): vLLM gives each KV cache group its own builder, so a window group plans its steps with
 its window (`window_of`) and frees the blocks that fall out of it (KVX never reads them, `ops.attention`). Attention sinks (gpt-oss: the impl's `sinks`, one logit per query head
 and layer) are checked once when the weights are loaded and given to each layer's run of the step's plan
-(`AttentionPlan.with_sinks`, `SplitPrefill.run`).
+(`AttentionPlan.run`'s `sinks`, `SplitPrefill.run`).
 """
 from __future__ import annotations
 
@@ -350,6 +350,5 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         if isinstance(m.plan, SplitPrefill):
             m.plan.run(query[:n], key[:n], value[:n], desc, out, sinks=self._sinks)
         else:
-            plan = m.plan if self._sinks is None else m.plan.with_sinks(self._sinks)
-            plan.run(query[:n], bound, out=out, want_lse=False)
+            m.plan.run(query[:n], bound, out=out, want_lse=False, sinks=self._sinks)
         return output
