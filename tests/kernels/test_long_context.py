@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvx_core.cache import PagedKVCache
 from kvx_core.descriptors import BlockTable, SeqLens
 from kvx_core.ops import attention, dispatch
-from kvx_core.cache import PagedKVCache
 
 OUT_TOL = 1e-2
 """max |out - oracle| / max |oracle| per sequence: the BF16 output's rounding (2^-9 of a value) with margin; the
