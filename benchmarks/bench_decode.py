@@ -22,7 +22,7 @@ from common import bench, bench_graph, copy_bandwidth, emit, env_info  # noqa: E
 
 from kvx_core.formats import get_format  # noqa: E402
 from kvx_core.ops.cuda.decode import supports  # noqa: E402
-from kvx_core.ops.decode import cuda_num_splits, paged_decode, triton_num_splits  # noqa: E402
+from kvx_core.ops.decode import cuda_num_splits, decode_pools, triton_num_splits  # noqa: E402
 from kvx_core.ops.kernel_format import kernel_format  # noqa: E402
 
 
@@ -168,7 +168,7 @@ def main():
                         kw.setdefault("num_splits", triton_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64,
                                                                        torch.device(dev)))
                     # backend "auto" picks its kernel and splits itself, as a user's call does
-                    fn = lambda: paged_decode(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=ctx,  # noqa: E731
+                    fn = lambda: decode_pools(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=ctx,  # noqa: E731
                                               out=out, lse=lse, **kw)
                     r = bench(fn, n=args.runs)
                     gr = bench_graph(fn, n=args.runs) if bsz == 1 else None

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import random_pool  # noqa: E402
 
 from kvx_core.formats import get_format  # noqa: E402
-from kvx_core.ops.decode import paged_decode  # noqa: E402
+from kvx_core.ops.decode import decode_pools  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
         kg = torch.full((hkv,), 0.5, device=dev) if fmt.k.uses_global_scale else None
         vg = torch.full((hkv,), 0.5, device=dev) if fmt.v.uses_global_scale else None
         for _ in range(2):  # first call compiles; ncu profiles both, read the second
-            paged_decode(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=a.ctx, backend=a.backend,
+            decode_pools(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=a.ctx, backend=a.backend,
                          num_splits=a.splits)
         torch.cuda.synchronize()
         del kd, ks, vd, vs

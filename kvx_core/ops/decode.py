@@ -6,7 +6,7 @@ Hadamard formats: the kernels work in the rotated domain. The Triton path rotate
 FP32 output back after it by `ops.rotation.rotate` (the one rotation every KVX path uses); the CUDA library does
 both itself, in its one call, with the same math and bits (`paged_decode_mma.cu`'s `rotate_row`).
 
-`ops.dispatch.paged_decode` calls `paged_decode` here for kernel-addressable caches; the benchmarks call it on
+`ops.dispatch.paged_decode` calls `decode_pools` here for kernel-addressable caches; the benchmarks call it on
 raw pools. Pools follow the storage contract of `ops/triton` (HND data `[num_blocks, H_kv, block_size, Dk]`,
 uint8 scale pools, FP32 `[H_kv]` global scales, int32 block table `[B, max_blocks]`, int32 seq_lens `[B]`).
 
@@ -83,7 +83,7 @@ def requested_backend(backend: str | None) -> str:
 
 def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, batch: int,
                    num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_warps) -> Choice:
-    """Which kernel serves a step of this geometry ("cuda" or "triton", see `paged_decode`'s `backend` argument),
+    """Which kernel serves a step of this geometry ("cuda" or "triton", see `decode_pools`' `backend` argument),
     and why not CUDA."""
     backend = requested_backend(backend)
     if backend not in BACKENDS:
@@ -274,7 +274,7 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
                 backend: str | None = None, workspace: torch.Tensor | None = None,
                 split_batch: int | None = None, rows_per_seq: int = 1) -> DecodePlan:
     """Plan a decode step (host only, no sync): `max_seq_len` bounds the step's sequence lengths and sizes the
-    splits only (each split reads its own sequence length). See `paged_decode` for the options.
+    splits only (each split reads its own sequence length). See `decode_pools` for the options.
 
     `rows_per_seq` (>= 1, dividing `batch`): `batch` query rows of which each `rows_per_seq` consecutive ones are
     the new tokens of one sequence (speculative decoding, see the module docstring; their lengths: `row_lens`).
@@ -367,7 +367,7 @@ def workspace_size(fmt: CacheFormat | str, *, max_batch: int, num_qo_heads: int,
     return best
 
 
-def paged_decode(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, fmt,
+def decode_pools(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table, seq_lens, fmt,
                  sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
                  num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,

@@ -14,7 +14,7 @@ from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
 from kvx_core.ops.cuda import build, mirror_mismatch, nvcc_path
 from kvx_core.ops.cuda.decode import DecodeParams, supports
-from kvx_core.ops.decode import paged_decode
+from kvx_core.ops.decode import decode_pools
 from kvx_core.ops.graphs import capture
 from kvx_core.ops.kernel_format import MIXED, CudaCode, FormatCode, kernel_format
 
@@ -40,7 +40,7 @@ def _run(name, lens, hkv=2, qh=4, d=128, bs=16, q_dtype=torch.bfloat16, splits=N
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = (torch.randn(len(lens), hkv * qh, d, generator=torch.Generator().manual_seed(seed + 3)) * q_scale).to(q_dtype).cuda()
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    o, lse = paged_decode(q, kd, ks, vd, vs, None if kg is None else kg.cuda(), None if vg is None else vg.cuda(),
+    o, lse = decode_pools(q, kd, ks, vd, vs, None if kg is None else kg.cuda(), None if vg is None else vg.cuda(),
                           bt, sl, fmt, softcap=softcap, window=window, num_splits=splits, out=out, backend="cuda")
     ro, rl = ref_decode(q, fmt, kd, ks, vd, vs, kg, vg, bt, sl, softcap=softcap, window=window)
     return o.cpu().double(), lse.cpu().double(), ro, rl
@@ -205,7 +205,7 @@ def test_cuda_decode_all_bit_patterns(name, lo, hi):
 @pytest.mark.gpu
 def test_cuda_backend_refuses_what_it_cannot_serve():
     with pytest.raises(KvxError, match="4 warps"):
-        paged_decode(*_tiny_nvfp4(), backend="cuda", num_warps=8)
+        decode_pools(*_tiny_nvfp4(), backend="cuda", num_warps=8)
     q = torch.zeros(1, 4, 128, dtype=torch.float16, device="cuda")
     fmt = get_format("mxfp4")
     kd = torch.zeros(2, 1, 16, 64, dtype=torch.uint8, device="cuda")
@@ -213,9 +213,9 @@ def test_cuda_backend_refuses_what_it_cannot_serve():
     bt = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
     sl = torch.ones(1, dtype=torch.int32, device="cuda")
     with pytest.raises(KvxError) as e:
-        paged_decode(q, kd, ks, kd, ks, None, None, bt, sl, fmt, backend="cuda")
+        decode_pools(q, kd, ks, kd, ks, None, None, bt, sl, fmt, backend="cuda")
     assert e.value.status == Status.UNSUPPORTED and "bf16" in str(e.value)
-    o, _ = paged_decode(q, kd, ks, kd, ks, None, None, bt, sl, fmt)  # auto: Triton serves fp16 MXFP4
+    o, _ = decode_pools(q, kd, ks, kd, ks, None, None, bt, sl, fmt)  # auto: Triton serves fp16 MXFP4
     assert o.shape == q.shape
 
 
@@ -236,7 +236,7 @@ def test_cuda_decode_is_graph_capturable():
     q = torch.randn(1, 8, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     lse = torch.empty(1, 8, device="cuda")
-    run = lambda: paged_decode(q, kd, ks, vd, vs, None, None, bt, sl, fmt, out=out, lse=lse, num_splits=2,  # noqa: E731
+    run = lambda: decode_pools(q, kd, ks, vd, vs, None, None, bt, sl, fmt, out=out, lse=lse, num_splits=2,  # noqa: E731
                                max_seq_len=100, backend="cuda")
     run()
     ref = out.clone()

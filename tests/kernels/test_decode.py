@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvx_core.formats import get_format, list_formats
-from kvx_core.ops.decode import paged_decode
+from kvx_core.ops.decode import decode_pools
 
 from .oracle import make_pools, make_table, ref_decode
 
@@ -26,7 +26,7 @@ def _run(name, device, lens, hkv=2, qh=4, d=64, bs=16, q_dtype=torch.bfloat16, s
     kgd = None if kg is None else kg.to(device)
     vgd = None if vg is None else vg.to(device)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    o, lse = paged_decode(q, kd, ks, vd, vs, kgd, vgd, bt, sl, fmt, softcap=softcap, window=window,
+    o, lse = decode_pools(q, kd, ks, vd, vs, kgd, vgd, bt, sl, fmt, softcap=softcap, window=window,
                           num_splits=splits, block_n=block_n, out=out)
     ro, rl = ref_decode(q, fmt, kd, ks, vd, vs, kg, vg, bt, sl, softcap=softcap, window=window)
     return o.cpu().double(), lse.cpu().double(), ro, rl

@@ -7,7 +7,7 @@ from kvx_core.descriptors import BlockTable, SeqLens
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import list_formats
 from kvx_core.ops import attention
-from kvx_core.ops.triton import paged_prefill
+from kvx_core.ops.triton import prefill_pools
 
 ALL = list_formats()
 
@@ -40,7 +40,7 @@ def _compare(name, device, lens, q_lens, causal=True, softcap=None, window_left=
     c, q, qo, bt, sl = _setup(name, device, lens, q_lens, **kw)
     p = c.layers[0]
     out = torch.full_like(q, float("nan"))
-    o, lse = paged_prefill(q, qo, p.k_data, p.k_scales, p.v_data, p.v_scales, p.k_global, p.v_global, bt, sl,
+    o, lse = prefill_pools(q, qo, p.k_data, p.k_scales, p.v_data, p.v_scales, p.k_global, p.v_global, bt, sl,
                            c.format, causal=causal, softcap=softcap, window_left=window_left, out=out, **(kernel or {}))
     ro, rl = attention.paged_prefill(q.float(), qo, c.descriptor(0), BlockTable.packed(bt), SeqLens(sl),
                                      causal=causal, softcap=softcap, window=window_left)

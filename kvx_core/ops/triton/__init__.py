@@ -4,9 +4,9 @@ tensors out):
 - `write.py`   `write_pools`: fused quantize + scatter of new K/V tokens by slot mapping
 - `gather.py`  `gather_pools`: dequantize through the block table into dense ragged K/V
 - `decode.py`  the split-KV decode kernel and `launch_decode` (checks, backend and split choice, and the
-               public `paged_decode`: `kvx_core/ops/decode.py`)
+               raw-pool entry `decode_pools`: `kvx_core/ops/decode.py`)
 - `merge.py`   the split merge of the decode kernels (Triton and CUDA)
-- `prefill.py` `paged_prefill`: causal prefill/extend attention over the quantized pools, and its plan
+- `prefill.py` `prefill_pools`: causal prefill/extend attention over the quantized pools, and its plan
 - `launch.py`  argument checks and kernel arguments shared by the launchers; `dequant.py` / `quant.py` the
                `@triton.jit` format decoders / encoders
 Pools follow the storage contract: data `[num_blocks, H_kv, block_size, Dk]` (HND, any strides,
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .gather import gather_pools
 from .launch import interpreting
-from .prefill import PrefillPlan, paged_prefill, plan_prefill
+from .prefill import PrefillPlan, plan_prefill, prefill_pools
 from .write import write_pools
 
-__all__ = ["PrefillPlan", "paged_prefill", "plan_prefill", "write_pools", "gather_pools", "interpreting"]
+__all__ = ["PrefillPlan", "plan_prefill", "prefill_pools", "write_pools", "gather_pools", "interpreting"]

@@ -221,7 +221,7 @@ def plan_prefill(fmt: CacheFormat | str, qo_indptr: torch.Tensor, *, num_qo_head
                        queries_after=queries_after)
 
 
-def paged_prefill(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_data, v_scales, k_gs, v_gs,
+def prefill_pools(q: torch.Tensor, qo_indptr: torch.Tensor, k_data, k_scales, v_data, v_scales, k_gs, v_gs,
                   block_table: torch.Tensor, seq_lens: torch.Tensor, fmt: CacheFormat | str, *, causal: bool = True,
                   sm_scale: float | None = None, softcap: float | None = None, window_left: int | None = None,
                   out=None, lse=None, block_m: int = BLOCK_M, block_n: int | None = None,
