@@ -2,11 +2,16 @@
 plus a manifest published last; a consumer rank of any TP=N takes its head range from them through the bundle
 resharding. Oracle: one full cache holding the same K/V, sliced by head (bit-exact: same format and scales).
 Forged manifests and missing, truncated, swapped, damaged or foreign shards are refused with a KvxError, the
-destination cache and the store's files unchanged."""
+destination cache and the store's files unchanged; `shard_sets` fuzzes both readers under the memory cap of
+`tests/fuzz.py`."""
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import random
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,8 @@ from kvx_core.errors import KvxError, Status
 from kvx_core.transfer import export_bundle
 from kvx_core.transfer.store import MAX_MANIFEST_BYTES, BundleStore
 from kvx_core.transfer.tp import tp_head_range
-from tests.fuzz import DEEP, dumps_json
+from tests.fuzz import DEEP, dumps_json, mutate_bytes, mutate_json, run_capped
+from tests.transfer.forge import build, split
 from tests.transfer.test_tensor_parallel import D, H, LAYERS, MODEL, SLOTS, T, _caches, _data, _same_heads
 
 IDS = list(range(100, 100 + T))
@@ -247,3 +253,64 @@ def test_an_unreadable_manifest_is_refused(tp2):
     paths["manifest"].unlink()
     paths["manifest"].mkdir()
     assert "cannot be read" in str(_refused(store, data))
+
+
+@functools.cache
+def _fuzz_store() -> tuple[BundleStore, dict, dict]:
+    """A store holding a valid TP=2 set of IDS, its files' valid bytes, and the K/V it was made of."""
+    root = Path(tempfile.mkdtemp(prefix="kvx-fuzz-tp-"))
+    atexit.register(shutil.rmtree, root, True)
+    store, data = BundleStore(root / "kv"), _data(7)
+    _produce(store, data, 2)
+    return store, {p: p.read_bytes() for p in store.root.glob(f"{store.key(MODEL, IDS)}*")}, data
+
+
+def shard_sets(rng: random.Random) -> None:
+    """One forgery of the valid set (the manifest's JSON or bytes, a shard's bytes or its header with checksums
+    recomputed, a shard deleted or two swapped; sizes re-declared half of the time), then the scheduler's
+    `header` and a consumer rank's `get`, which must leave its cache unchanged when refused."""
+    store, valid, data = _fuzz_store()
+    for p, raw in valid.items():
+        p.write_bytes(raw)
+    manifest = next(p for p in valid if p.suffix == ".kvxset")
+    shards = sorted(p for p in valid if p.suffix == ".kvx")
+    op = rng.randrange(5)
+    if op == 0:
+        manifest.write_bytes(dumps_json(mutate_json(json.loads(valid[manifest]), rng)))
+    elif op == 1:
+        manifest.write_bytes(mutate_bytes(valid[manifest], rng))
+    else:
+        i = rng.randrange(len(shards))
+        if op == 2:
+            shards[i].write_bytes(mutate_bytes(valid[shards[i]], rng))
+        elif op == 3:
+            header, payloads = split(valid[shards[i]])
+            shards[i].write_bytes(build(mutate_json(header, rng), payloads))
+        elif rng.random() < 0.5:
+            shards[i].unlink()
+        else:
+            shards[0].write_bytes(valid[shards[1]])
+            shards[1].write_bytes(valid[shards[0]])
+        if rng.random() < 0.5 and all(p.is_file() for p in shards):
+            doc = json.loads(valid[manifest])
+            for s, p in zip(doc["shards"], shards):
+                s["bytes"] = p.stat().st_size
+            manifest.write_text(json.dumps(doc))
+    try:
+        store.header(MODEL, IDS)
+    except KvxError:
+        pass
+    tp = rng.choice([1, 2, 4])
+    heads = tp_head_range(H, tp, rng.randrange(tp))
+    dst = _caches(FMT, heads, *_data(99)[:2], data[2], data[3])
+    before = [t.clone() for p in dst.layers for t in (p.k_data, p.v_data, p.k_scales, p.v_scales)]
+    try:
+        store.get(_descs(dst), SLOTS, model=MODEL, token_ids=IDS, kv_heads=heads)
+    except Exception:
+        after = [t for p in dst.layers for t in (p.k_data, p.v_data, p.k_scales, p.v_scales)]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refused shard set changed the cache"
+        raise
+
+
+def test_fuzz_shard_sets():
+    run_capped("tests.transfer.test_store_tp:shard_sets", cases=1000)
