@@ -18,7 +18,7 @@ from kvx_core.transfer import export_bundle, import_bundle
 from kvx_core.transfer.store import BundleStore
 from kvx_core.transfer.tp import tp_head_range
 from kvx_vllm.connector import KvxConnector, KvxConnectorMetadata, Transfer
-from tests.transfer.test_tensor_parallel import D, H, LAYERS, MODEL, SLOTS, T, _caches, _data, _same_heads
+from tests.transfer.test_tensor_parallel import H, LAYERS, MODEL, SLOTS, T, _caches, _data, _same_heads
 
 pytestmark = [pytest.mark.vllm]
 
@@ -29,9 +29,9 @@ IDS = list(range(700, 700 + T))
 def _vllm_heads(total_kv: int, tp: int, rank: int) -> list[int]:
     """The KV heads vLLM's QKVParallelLinear gives `rank` of `tp`: it loads a K weight whose rows hold their head
     index and we read back which rows it kept."""
-    import vllm.model_executor.layers.linear as linear
-    import vllm.model_executor.parameter as parameter
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor import parameter
+    from vllm.model_executor.layers import linear
 
     d = 4
     patches = [mock.patch.object(m, f, return_value=v) for m in (linear, parameter)
