@@ -3,7 +3,8 @@ state, as in `test_vllm_connector_entries.py`). `tp_head_range` against vLLM's o
 a K weight whose rows name their head); TP=M producer ranks saving a prompt through `wait_for_save`, the scheduler
 seeing the entry only once every shard is there, and every rank of a TP=N consumer loading its heads through
 `start_load_kv` (oracle: one full cache holding the same K/V); a damaged shard fails the load on every consumer rank
-with nothing written."""
+with nothing written. Startup: a TP size that does not split the model's KV heads (and PP) refused; a worker's rank
+and head range taken from vLLM's tensor-parallel group."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -115,3 +116,37 @@ def test_a_damaged_shard_fails_the_load_on_every_rank(tmp_path, caplog):
         assert all(torch.equal(a, b) for p, q in zip(cache.layers, untouched.layers)
                    for a, b in ((p.k_data, q.k_data), (p.v_data, q.v_data), (p.k_scales, q.k_scales)))
     assert caplog.text.count("checksum") == 2
+
+
+def _config(checkpoint: str, store, tp: int, pp: int = 1) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`."""
+    from vllm.config import KVTransferConfig
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=checkpoint, tokenizer=None, revision=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        kv_transfer_config=KVTransferConfig(kv_connector="KvxConnector", kv_role="kv_both",
+                                            kv_connector_extra_config={"kvx_store": str(store)}))
+
+
+@pytest.mark.parametrize("tp, pp, refused", [(2, 1, "3 KV heads do not split over 2"), (1, 2, "pipeline")])
+def test_startup_refuses_a_tp_size_that_does_not_split_the_kv_heads_and_pp(checkpoint, tmp_path, tp, pp, refused):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(ValueError, match=refused):
+        KvxConnector(_config(checkpoint, tmp_path / "kv", tp, pp), KVConnectorRole.SCHEDULER)
+
+
+def test_a_worker_takes_its_rank_and_head_range_from_vllm(checkpoint, tmp_path):
+    """TP 3 over SmolLM2's 3 KV heads: rank 2 holds head 2 (the rank from vLLM's tensor-parallel group)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    import kvx_vllm.connector as connector
+
+    c = KvxConnector(_config(checkpoint, tmp_path / "kv", 3), KVConnectorRole.WORKER)
+    with mock.patch("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", return_value=2), \
+            mock.patch.object(connector, "LayerCaches"):
+        c.register_kv_caches({})
+    assert (c.tp_size, c.tp_rank, c.kv_heads) == (3, 2, (2, 3))
