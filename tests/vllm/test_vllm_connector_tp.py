@@ -143,7 +143,7 @@ def test_a_worker_takes_its_rank_and_head_range_from_vllm(checkpoint, tmp_path):
     """TP 3 over SmolLM2's 3 KV heads: rank 2 holds head 2 (the rank from vLLM's tensor-parallel group)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    import kvx_vllm.connector as connector
+    from kvx_vllm import connector
 
     c = KvxConnector(_config(checkpoint, tmp_path / "kv", 3), KVConnectorRole.WORKER)
     with mock.patch("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", return_value=2), \
