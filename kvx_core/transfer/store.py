@@ -49,7 +49,7 @@ from .tp import shard_ranges, tp_head_range, writes_shard
 
 MARKER = "kvx_bundle_store.json"
 MAX_MANIFEST_BYTES = 1 << 16
-"""A shard set's manifest is ~50 bytes per shard; a larger file is refused before it is read."""
+"""A shard set's manifest is ~50 bytes per shard; a larger file is refused after reading one byte past this."""
 MAX_TP_SIZE = 1 << 12
 """The largest tensor-parallel size a manifest may declare (shard files are named by it)."""
 
