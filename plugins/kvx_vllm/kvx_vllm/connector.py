@@ -13,11 +13,19 @@ the prompt's last token, which vLLM always computes for the first logits), conve
 all-or-nothing per request: a bundle that fails a check (damaged, another model or tokenizer) writes nothing, is
 logged with its reason, and its blocks are reported to vLLM as failed loads (`kv_load_failure_policy`: "fail" by
 default, "recompute" to recompute them). The store directory is the transport: a path both instances reach (the
-same host; `/dev/shm` for memory speed, a disk path to keep KV across restarts). Tensor and pipeline parallelism
-are refused at startup (one bundle holds one rank's whole cache).
+same host; `/dev/shm` for memory speed, a disk path to keep KV across restarts).
+
+Tensor parallelism: each worker rank exports and imports the KV heads vLLM gives it (`kvx_core.transfer.tp`: split
+when the model has at least as many KV heads as ranks, replicated otherwise). A TP=M producer's entry is a shard set
+(`BundleStore.write_shard`: one bundle per distinct head range, written by the first rank holding it, and a manifest
+published by whichever rank completes the set), so the scheduler (one process) sees an entry only once every shard
+is there; a TP=N consumer rank (N may differ from M) imports its heads from the shards through the bundle resharding.
+Every rank reads every shard of the set, so one missing or damaged shard fails the load on every rank alike, with
+nothing written on any (vLLM unions the ranks' failed blocks). Pipeline parallelism is refused at startup.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +37,7 @@ from vllm.logger import init_logger
 from kvx_core.errors import KvxError
 from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer import BundleStore
+from kvx_core.transfer.tp import tp_head_range
 
 from .fingerprint import model_fingerprint
 from .layer_kv import LayerCaches
@@ -67,9 +76,9 @@ class KvxConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-            raise ValueError("KVX connector: tensor / pipeline parallelism is not served yet (one bundle holds one "
-                             "rank's whole cache); run with --tensor-parallel-size 1 --pipeline-parallel-size 1")
+        if par.pipeline_parallel_size > 1:
+            raise ValueError("KVX connector: pipeline parallelism is not served yet (a bundle holds every layer); run "
+                             "with --pipeline-parallel-size 1")
         try:
             import xxhash  # noqa: F401  (bundle checksums; a missing package must fail at startup, not per request)
         except ImportError:
@@ -86,6 +95,11 @@ class KvxConnector(KVConnectorBase_V1):
                              '"KvxConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
                              '{"kvx_store": "/dev/shm/kvx"}}\'')
         self.model = model_fingerprint(vllm_config)
+        self.tp_size = par.tensor_parallel_size
+        try:
+            tp_head_range(self.model.num_kv_heads, self.tp_size, 0)
+        except KvxError as e:
+            raise ValueError(f"KVX connector: {e}") from None
         kvtc = cfg.get_from_extra_config("kvx_kvtc", None)  # a `kvx kvtc calibrate` file: KVTC-coded entries
         try:
             self.store = BundleStore(root, kvtc=calibration_for(kvtc, self.model) if kvtc else None)
@@ -100,6 +114,8 @@ class KvxConnector(KVConnectorBase_V1):
         self._loads: dict[str, tuple[int, int]] = {}
         # worker side
         self._caches: LayerCaches | None = None
+        self.tp_rank = 0
+        self.kv_heads = (0, self.model.num_kv_heads)
         self._failed: set[int] = set()
 
     # ------------------------------------------------------------------ scheduler side
@@ -174,21 +190,30 @@ class KvxConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """This worker's caches, and its tensor-parallel rank and KV-head range."""
+        if self.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+            self.kv_heads = tp_head_range(self.model.num_kv_heads, self.tp_size, self.tp_rank)
         layers = self._vllm_config.compilation_config.static_forward_context
         self._caches = LayerCaches(kv_caches, layers, self.cache_dtype)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Load this step's bundled tokens into the cache before the forward runs (synchronously)."""
+        """Load this step's bundled tokens (this rank's KV heads, from every shard of the entry) into the cache
+        before the forward runs (synchronously)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata) and self._caches is not None
         for t in meta.loads:
             try:  # opening is reading outside bytes too (a KVTC entry decodes, an entry may be forged or unreadable)
-                f = self.store.open_entry(self.model, t.token_ids)
-                if f is None:
+                shards = self.store.open_shards(self.model, t.token_ids)
+                if shards is None:
                     raise FileNotFoundError("its store entry is gone")
-                with f:
-                    self._caches.load(f, torch.tensor(t.slots, dtype=torch.int64), model=self.model,
-                                      token_ids=t.token_ids, token_range=t.token_range)
+                with contextlib.ExitStack() as opened:
+                    for f in shards:
+                        opened.enter_context(f)
+                    self._caches.load(shards, torch.tensor(t.slots, dtype=torch.int64), model=self.model,
+                                      token_ids=t.token_ids, token_range=t.token_range, kv_heads=self.kv_heads)
             except Exception as e:  # noqa: BLE001 - any failure is a failed load vLLM must handle
                 logger.error("KVX connector: request %s: loading %d bundled tokens failed, nothing written: %s",
                              t.req_id, len(t.slots), e)
@@ -201,15 +226,16 @@ class KvxConnector(KVConnectorBase_V1):
         return  # the whole prompt is exported in wait_for_save, once every layer has written it
 
     def wait_for_save(self) -> None:
-        """Export each prompt completed in this step into the store (atomically; a failure is logged, the consumer
-        then computes the prompt itself)."""
+        """Export each prompt completed in this step into the store: this rank's KV heads as its shard (atomically;
+        a failure is logged, the set then stays incomplete and the consumer computes the prompt itself)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata) and self._caches is not None
         for t in meta.saves:
             slots = torch.tensor(t.slots, dtype=torch.int64)
             try:
-                self.store.write_entry(self.model, t.token_ids, lambda f: self._caches.export(
-                    f, slots, model=self.model, token_ids=t.token_ids))
+                self.store.write_shard(self.model, t.token_ids, self.tp_size, self.tp_rank,
+                                       lambda f: self._caches.export(f, slots, model=self.model,
+                                                                     token_ids=t.token_ids, kv_heads=self.kv_heads))
             except Exception as e:  # noqa: BLE001 - a failed save must not fail the request
                 logger.error("KVX connector: request %s: saving its %d prompt tokens failed: %s", t.req_id,
                              len(t.slots), e)

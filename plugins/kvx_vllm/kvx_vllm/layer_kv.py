@@ -132,23 +132,27 @@ class LayerCaches:
                                else from_vllm_kv_cache(kv, backend=self.kind, cache_dtype=dtype) for kv in self.kv]
         return self._descs
 
-    def export(self, out: BinaryIO, slots: torch.Tensor, *, model: ModelFingerprint,
-               token_ids: Sequence[int]) -> dict:
-        """Write the bundle of the tokens at `slots` (sequence order)."""
+    def export(self, out: BinaryIO, slots: torch.Tensor, *, model: ModelFingerprint, token_ids: Sequence[int],
+               kv_heads: tuple[int, int] | None = None) -> dict:
+        """Write the bundle of the tokens at `slots` (sequence order); `kv_heads`: the model's KV heads this cache
+        holds (a tensor-parallel rank's), default all."""
         if self.kind != "cpu":
-            return export_bundle(out, self.descs(), slots, model=model, token_ids=token_ids)
+            return export_bundle(out, self.descs(), slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
         p, staged = self.packing(), []
         for kv in self.kv:
             kc, vc = p.split(kv)
             k, v = p.read(kc, p.k_where, slots), p.read(vc, p.v_where, slots)
             staged.append(_dense(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
-        return export_bundle(out, staged, torch.arange(slots.numel()), model=model, token_ids=token_ids)
+        return export_bundle(out, staged, torch.arange(slots.numel()), model=model, token_ids=token_ids,
+                             kv_heads=kv_heads)
 
-    def load(self, src: BinaryIO, slots: torch.Tensor, *, model: ModelFingerprint, token_ids: Sequence[int],
-             token_range: tuple[int, int]) -> None:
-        """Store the bundled tokens `token_range` at `slots`, converted into this cache; all or nothing."""
+    def load(self, src: BinaryIO | Sequence[BinaryIO], slots: torch.Tensor, *, model: ModelFingerprint,
+             token_ids: Sequence[int], token_range: tuple[int, int], kv_heads: tuple[int, int] | None = None) -> None:
+        """Store the bundled tokens `token_range` at `slots`, converted into this cache, from a bundle or the
+        shards of a tensor-parallel producer (`kv_heads`: the model's KV heads this cache holds); all or nothing."""
         if self.kind != "cpu":
-            import_bundle(src, self.descs(), slots, model=model, token_ids=token_ids, token_range=token_range)
+            import_bundle(src, self.descs(), slots, model=model, token_ids=token_ids, token_range=token_range,
+                          kv_heads=kv_heads)
             return
         p = self.packing()
         h, b, d = p.shape
@@ -158,7 +162,8 @@ class LayerCaches:
                 f"KVX connector: slots must lie in [0, {capacity})")
         staged = [_dense(torch.zeros(1, h, t, d, dtype=p.dtype), torch.zeros(1, h, t, d, dtype=p.dtype))
                   for _ in self.kv]
-        import_bundle(src, staged, torch.arange(t), model=model, token_ids=token_ids, token_range=token_range)
+        import_bundle(src, staged, torch.arange(t), model=model, token_ids=token_ids, token_range=token_range,
+                      kv_heads=kv_heads)
         for kv, s in zip(self.kv, staged):  # every layer converted and checked: now store
             kc, vc = p.split(kv)
             p.write(kc, vc, s.k.tensor[0].transpose(0, 1), s.v.tensor[0].transpose(0, 1), slots)
