@@ -1,31 +1,55 @@
-"""`kvx bundle inspect | verify FILE`, `kvx bundle convert FILE OUT --format F`: what a KVX bundle holds, whether
-every checksum in it holds, and the same KV re-encoded in another format."""
+"""`kvx bundle inspect | verify FILE`, `kvx bundle convert FILE OUT --format F`, `kvx bundle export OUT`: what a KVX
+bundle holds, whether every checksum in it holds, the same KV re-encoded in another format, and a new bundle of a
+prompt's KV made by running a model (default: the demo's SmolLM2 over the demo's text) with a KVX cache.
+
+Given another kind of KVX file (a calibration file, a KVTC buffer), each action says what it is and which command
+reads it. Outputs are new files only (an existing one is refused, never replaced), written through a temporary
+file, with the mode of any file the user writes (`files.publish`)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 
-from kvx_core.errors import KvxError, Status
-from kvx_core.formats import list_formats
+from pathlib import Path
+
+import torch
+
+from kvx_core.errors import KvxError, Status, require
+from kvx_core.files import check_output, publish
+from kvx_core.formats import get_format, list_formats
 from kvx_core.transfer.bundle import BundleReader
 from kvx_core.transfer.handoff import convert_bundle
 
-from .args import open_input
+from .args import bounded_int, open_input
+from .demo_cmd import MAX_TEXT_BYTES, MAX_WINDOW_LEN, _read_text
+from .filekind import expect_kind
+
+DEFAULT_EXPORT_TOKENS = 512
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bundle", help="inspect or verify a KVX KV bundle (cross-engine handoff file)",
+    p = sub.add_parser("bundle", help="make, inspect, verify or convert a KVX KV bundle (.kvxb, cross-engine "
+                                      "handoff file)",
                        description="inspect: print the header (model, tokens, format, tensors) as a table or "
                                    "JSON; verify: also read every chunk and check every checksum, the layer order, "
                                    "the trailer and the end of file; convert: write OUT (a new file, never an "
-                                   "existing one) with the same KV in --format. Exit 2 with one line when a file "
-                                   "is refused.")
-    p.add_argument("action", choices=("inspect", "verify", "convert"))
-    p.add_argument("file", help="bundle file")
+                                   "existing one) with the same KV in --format; export OUT: run --model over the "
+                                   "first --tokens of --text with a KVX cache of --format and write the prompt's "
+                                   "KV as the new bundle OUT. Exit 2 with one line when a file is refused.")
+    p.add_argument("action", choices=("inspect", "verify", "convert", "export"))
+    p.add_argument("file", help="the bundle file (export: OUT, the new bundle, conventionally .kvxb)")
     p.add_argument("out", nargs="?", help="convert: the new bundle file (must not exist)")
     p.add_argument("--json", action="store_true", help="print the header as JSON (inspect)")
-    p.add_argument("--format", choices=list_formats(), help="convert: the KVX format of OUT")
+    p.add_argument("--format", choices=list_formats(),
+                   help="convert: the KVX format of OUT; export: the cache's format (default bf16)")
+    p.add_argument("--model", type=Path, help="export: a Hugging Face checkpoint directory (default: the demo's "
+                                              "SmolLM2-135M checkpoint, built once as `kvx demo` does)")
+    p.add_argument("--text", type=Path, help=f"export: the prompt's text, a UTF-8 file of at most "
+                                             f"{MAX_TEXT_BYTES >> 20} MiB (default: the demo's, pydoc_data.topics)")
+    p.add_argument("--tokens", type=bounded_int(1, MAX_WINDOW_LEN), default=DEFAULT_EXPORT_TOKENS,
+                   help=f"export: the prompt is the text's first TOKENS tokens, at most the model's context "
+                        f"(default {DEFAULT_EXPORT_TOKENS})")
     p.set_defaults(run=run)
 
 
@@ -49,7 +73,60 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """Check the output, the text and the model's config first, then run the model and publish the bundle."""
+    require(args.out is None, Status.INVALID_ARGUMENT, "export takes one path, OUT (the new bundle)")
+    out = args.file
+    check_output(out)
+    fmt = get_format(args.format or "bf16")
+    text = _read_text(args.text)
+    try:
+        from kvx_demo import ensure_local_checkpoint, load_model, load_windows, model_shape, read_checkpoint_config
+        from kvx_demo.kvx_cache import KvxCache
+    except ImportError as e:  # the demo's optional dependencies
+        raise KvxError(Status.UNSUPPORTED, str(e)) from None
+    require(args.model is None or args.model.is_dir(), Status.INVALID_ARGUMENT, f"--model {args.model}: not a directory")
+    from kvx_core.block_tables import slot_mapping
+    from kvx_core.transfer import checkpoint_fingerprint, export_bundle
+
+    from .demo_cmd import _paged
+
+    source = args.model if args.model is not None else ensure_local_checkpoint()
+    config = read_checkpoint_config(source)
+    context = getattr(config, "max_position_embeddings", None)
+    require(context is None or args.tokens <= context, Status.OUT_OF_RANGE,
+            f"--tokens {args.tokens} exceeds the model's context of {context} tokens")
+    shape = model_shape(config)
+    fmt.check_head_dim(shape["head_dim"])
+    model = checkpoint_fingerprint(str(source))
+    require(model is not None, Status.INVALID_ARGUMENT,
+            f"{source}: a bundle names its model by config.json and tokenizer.json; the checkpoint lacks one")
+    lm = load_model(source)
+    ids = load_windows(lm.tokenizer, 1, args.tokens, text)
+    paged = _paged(fmt, shape, args.tokens, block_size=16)
+    cache = KvxCache(paged)
+    with torch.inference_mode():
+        lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+    table = cache.layers[0].table.ensure(1, args.tokens)
+    pos = torch.arange(args.tokens)
+    slots = slot_mapping(table, torch.zeros_like(pos), pos, paged.block_size)
+
+    def write(tmp: str) -> dict:
+        with open(tmp, "wb") as f:
+            return export_bundle(f, [paged.descriptor(i) for i in range(paged.num_layers)], slots, model=model,
+                                 token_ids=ids[0].tolist())
+
+    header = publish(out, write)
+    print(f"{out}: KVX bundle of {header['cache']['num_layers']} layers x {args.tokens} tokens in {fmt.name} "
+          f"({Path(source).name})")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.action == "export":
+        return _export(args)
+    require(not (args.model or args.text), Status.INVALID_ARGUMENT, "--model and --text apply to export only")
+    expect_kind(args.file, "bundle")
     if args.action == "convert":
         return _convert(args)
     with open_input(args.file) as f:

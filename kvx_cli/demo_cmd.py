@@ -156,11 +156,13 @@ def _require_fits_model(config: Any, window_len: int, fmts: list[CacheFormat]) -
         fmt.check_head_dim(head_dim)
 
 
-def observe_kv(model, ids: torch.Tensor, shape: dict, block_size: int) -> SampleObserver:
-    """Per-layer K/V values over one window `ids [1, T]`, observed through an FP32 KVX cache (also `kvx calibrate-kv`)."""
+def observe_kv(model, ids: torch.Tensor, shape: dict, block_size: int,
+               obs: SampleObserver | None = None) -> SampleObserver:
+    """Per-layer K/V values over one window `ids [1, T]`, observed through an FP32 KVX cache (also `kvx calibrate-kv`),
+    added to `obs` (which keeps its `max_tokens`) or to a new observer."""
     from kvx_demo.kvx_cache import KvxCache
 
-    obs = SampleObserver(shape["num_layers"])
+    obs = SampleObserver(shape["num_layers"]) if obs is None else obs
     paged = _paged(get_format("fp32"), shape, ids.shape[1], block_size)
     cache = KvxCache(paged)
     for layer in cache.layers:

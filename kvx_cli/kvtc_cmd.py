@@ -19,6 +19,7 @@ from kvx_core.kvtc.calibration import MAX_POSITION, UINT32_MAX
 
 from .args import bounded_float, bounded_int, open_input
 from .demo_cmd import MAX_WINDOW_LEN, MAX_WINDOWS
+from .filekind import expect_kind
 
 MAX_RATIO = 1e4
 """--ratio's upper bound: past it the byte budget of any model's group drops every component."""
@@ -115,6 +116,8 @@ def _write_bytes(data: bytes) -> Callable[[str], None]:
 def _compress(args: argparse.Namespace) -> int:
     cal_path, bundle, out = _paths(args, 3, "CAL BUNDLE OUT")
     check_output(out)
+    expect_kind(cal_path, "kvtc-calibration")
+    expect_kind(bundle, "bundle")
     from kvx_core.kvtc import load_calibration, read_header
     from kvx_core.transfer.kvtc_bundle import encode_bundle
 
@@ -132,6 +135,8 @@ def _compress(args: argparse.Namespace) -> int:
 def _decompress(args: argparse.Namespace) -> int:
     cal_path, path, out = _paths(args, 3, "CAL FILE OUT_BUNDLE")
     check_output(out)
+    expect_kind(cal_path, "kvtc-calibration")
+    expect_kind(path, "kvtc")
     from kvx_core.kvtc import load_calibration
     from kvx_core.transfer.kvtc_bundle import decode_bundle
     from kvx_core.kvtc.codec import read_file
@@ -153,6 +158,7 @@ def _decompress(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     (path,) = _paths(args, 1, "FILE")
+    expect_kind(path, "kvtc")
     from kvx_core.kvtc.codec import read_file
 
     with open_input(path) as f:

@@ -14,7 +14,7 @@ convention `amax / 448`. Two calibration rules:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -193,9 +193,10 @@ class SampleObserver:
         require(bool(chunks), Status.INVALID_ARGUMENT, f"layer {layer}: no calibration values observed")
         return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
 
-    def global_scales(self, fmt: CacheFormat, rule: str = "mse") -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    def global_scales(self, fmt: CacheFormat, rule: str = "mse", progress: Callable[[int], None] | None = None
+                      ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Per layer `(k_global, v_global)`, `[H]` each, by `rule` ("amax" or "mse"); None where the format has
-        none."""
+        none. `progress(layer)` after each layer (the MSE fit takes seconds per layer)."""
         require(rule in SCALE_RULES, Status.INVALID_ARGUMENT, f"scale rule must be one of {SCALE_RULES}, got {rule!r}")
         out = []
         for layer in range(self.num_layers):
@@ -206,6 +207,8 @@ class SampleObserver:
                 else:
                     pair.append(global_scale_for_amax(tf, to_f32_saturated(x).abs().amax(dim=(0, 2))))
             out.append(tuple(pair))
+            if progress is not None:
+                progress(layer)
         return out
 
 

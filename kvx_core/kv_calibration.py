@@ -1,5 +1,6 @@
 """The KV-cache calibration file: per layer the key smoothing and centering vectors and the K / V global scales a
-quantized cache uses, saved next to the model (`<checkpoint>/kvx_kv_calibration.kvx`) and loaded by the engine plugins. The file is
+quantized cache uses, saved next to the model (`<checkpoint>/kvx_kv_calibration.kvxcal`; `default_file` also finds
+the older name `kvx_kv_calibration.kvx`) and loaded by the engine plugins. The file is
 safetensors, but not named `*.safetensors`: vLLM and TGI load every `*.safetensors` file of a checkpoint directory
 without an index as weights (a vLLM CPU run failed to load SmolLM2 with one beside it).
 
@@ -7,8 +8,10 @@ Contents (safetensors, no pickle): tensors `layer.{i}.k_smoothing` and `layer.{i
 each all layers or none; `ops.smoothing`: the cache stores `(K - c) / s`) and `layer.{i}.{format}.k_global` /
 `v_global` (FP32 `[1]` or `[H_kv]`, for each cache format the scales were fitted for, on the sides whose tensor
 format has a global scale: fp8_*, nvfp4, k8v4 and their `_rot` variants); metadata `kvx_kv_calibration` (JSON:
-version, geometry, the model fingerprint or {}, alpha, the scale rule, the formats and, from version 2, `center`)
-and `identity` (`tensor_file.content_hash`, so a damaged or edited file is refused). Scales are fitted on the values
+version, geometry, the model fingerprint or {}, alpha, the scale rule, the formats and, from version 2, `center`),
+`identity` (`tensor_file.content_hash`, so a damaged or edited file is refused) and, optionally, `sample` (JSON: the
+calibration sample's size, for `kvx calibrate-kv inspect`; informational, outside the identity so that KVX releases
+that predate it still read the file, and checked like everything else when read). Scales are fitted on the values
 as the format stores them (keys minus the centering vector, divided by the smoothing vector, rotated for `_rot`),
 and smoothing on the centered keys, so a file's vectors and scales belong together: they are written and read
 together.
@@ -25,7 +28,9 @@ it holds no scales for instead of leaving the format's default scale 1.0 in plac
 from __future__ import annotations
 
 import json
+import os
 import reprlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -40,7 +45,10 @@ from .tensor_file import content_hash, read_tensor_file, write_tensor_file
 
 VERSION = 2
 """The newest version this KVX reads and writes (version 1, without centering, is read and written too)."""
-FILENAME = "kvx_kv_calibration.kvx"
+FILENAME = "kvx_kv_calibration.kvxcal"
+LEGACY_FILENAME = "kvx_kv_calibration.kvx"
+"""The default name before calibration files got their own extension (bundles are `.kvxb`): still read when a
+checkpoint has no `FILENAME`."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 """What engines load from a checkpoint directory as weights: a calibration beside the weights must not end so."""
 META_KEY = "kvx_kv_calibration"
@@ -49,6 +57,11 @@ MAX_FILE_BYTES = 256 << 20
 head_dim 128 model (Llama-3.1-405B) take 1 MiB, so 256 MiB leaves room for any model while a forged file cannot make
 an engine that loads it at startup allocate more."""
 RULES = ("checkpoint", "amax", "mse")
+SAMPLE_KEY = "sample"
+SAMPLE_FIELDS = {"tokens": int, "windows": int, "window_len": int, "text": str}
+"""The `sample` metadata's fields (each optional): integers >= 1, and the text's name (at most `MAX_SAMPLE_TEXT`
+characters)."""
+MAX_SAMPLE_TEXT = 4096
 
 KEY_VECTORS = {"smoothing": "k_smoothing", "center": "k_center"}
 """The per-layer key vectors a calibration may hold: its attribute -> the tensor name (`layer.{i}.<name>`), which is
@@ -101,6 +114,8 @@ class KvCalibration:
     scales: dict[str, tuple[tuple[torch.Tensor, ...], ...]] = field(default_factory=dict)
     """format name -> per layer (k_global, v_global), each FP32 [1] or [H] (None for a side without a global scale)"""
     center: tuple[torch.Tensor, ...] | None = None  # per layer FP32 [H, D] key centering, None: keys not centered
+    sample: dict | None = field(default=None, compare=False)
+    """What the vectors and scales were fitted on (`SAMPLE_FIELDS`), None when not recorded; not in the identity."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -119,6 +134,7 @@ class KvCalibration:
                 f"calibration rule must be one of {RULES}, got {_short(self.rule)}")
         require(self.smoothing is not None or self.center is not None or bool(self.scales), Status.INVALID_ARGUMENT,
                 "a calibration holds key smoothing, key centering or global scales; this one holds none of them")
+        _check_sample(self.sample)
         h, d = self.num_kv_heads, self.head_dim
         for attr, name in KEY_VECTORS.items():
             vectors = getattr(self, attr)
@@ -218,9 +234,36 @@ class KvCalibration:
     def save(self, path: str, *, overwrite: bool = False) -> str:
         """Write the file atomically (an existing one only with `overwrite`); returns the identity."""
         ident = self.identity
-        write_tensor_file(path, self.tensors(), {META_KEY: json.dumps(self.params()), "identity": ident},
-                          overwrite=overwrite)
+        meta = {META_KEY: json.dumps(self.params()), "identity": ident}
+        if self.sample is not None:
+            meta[SAMPLE_KEY] = json.dumps(self.sample, sort_keys=True)
+        write_tensor_file(path, self.tensors(), meta, overwrite=overwrite)
         return ident
+
+
+def _check_sample(sample: object) -> None:
+    """None, or a dict of `SAMPLE_FIELDS` with values of their type: integers >= 1 (not bool), a short text name."""
+    if sample is None:
+        return
+    require(isinstance(sample, dict), Status.INVALID_ARGUMENT, f"calibration sample must be a dict, got {_short(sample)}")
+    for key, value in sample.items():
+        kind = SAMPLE_FIELDS.get(key)
+        require(kind is not None, Status.INVALID_ARGUMENT,
+                f"calibration sample field {_short(key)}: expected one of {', '.join(SAMPLE_FIELDS)}")
+        ok = (type(value) is int and value >= 1) if kind is int else (type(value) is str
+                                                                       and len(value) <= MAX_SAMPLE_TEXT)
+        require(ok, Status.INVALID_ARGUMENT, f"calibration sample {key} {_short(value)}: expected "
+                f"{'an integer >= 1' if kind is int else f'a string of at most {MAX_SAMPLE_TEXT} characters'}")
+
+
+def default_file(folder: str) -> str | None:
+    """The calibration file of a checkpoint directory: `FILENAME`, else `LEGACY_FILENAME`, else None (also when
+    `folder` is no directory)."""
+    for name in (FILENAME, LEGACY_FILENAME):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return path
+    return None
 
 
 def load_kv_calibration(path: str) -> KvCalibration:
@@ -262,8 +305,9 @@ def load_kv_calibration(path: str) -> KvCalibration:
                 f"tensors do not match the metadata (missing {missing[:3]}, unexpected {extra[:3]})")
         vectors = {attr: tuple(tensors[x] for x in vector_names[attr]) if attr in vector_names else None
                    for attr in KEY_VECTORS}
+        sample = loads_object(meta[SAMPLE_KEY], f"the {SAMPLE_KEY} metadata") if SAMPLE_KEY in meta else None
         cal = KvCalibration(n, p["num_kv_heads"], p["head_dim"], p["model"], p["alpha"], p["rule"],
-                            vectors["smoothing"], scales, vectors["center"])
+                            vectors["smoothing"], scales, vectors["center"], sample)
     except KvxError as e:
         raise KvxError(e.status, f"{path}: {e.message}") from None
     except (KeyError, TypeError, ValueError) as e:
@@ -309,16 +353,22 @@ def from_checkpoint_amax(amax: torch.Tensor, formats: list[str], *, num_kv_heads
 
 
 def from_samples(obs, formats: list[str], *, rule: str | None, alpha: float | None, model: dict,
-                 center: bool = False) -> KvCalibration:
+                 center: bool = False, sample: dict | None = None,
+                 progress: Callable[[str], None] | None = None) -> KvCalibration:
     """From calibration K/V (`calibration.SampleObserver`): centering vectors (`key_center`, when `center`),
     smoothing vectors (`key_smoothing` of the centered keys, when `alpha`; `calibration.key_transform`) and, when
-    `rule` ("amax" / "mse"), each format's scales fitted on the values as it stores them (`stored_values`)."""
+    `rule` ("amax" / "mse"), each format's scales fitted on the values as it stores them (`stored_values`).
+    `progress(what)` is called after each format's layer (a long fit reports where it is)."""
     from .calibration import key_transform, stored_values
 
     fmts = scale_formats(formats) if rule is not None else []
     require(rule is None or rule in RULES[1:], Status.INVALID_ARGUMENT, f"text calibration rule must be amax or mse, got {rule!r}")
     k0 = obs.values(0)[0]
     smooth, centers = key_transform(obs, alpha, center)
-    scales = {f.name: tuple(stored_values(obs, smooth, f.rotate, centers).global_scales(f, rule)) for f in fmts}
+    scales = {}
+    for f in fmts:
+        step = None if progress is None else (lambda layer, name=f.name: progress(f"{name} layer {layer}"))
+        scales[f.name] = tuple(stored_values(obs, smooth, f.rotate, centers).global_scales(f, rule, step))
     return KvCalibration(obs.num_layers, int(k0.shape[1]), int(k0.shape[2]), model, alpha, rule,
-                         None if smooth is None else tuple(smooth), scales, None if centers is None else tuple(centers))
+                         None if smooth is None else tuple(smooth), scales, None if centers is None else tuple(centers),
+                         sample)

@@ -39,6 +39,7 @@ import torch
 
 from ..descriptors import CacheDesc
 from ..errors import KvxError, Status, require
+from ..files import new_file_mode
 from ..jsonsafe import loads_object
 from ..kvtc.codec import MAGIC as KVTC_MAGIC
 from .bundle import BundleReader
@@ -147,6 +148,7 @@ class BundleStore:
             raise _failed(final, "written", e) from None
         try:
             with os.fdopen(fd, "wb") as f:
+                os.fchmod(fd, new_file_mode())  # mkstemp makes 0600: engines of other users share a store
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())

@@ -1,5 +1,5 @@
 """The run's KV-cache calibration file (`kvx_core.kv_calibration`) for TGI: `$KVX_KV_CALIBRATION`, else
-`kvx_kv_calibration.kvx` beside the checkpoint's weight files.
+`kvx_kv_calibration.kvxcal` (or the older `kvx_kv_calibration.kvx`) beside the checkpoint's weight files.
 
 Loaded when TGI's model files read their layers' KV scales (`kv_cache.get_kv_scales`, during model load, before
 any cache exists), checked there against the checkpoint (fingerprint and geometry, when its config.json and
@@ -12,7 +12,7 @@ import os
 import re
 
 from kvx_core.errors import Status, require
-from kvx_core.kv_calibration import FILENAME, LayerValues, fingerprint_dict, load_kv_calibration
+from kvx_core.kv_calibration import LayerValues, default_file, fingerprint_dict, load_kv_calibration
 from kvx_core.transfer import checkpoint_fingerprint
 
 from . import config
@@ -36,8 +36,7 @@ def _path(weights) -> str | None:
         require(os.path.isfile(path), Status.INVALID_ARGUMENT, f"{ENV}={path!r}: no such file")
         return path
     folder = _weights_dir(weights)
-    default = os.path.join(folder, FILENAME) if folder is not None else None
-    return default if default is not None and os.path.isfile(default) else None
+    return default_file(folder) if folder is not None else None
 
 
 def active() -> bool:

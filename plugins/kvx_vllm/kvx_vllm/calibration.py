@@ -1,8 +1,8 @@
 """The run's KV-cache calibration (`kvx_core.kv_calibration`): which file, checked against the served model and
 format at startup, and each layer's key smoothing, key centering and global scales for the backend's `CacheDesc`.
 
-The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<model dir>/kvx_kv_calibration.kvx`
-when the model is a local directory holding one. It is refused (ValueError at startup, before any K/V is written)
+The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<model dir>/kvx_kv_calibration.kvxcal`
+(or, without one, the older name `kvx_kv_calibration.kvx`) when the model is a local directory holding one. It is refused (ValueError at startup, before any K/V is written)
 when it is damaged, made for another model (fingerprint) or geometry, holds no scales for a run format that has a
 global scale, centers keys for a model with a logit soft cap (tanh is not shift invariant), or the run is
 tensor-parallel (the per-KV-head vectors are not sliced per rank). The vLLM-native
@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 
 from kvx_core.errors import KvxError
 from kvx_core.formats import CacheFormat
-from kvx_core.kv_calibration import FILENAME, KvCalibration, LayerValues, fingerprint_dict, load_kv_calibration
+from kvx_core.kv_calibration import KvCalibration, LayerValues, default_file, fingerprint_dict, load_kv_calibration
 
 from .options import options_of
 
@@ -33,9 +33,7 @@ def calibration_path(vllm_config: Any) -> str | None:
         if not os.path.isfile(path):
             raise ValueError(f'KVX: --additional-config kvx "kv_calibration" {path!r}: no such file')
         return path
-    model = vllm_config.model_config.model
-    default = os.path.join(model, FILENAME)
-    return default if os.path.isdir(model) and os.path.isfile(default) else None
+    return default_file(vllm_config.model_config.model)
 
 
 def run_calibration(vllm_config: Any) -> KvCalibration | None:

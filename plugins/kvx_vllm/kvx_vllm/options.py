@@ -12,7 +12,7 @@ Options under the "kvx" key of vLLM's `additional_config`:
   cache dtype; CPU (torch reference) and NVIDIA Hopper (vLLM's Marlin over the codec's weight); see `lm_head` for
   what it refuses.
 - `kv_calibration` (a path, default unset): the KV-cache calibration file to serve with (`calibration`); without
-  it, `<model dir>/kvx_kv_calibration.kvx` when that exists. `kvx_*` cache dtypes only.
+  it, `<model dir>/kvx_kv_calibration.kvxcal` (or the older `.kvx` name) when that exists. `kvx_*` cache dtypes only.
 Anything else under "kvx" is refused, so a typo never silently does nothing. Also refused: an
 `additional_config` that is not a JSON object, and a key that spells "kvx" another way ("KVX",
 " kvx"), which would otherwise be ignored. Errors are ValueError (as vLLM's own config checks
