@@ -256,7 +256,7 @@ def run(a: argparse.Namespace) -> int:
     formats = _formats(a.formats, "checkpoint" if use_ckpt else "text")
     context = getattr(config, "max_position_embeddings", None)
     require(use_ckpt or context is None or length <= context, Status.OUT_OF_RANGE,
-            f"--window-len {length} exceeds the model's context of {context} tokens")
+            f"a window of {length} tokens (--tokens / --window-len) exceeds the model's context of {context} tokens")
     start = time.perf_counter()
     if use_ckpt:
         cal = from_checkpoint_amax(amax, formats, num_kv_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],

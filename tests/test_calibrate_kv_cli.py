@@ -34,8 +34,8 @@ def text(tmp_path):
 def test_text_source_writes_next_to_the_model(tiny, text, tmp_path, capsys):
     model = tmp_path / "m"
     shutil.copytree(tiny, model)
-    args = ["calibrate-kv", "--model", str(model), "--text", str(text), "--window-len", "128", "--smooth-keys", "0.5",
-            "--formats", "nvfp4,k8v4_rot"]
+    args = ["calibrate-kv", "--model", str(model), "--text", str(text), "--tokens", "128", "--smooth-keys", "0.5",
+            "--no-center-keys", "--formats", "nvfp4,k8v4_rot"]
     assert main(args) == 0, capsys.readouterr().err
     cal = load_kv_calibration(str(model / FILENAME))
     assert (cal.num_layers, cal.num_kv_heads, cal.head_dim, cal.alpha, cal.rule) == (2, 2, 16, 0.5, "mse")
@@ -66,7 +66,7 @@ def test_center_keys(tiny, text, tmp_path, capsys):
     from kvx_demo import load_model, load_windows, model_shape
 
     out = tmp_path / "c.kvx"
-    assert main(["calibrate-kv", "--model", str(tiny), "--text", str(text), "--window-len", "128", "--center-keys",
+    assert main(["calibrate-kv", "--model", str(tiny), "--text", str(text), "--tokens", "128", "--center-keys",
                  "--smooth-keys", "0.5", "--formats", "nvfp4", "--out", str(out)]) == 0, capsys.readouterr().err
     assert "key centering" in capsys.readouterr().out
     cal = load_kv_calibration(str(out))
@@ -79,8 +79,8 @@ def test_center_keys(tiny, text, tmp_path, capsys):
     ref = from_samples(obs, ["nvfp4"], rule="mse", alpha=0.5, model=cal.model, center=True)
     assert ref.identity == cal.identity
     # centering alone (no smoothing): centers, no smoothing vectors
-    assert main(["calibrate-kv", "--model", str(tiny), "--text", str(text), "--window-len", "128", "--center-keys",
-                 "--formats", "nvfp4", "--out", str(out), "--force"]) == 0
+    assert main(["calibrate-kv", "--model", str(tiny), "--text", str(text), "--tokens", "128", "--center-keys",
+                 "--no-smooth-keys", "--formats", "nvfp4", "--out", str(out), "--force"]) == 0
     only = load_kv_calibration(str(out))
     assert only.smoothing is None and torch.equal(only.center[1], cal.center[1])
 
@@ -93,13 +93,14 @@ def test_checkpoint_source(tiny, tmp_path, capsys):
     save_file({f"model.layers.{i}.self_attn.{s}_scale": torch.tensor([0.25 * (i + 1)]) for i in range(2) for s in "kv"},
               str(model / "kv_scales.safetensors"))
     out = tmp_path / "c.safetensors"
-    assert main(["calibrate-kv", "--model", str(model), "--out", str(out)]) == 0, capsys.readouterr().err
+    plain = ["--no-smooth-keys", "--no-center-keys"]  # auto takes the checkpoint's scales only without transforms
+    assert main(["calibrate-kv", "--model", str(model), *plain, "--out", str(out)]) == 0, capsys.readouterr().err
     cal = load_kv_calibration(str(out))
     assert cal.rule == "checkpoint" and cal.smoothing is None and "nvfp4_rot" not in cal.scales
     assert torch.allclose(cal.scales["fp8_e4m3"][1][0], torch.tensor([0.5]))  # amax 0.5 * 448 -> / 448
     assert torch.allclose(cal.scales["nvfp4"][0][1], torch.tensor([0.25 * 448 / (6 * 448)]))
     # auto + --text would leave the text unused: refused; --source text uses it
-    assert main(["calibrate-kv", "--model", str(model), "--out", str(tmp_path / "x"), "--rule", "amax"]) == 2
+    assert main(["calibrate-kv", "--model", str(model), *plain, "--out", str(tmp_path / "x"), "--rule", "amax"]) == 2
     assert "--source text" in capsys.readouterr().err
     assert main(["calibrate-kv", "--model", str(model), "--source", "checkpoint", "--smooth-keys"]) == 2
     assert "unsmoothed" in capsys.readouterr().err
@@ -108,11 +109,16 @@ def test_checkpoint_source(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--center-keys" in err and "uncentered" in err and err.count("\n") == 1, err
     assert not (tmp_path / "y").exists()
-    # auto with --center-keys calibrates on text although the checkpoint has scales (they describe uncentered keys)
-    assert main(["calibrate-kv", "--model", str(model), "--center-keys", "--formats", "nvfp4", "--window-len", "64",
-                 "--out", str(tmp_path / "z.kvx")]) == 0, capsys.readouterr().err
-    z = load_kv_calibration(str(tmp_path / "z.kvx"))
-    assert z.rule == "mse" and z.center is not None
+    # auto with the default recipe calibrates on text although the checkpoint has scales (they describe untransformed
+    # keys); --source checkpoint turns the recipe's transforms off
+    assert main(["calibrate-kv", "--model", str(model), "--formats", "nvfp4", "--tokens", "64",
+                 "--out", str(tmp_path / "z.kvxcal")]) == 0, capsys.readouterr().err
+    z = load_kv_calibration(str(tmp_path / "z.kvxcal"))
+    assert z.rule == "mse" and z.center is not None and z.alpha == 0.25
+    assert main(["calibrate-kv", "--model", str(model), "--source", "checkpoint", "--formats", "nvfp4",
+                 "--out", str(tmp_path / "w.kvxcal")]) == 0, capsys.readouterr().err
+    w = load_kv_calibration(str(tmp_path / "w.kvxcal"))
+    assert (w.rule, w.center, w.smoothing) == ("checkpoint", None, None)
 
 
 @pytest.mark.parametrize("extra, message", [
