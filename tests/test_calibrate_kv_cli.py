@@ -215,3 +215,93 @@ def test_text_reads_like_read_text(tmp_path, monkeypatch):
     p.write_bytes("a\r\nb\rc\n\u00e9".encode())
     monkeypatch.setattr(demo_cmd, "MAX_TEXT_BYTES", p.stat().st_size)
     assert demo_cmd._read_text(p) == p.read_text(encoding="utf-8") == "a\nb\nc\n\u00e9"
+
+
+def test_defaults_are_the_measured_recipe_over_every_window(tiny, text, tmp_path, capsys):
+    """No transform flag: centering + smoothing ALPHA 0.25 + MSE scales (the README's measured recipe), fitted on all
+    --tokens (two windows here, not silently the first), said in the output and recorded in the file; the file is
+    mode 0644 under umask 022 and `inspect` prints it on one screen."""
+    import os
+
+    from kvx_cli.demo_cmd import observe_kv
+    from kvx_core.calibration import SampleObserver
+    from kvx_demo import load_model, load_windows, model_shape
+
+    out = tmp_path / "r.kvxcal"
+    old = os.umask(0o022)
+    try:
+        assert main(["calibrate-kv", "--model", str(tiny), "--text", str(text), "--tokens", "256", "--window-len",
+                     "128", "--formats", "nvfp4", "--out", str(out)]) == 0, capsys.readouterr().err
+    finally:
+        os.umask(old)
+    printed = capsys.readouterr()
+    assert "256 tokens of text, 2 x 128" in printed.out and "key centering, key smoothing alpha 0.25" in printed.out
+    assert "calibrate-kv:" not in printed.err  # no progress off a terminal without --progress
+    assert os.stat(out).st_mode & 0o777 == 0o644
+    cal = load_kv_calibration(str(out))
+    assert (cal.alpha, cal.rule, cal.center is not None) == (0.25, "mse", True)
+    assert cal.sample == {"tokens": 256, "windows": 2, "window_len": 128, "text": str(text)}
+    lm = load_model(tiny)
+    ids = load_windows(lm.tokenizer, 2, 128, TEXT)
+    obs = SampleObserver(2, max_tokens=256)
+    for w in range(2):
+        observe_kv(lm.model, ids[w:w + 1], model_shape(lm.model), 16, obs)
+    keys = obs.values(0)[0]
+    assert keys.shape[0] == 256
+    assert torch.equal(cal.center[0], keys.double().mean(0).float())  # the mean over both windows
+    assert from_samples(obs, ["nvfp4"], rule="mse", alpha=0.25, model=cal.model, center=True).identity == cal.identity
+
+    assert main(["calibrate-kv", "inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    for line in ("key centering  yes", "key smoothing  ALPHA 0.25", "scale rule     mse",
+                 f"sample         256 tokens (2 x 128) of {text}", "geometry       2 layers x 2 KV heads x head_dim 16",
+                 "scales nvfp4", "LlamaForCausalLM"):
+        assert line in shown, shown
+
+
+def test_progress_on_request(tiny, text, tmp_path, capsys):
+    assert main(["calibrate-kv", "--model", str(tiny), "--text", str(text), "--tokens", "64", "--formats", "nvfp4",
+                 "--out", str(tmp_path / "p.kvxcal"), "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "calibrate-kv: observing K/V, window: 1/1" in err and "fitting scales, format x layer: 1/2" in err
+    assert "left" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "300", "--window-len", "128"], "not a multiple of --window-len"),
+    (["--smooth-keys", "0.5", "--no-smooth-keys"], "contradict"),
+    (["--tokens", "1"], "out of range"),
+    (["--tokens", "2.5"], "not an integer"),
+    (["stray.kvxcal"], "inspect"),
+])
+def test_sample_and_transform_refusals_come_before_the_model_loads(tiny, tmp_path, capsys, no_model_load, args,
+                                                                    message):
+    _refused_before_loading(["--model", str(tiny), "--out", str(tmp_path / "c.kvxcal"), *args], capsys, message)
+    assert not (tmp_path / "c.kvxcal").exists()
+
+
+def test_inspect_refusals(tmp_path, capsys):
+    _refused_before_loading(["inspect"], capsys, "inspect needs FILE")
+    _refused_before_loading(["inspect", str(tmp_path / "none.kvxcal")], capsys, "no such file")
+    (tmp_path / "x.kvxcal").write_bytes(b"\x00" * 16)
+    _refused_before_loading(["inspect", str(tmp_path / "x.kvxcal")], capsys, "x.kvxcal")
+
+
+def test_a_soft_capped_model_is_not_centered_by_default(tiny, text, tmp_path, capsys):
+    """Engines refuse centered keys for a model with an attention logit soft cap: the default leaves centering out,
+    and --center-keys is refused in one line (nothing written)."""
+    import json
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "attn_logit_softcapping": 50.0}))
+    out = tmp_path / "s.kvxcal"
+    assert main(["calibrate-kv", "--model", str(model), "--text", str(text), "--tokens", "64", "--formats", "nvfp4",
+                 "--center-keys", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "soft cap" in err and "--no-center-keys" in err and err.count("\n") == 1 and not out.exists()
+    assert main(["calibrate-kv", "--model", str(model), "--text", str(text), "--tokens", "64", "--formats", "nvfp4",
+                 "--out", str(out)]) == 0, capsys.readouterr().err
+    cal = load_kv_calibration(str(out))
+    assert cal.center is None and cal.alpha == 0.25
