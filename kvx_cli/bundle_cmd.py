@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-
 from pathlib import Path
 
 import torch
@@ -81,7 +80,13 @@ def _export(args: argparse.Namespace) -> int:
     fmt = get_format(args.format or "bf16")
     text = _read_text(args.text)
     try:
-        from kvx_demo import ensure_local_checkpoint, load_model, load_windows, model_shape, read_checkpoint_config
+        from kvx_demo import (
+            ensure_local_checkpoint,
+            load_model,
+            load_windows,
+            model_shape,
+            read_checkpoint_config,
+        )
         from kvx_demo.kvx_cache import KvxCache
     except ImportError as e:  # the demo's optional dependencies
         raise KvxError(Status.UNSUPPORTED, str(e)) from None

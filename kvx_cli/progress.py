@@ -12,7 +12,7 @@ INTERVAL_S = 5.0
 
 def _duration(seconds: float) -> str:
     """`42 s`, `3 min 5 s`, `1 h 2 min`: coarse enough for an estimate."""
-    s = int(round(seconds))
+    s = round(seconds)
     if s < 60:
         return f"{s} s"
     if s < 3600:

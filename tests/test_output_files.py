@@ -18,8 +18,14 @@ from kvx_cli.main import main
 from kvx_cli.progress import Progress
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status
-from kvx_core.kv_calibration import (FILENAME, LEGACY_FILENAME, SAMPLE_KEY, KvCalibration, default_file,
-                                     load_kv_calibration)
+from kvx_core.kv_calibration import (
+    FILENAME,
+    LEGACY_FILENAME,
+    SAMPLE_KEY,
+    KvCalibration,
+    default_file,
+    load_kv_calibration,
+)
 from kvx_core.tensor_file import write_tensor_file
 from kvx_core.transfer import ModelFingerprint, export_bundle
 from kvx_core.transfer.store import BundleStore
@@ -126,7 +132,7 @@ def _forge_sample(path, value: str) -> None:
     from safetensors.torch import save_file
 
     with safe_open(str(path), framework="pt") as f:
-        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safetensors)
     meta[SAMPLE_KEY] = value
     os.unlink(path)
     save_file(tensors, str(path), metadata=meta)
@@ -181,10 +187,9 @@ def test_tgi_finds_the_old_name(tmp_path, monkeypatch):
     (tmp_path / "model.safetensors").write_bytes(b"")
     _cal().save(str(tmp_path / LEGACY_FILENAME))
 
-    class Weights:
-        routing = {"w": str(tmp_path / "model.safetensors")}
-
-    assert calibration._path(Weights()) == str(tmp_path / LEGACY_FILENAME)
+    weights = type("Weights", (), {})()
+    weights.routing = {"w": str(tmp_path / "model.safetensors")}
+    assert calibration._path(weights) == str(tmp_path / LEGACY_FILENAME)
 
 
 # ---------------------------------------------------------------- progress

@@ -19,23 +19,24 @@ def checkpoint() -> str:
 
 def _calibrated_model_dir(checkpoint: str, tmp_path_factory, name: str, *flags: str) -> Path:
     """The checkpoint's files as symlinks plus a KV calibration for kvx_nvfp4 written by `kvx calibrate-kv
-    --source text --formats nvfp4 --window-len 256 <flags>`: what the vLLM plugin loads from the model directory."""
+    --source text --formats nvfp4 --tokens 256 <flags>`: what the vLLM plugin loads from the model directory."""
     from kvx_cli.main import main
-    from kvx_core.kv_calibration import FILENAME
+    from kvx_core.kv_calibration import FILENAME, LEGACY_FILENAME
 
     d = tmp_path_factory.mktemp(name)
     for f in Path(checkpoint).iterdir():
-        if f.name != FILENAME:
+        if f.name not in (FILENAME, LEGACY_FILENAME):
             (d / f.name).symlink_to(f.resolve())
     assert main(["calibrate-kv", "--model", str(d), "--source", "text", *flags, "--formats", "nvfp4",
-                 "--window-len", "256"]) == 0
+                 "--tokens", "256"]) == 0
     return d
 
 
 @pytest.fixture(scope="module")
 def smoothed_model_dir(checkpoint, tmp_path_factory) -> Path:
     """A model directory with a key-smoothing calibration (`--smooth-keys 0.5`, 256 demo tokens)."""
-    return _calibrated_model_dir(checkpoint, tmp_path_factory, "calibrated", "--smooth-keys", "0.5")
+    return _calibrated_model_dir(checkpoint, tmp_path_factory, "calibrated", "--smooth-keys", "0.5",
+                                 "--no-center-keys")
 
 
 @pytest.fixture(scope="module")
