@@ -216,3 +216,30 @@ def test_progress_is_silent_off_a_terminal_unless_asked():
     p.step()
     p.step()
     assert len(s.getvalue().splitlines()) == 2
+
+
+# ---------------------------------------------------------------- fuzz
+def fuzz_file_kind(rng) -> None:
+    """A damaged calibration file or bundle: `file_kind` names a kind or None and never raises; `expect_kind`
+    raises KvxError only (the runner allows nothing else)."""
+    import tempfile
+
+    from tests.fuzz import mutate_bytes
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "f")
+        if rng.random() < 0.5:
+            _cal().save(path)
+        else:
+            _bundle(path)
+        data = mutate_bytes(open(path, "rb").read(), rng)
+        with open(path, "wb") as f:
+            f.write(data)
+        assert file_kind(path) in (None, "bundle", "kvtc", "kv-calibration", "kvtc-calibration")
+        expect_kind(path, rng.choice(["bundle", "kv-calibration", "kvtc"]))
+
+
+def test_fuzz_file_kind():
+    from tests.fuzz import run_capped
+
+    run_capped("tests.test_output_files:fuzz_file_kind", cases=300)

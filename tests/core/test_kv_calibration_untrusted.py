@@ -214,3 +214,22 @@ def test_one_checkpoint_scale_must_be_finite_and_non_negative(bad):
         amax_from_kv_scale(torch.tensor([bad]))
     assert e.value.status == Status.INVALID_ARGUMENT
     assert amax_from_kv_scale(torch.tensor([0.5])).tolist() == [224.0]
+
+
+def fuzz_sample(rng: random.Random) -> None:
+    """One forged `sample` metadata (outside the identity, so a forger needs no hash at all) on a valid file."""
+    cal = _valid()
+    sample = {"tokens": 2048, "windows": 2, "window_len": 1024, "text": "pydoc_data.topics"}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "c.kvxcal")
+        meta = {META_KEY: json.dumps(cal.params()), "identity": cal.identity,
+                kv_calibration.SAMPLE_KEY: dumps_json(mutate_json(sample, rng)).decode()}
+        write_tensor_file(path, cal.tensors(), meta)
+        back = load_kv_calibration(path)
+        assert back.identity == cal.identity
+        for key, value in back.sample.items():  # what is accepted has the documented types
+            assert type(value) is kv_calibration.SAMPLE_FIELDS[key]
+
+
+def test_fuzz_sample_metadata():
+    run_capped("tests.core.test_kv_calibration_untrusted:fuzz_sample", cases=300)
