@@ -20,6 +20,7 @@ from kvx_core.kvtc.calibration import MAX_POSITION, UINT32_MAX
 from .args import bounded_float, bounded_int, open_input
 from .demo_cmd import MAX_WINDOW_LEN, MAX_WINDOWS
 from .filekind import expect_kind
+from .progress import Progress
 
 MAX_RATIO = 1e4
 """--ratio's upper bound: past it the byte budget of any model's group drops every component."""
@@ -57,6 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--joint", action="store_true", help="calibrate: K and V of a group share one byte budget")
     p.add_argument("--deflate", action="store_true", help="compress: DEFLATE the coded body (lossless)")
     p.add_argument("--json", action="store_true", help="inspect: print JSON")
+    p.add_argument("--progress", action="store_true",
+                   help="calibrate: progress on stderr also when it is not a terminal (default: only on a terminal)")
     p.set_defaults(run=run)
 
 
@@ -87,10 +90,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     fp = checkpoint_fingerprint(str(lm.source)) if lm.source.is_dir() else None
     model = {} if fp is None else asdict(fp)
     start = time.perf_counter()
-    kv = collect_kv(lm.model, load_windows(lm.tokenizer, args.windows, args.window_len))
+    enabled = True if args.progress else None
+    seen = Progress("kvtc calibrate: K/V of window", args.windows, enabled=enabled)
+    kv = collect_kv(lm.model, load_windows(lm.tokenizer, args.windows, args.window_len), seen.step)
+    groups = Progress("kvtc calibrate: fitting layer group", lm.config.num_hidden_layers // args.layers_per_group,
+                      enabled=enabled)
     cal = calibrate(kv, layers_per_group=args.layers_per_group, ratio=args.ratio, range_size=args.range_size,
                     sink_tokens=args.sink, recent_tokens=args.recent, model=model,
-                    rope_theta=None if args.no_rope_removal else rope_theta_of(lm.config), joint=args.joint)
+                    rope_theta=None if args.no_rope_removal else rope_theta_of(lm.config), joint=args.joint,
+                    progress=lambda g: groups.step(f"group {g}"))
     ident = cal.save(out)
     print(f"{out}: KVTC calibration {ident[:16]}... ({cal.num_layers} layers in groups of {cal.layers_per_group}, "
           f"{args.windows} x {args.window_len} tokens, {time.perf_counter() - start:.1f} s)")

@@ -11,6 +11,7 @@ long context approaches), and compress / decompress throughput.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,8 +46,9 @@ def _cache_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for layer in cache.layers]
 
 
-def collect_kv(model: Any, windows: torch.Tensor) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """`windows [N, T]` token ids -> per window, per layer, BF16 (K, V) `[T, H, D]`."""
+def collect_kv(model: Any, windows: torch.Tensor, progress: Callable[[], None] | None = None
+               ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`windows [N, T]` token ids -> per window, per layer, BF16 (K, V) `[T, H, D]`; `progress()` after each window."""
     from transformers import DynamicCache
 
     out = []
@@ -55,6 +57,8 @@ def collect_kv(model: Any, windows: torch.Tensor) -> list[list[tuple[torch.Tenso
             cache = DynamicCache(config=model.config)
             model(input_ids=ids[None], past_key_values=cache, use_cache=True)
             out.append(_cache_kv(cache))
+            if progress is not None:
+                progress()
     return out
 
 

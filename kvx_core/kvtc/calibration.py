@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -309,11 +309,13 @@ def _allocate(projections: Sequence[tuple[torch.Tensor, torch.Tensor]], range_si
 
 def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *, layers_per_group: int = 1,
               ratio: float = 16.0, range_size: int = 16, sink_tokens: int = 4, recent_tokens: int = 64,
-              model: dict | None = None, rope_theta: float | None = None, joint: bool = False) -> Calibration:
+              model: dict | None = None, rope_theta: float | None = None, joint: bool = False,
+              progress: Callable[[int], None] | None = None) -> Calibration:
     """Fit the calibration from `windows[w][layer] = (K, V)`, each `[tokens, H, D]` (one forward of the model over a
     window of calibration text, token i at position i; the first `sink_tokens` of each window are left out of the
     fit). `rope_theta`: remove the model's (default, full-width) RoPE from keys before coding them. `joint`: K and V
-    of a group share one byte budget (twice the per-side one) instead of one budget each."""
+    of a group share one byte budget (twice the per-side one) instead of one budget each. `progress(group)` after
+    each layer group (a group's fit takes seconds to minutes on a CPU)."""
     require(len(windows) > 0 and len(windows[0]) > 0, Status.INVALID_ARGUMENT, "calibrate: no K/V given")
     num_layers = len(windows[0])
     require(windows[0][0][0].dim() == 3, Status.INVALID_ARGUMENT, "calibrate: K/V must be [tokens, H, D]")
@@ -356,5 +358,7 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
             ranges = [_allocate([(fits[s][3], fits[s][4])], range_size, int(features * 2 / ratio))[0] for s in SIDES]
         groups.append({s: SideCalibration(fits[s][0].float(), fits[s][1].float(), fits[s][2].float(), fits[s][4], r)
                        for s, r in zip(SIDES, ranges)})
+        if progress is not None:
+            progress(g)
     return Calibration(num_layers, h, d, layers_per_group, sink_tokens, recent_tokens, settings["ratio"], range_size,
                        settings["model"], settings["rope_theta"], tuple(groups))

@@ -197,3 +197,29 @@ def test_inspect_reads_the_header_first(small_cal, tmp_path):
             f.truncate(3 << 30)  # sparse: no disk used
         paths.append(str(p))
     run_capped("tests.kvtc.test_kvtc_cli:inspect_target", cases=1, env={"KVX_TEST_HUGE": os.pathsep.join(paths)})
+
+
+def test_end_to_end_from_the_command_line(tiny, tmp_path, capsys):
+    """No Python: `kvx bundle export` makes the bundle that `kvx kvtc compress` codes and `decompress` gives back
+    as a verified bundle; the calibration reports its progress with --progress and is mode 0644 under umask 022
+    (it was 0600)."""
+    import os
+
+    text = tmp_path / "t.txt"
+    text.write_text("Rain on the tin roof kept time with the kettle while the radio hummed. " * 6)
+    cal, bundle = tmp_path / "cal.safetensors", tmp_path / "seq.kvxb"
+    old = os.umask(0o022)
+    try:
+        assert main(["kvtc", "calibrate", str(cal), "--model", str(tiny), "--windows", "2", "--window-len", "128",
+                     "--layers-per-group", "2", "--range-size", "8", "--ratio", "4", "--recent", "8",
+                     "--progress"]) == 0
+    finally:
+        os.umask(old)
+    err = capsys.readouterr().err
+    assert "kvtc calibrate: K/V of window: 1/2" in err and "fitting layer group: 1/1" in err and "left" in err
+    assert os.stat(cal).st_mode & 0o777 == 0o644
+    assert main(["bundle", "export", str(bundle), "--model", str(tiny), "--text", str(text), "--tokens", "64"]) == 0
+    assert main(["kvtc", "compress", str(cal), str(bundle), str(tmp_path / "seq.kvtc")]) == 0
+    assert main(["kvtc", "decompress", str(cal), str(tmp_path / "seq.kvtc"), str(tmp_path / "back.kvxb")]) == 0
+    assert main(["bundle", "verify", str(tmp_path / "back.kvxb")]) == 0
+    assert "64 tokens, every checksum verified" in capsys.readouterr().out
