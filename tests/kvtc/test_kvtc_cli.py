@@ -203,8 +203,6 @@ def test_end_to_end_from_the_command_line(tiny, tmp_path, capsys):
     """No Python: `kvx bundle export` makes the bundle that `kvx kvtc compress` codes and `decompress` gives back
     as a verified bundle; the calibration reports its progress with --progress and is mode 0644 under umask 022
     (it was 0600)."""
-    import os
-
     text = tmp_path / "t.txt"
     text.write_text("Rain on the tin roof kept time with the kettle while the radio hummed. " * 6)
     cal, bundle = tmp_path / "cal.safetensors", tmp_path / "seq.kvxb"
