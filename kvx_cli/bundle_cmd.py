@@ -130,7 +130,8 @@ def _export(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.action == "export":
         return _export(args)
-    require(not (args.model or args.text), Status.INVALID_ARGUMENT, "--model and --text apply to export only")
+    require(args.model is None and args.text is None and args.tokens == DEFAULT_EXPORT_TOKENS,
+            Status.INVALID_ARGUMENT, "--model, --text and --tokens apply to export only")
     expect_kind(args.file, "bundle")
     if args.action == "convert":
         return _convert(args)

@@ -37,6 +37,7 @@ SOURCES = ("auto", "checkpoint", "text")
 _SCALE_KEY = re.compile(r"(?:^|\.)layers\.\d+\..*\b[kv]_scale$")
 DEFAULT_ALPHA = 0.25
 DEFAULT_TOKENS = 2048
+DEFAULT_WINDOW_LEN = 1024
 MAX_TOKENS = 1 << 16
 """--tokens' upper bound: the K/V of every calibration token are kept in FP32 (SmolLM2: 46 KB a token)."""
 RECIPE = ("key centering + key smoothing ALPHA 0.25 + MSE scales: the best measured for fp8_e4m3, k8v4, int8, "
@@ -66,8 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"calibration sample: tokens of text, --window-len or fewer (one window) or a multiple of it "
                         f"(default {DEFAULT_TOKENS}; the vectors of a 128-token sample made nvfp4 worse); the MSE fit "
                         "takes time in proportion")
-    p.add_argument("--window-len", type=bounded_int(2, MAX_WINDOW_LEN), default=1024,
-                   help="tokens per forward pass over the text (default 1024; at most the model's context)")
+    p.add_argument("--window-len", type=bounded_int(2, MAX_WINDOW_LEN), default=DEFAULT_WINDOW_LEN,
+                   help=f"tokens per forward pass over the text (default {DEFAULT_WINDOW_LEN}; at most the model's "
+                        "context)")
     p.add_argument("--rule", choices=SCALE_RULES, help="text source: how scales are fitted (default mse)")
     p.add_argument("--smooth-keys", nargs="?", const=DEFAULT_ALPHA, type=_alpha, default=None, metavar="ALPHA",
                    help="per-channel key smoothing, s = (channel amax / head geometric mean) ** ALPHA, fitted on "
@@ -179,6 +181,14 @@ def _check_out(out: Path, model_dir: Path, force: bool, folder_built_later: bool
 def _inspect(a: argparse.Namespace) -> int:
     """One screen on a calibration file: geometry, model, what it holds and what it was fitted on."""
     require(a.file is not None, Status.INVALID_ARGUMENT, "inspect needs FILE: kvx calibrate-kv inspect FILE")
+    given = [flag for flag, on in (
+        ("--model", a.model is not None), ("--source", a.source != "auto"), ("--text", a.text is not None),
+        ("--tokens", a.tokens != DEFAULT_TOKENS), ("--window-len", a.window_len != DEFAULT_WINDOW_LEN),
+        ("--rule", a.rule is not None), ("--smooth-keys", a.smooth_keys is not None),
+        ("--no-smooth-keys", a.no_smooth_keys), ("--center-keys", a.center_keys is not None),
+        ("--formats", a.formats is not None), ("--out", a.out is not None), ("--force", a.force),
+        ("--progress", a.progress)) if on]
+    require(not given, Status.INVALID_ARGUMENT, f"inspect reads FILE only; {', '.join(given)} apply to calibrating")
     require(os.path.isfile(a.file), Status.INVALID_ARGUMENT, f"{a.file}: no such file")
     expect_kind(a.file, "kv-calibration")
     cal = load_kv_calibration(a.file)
@@ -214,8 +224,6 @@ def run(a: argparse.Namespace) -> int:
     """Check every argument and path (the output's too) before the model loads, pick the source, fit, write."""
     if a.action == "inspect":
         return _inspect(a)
-    require(a.file is None, Status.INVALID_ARGUMENT, f"{a.file}: a file is read by `kvx calibrate-kv inspect FILE`; "
-            "the calibration's output is --out")
     text = _read_text(a.text)
     if a.formats is not None:
         scale_formats(_formats(a.formats, a.source))  # before the model loads

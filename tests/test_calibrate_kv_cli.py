@@ -272,7 +272,7 @@ def test_progress_on_request(tiny, text, tmp_path, capsys):
     (["--smooth-keys", "0.5", "--no-smooth-keys"], "contradict"),
     (["--tokens", "1"], "out of range"),
     (["--tokens", "2.5"], "not an integer"),
-    (["stray.kvxcal"], "inspect"),
+    (["stray.kvxcal"], "invalid choice"),
 ])
 def test_sample_and_transform_refusals_come_before_the_model_loads(tiny, tmp_path, capsys, no_model_load, args,
                                                                     message):
@@ -283,6 +283,8 @@ def test_sample_and_transform_refusals_come_before_the_model_loads(tiny, tmp_pat
 def test_inspect_refusals(tmp_path, capsys):
     _refused_before_loading(["inspect"], capsys, "inspect needs FILE")
     _refused_before_loading(["inspect", str(tmp_path / "none.kvxcal")], capsys, "no such file")
+    _refused_before_loading(["inspect", str(tmp_path / "none.kvxcal"), "--tokens", "64", "--force"], capsys,
+                            "--tokens, --force apply to calibrating")
     (tmp_path / "x.kvxcal").write_bytes(b"\x00" * 16)
     _refused_before_loading(["inspect", str(tmp_path / "x.kvxcal")], capsys, "x.kvxcal")
 

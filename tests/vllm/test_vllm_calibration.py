@@ -235,3 +235,19 @@ def test_native_dtypes_refuse_it(fresh, model_dir):
         with pytest.raises(ValueError, match="applies to kvx_"):
             options_of(_config(str(model_dir), option=os.fspath(model_dir / "x"), dtype=dtype))
     assert options_of(_config(str(model_dir), option=os.fspath(model_dir / "x"))).kv_calibration is not None
+
+
+def test_the_older_file_name_is_found(fresh, model_dir, tmp_path):
+    """A model directory calibrated before calibration files were `.kvxcal` (its file under the old name
+    `kvx_kv_calibration.kvx`) is still served; the new name wins where both exist."""
+    from kvx_core.formats import get_format
+    from kvx_core.kv_calibration import FILENAME, LEGACY_FILENAME
+
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in model_dir.iterdir():
+        (old / (LEGACY_FILENAME if f.name == FILENAME else f.name)).symlink_to(f.resolve())
+    assert fresh.calibration_path(_config(str(old))) == str(old / LEGACY_FILENAME)
+    assert len(fresh.layer_values(_config(str(old)), get_format("nvfp4"))) == 30
+    (old / FILENAME).symlink_to((model_dir / FILENAME).resolve())
+    assert fresh.calibration_path(_config(str(old))) == str(old / FILENAME)
