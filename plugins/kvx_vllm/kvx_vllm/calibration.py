@@ -27,7 +27,7 @@ _loaded: dict[str, KvCalibration] = {}
 
 def calibration_path(vllm_config: Any) -> str | None:
     """The file the run serves with: the option's path (ValueError when it is no file), else the model
-    directory's, else None."""
+    directory's (`kv_calibration.default_file`: the `.kvxcal` name, else the older `.kvx` one), else None."""
     path = options_of(vllm_config).kv_calibration
     if path is not None:
         if not os.path.isfile(path):
