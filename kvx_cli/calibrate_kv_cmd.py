@@ -27,6 +27,7 @@ from kvx_core.calibration import SCALE_RULES, SampleObserver, amax_from_checkpoi
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.kv_calibration import (FILENAME, WEIGHT_SUFFIXES, KvCalibration, fingerprint_dict, from_checkpoint_amax,
                                      from_samples, global_formats, load_kv_calibration, scale_formats)
+from kvx_demo.text import TEXT_NAME
 
 from .args import bounded_int
 from .demo_cmd import MAX_TEXT_BYTES, MAX_WINDOW_LEN, _alpha, _read_text
@@ -155,7 +156,7 @@ def _from_text(source: Path, a: argparse.Namespace, text: str | None, windows: t
         seen.step()
     fit = Progress("calibrate-kv: fitting scales, format x layer", len(formats) * shape["num_layers"], enabled=enabled)
     sample = {"tokens": a.tokens, "windows": count, "window_len": length,
-              "text": str(a.text) if a.text is not None else "pydoc_data.topics"}
+              "text": str(a.text) if a.text is not None else TEXT_NAME}
     return from_samples(obs, formats, rule=a.rule or "mse", alpha=alpha, model=model, center=center, sample=sample,
                         progress=fit.step)
 
