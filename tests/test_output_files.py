@@ -232,7 +232,8 @@ def fuzz_file_kind(rng) -> None:
             _cal().save(path)
         else:
             _bundle(path)
-        data = mutate_bytes(open(path, "rb").read(), rng)
+        with open(path, "rb") as f:
+            data = mutate_bytes(f.read(), rng)
         with open(path, "wb") as f:
             f.write(data)
         assert file_kind(path) in (None, "bundle", "kvtc", "kv-calibration", "kvtc-calibration")
