@@ -177,10 +177,16 @@ class KvCalibration:
         require(fingerprint == self.model, Status.INCOMPATIBLE,
                 f"{source} was calibrated on another model than the one served (fingerprints differ)")
 
-    def for_format(self, fmt: CacheFormat) -> list[LayerValues]:
-        """Per layer `LayerValues` to serve `fmt` with. Refused: smoothing or centering for an unquantized format,
-        and a format with a global scale the file holds no scales for (its default 1.0, or a checkpoint's scale of
-        untransformed keys, would not be this calibration)."""
+    def for_format(self, fmt: CacheFormat, heads: tuple[int, int] | None = None) -> list[LayerValues]:
+        """Per layer `LayerValues` to serve `fmt` with, for KV heads `heads` = (start, stop) only when given (a
+        tensor-parallel rank's: the rows of every per-head vector; a `[1]` global scale serves every head as it is).
+        Refused: a head range outside the calibration's (OUT_OF_RANGE), smoothing or centering for an unquantized
+        format, and a format with a global scale the file holds no scales for (its default 1.0, or a checkpoint's
+        scale of untransformed keys, would not be this calibration)."""
+        start, stop = (0, self.num_kv_heads) if heads is None else heads
+        require(type(start) is int and type(stop) is int and 0 <= start < stop <= self.num_kv_heads,
+                Status.OUT_OF_RANGE, f"KV heads {_short(heads)} (start, stop) of a calibration for "
+                f"{self.num_kv_heads} KV heads")
         held = [name for attr, name in KEY_VECTORS.items() if getattr(self, attr) is not None]
         require(not held or fmt.quant != QuantFormat.NONE, Status.INVALID_ARGUMENT,
                 f"{fmt.name} is not quantized: the calibration's {' and '.join(held)} have nothing to flatten")
@@ -190,7 +196,11 @@ class KvCalibration:
                 f"{fmt.name}; recalibrate with that format (kvx calibrate-kv --formats {fmt.name})")
         pairs = self.scales[fmt.name] if uses else [(None, None)] * self.num_layers
         none = (None,) * self.num_layers
-        return [LayerValues(s, c, k, v) for s, c, (k, v) in zip(self.smoothing or none, self.center or none, pairs)]
+        values = [LayerValues(s, c, k, v) for s, c, (k, v) in zip(self.smoothing or none, self.center or none, pairs)]
+        if heads is None:
+            return values
+        return [LayerValues(*(None if t is None else t if t.shape == (1,) else t[start:stop].contiguous() for t in lv))
+                for lv in values]
 
     def apply(self, cache: PagedKVCache) -> None:
         """Set every layer's key smoothing, key centering and global scales of a `PagedKVCache` (before it holds

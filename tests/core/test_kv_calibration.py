@@ -289,3 +289,29 @@ def test_write_without_hard_links(cal, tmp_path, monkeypatch):
     with pytest.raises(KvxError, match="never overwrites"):
         cal.save(p)
     assert [f.name for f in tmp_path.iterdir()] == ["c.kvx"]
+
+
+def test_head_range_takes_the_rows_of_those_heads(centered):
+    """A tensor-parallel rank's values: rows start..stop-1 of every per-head vector of the whole file (an oracle
+    indexing the file's own tensors), a per-tensor [1] scale as it is; a range outside the file's heads is
+    OUT_OF_RANGE and leaves the calibration as it was."""
+    fmt = get_format("nvfp4")
+    whole = [tuple(None if t is None else t.clone() for t in lv) for lv in centered.for_format(fmt)]
+    for start, stop in [(0, 1), (1, 2), (0, 2)]:
+        part = centered.for_format(fmt, heads=(start, stop))
+        for i, lv in enumerate(part):
+            assert all(t.shape[0] == stop - start for t in lv)
+            assert torch.equal(lv.k_smoothing, centered.smoothing[i][start:stop])
+            assert torch.equal(lv.k_center, centered.center[i][start:stop])
+            assert torch.equal(lv.k_global, centered.scales["nvfp4"][i][0][start:stop])
+            assert torch.equal(lv.v_global, centered.scales["nvfp4"][i][1][start:stop])
+    tensor_wide = (torch.full((1,), 0.5), torch.full((1,), 0.25))
+    per_tensor = KvCalibration(L, H, D, {}, None, "amax", None, {"nvfp4": (tensor_wide,) * L})
+    assert all(torch.equal(lv.k_global, tensor_wide[0]) and torch.equal(lv.v_global, tensor_wide[1])
+               for lv in per_tensor.for_format(fmt, heads=(1, 2)))
+    for bad in [(0, 0), (1, 3), (-1, 1), (2, 3), (0.0, 1), (True, 2)]:
+        with pytest.raises(KvxError, match="KV heads") as e:
+            centered.for_format(fmt, heads=bad)
+        assert e.value.status == Status.OUT_OF_RANGE
+    assert all(all(a is b is None or torch.equal(a, b) for a, b in zip(lv, w))
+               for lv, w in zip(centered.for_format(fmt), whole, strict=True))

@@ -16,6 +16,7 @@ import torch
 
 from kvx_core import kv_calibration
 from kvx_core.errors import KvxError, Status
+from kvx_core.formats import get_format
 from kvx_core.kv_calibration import META_KEY, KvCalibration, from_samples, load_kv_calibration
 from kvx_core.calibration import SampleObserver
 from kvx_core.tensor_file import content_hash, write_tensor_file
@@ -159,13 +160,16 @@ def _forged_tensor(rng: random.Random) -> torch.Tensor:
 
 
 def fuzz_file(rng: random.Random) -> None:
-    """One forged calibration file made from a valid one, read by `load_kv_calibration`."""
+    """One forged calibration file made from a valid one (or the valid one), read by `load_kv_calibration`, and a
+    head range of what loaded served (`_serve_a_head_range`)."""
     cal = _valid()
     params, tensors = cal.params(), dict(cal.tensors())
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "c.kvx")
-        op = rng.randrange(4)
-        if op == 0:  # the metadata JSON, identity recomputed
+        op = rng.randrange(5)
+        if op == 4:  # the valid file: its head ranges are served
+            cal.save(path)
+        elif op == 0:  # the metadata JSON, identity recomputed
             _forge(path, mutate_json(params, rng), tensors)
         elif op == 1:  # tensors replaced, dropped or added, identity recomputed
             for _ in range(rng.randint(1, 3)):
@@ -186,7 +190,18 @@ def fuzz_file(rng: random.Random) -> None:
                 data = mutate_bytes(data, rng)
             with open(path, "wb") as f:
                 f.write(data)
-        load_kv_calibration(path)
+        _serve_a_head_range(load_kv_calibration(path), rng)
+
+
+def _serve_a_head_range(cal: KvCalibration, rng: random.Random) -> None:
+    """What a tensor-parallel rank does with a file that loaded: take the values of a head range (sometimes outside
+    the file's heads: KvxError) for a format; every per-head vector it gets has exactly that range's rows."""
+    h = cal.num_kv_heads
+    start = rng.choice([0, rng.randrange(h), h, -1])
+    stop = rng.choice([start + 1, h, h + 1, start])
+    fmt = get_format(rng.choice([*cal.scales, "int4"]))
+    for lv in cal.for_format(fmt, heads=(start, stop)):
+        assert all(t is None or t.shape[0] == stop - start or tuple(t.shape) == (1,) for t in lv), lv
 
 
 def test_fuzz_calibration_file():

@@ -25,7 +25,8 @@ file there. Asserted:
   file, so its cache stores (K - c) / s and reads back times s plus c): prompt 0.091 / 1.25, decode 0.107 / 0.82;
   uncalibrated oracle 0.193 / 6.14 and 0.238 / 1.24, so it asserts the negative control too. Bounds: ~1.5x the
   measured means and ~1.8-2x the maxima (the split route's own margins).
-Fast tests: what `kvx_vllm.calibration` refuses, on stand-in configs (centering with a soft-capped model included).
+Fast tests: what `kvx_vllm.calibration` refuses, on stand-in configs (centering with a soft-capped model included;
+tensor / pipeline parallelism: test_vllm_tp.py).
 """
 from __future__ import annotations
 
@@ -166,11 +167,10 @@ def test_logprobs_match_the_calibrated_oracle(run, prompt_ids):
 
 
 # ---------------------------------------------------------------- refusals (no vLLM run)
-def _config(model: str, *, option: str | None = None, heads: int = 3, layers: int = 30, tp: int = 1,
-            dtype: str = "kvx_nvfp4"):
+def _config(model: str, *, option: str | None = None, heads: int = 3, layers: int = 30, dtype: str = "kvx_nvfp4"):
     mc = SimpleNamespace(model=model, tokenizer=model, revision=None, get_num_layers=lambda _p: layers,
                          get_total_num_kv_heads=lambda: heads, get_head_size=lambda: 64)
-    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                            cache_config=SimpleNamespace(cache_dtype=dtype),
                            additional_config={"kvx": {"kv_calibration": option}} if option else None)
 
@@ -186,20 +186,19 @@ def fresh(monkeypatch):
 def test_refusals(fresh, model_dir, tmp_path):
     from kvx_core.formats import get_format
 
-    values = fresh.layer_values(_config(str(model_dir)), get_format("nvfp4"), softcap=30.0)  # found in the model dir
+    values = fresh.layer_values(_config(str(model_dir)), get_format("nvfp4"), 3, softcap=30.0)  # found in the model dir
     assert len(values) == 30 and all(lv.k_smoothing is not None and lv.k_center is None and lv.k_global.shape == (3,)
                                      for lv in values)
-    assert fresh.layer_values(_config(str(tmp_path)), get_format("nvfp4")) is None  # no file: no calibration
+    assert fresh.layer_values(_config(str(tmp_path)), get_format("nvfp4"), 3) is None  # no file: no calibration
     cases = [
         (_config(str(tmp_path), option=str(tmp_path / "none.safetensors")), "nvfp4", "no such file"),
         (_config(str(model_dir), heads=4), "nvfp4", "the model has 30 x 4 x 64"),
-        (_config(str(model_dir), tp=2), "nvfp4", "tensor parallelism"),
         (_config(str(model_dir)), "k8v4", "not for k8v4"),
     ]
     for cfg, fmt, match in cases:
         fresh._loaded.clear()
         with pytest.raises(ValueError, match=match):
-            fresh.layer_values(cfg, get_format(fmt))
+            fresh.layer_values(cfg, get_format(fmt), 3)
     other = tmp_path / "other"  # the same file beside another model (another config.json): refused by fingerprint
     other.mkdir()
     for f in model_dir.iterdir():
@@ -209,7 +208,7 @@ def test_refusals(fresh, model_dir, tmp_path):
                                                    "rope_theta": 1.0}))
     fresh._loaded.clear()
     with pytest.raises(ValueError, match="another model"):
-        fresh.layer_values(_config(str(other)), get_format("nvfp4"))
+        fresh.layer_values(_config(str(other)), get_format("nvfp4"), 3)
 
 
 def test_centering_with_a_soft_cap_is_refused(fresh, centered_model_dir):
@@ -220,8 +219,8 @@ def test_centering_with_a_soft_cap_is_refused(fresh, centered_model_dir):
 
     cfg = _config(str(centered_model_dir))
     with pytest.raises(ValueError, match="soft cap 30.0.*recalibrate without --center-keys"):
-        fresh.layer_values(cfg, get_format("nvfp4"), softcap=30.0)
-    values = fresh.layer_values(cfg, get_format("nvfp4"))
+        fresh.layer_values(cfg, get_format("nvfp4"), 3, softcap=30.0)
+    values = fresh.layer_values(cfg, get_format("nvfp4"), 3)
     cal = load_kv_calibration(str(centered_model_dir / FILENAME))
     assert all(torch.equal(lv.k_center, c) for lv, c in zip(values, cal.center, strict=True))
 

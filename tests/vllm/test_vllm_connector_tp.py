@@ -47,7 +47,7 @@ def _vllm_heads(total_kv: int, tp: int, rank: int) -> list[int]:
 
 
 @pytest.mark.parametrize("total_kv, tp", [(1, 1), (1, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, 4), (4, 8), (2, 8),
-                                          (8, 8)])
+                                          (8, 8), (3, 6)])
 def test_head_ranges_are_vllms_split(total_kv, tp):
     for rank in range(tp):
         a, b = tp_head_range(total_kv, tp, rank)

@@ -269,7 +269,8 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
         self._desc: tuple[tuple, CacheDesc, CacheDesc | BoundLayer] | None = None
         self._quant: tuple[torch.Tensor | None, ...] | None = None
         cfg = get_current_vllm_config_or_none()  # layers are built inside the run's config: startup refusals here
-        self._calibration = None if cfg is None else layer_values(cfg, self.format, softcap=self.softcap)
+        self._calibration = (None if cfg is None else  # this tensor-parallel rank's KV heads of the file
+                             layer_values(cfg, self.format, num_kv_heads, softcap=self.softcap))
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """The layer's sinks, now loaded, as KVX computes with them (FP32 `[Hq]` contiguous on their device) and

@@ -5,8 +5,12 @@ The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<mo
 (or, without one, the older name `kvx_kv_calibration.kvx`) when the model is a local directory holding one. It is refused (ValueError at startup, before any K/V is written)
 when it is damaged, made for another model (fingerprint) or geometry, holds no scales for a run format that has a
 global scale, centers keys for a model with a logit soft cap (tanh is not shift invariant), or the run is
-tensor-parallel (the per-KV-head vectors are not sliced per rank). The vLLM-native
+pipeline-parallel (not verified: the file is checked against this stage's layers only). The vLLM-native
 fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`options.options_of`).
+
+Tensor parallelism: the file is checked against the model's total KV heads, then each rank's layers take the rows
+of the heads that rank holds (`kvx_core.transfer.tp.tp_head_range`, vLLM's `QKVParallelLinear` partition: split when there are at least
+as many KV heads as ranks, else each head replicated on `tp_size / total` consecutive ranks).
 """
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from kvx_core.errors import KvxError
+from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat
 from kvx_core.kv_calibration import KvCalibration, LayerValues, default_file, fingerprint_dict, load_kv_calibration
+from kvx_core.transfer.tp import tp_head_range
 
 from .options import options_of
 
@@ -36,6 +41,16 @@ def calibration_path(vllm_config: Any) -> str | None:
     return default_file(vllm_config.model_config.model)
 
 
+def _tp_rank(vllm_config: Any) -> int:
+    """This process's tensor-parallel rank (0 without tensor parallelism; vLLM's worker has set up its groups
+    before it builds the model's layers)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 def run_calibration(vllm_config: Any) -> KvCalibration | None:
     """The run's calibration, loaded and checked against the served model (ValueError naming the file and the
     problem), or None when the run has none."""
@@ -43,9 +58,10 @@ def run_calibration(vllm_config: Any) -> KvCalibration | None:
     if path is None:
         return None
     if path not in _loaded:
-        if vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise ValueError(f"KVX: KV calibration {path} with tensor parallelism is not served (its per-KV-head "
-                             "vectors are not split across ranks); serve with --tensor-parallel-size 1")
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(f"KVX: KV calibration {path} with pipeline parallelism is not served (not verified: "
+                             "each stage would check the file against its own layers only); serve with "
+                             "--pipeline-parallel-size 1")
         from .fingerprint import model_fingerprint
 
         mc = vllm_config.model_config
@@ -68,10 +84,13 @@ def run_calibration(vllm_config: Any) -> KvCalibration | None:
     return _loaded[path]
 
 
-def layer_values(vllm_config: Any, fmt: CacheFormat, softcap: float | None = None) -> list[LayerValues] | None:
-    """Per layer `LayerValues` for the run's format, or None without a calibration; ValueError when the file cannot
-    serve `fmt` (no scales for it, smoothing or centering of an unquantized format) or centers keys while the
-    model's attention has a logit soft cap `softcap` (the KVX attention would refuse it at the first step)."""
+def layer_values(vllm_config: Any, fmt: CacheFormat, num_kv_heads: int, softcap: float | None = None,
+                 tp_rank: int | None = None) -> list[LayerValues] | None:
+    """Per layer `LayerValues` for the run's format and the KV heads of tensor-parallel rank `tp_rank` (None: this
+    process's), or None without a calibration; ValueError when the file cannot serve `fmt` (no scales for it,
+    smoothing or centering of an unquantized format), when the rank's head range is not the `num_kv_heads` its
+    attention layer was built with, or when the file centers keys while the model's attention has a logit soft cap
+    `softcap` (the KVX attention would refuse it at the first step)."""
     cal = run_calibration(vllm_config)
     if cal is None:
         return None
@@ -79,8 +98,14 @@ def layer_values(vllm_config: Any, fmt: CacheFormat, softcap: float | None = Non
         raise ValueError(f"KVX: KV calibration refused: it centers keys (kvx calibrate-kv --center-keys) and this "
                          f"model caps its attention logits (soft cap {softcap}); tanh is not shift invariant, so "
                          "attention over centered keys would change: recalibrate without --center-keys")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    rank = _tp_rank(vllm_config) if tp_rank is None else tp_rank
     try:
-        return cal.for_format(fmt)
+        heads = tp_head_range(cal.num_kv_heads, tp, rank)
+        require(heads[1] - heads[0] == num_kv_heads, Status.INCOMPATIBLE,
+                f"tensor-parallel rank {rank} of {tp} holds KV heads {heads[0]}..{heads[1] - 1} of the file's "
+                f"{cal.num_kv_heads} as vLLM partitions them, but its attention layer has {num_kv_heads} KV heads")
+        return cal.for_format(fmt, heads=heads)
     except KvxError as e:
         raise ValueError(f"KVX: KV calibration refused for --kv-cache-dtype {vllm_config.cache_config.cache_dtype}: "
                          f"{e}") from None

@@ -1,0 +1,68 @@
+"""One vLLM instance (CPU) of a model at a given tensor-parallel size; prints one JSON line.
+
+    python tests/vllm/vllm_tp_run.py MODEL_DIR CACHE_DTYPE TP PROMPTS_JSON [KVX_OPTIONS_JSON]
+
+`distributed_executor_backend="mp"` (one worker process per rank; TP=1 too, so both runs take the same path) and
+no tokenizer (`skip_tokenizer_init`: PROMPTS_JSON is a list of token-id lists). The prompts run together, greedy
+(chunked prefill and batched decode); per request, its top-5 log-probabilities at every prompt position and at each
+of `GEN` generated tokens, with the token chosen. `LLM.apply_model` reports, per rank and
+attention layer, the KV heads the backend serves and the key smoothing, key centering and global scales its
+CacheDesc holds (the calibration's values where MODEL_DIR has a file), so the test can compare them with the file's
+rows of that rank's heads. KVX_OPTIONS_JSON: the run's `--additional-config` "kvx" options (e.g. {"lm_head": "mxfp4"}).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+GEN = 16
+
+
+def inspect(model) -> dict:
+    """This rank's TP rank and, per KVX attention layer, its KV head count and the bound calibration values."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from kvx_vllm.backend import KvxAttentionImpl
+
+    layers = []
+    for m in model.modules():
+        impl = getattr(m, "impl", None)
+        if isinstance(impl, KvxAttentionImpl):
+            q = impl._desc[1].quant
+            layers.append({"layer": extract_layer_index(m.layer_name), "num_kv_heads": impl.num_kv_heads,
+                           **{name: None if t is None else t.cpu().tolist()
+                              for name, t in (("k_smoothing", q.k_smoothing), ("k_center", q.k_center),
+                                              ("k_global", q.k_global_scale), ("v_global", q.v_global_scale))}})
+    return {"rank": get_tensor_model_parallel_rank(), "layers": sorted(layers, key=lambda r: r["layer"])}
+
+
+def _top(lp: dict | None) -> list | None:
+    return None if lp is None else sorted([k, v.logprob] for k, v in lp.items())
+
+
+def main(model_dir: str, cache_dtype: str, tp: int, prompts: list[list[int]], kvx: dict) -> dict:
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships `inspect` to the workers by pickle
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=256, enforce_eager=True,
+              max_num_seqs=len(prompts), max_num_batched_tokens=64, enable_prefix_caching=False, seed=0,
+              skip_tokenizer_init=True, tensor_parallel_size=tp, distributed_executor_backend="mp",
+              additional_config={"kvx": kvx})
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                        SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True, prompt_logprobs=5, logprobs=5,
+                                       detokenize=False), use_tqdm=False)
+    from tests.vllm.vllm_tp_run import inspect as by_name  # pickled by module name: workers import it
+
+    return {"ranks": sorted(llm.apply_model(by_name), key=lambda r: r["rank"]),
+            "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+            "requests": [{"prompt_logprobs": [_top(lp) for lp in r.prompt_logprobs],
+                          "generated": [[t, _top(lp)] for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]}
+                         for r in outs]}
+
+
+if __name__ == "__main__":
+    res = main(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]),
+               json.loads(sys.argv[5]) if len(sys.argv) > 5 else {})
+    print("KVX_RESULT " + json.dumps(res), flush=True)
