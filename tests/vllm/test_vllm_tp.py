@@ -39,9 +39,12 @@ pytestmark = pytest.mark.vllm
 RUNNER = Path(__file__).with_name("vllm_tp_run.py")
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 8, 4, 32, 1024
 PROMPT_LEN = 160  # > max_num_batched_tokens (64) of the runner: chunked prefill over cached pages
-TP_ENV = {**ENV, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+TP_ENV = {**ENV, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+          "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2])]
+                                        + ([ENV["PYTHONPATH"]] if ENV.get("PYTHONPATH") else []))}
 """One thread per worker and no binding: vLLM CPU's automatic binding wants one NUMA node per rank ("Not enough
-allowed NUMA nodes to bind threads of 2 local CPUWorkers") and this machine has one."""
+allowed NUMA nodes to bind threads of 2 local CPUWorkers") and this machine has one. The repository root on the
+path: the runner hands its per-rank probe to the workers by module name (`tests.vllm.vllm_tp_run`)."""
 
 
 # ---------------------------------------------------------------- the partition
