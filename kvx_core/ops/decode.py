@@ -201,17 +201,17 @@ class DecodePlan:
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty(self.batch, self.num_qo_heads, dtype=torch.float32, device=q.device) if want_lse \
             else self.lse_scratch
+        sinks = self.sinks if sinks is None else sinks
         if self.backend == "cuda" and layer.cuda_args is not None and q.stride(2) == 1:
             if self.batch:
-                self._cuda_bound(q, layer, block_table, seq_lens, out, lse, self.sinks if sinks is None else sinks)
+                self._cuda_bound(q, layer, block_table, seq_lens, out, lse, sinks)
             return out, lse if want_lse else None
         why = None
         if self.backend == "cuda":
             why = ("query last dim not contiguous" if q.stride(2) != 1 else layer.cuda_pool_reason
                    or "the CUDA kernels are not available for the layer's device")
         return self._launch(q, layer.k_data, layer.k_scale_args, layer.v_data, layer.v_scale_args, layer.k_global,
-                            layer.v_global, block_table, seq_lens, out, lse, layer.k_smoothing, why, want_lse,
-                            self.sinks if sinks is None else sinks)
+                            layer.v_global, block_table, seq_lens, out, lse, layer.k_smoothing, why, want_lse, sinks)
 
     def _cuda_bound(self, q, layer, block_table, seq_lens, out, lse, sinks) -> None:
         """The CUDA decode + merge over a bound layer: the step's parameter group is made once per plan, tables and

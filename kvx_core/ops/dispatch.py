@@ -342,10 +342,12 @@ class AttentionPlan:
         kernel = None if self.kernel is None else replace(self.kernel, sinks=s)  # every merge joins them
         return replace(self, options=dict(self.options, sinks=s), kernel=kernel)
 
-    def _sinks_after_kernel(self, cache: CacheDesc) -> bool:
-        """Whether the sinks join after the kernel, in torch: over a centered cache the kernels' logits are
-        `q . (k - c)`, each row shifted by `q . c`, so the sink joins once `center_lse` has restored the LSE."""
-        return self.options["sinks"] is not None and smoothing.center_of(cache) is not None
+    def _sinks_after_kernel(self, cache: CacheDesc, sinks: torch.Tensor | None = None) -> bool:
+        """Whether the sinks (a run's `sinks`, else the plan's) join after the kernel, in torch: over a centered
+        cache the kernels' logits are `q . (k - c)`, each row shifted by `q . c`, so the sink joins once
+        `center_lse` has restored the LSE."""
+        has = sinks is not None or self.options["sinks"] is not None
+        return has and smoothing.center_of(cache) is not None
 
     def run(self, query: torch.Tensor, cache: CacheDesc | BoundLayer, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, *, want_lse: bool = True,
@@ -364,9 +366,7 @@ class AttentionPlan:
         require(want_lse or lse is None, Status.INVALID_ARGUMENT, f"{self.what}: an lse buffer with want_lse=False")
         if isinstance(cache, BoundLayer):
             if not self.check and self.what == "paged_decode" and self.kernel is not None and not want_lse \
-                    and cache.table_format == self.table.format \
-                    and not (smoothing.center_of(cache.cache) is not None
-                             and (sinks is not None or self.options["sinks"] is not None)):
+                    and cache.table_format == self.table.format and not self._sinks_after_kernel(cache.cache, sinks):
                 return self.kernel.run_bound(query, cache, self.block_table, self.lens, out, want_lse=False,
                                              sinks=sinks)
             cache = cache.cache
