@@ -62,15 +62,21 @@ def write_config(name: str, model_dir: str, **overrides) -> dict:
     return cfg
 
 
+EMBEDDINGS = ("embed_tokens.weight", "embedding.weight")
+"""Input-embedding parameter names: most models' and gpt-oss's (`model.embedding`)."""
+
+
 def realistic_weights(model, seed: int = 0, std: float = 0.02, tie_head: bool = False) -> None:
     """Random weights that make attention matter, in place (vLLM's dummy loader draws U(-1e-3, 1e-3), which makes
     every norm ~0 and the logits ~uniform, whatever the KV cache holds): N(0, std) matrices (HF's init), norms at
     their identity (1, or 0 for Gemma's `1 + w` norms), biases 0, attention sinks N(0, 1). Deterministic for a
     given seed and model, so runs with different KV cache dtypes share their weights.
 
-    `tie_head`: the LM head set to the input embedding (as tied models have it, e.g. Gemma). Such a random model
-    mostly predicts the token it just read, so greedy continuations repeat and the n-gram speculator finds drafts
-    (with an independent random head it never does: each new token is unrelated to the context)."""
+    `tie_head`: the LM head set to the input embedding (as tied models have it, e.g. Gemma), both scaled by
+    sqrt(hidden) where the model does not scale its embedding itself (Gemma's `normalizer`). The residual stream is
+    then dominated by the token just read, which the tied head scores highest, so greedy continuations repeat and the
+    n-gram speculator finds drafts. Without the scale the random layers' outputs dominate the residual and the
+    continuations never repeat (measured: gpt-oss and Qwen3 geometries drafted nothing), as with an independent head."""
     import torch
 
     norms = {}
@@ -94,7 +100,11 @@ def realistic_weights(model, seed: int = 0, std: float = 0.02, tie_head: bool = 
             else:
                 p.normal_(0.0, std, generator=gen)
         if tie_head:
-            emb = next((p for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")), None)
+            emb = next((p for n, p in model.named_parameters() if n.endswith(EMBEDDINGS)), None)
             head = next((p for n, p in model.named_parameters() if n.endswith("lm_head.weight")), None)
-            if emb is not None and head is not None and head is not emb and head.shape == emb.shape:
+            if emb is None or head is None or head.shape != emb.shape:
+                raise ValueError(f"tie_head: no embedding / LM head pair of one shape in {type(model).__name__}")
+            if not any(n.endswith("normalizer") for n, _ in model.named_buffers()):
+                emb.mul_(emb.shape[1] ** 0.5)  # as Gemma's forward scales it: the token read dominates the residual
+            if head is not emb:
                 head.copy_(emb)

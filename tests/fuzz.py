@@ -27,6 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADROOM_BYTES = 1 << 29  # address space a run may take beyond its imports
+THREAD_ENV = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
+"""The child's allocator and thread settings: the cap measures what a reader allocates, not what threads reserve.
+Each thread started after the cap (torch's intra-op pool, the bundle hash pool: one per core up to 16) would get
+its own 64 MiB glibc arena reservation, so on a 16-core machine the pools alone passed the 512 MiB headroom
+("can't start new thread", MemoryError in zlib) where a 2-core machine passed."""
 TIMEOUT_S = 900  # a hang, not a slow machine: 300 cases of the slowest reader take ~20 s on 2 idle cores
 
 # values that break readers that trust a field: sizes near the limits of every integer width, non-finite and
@@ -142,7 +147,7 @@ def run_capped(target: str, *, cases: int = 300, seed: int = 0, headroom_bytes: 
     cmd = [sys.executable, "-m", "tests.fuzz", target, str(seed), str(cases), str(headroom_bytes)]
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
-                           env={**os.environ, **(env or {})})
+                           env={**os.environ, **THREAD_ENV, **(env or {})})
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{target}: {cases} fuzz cases did not finish in {TIMEOUT_S} s (a reader hangs?); "
                              f"last output: {(e.stdout or '')[-2000:]}") from None

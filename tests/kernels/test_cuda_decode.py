@@ -56,14 +56,17 @@ def _check(o, lse, ro, rl, tol=1e-2):
 
 
 # ------------------------------------------------------------------ CPU: build + ABI mirror
-def test_cuda_source_compiles_and_mirror_matches(tmp_path):
+def test_cuda_source_compiles_and_mirror_matches():
     """nvcc compiles paged_decode_mma.cu for sm_90a; the ctypes DecodeParams has the C struct's size and field
-    offsets (a reordered field would pass a size check and launch on garbage)."""
+    offsets (a reordered field would pass a size check and launch on garbage). Built into the library's own cache
+    (keyed by the sources' digest, arch and nvcc): on the GPU machine `scripts/gpu_suite.sh` has built it already,
+    where a private build took 8 minutes beside 15 test workers."""
     if nvcc_path() is None:
         if os.environ.get("CI"):
             pytest.fail("nvcc is required in CI (it compiles the CUDA decode kernel)")
         pytest.skip("nvcc not installed")
-    lib = ctypes.CDLL(str(build("90a", out_dir=tmp_path)))
+    path = build("90a")
+    lib = ctypes.CDLL(str(path))
     assert mirror_mismatch(lib, "kvx_decode_params_size", DecodeParams, "kvx_decode_params_layout") is None
     fields = list(DecodeParams._fields_)
     fields[0], fields[4] = fields[4], fields[0]  # kd <-> ks: same size, another layout
@@ -71,7 +74,7 @@ def test_cuda_source_compiles_and_mirror_matches(tmp_path):
     class Swapped(ctypes.Structure):
         _fields_ = fields
     assert "C layout vs the mirror" in mirror_mismatch(lib, "kvx_decode_params_size", Swapped, "kvx_decode_params_layout")
-    assert build("90a", out_dir=tmp_path) == next(tmp_path.glob("kvx_paged_decode_mma-90a-*.so"))  # cached
+    assert build("90a") == path and path.name.startswith("kvx_paged_decode_mma-90a-")  # cached
 
 
 @pytest.mark.parametrize("name", CUDA_FORMATS + ["bf16", "fp16", "fp32", "k8v4"])

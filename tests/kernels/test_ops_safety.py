@@ -128,9 +128,22 @@ def _write(entry: str, c: PagedKVCache, key, value, slots, kg=None, vg=None, che
 
 
 @pytest.fixture
-def kernel_path(monkeypatch):
-    """`ops.dispatch` takes the kernels on CPU pools (Triton interpreter), as it does on CUDA pools."""
+def kernel_path(monkeypatch, device):
+    """`ops.dispatch` takes the kernels on CPU pools, as it does on CUDA pools: under the Triton interpreter, which
+    only a machine without CUDA runs (TRITON_INTERPRET is fixed when the kernels load). Tests that launch a kernel
+    take `kernel_device` instead and run on the GPU machine's CUDA pools; the checks that refuse before any launch
+    are these tests' subject, and their CUDA-pool versions are the `*_gpu` tests at the end of this module."""
+    if device != "cpu":
+        pytest.skip("CPU pools on the kernel path need the Triton interpreter (a machine without CUDA)")
     monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+
+
+@pytest.fixture
+def kernel_device(monkeypatch, device) -> str:
+    """The device whose pools take the kernel path: CUDA on the GPU machine, CPU (interpreter) elsewhere."""
+    if device == "cpu":
+        monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    return device
 
 
 ENTRIES = ["reference", "dispatch", "launcher"]
@@ -270,10 +283,10 @@ def test_rejected_write_on_page_buffer_changes_nothing(entry, kernel_path):
 # ----------------------------------------------------------------------------- writes never track gradients
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("name", ["bf16", "fp32", "int8", "nvfp4_rot"])
-def test_write_with_inputs_that_require_grad(name, entry, kernel_path):
-    c, twin = _cache(name), _cache(name)
-    k, v = _x(seed=3).requires_grad_(), _x(seed=4).requires_grad_()
-    slots = torch.tensor([5, 9, 2])
+def test_write_with_inputs_that_require_grad(name, entry, kernel_device):
+    c, twin = _cache(name, kernel_device), _cache(name, kernel_device)
+    k, v = _x(seed=3).to(kernel_device).requires_grad_(), _x(seed=4).to(kernel_device).requires_grad_()
+    slots = torch.tensor([5, 9, 2], device=kernel_device)
     _write(entry, c, k, v, slots)
     _write(entry, twin, k.detach(), v.detach(), slots)
     for t, ref in zip(_pools(c), _pools(twin)):
@@ -282,10 +295,11 @@ def test_write_with_inputs_that_require_grad(name, entry, kernel_path):
 
 
 @pytest.mark.parametrize("gather_kv", [reference.gather_kv, dispatch.gather_kv], ids=["reference", "dispatch"])
-def test_gather_into_an_out_that_requires_grad(gather_kv, kernel_path):
-    c = _cache("int8")
-    gd = GatherDesc(BlockTable.packed(torch.tensor([[0, 1]])), SeqLens(torch.tensor([6])), 6)
-    out = KvIoDesc(torch.zeros(6, H, D, requires_grad=True), torch.zeros(6, H, D, requires_grad=True))
+def test_gather_into_an_out_that_requires_grad(gather_kv, kernel_device):
+    c, dev = _cache("int8", kernel_device), kernel_device
+    gd = GatherDesc(BlockTable.packed(torch.tensor([[0, 1]], device=dev)), SeqLens(torch.tensor([6], device=dev)), 6)
+    out = KvIoDesc(torch.zeros(6, H, D, device=dev, requires_grad=True),
+                   torch.zeros(6, H, D, device=dev, requires_grad=True))
     got = gather_kv(c.descriptor(0), gd, out)
     ref = reference.gather_kv(c.descriptor(0), gd)
     assert torch.equal(got.key.detach(), ref.key) and torch.equal(got.value.detach(), ref.value)
@@ -495,36 +509,41 @@ def test_gather_arguments_are_checked_up_front(case, gather_kv, kernel_path):
 
 
 @pytest.mark.parametrize("gather_kv", GATHERS, ids=["reference", "dispatch"])
-def test_gather_accepts_numpy_ints_and_non_contiguous_tables(gather_kv, kernel_path):
-    c = _cache("mxfp4")
+def test_gather_accepts_numpy_ints_and_non_contiguous_tables(gather_kv, kernel_device):
+    dev = kernel_device
+    c = _cache("mxfp4", dev)
     desc = c.descriptor(0)
-    ref = reference.gather_kv(desc, _gd())
-    got = gather_kv(desc, _gd(max_seq_len=np.int64(8)))
+    table = BlockTable.packed(torch.tensor([[0, 1], [4, 0]], device=dev))
+    gd = lambda t=table, lens=(6, 3), m=8: GatherDesc(t, SeqLens(torch.tensor(lens, device=dev)), m)  # noqa: E731
+    ref = reference.gather_kv(desc, gd())
+    got = gather_kv(desc, gd(m=np.int64(8)))
     assert torch.equal(got.key, ref.key) and torch.equal(got.value, ref.value)
-    wide = torch.tensor([[0, 9, 1, 9], [4, 9, 0, 9]])[:, ::2]  # non-contiguous [2, 2]
+    wide = torch.tensor([[0, 9, 1, 9], [4, 9, 0, 9]], device=dev)[:, ::2]  # non-contiguous [2, 2]
     assert not wide.is_contiguous()
-    got = gather_kv(desc, _gd(BlockTable.packed(wide)))
+    got = gather_kv(desc, gd(BlockTable.packed(wide)))
     assert torch.equal(got.key, ref.key) and torch.equal(got.value, ref.value)
-    got = gather_kv(desc, GatherDesc(BlockTable.packed(wide), SeqLens(torch.tensor([6, 0, 3, 0])[::2]), 8))
+    got = gather_kv(desc, GatherDesc(BlockTable.packed(wide), SeqLens(torch.tensor([6, 0, 3, 0], device=dev)[::2]), 8))
     assert torch.equal(got.key, ref.key) and torch.equal(got.value, ref.value)
-    out = KvIoDesc(torch.zeros(9, H, 2 * D)[:, :, ::2], torch.zeros(9, H, D))  # non-contiguous last dim
-    got = gather_kv(desc, _gd(), out)
+    out = KvIoDesc(torch.zeros(9, H, 2 * D, device=dev)[:, :, ::2], torch.zeros(9, H, D, device=dev))  # strided
+    got = gather_kv(desc, gd(), out)
     assert torch.equal(got.key, ref.key) and torch.equal(got.value, ref.value)
 
 
-def test_gather_launcher_checks_its_arguments():
-    c = _cache("nvfp4")
+def test_gather_launcher_checks_its_arguments(device):
+    c = _cache("nvfp4", device)
     p = c.layers[0]
-    bt, lens = torch.tensor([[0, 1], [4, 0]]), torch.tensor([6, 3])
+    t = functools.partial(torch.tensor, device=device)
+    z = functools.partial(torch.zeros, device=device)
+    bt, lens = t([[0, 1], [4, 0]]), t([6, 3])
     args = (p.k_data, p.k_scales, p.v_data, p.v_scales)
     snap = _snapshot(c)
     g = lambda *a, **k: kernels.gather_pools(*args, *a, c.format, p.k_global, p.v_global, **k)
     _raises(INV, lambda: g(bt, lens, max_seq_len=2.5), match="max_seq_len")
-    _raises(OOR, lambda: g(torch.tensor([[0, 2**32 + 1], [4, 0]]), lens), match="outside")
+    _raises(OOR, lambda: g(t([[0, 2**32 + 1], [4, 0]]), lens), match="outside")
     _raises(INV, lambda: g(bt, lens.float()), match="seq_lens")
-    _raises(INV, lambda: g(bt, lens, out=(torch.zeros(8, H, D), torch.zeros(8, H, D))), match="out must be")
-    _raises(INV, lambda: g(bt, lens, out=(torch.zeros(9, H, D), _pool_view(p.k_data))), match="K pool")
-    _raises(INV, lambda: kernels.gather_pools(*args, bt, lens, c.format, p.k_global, torch.tensor([1.0, math.nan])),
+    _raises(INV, lambda: g(bt, lens, out=(z(8, H, D), z(8, H, D))), match="out must be")
+    _raises(INV, lambda: g(bt, lens, out=(z(9, H, D), _pool_view(p.k_data))), match="K pool")
+    _raises(INV, lambda: kernels.gather_pools(*args, bt, lens, c.format, p.k_global, t([1.0, math.nan])),
             match="V global scale")
     _raises(UNS, lambda: kernels.gather_pools(*args, bt, lens, "no_such_format"), match="unknown KVX cache format")
     _raises(INV, lambda: kernels.gather_pools(*args, bt, lens, 3), match="fmt must be")
@@ -588,18 +607,20 @@ def test_rot_write_and_gather_are_batch_invariant(name, h, d):
 
 
 @pytest.mark.parametrize("name", ["nvfp4_rot", "k8v4_rot"])
-def test_rot_kernel_paths_are_batch_invariant(name, kernel_path):
-    """The Triton write and gather rotate with the same row-wise butterfly as the reference."""
-    c, ref = _cache(name), _cache(name)
-    x = torch.randn(2, 8, H, D, generator=torch.Generator().manual_seed(5))
+def test_rot_kernel_paths_are_batch_invariant(name, kernel_device):
+    """The kernels' write and gather rotate with the same row-wise butterfly as the reference."""
+    dev = kernel_device
+    c, ref = _cache(name, dev), _cache(name, dev)
+    x = torch.randn(2, 8, H, D, generator=torch.Generator().manual_seed(5)).to(dev)
     for i in range(8):
         dispatch.write_kv(c.descriptor(0), WriteDesc(KvIoDesc(x[0, i:i + 1], x[1, i:i + 1]),
-                                                     SlotMapping(torch.tensor([i]))))
-    reference.write_kv(ref.descriptor(0), WriteDesc(KvIoDesc(x[0], x[1]), SlotMapping(torch.arange(8))))
+                                                     SlotMapping(torch.tensor([i], device=dev))))
+    reference.write_kv(ref.descriptor(0), WriteDesc(KvIoDesc(x[0], x[1]), SlotMapping(torch.arange(8, device=dev))))
     for a, b in zip(_pools(c), _pools(ref)):
         assert _same_bytes(a, b)
-    full = dispatch.gather_kv(c.descriptor(0), _gd(BlockTable.packed(torch.tensor([[0, 1]])), (8,), 8))
-    one = dispatch.gather_kv(c.descriptor(0), _gd(BlockTable.packed(torch.tensor([[0, 1]])), (1,), 8))
+    table = BlockTable.packed(torch.tensor([[0, 1]], device=dev))
+    full = dispatch.gather_kv(c.descriptor(0), GatherDesc(table, SeqLens(torch.tensor([8], device=dev)), 8))
+    one = dispatch.gather_kv(c.descriptor(0), GatherDesc(table, SeqLens(torch.tensor([1], device=dev)), 8))
     assert torch.equal(one.key, full.key[:1]) and torch.equal(one.value, full.value[:1])
 
 
