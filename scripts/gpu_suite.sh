@@ -5,7 +5,7 @@
 # bridge tests import kvx_trtllm). The CUDA library is built first, once, so the xdist workers do not all compile it.
 #   bash scripts/gpu_suite.sh                    # everything, 14 workers
 #   bash scripts/gpu_suite.sh -n 8 tests/kernels # other workers / paths
-# vLLM's GPU tests (tests/vllm/test_vllm_gpu.py, test_vllm_models_gpu.py) need vLLM 0.26 on PYTHONPATH: README.
+# vLLM's GPU tests (tests/vllm/test_vllm_gpu.py, test_vllm_models_gpu.py) need vLLM 0.26 on PYTHONPATH: docs/guide/testing.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workers=14
