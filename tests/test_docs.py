@@ -67,8 +67,10 @@ def test_every_marker_names_a_reason_and_covering_tests_exist():
     for doc in doc_files(ROOT):
         for b in blocks(doc):  # a malformed or stray marker raises here
             if b.mark and b.mark[0] == "covered-by":
-                target = ROOT / b.mark[1].split("::")[0]
-                assert target.is_file(), f"{b.where(ROOT)}: covered by {b.mark[1]}, which does not exist"
+                path, _, test = b.mark[1].partition("::")
+                assert (ROOT / path).is_file(), f"{b.where(ROOT)}: covered by {b.mark[1]}, which does not exist"
+                assert not test or f"def {test}(" in (ROOT / path).read_text(encoding="utf-8"), \
+                    f"{b.where(ROOT)}: covered by {b.mark[1]}, which does not exist"
 
 
 def test_the_guides_exist_and_hold_runnable_blocks():
@@ -77,6 +79,30 @@ def test_the_guides_exist_and_hold_runnable_blocks():
     assert {p.name for p in docs} >= {"README.md", "vllm.md", "tgi.md", "trtllm.md", "handoff.md", "kvtc.md",
                                       "calibration.md", "kernels.md", "troubleshooting.md"}
     assert sum(b.runs_here for d in docs for b in blocks(d)) >= 8
+
+
+@pytest.mark.parametrize("text, error", [
+    ("<!-- kvx-doc: skip -->\n```bash\nx\n```\n", "a reason"),
+    ("<!-- kvx-doc: later: soon -->\n```bash\nx\n```\n", "KIND one of"),
+    ("<!-- kvx-doc: gpu: needs CUDA -->\n\n```bash\nx\n```\n", "right above a code fence"),
+    ("```bash\nx\n", "unclosed code fence"),
+])
+def test_a_malformed_marker_or_fence_is_an_error(tmp_path, text, error):
+    """A marker the extraction cannot tie to a block, without a reason, or a fence left open fails the doc tests
+    instead of silently dropping blocks from them."""
+    doc = tmp_path / "doc.md"
+    doc.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        blocks(doc)
+
+
+def test_blocks_are_extracted_with_their_markers(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("text\n```bash\necho 1\n```\n<!-- kvx-doc: gpu: needs CUDA -->\n```python\nimport x\n```\n"
+                   "- item:\n\n  ```bash\n  echo 2\n  ```\n```yaml\na: 1\n```\n")
+    got = [(b.line, b.lang, b.code, b.mark, b.runs_here) for b in blocks(doc)]
+    assert got == [(2, "bash", "echo 1\n", None, True), (6, "python", "import x\n", ("gpu", "needs CUDA"), False),
+                   (11, "bash", "echo 2\n", None, True), (14, "yaml", "a: 1\n", None, False)]
 
 
 def test_readme_opens_with_the_two_commands_and_stays_one_screen():
