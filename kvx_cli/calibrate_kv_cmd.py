@@ -42,8 +42,8 @@ DEFAULT_WINDOW_LEN = 1024
 MAX_TOKENS = 1 << 16
 """--tokens' upper bound: the K/V of every calibration token are kept in FP32 (SmolLM2: 46 KB a token)."""
 RECIPE = ("key centering + key smoothing ALPHA 0.25 + MSE scales: the best measured for fp8_e4m3, k8v4, int8, "
-          "nvfp4_rot, int4_rot (benchmarks/results/demo_key_centering_smollm2_cpu.jsonl, README \"Key centering and "
-          "smoothing\")")
+          "nvfp4_rot, int4_rot (benchmarks/results/demo_key_centering_smollm2_cpu.jsonl, docs/results.md "
+          "\"Calibration\")")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -5,8 +5,10 @@ also when `main` is called in process (it returns 2 instead of raising SystemExi
 """
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 
+from kvx_core.abi.version import ABI_VERSION
 from kvx_core.errors import KvxError
 
 from . import bundle_cmd, calibrate_kv_cmd, demo_cmd, doctor_cmd, inspect_cmd, kvtc_cmd
@@ -19,10 +21,20 @@ def _fail(message: str) -> int:
     return 2
 
 
+def version() -> str:
+    """What `kvx --version` prints: the installed distribution's version and the C ABI version this code speaks."""
+    try:
+        dist = importlib.metadata.version("kvx")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        dist = "(not installed)"
+    return f"kvx {dist}, KVX ABI {'.'.join(map(str, ABI_VERSION))}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="kvx", description="KVX: paged, quantized KV caches across engines",
                     epilog="exit status: 0 on success; 2 when an argument or input is refused, "
                            "with one line on stderr")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
     inspect_cmd.add_parser(sub)
     demo_cmd.add_parser(sub)

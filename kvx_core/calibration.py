@@ -9,7 +9,7 @@ convention `amax / 448`. Two calibration rules:
   of the calibration values has the least squared error (`mse_global_scale`). NVFP4: `g_amax * 2^(j / 4)`,
   j = -24..4 (the amax rule's scale is one of them). FP8: the powers of two from 6 octaves below to 1 above the
   amax scale's: scaling by a power of two is exact, and on SmolLM2 every non-power-of-two FP8 scale measured worse
-  than 1.0 (README "Calibrated global scales").
+  than 1.0 (docs/results.md "Calibration").
 """
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ def key_smoothing(keys: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     `amax_c` a channel's max |K| over the tokens (floored at 2**-20 of its head's largest, so an all-zero channel
     gets a small finite s), `g_h` the geometric mean of the head's `amax` (so s is ~1 overall and the attention logits
     keep their scale). alpha 0 is no smoothing, 1 flattens every channel to the same max; 0.25-0.5 measured best on
-    SmolLM2 (README "Cache accuracy"). FP32 `[H, D]`."""
+    SmolLM2 (docs/results.md "Calibration"). FP32 `[H, D]`."""
     require(isinstance(keys, torch.Tensor) and keys.dim() == 3 and keys.shape[0] > 0 and keys.is_floating_point(),
             Status.INVALID_ARGUMENT, "key_smoothing expects float keys [tokens > 0, heads, head_dim]")
     require(isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0, Status.INVALID_ARGUMENT,

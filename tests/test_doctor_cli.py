@@ -31,3 +31,12 @@ def test_doctor_refuses_bad_options_in_one_line(argv, capsys):
     assert main(["doctor", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "doctor" in err
+
+
+def test_version_names_the_installed_kvx_and_the_abi(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvx {importlib.metadata.version('kvx')}, KVX ABI 1.3.0"

@@ -13,7 +13,7 @@ subclass does exactly what `ParallelLMHead` does.
 Refused at model construction (ValueError naming the reason): GPUs other than NVIDIA Hopper (sm_90: verified there
 only), LoRA and speculative decoding (both read the head's weight), a head dtype other than the
 model's (`head_dtype` float32 would multiply the BF16 weight instead), and a head the checkpoint's quantization
-config already quantizes. Accuracy is the user's call: on SmolLM2-135M's small tied head it is poor (README
+config already quantizes. Accuracy is the user's call: on SmolLM2-135M's small tied head it is poor (docs/results.md
 "MXFP4 lm_head").
 """
 from __future__ import annotations
