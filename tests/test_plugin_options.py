@@ -28,7 +28,7 @@ def test_options_and_dtypes_import_without_vllm():
             "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
     out = run([sys.executable, "-c", code, str(PLUGIN)])
     assert out.returncode == 0, out.stderr
-    assert "KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None)" in out.stdout
+    assert "KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None, store=None, kvtc=None)" in out.stdout
 
 
 @pytest.mark.parametrize("extra, rotate, prefill", [
@@ -81,13 +81,14 @@ def test_non_object_kvx_section_is_refused(section):
 @pytest.mark.parametrize("section, match", [
     ({"rotation": True}, "unknown .*'rotation'"), ({"Rotate": True}, "unknown .*'Rotate'"),
     ({1: True, "x": 2}, "unknown .*'x', 1;"),  # mixed key types are reported, not a TypeError from sorting
-    ({"rotate": 1}, '"rotate" must be true or false'), ({"rotate": "true"}, '"rotate" must be true or false'),
-    ({"rotate": None}, '"rotate" must be true or false'),
-    ({"prefill": "flash"}, '"prefill" must be one of .split., .cache.'), ({"prefill": None}, '"prefill" must be one of'),
-    ({"prefill": "Cache"}, '"prefill" must be one of'), ({"prefill": True}, '"prefill" must be one of'),
-    ({"lm_head": "MXFP4"}, '"lm_head" must be one of .mxfp4.'), ({"lm_head": "nvfp4"}, '"lm_head" must be one of'),
-    ({"lm_head": True}, '"lm_head" must be one of'),
-    ({"kv_calibration": ""}, '"kv_calibration" must be a file path'), ({"kv_calibration": 1}, "must be a file path"),
+    ({"rotate": 1}, "kvx.rotate must be true or false"), ({"rotate": "true"}, "kvx.rotate must be true or false"),
+    ({"rotate": None}, "kvx.rotate must be true or false"),
+    ({"prefill": "flash"}, "kvx.prefill must be one of split, cache"), ({"prefill": None}, "kvx.prefill must be"),
+    ({"prefill": "Cache"}, "kvx.prefill must be one of"), ({"prefill": True}, "kvx.prefill must be"),
+    ({"lm_head": "MXFP4"}, "kvx.lm_head must be one of mxfp4"), ({"lm_head": "nvfp4"}, "kvx.lm_head must be one of"),
+    ({"lm_head": True}, "kvx.lm_head must be"),
+    ({"kv_calibration": ""}, "kvx.kv_calibration must be a non-empty path"), ({"kv_calibration": 1}, "non-empty path"),
+    ({"store": ""}, "kvx.store must be a non-empty path"), ({"kvtc": ["/a"]}, "kvx.kvtc must be a non-empty path"),
 ])
 def test_bad_kvx_options_are_refused(section, match):
     with pytest.raises(ValueError, match=match):

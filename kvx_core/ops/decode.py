@@ -31,7 +31,8 @@ from .rotation import rotate
 from .attention import check_rows_per_seq
 from .checks import check_max_seq_len
 from .smoothing import scale_queries
-from .cuda import Choice, choose, env_backend
+from .. import config
+from .cuda import Choice, choose
 from .cuda import decode as cuda_decode
 from .kernel_format import FormatCode, kernel_format
 from .triton import decode as triton_decode
@@ -78,7 +79,7 @@ def choose_splits(backend: str, batch: int, num_kv_heads: int, max_seq_len: int,
 
 def requested_backend(backend: str | None) -> str:
     """The backend a call asks for: its `backend` argument, else `$KVX_DECODE_BACKEND` (read once), else "auto"."""
-    return backend or env_backend("KVX_DECODE_BACKEND")
+    return backend or config.once("decode_backend")
 
 
 def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, batch: int,

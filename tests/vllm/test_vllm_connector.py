@@ -7,7 +7,7 @@ Three vLLM processes run in turn on one store (`vllm_pd_run.py`); the same file 
   B  auto block 32, kv_both: decodes "a" from A's KV (kvx_int8 -> auto), prefills set "b", offloads and reloads.
   C  kvx_nvfp4 block 128, kv_both: decodes "b" from B's KV (auto -> kvx_nvfp4; one entry damaged first), offloads
      and reloads.
-KVTC (`kvx_kvtc`, the connector's KVTC option; its own store): D (auto, kv_producer) prefills set "c" into
+KVTC (`kvtc`, the connector's KVTC setting; its own store): D (auto, kv_producer) prefills set "c" into
 KVTC-coded entries, E (auto block 64, kv_consumer) decodes it from them.
 Each consumer generates its set twice: with the handed-off KV, and computing everything itself
 (`skip_reading_prefix_cache`: the single-instance reference with its own dtype).

@@ -19,7 +19,6 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
-import os
 import re
 import threading
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ... import jsonsafe
+from ... import config, jsonsafe
 from ...errors import KvxError, Status
 from . import toolchain
 from .toolchain import nvcc_path
@@ -39,7 +38,8 @@ _ORIGINS: dict[str, "LibrarySource"] = {}
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVX_CUDA_CACHE", Path.home() / ".cache" / "kvx" / "cuda"))
+    """Where nvcc builds are kept: the `cuda_cache` setting (`$KVX_CUDA_CACHE`)."""
+    return Path(config.value("cuda_cache")).expanduser()
 
 
 def arch_of(capability: tuple[int, int]) -> str:
@@ -239,12 +239,6 @@ def launch_on_stream(entry, device_index: int, *args) -> int:
 
 
 @functools.cache
-def env_backend(variable: str) -> str:
-    """The kernel backend `$variable` asks for ("auto" when unset), read once per process: a plan or a write does
-    not consult the environment (set it before the first call)."""
-    return os.environ.get(variable, "auto")
-
-
 class Choice(NamedTuple):
     """The kernel that serves a call ("cuda" or "triton") and, for Triton, why not CUDA (None when asked for)."""
 

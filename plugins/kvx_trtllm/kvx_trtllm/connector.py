@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from kvx_core import jsonsafe
+from kvx_core import config, jsonsafe
 from kvx_core.errors import KvxError
 from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
@@ -65,7 +65,6 @@ except ImportError:
         _SchedulerBase = _WorkerBase = object
 
 logger = logging.getLogger("kvx_trtllm.connector")
-ROLES = ("both", "producer", "consumer")
 
 
 @dataclass
@@ -127,14 +126,13 @@ def connector_config(llm_args: Any) -> ConnectorConfig:
         _get(llm_args, "tokens_per_block", default=None)
     if not tpb:
         raise ValueError("KVX connector: llm_args.kv_cache_config.tokens_per_block is not set")
-    root = os.environ.get("KVX_STORE")
+    try:
+        root, role, kvtc, kv_scales = (config.value(n) for n in ("store", "role", "kvtc", "kv_scales"))
+    except KvxError as e:
+        raise ValueError(f"KVX connector: {e.message}") from None
     if not root:
         raise ValueError("KVX connector: set KVX_STORE to the bundle store directory, e.g. KVX_STORE=/dev/shm/kvx")
-    role = os.environ.get("KVX_ROLE", "both")
-    if role not in ROLES:
-        raise ValueError(f"KVX connector: KVX_ROLE must be one of {', '.join(ROLES)}, got {role!r}")
     model_fp = fingerprint_from_files(*paths)
-    kvtc = os.environ.get("KVX_KVTC")
     try:
         import xxhash  # noqa: F401  (bundle checksums: a missing package fails at startup, not per request)
         store = BundleStore(root, kvtc=calibration_for(kvtc, model_fp) if kvtc else None)
@@ -142,8 +140,7 @@ def connector_config(llm_args: Any) -> ConnectorConfig:
         raise ValueError("KVX connector: needs the xxhash package (pip install 'kvx[transfer]')") from None
     except KvxError as e:
         raise ValueError(f"KVX connector: {e}") from None
-    return ConnectorConfig(store, model_fp, int(tpb), role != "consumer", role != "producer",
-                           _kv_scales(os.environ.get("KVX_KV_SCALES")))
+    return ConnectorConfig(store, model_fp, int(tpb), role != "consumer", role != "producer", _kv_scales(kv_scales))
 
 
 MAX_KV_SCALES_BYTES = 1 << 20

@@ -1,9 +1,10 @@
 """`KvxConnector`: vLLM's KV connector (`KVConnectorBase_V1`) over KVX bundles, for prefill/decode disaggregation
 between instances that differ in cache dtype and block size, and for offload / reload of prompts' KV.
 
-    --kv-transfer-config '{"kv_connector": "KvxConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
-                           "kv_connector_extra_config": {"kvx_store": "/dev/shm/kvx"}}'
-    # KVTC-coded entries (~16x smaller, lossy): add "kvx_kvtc": "/path/calibration.safetensors" (`kvx kvtc calibrate`)
+    --kv-transfer-config '{"kv_connector": "KvxConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}'
+    --additional-config '{"kvx": {"store": "/dev/shm/kvx"}}'     # or KVX_STORE=/dev/shm/kvx
+    # KVTC-coded entries (~16x smaller, lossy): add "kvtc": "/path/calibration.safetensors" (`kvx kvtc calibrate`)
+    # (the older kv_connector_extra_config {"kvx_store": ..., "kvx_kvtc": ...} is still read, deprecated)
 
 A producer writes the KV of each prompt it computes into a `BundleStore` directory (one bundle per prompt, keyed by
 the model fingerprint and the token ids) at the end of the step that completes the prompt. A consumer looks every
@@ -41,6 +42,7 @@ from kvx_core.transfer.tp import tp_head_range
 
 from .fingerprint import model_fingerprint
 from .layer_kv import LayerCaches
+from .options import options_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,20 +91,19 @@ class KvxConnector(KVConnectorBase_V1):
             raise ValueError('KVX connector: kv_load_failure_policy "recompute" is refused on vLLM 0.26: after a '
                              "refused (damaged) bundle its scheduler decoded from the unloaded blocks instead of "
                              'recomputing them (H100 run); use "fail" (the default), or vLLM 0.32')
-        root = cfg.get_from_extra_config("kvx_store", None)
-        if not root:
-            raise ValueError('KVX connector: set the store directory, e.g. --kv-transfer-config \'{"kv_connector": '
-                             '"KvxConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
-                             '{"kvx_store": "/dev/shm/kvx"}}\'')
+        opts = options_of(vllm_config)
+        if not opts.store:
+            raise ValueError('KVX connector: set the store directory, e.g. --additional-config \'{"kvx": {"store": '
+                             '"/dev/shm/kvx"}}\' or KVX_STORE=/dev/shm/kvx')
         self.model = model_fingerprint(vllm_config)
         self.tp_size = par.tensor_parallel_size
         try:
             tp_head_range(self.model.num_kv_heads, self.tp_size, 0)
         except KvxError as e:
             raise ValueError(f"KVX connector: {e}") from None
-        kvtc = cfg.get_from_extra_config("kvx_kvtc", None)  # a `kvx kvtc calibrate` file: KVTC-coded entries
+        kvtc = opts.kvtc  # a `kvx kvtc calibrate` file: KVTC-coded entries
         try:
-            self.store = BundleStore(root, kvtc=calibration_for(kvtc, self.model) if kvtc else None)
+            self.store = BundleStore(opts.store, kvtc=calibration_for(kvtc, self.model) if kvtc else None)
         except KvxError as e:
             raise ValueError(f"KVX connector: {e}") from None
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
