@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
-from .errors import KvxError, Status, int_value
+from .errors import KvxError, Status
 
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 """The words a boolean environment variable may hold (case-insensitive); anything else is refused."""
@@ -149,13 +149,8 @@ def _parse(s: Setting, raw: object, what: str, from_env: bool) -> Any:
         if not isinstance(raw, bool):
             raise bad("true or false")
         return raw
-    if s.kind == "bytes":
-        if isinstance(raw, str):
-            return parse_bytes(raw, what)
-        n = int_value(raw)
-        if n is None or not 0 < n <= MAX_BYTES:
-            raise bad("a positive byte count of at most 2**60 (an integer or a string such as 512MiB)")
-        return n
+    if s.kind == "bytes":  # an environment variable only: no engine key takes a byte count
+        return parse_bytes(raw, what)
     if s.kind == "path":
         if not isinstance(raw, str) or not raw:
             raise bad("a non-empty path")

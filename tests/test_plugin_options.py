@@ -139,3 +139,47 @@ def test_other_speculators_are_refused_with_the_reason(method):
     and what is verified."""
     with pytest.raises(ValueError, match=f"speculative decoding with method {method!r}.*'ngram'"):
         options.check_config(_run_config(None, SimpleNamespace(method=method, num_speculative_tokens=2)))
+
+
+def _env_clean(monkeypatch):
+    from kvx_core import config
+
+    for s in config.SETTINGS:
+        monkeypatch.delenv(s.env, raising=False)
+
+
+def test_options_come_from_the_environment_when_no_key_is_given(monkeypatch):
+    """One spelling per setting: KVX_<NAME> stands in for the additional_config key (which wins over it)."""
+    _env_clean(monkeypatch)
+    monkeypatch.setenv("KVX_ROTATE", "1")
+    monkeypatch.setenv("KVX_STORE", "/env/store")
+    assert options.options_of(_config(None)) == options.KvxOptions(rotate=True, store="/env/store")
+    assert options.options_of(_config({"kvx": {"rotate": False, "store": "/k"}})) == options.KvxOptions(store="/k")
+    monkeypatch.setenv("KVX_PREFILL", "flash")
+    with pytest.raises(ValueError, match="KVX_PREFILL must be one of split, cache, got 'flash'"):
+        options.options_of(_config(None))
+
+
+def _with_connector(extra, additional=None, dtype="auto"):
+    return SimpleNamespace(additional_config=additional, cache_config=SimpleNamespace(cache_dtype=dtype),
+                           kv_transfer_config=SimpleNamespace(kv_connector="KvxConnector",
+                                                              kv_connector_extra_config=extra))
+
+
+def test_connector_settings_old_spelling_is_read_with_a_warning(monkeypatch):
+    _env_clean(monkeypatch)
+    with pytest.warns(DeprecationWarning, match="kvx_store is deprecated: use additional_config.kvx.store"):
+        assert options.options_of(_with_connector({"kvx_store": "/s", "other": 1})).store == "/s"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="store is given twice"):
+        options.options_of(_with_connector({"kvx_store": "/old"}, {"kvx": {"store": "/new"}}))
+    with pytest.raises(ValueError, match="'kvx_stor' are not read"):
+        options.options_of(_with_connector({"kvx_stor": "/s"}))
+
+
+def test_calibration_from_the_environment_is_refused_for_vllms_own_caches(monkeypatch):
+    """A set setting that would do nothing is refused, naming where it was set."""
+    _env_clean(monkeypatch)
+    monkeypatch.setenv("KVX_KV_CALIBRATION", "/m/c.kvxcal")
+    with pytest.raises(ValueError, match=r"kv_calibration \(env KVX_KV_CALIBRATION\) applies to kvx_"):
+        options.options_of(_with_connector({}, dtype="fp8"))
+    assert options.options_of(_with_connector({}, dtype="kvx_nvfp4")).kv_calibration == "/m/c.kvxcal"
