@@ -28,12 +28,14 @@ def test_options_and_dtypes_import_without_vllm():
             "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
     out = run([sys.executable, "-c", code, str(PLUGIN)])
     assert out.returncode == 0, out.stderr
-    assert "KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None, store=None, kvtc=None)" in out.stdout
+    assert ("KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None, store=None, kvtc=None)"
+            in out.stdout)
 
 
 @pytest.mark.parametrize("extra, rotate, prefill", [
     (None, False, "split"), ({}, False, "split"), ({"other_platform_key": 1}, False, "split"),
-    ({"kvx": {}}, False, "split"), ({"kvx": {"rotate": True}}, True, "split"), ({"kvx": {"rotate": False}}, False, "split"),
+    ({"kvx": {}}, False, "split"), ({"kvx": {"rotate": True}}, True, "split"),
+    ({"kvx": {"rotate": False}}, False, "split"),
     ({"kvx": {"prefill": "cache"}}, False, "cache"), ({"kvx": {"prefill": "split", "rotate": True}}, True, "split"),
 ])
 def test_valid_configs(extra, rotate, prefill):
@@ -46,7 +48,8 @@ def test_lm_head_option():
 
 
 def test_kv_calibration_option():
-    assert options.options_of(_config({"kvx": {"kv_calibration": "/m/c.safetensors"}})).kv_calibration == "/m/c.safetensors"
+    path = "/m/c.safetensors"
+    assert options.options_of(_config({"kvx": {"kv_calibration": path}})).kv_calibration == path
     assert options.options_of(_config({"kvx": {}})).kv_calibration is None
 
 

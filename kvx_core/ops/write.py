@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import config
 from ..errors import KvxError, Status
 from ..formats import CacheFormat
-from .rotation import rotate_kv
 from .checks import WriteArgs, check_write_args
-from .. import config
-from .cuda import Choice, choose
-from .cuda import write as cuda_write
+from .cuda import Choice, choose, write as cuda_write
 from .kernel_format import kernel_format
+from .rotation import rotate_kv
 from .triton import write as triton_write
 from .triton.launch import (
     as_format,

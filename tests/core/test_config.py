@@ -248,7 +248,8 @@ def test_fuzz_configuration_values():
 
 
 @pytest.mark.parametrize("env, words", [({"KVX_KV_CACHE_MEMORY": "1.5GiB"}, "KVX_KV_CACHE_MEMORY"),
-                                        ({"KVX_FORMAT": "nvfp5"}, "KVX_FORMAT"), ({"KVX_FORMAT": "fp32"}, "KVX_FORMAT")])
+                                        ({"KVX_FORMAT": "nvfp5"}, "KVX_FORMAT"),
+                                        ({"KVX_FORMAT": "fp32"}, "KVX_FORMAT")])
 def test_tgi_settings_are_read_through_the_table(monkeypatch, env, words):
     """kvx_tgi's run settings: the table's parsing (no TGI server needed for `resolve`)."""
     pytest.importorskip("kvx_tgi")

@@ -34,7 +34,7 @@ from .toolchain import nvcc_path
 SOURCE, WRITE_SOURCE = toolchain.SOURCES
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
-_ORIGINS: dict[str, "LibrarySource"] = {}
+_ORIGINS: dict[str, LibrarySource] = {}
 
 
 def cache_dir() -> Path:
@@ -150,8 +150,9 @@ def locate(capability: tuple[int, int], *, manifest_dir: Path = toolchain.PREBUI
     except KvxError as e:
         manifest, why = None, e.message
     if why is None:
+        sass = ", sm_".join(manifest["sass"])
         return LibrarySource(arch, "prebuilt", manifest_dir / toolchain.PREBUILT_LIBRARY,
-                             f"prebuilt in this install (CUDA {manifest['cuda']}, SASS sm_{', sm_'.join(manifest['sass'])})")
+                             f"prebuilt in this install (CUDA {manifest['cuda']}, SASS sm_{sass})")
     try:
         path = build(arch)
     except KvxError as e:  # no nvcc, or an nvcc that fails on these sources: Triton serves, saying why
@@ -206,7 +207,8 @@ def mirror_mismatch(lib: ctypes.CDLL, size_entry: str, params, layout_entry: str
     theirs = getattr(lib, layout_entry)().decode().split()
     mine = [f"{name}@{getattr(params, name).offset}" for name, *_ in params._fields_]
     if theirs != mine:
-        diff = [f"{a} vs {b}" for a, b in zip(theirs, mine) if a != b] or [f"{len(theirs)} vs {len(mine)} fields"]
+        diff = ([f"{a} vs {b}" for a, b in zip(theirs, mine, strict=False) if a != b]
+                or [f"{len(theirs)} vs {len(mine)} fields"])
         return f"C layout vs the mirror: {', '.join(diff[:4])}"
     return None
 

@@ -4,7 +4,8 @@
 Loaded when TGI's model files read their layers' KV scales (`kv_cache.get_kv_scales`, during model load, before
 any cache exists), checked there against the checkpoint (fingerprint and geometry, when its config.json and
 tokenizer.json are present) and the run's format; a refusal is a KvxError at startup. Each layer's KV cache then
-takes its key smoothing, key centering and global scales from it (`kv_cache.KVCache`), keyed by the layer index in TGI's prefix.
+takes its key smoothing, key centering and global scales from it (`kv_cache.KVCache`), keyed by the layer index in
+TGI's prefix.
 """
 from __future__ import annotations
 

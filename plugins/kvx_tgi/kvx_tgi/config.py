@@ -6,8 +6,8 @@ Rust launcher sets them); the backend serves:
 - `ATTENTION=flashdecoding` (BLOCK_SIZE 256): chunked prefill and prefix caching, the attention reading
   cached tokens back from the KVX pools;
 and refuses `flashinfer` (TGI's BLOCK_SIZE 1 there: a page per token, a scale group per token for every
-4-bit format) and `flashdecoding-ipex` (Intel devices, not verified), as well as speculative decoding (checked when the cache is
-built) and sliding windows (checked where TGI passes them).
+4-bit format) and `flashdecoding-ipex` (Intel devices, not verified), as well as speculative decoding (checked
+when the cache is built) and sliding windows (checked where TGI passes them).
 """
 from __future__ import annotations
 

@@ -27,11 +27,12 @@ rows of that pool, shared by every layer; `SchedulerOutput.new_requests` carry t
 allocated so far, with `computed_position` excluding the tokens this connector matched; `cached_requests` carry
 the blocks and tokens added since. Served: one rank (no tensor / pipeline parallelism), beam width 1, bf16 / fp16
 / fp32 caches, and FP8 caches when `KVX_KV_SCALES` names a JSON list of one `kv_scale_quant_orig` per layer (x = fp8
-* s; a regular file of at most `MAX_KV_SCALES_BYTES`, strict JSON): the connector API passes no scales, so they come from the operator, and KVX cannot check they are the ones
-TRT-LLM's attention runs with. FP8 bundles keep the cache's bytes and its scales (a cache of the same scales takes
-them bit for bit; any other cache decodes and re-encodes with its own scales: `kvx_core.transfer.handoff`). Without
-`KVX_KV_SCALES` FP8 caches are refused: bytes under a guessed scale would be wrong KV in the importing engine. NVFP4
-caches are refused: the worker receives no block-scale pool.
+* s; a regular file of at most `MAX_KV_SCALES_BYTES`, strict JSON): the connector API passes no scales, so they
+come from the operator, and KVX cannot check they are the ones TRT-LLM's attention runs with. FP8 bundles keep the
+cache's bytes and its scales (a cache of the same scales takes them bit for bit; any other cache decodes and
+re-encodes with its own scales: `kvx_core.transfer.handoff`). Without `KVX_KV_SCALES` FP8 caches are refused:
+bytes under a guessed scale would be wrong KV in the importing engine. NVFP4 caches are refused: the worker
+receives no block-scale pool.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ import torch
 
 from kvx_core import config, jsonsafe
 from kvx_core.errors import KvxError
-from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
+from kvx_core.transfer.kvtc_bundle import calibration_for
 
 from .cache import layer_views
 

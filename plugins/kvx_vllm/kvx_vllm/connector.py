@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                 KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
 from kvx_core.errors import KvxError
-from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer import BundleStore
+from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer.tp import tp_head_range
 
 from .fingerprint import model_fingerprint
@@ -84,7 +83,8 @@ class KvxConnector(KVConnectorBase_V1):
         try:
             import xxhash  # noqa: F401  (bundle checksums; a missing package must fail at startup, not per request)
         except ImportError:
-            raise ValueError("KVX connector: needs the xxhash package (pip install kvx-vllm pulls kvx[transfer])") from None
+            raise ValueError("KVX connector: needs the xxhash package (pip install kvx-vllm pulls kvx[transfer])") \
+                from None
         from .compat import vllm_version
 
         if vllm_version() == (0, 26) and getattr(cfg, "kv_load_failure_policy", "fail") == "recompute":
@@ -235,8 +235,8 @@ class KvxConnector(KVConnectorBase_V1):
             slots = torch.tensor(t.slots, dtype=torch.int64)
             try:
                 self.store.write_shard(self.model, t.token_ids, self.tp_size, self.tp_rank,
-                                       lambda f: self._caches.export(f, slots, model=self.model,
-                                                                     token_ids=t.token_ids, kv_heads=self.kv_heads))
+                                       lambda f, slots=slots, ids=t.token_ids: self._caches.export(
+                                           f, slots, model=self.model, token_ids=ids, kv_heads=self.kv_heads))
             except Exception as e:  # noqa: BLE001 - a failed save must not fail the request
                 logger.error("KVX connector: request %s: saving its %d prompt tokens failed: %s", t.req_id,
                              len(t.slots), e)
