@@ -1,7 +1,7 @@
 """Every KVX setting in one table: its type, default, environment variable, engine keys and deprecated spellings.
 
-One spelling per setting: the environment variable `KVX_<NAME>` (every engine and tool reads it), and in vLLM, whose
-configuration is a JSON document instead of an environment, `--additional-config '{"kvx": {"<name>": ...}}'`. An
+One spelling per setting: the environment variable `KVX_<NAME>` (in every engine that reads the setting), and in
+vLLM, whose configuration is a JSON document, also `--additional-config '{"kvx": {"<name>": ...}}'`. An
 engine key, where given, wins over the environment. Older spellings are still read, with a DeprecationWarning naming
 the new one; an old and a new spelling given with different values is refused rather than one silently winning.
 
@@ -249,12 +249,13 @@ def render_markdown() -> str:
         "",
         "<!-- generated from kvx_core/config.py by `kvx config --markdown`; edit the table there, not this file -->",
         "",
-        "Every KVX setting has one name. Set it as the environment variable `KVX_<NAME>` (every engine and tool",
-        "reads it) or, in vLLM, under `--additional-config '{\"kvx\": {\"<name>\": ...}}'`, which wins over the",
-        "environment. An empty environment variable counts as unset. Booleans in the environment are one of",
-        f"{', '.join(f'`{w}`' for w in BOOL_WORDS)}. A bad value is refused at startup with a message naming the",
-        "variable or key. `kvx config` prints each setting's effective value and its source (`--json` for a",
-        "program).",
+        "Every KVX setting has one name. Set it as the environment variable `KVX_<NAME>` (in every engine that",
+        'reads the setting: the "read by" column) or, in vLLM, under',
+        """`--additional-config '{"kvx": {"<name>": ...}}'`, which wins over the environment (a JSON null there""",
+        "means unset where unset is the default). An empty environment variable counts as unset. Booleans in the",
+        f"environment are one of {', '.join(f'`{w}`' for w in BOOL_WORDS)}. A bad value is refused at",
+        "startup with a message naming the variable or key. `kvx config` prints each setting's effective value and",
+        "its source (`--json` for a program).",
         "",
         "| setting | environment | vLLM key | type | default | read by | meaning |",
         "|---|---|---|---|---|---|---|",
