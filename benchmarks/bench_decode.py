@@ -1,4 +1,5 @@
-"""Paged decode: KVX (Triton, every format; CUDA, 4-bit formats) vs FlashInfer BF16 / FP8 in one process, same block tables.
+"""Paged decode: KVX (Triton, every format; CUDA, 4-bit formats) vs FlashInfer BF16 / FP8 in one process, same
+block tables.
 
 Pools hold random *valid* payload and scale bytes (timing does not depend on values; correctness is
 tests/kernels). Prints and appends JSON lines to benchmarks/results/decode.jsonl:
@@ -8,6 +9,7 @@ ms (median of >= 50 L2-flushed runs), effective GB/s (payload + scale bytes of t
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -109,11 +111,8 @@ def main():
                     for tc in [bool(int(x)) for x in args.fi_tc.split(",")]:
                         w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tc)
                         w.plan(indptr, indices, last, hq, hkv, d, bs, q_data_type=torch.bfloat16, kv_data_type=kvdt)
-                        if kvdt == torch.bfloat16:
-                            fn = lambda: w.run(q, (kc, vc))  # noqa: E731
-                        else:
-                            fn = lambda: w.run(q, (kc, vc), k_scale=1.0, v_scale=1.0)  # noqa: E731
-                        r = bench(fn, n=args.runs)
+                        scales = {} if kvdt == torch.bfloat16 else {"k_scale": 1.0, "v_scale": 1.0}
+                        r = bench(functools.partial(w.run, q, (kc, vc), **scales), n=args.runs)
                         nbytes = tokens * hkv * d * 2 * (2 if kvdt == torch.bfloat16 else 1)
                         gbps = nbytes / (r["ms"] * 1e-3) / 1e9
                         key = tag
@@ -150,7 +149,7 @@ def main():
                 variants.append(dict(backend="cuda"))
                 variants += [dict(backend="cuda", num_splits=int(x)) for x in args.cuda_splits.split(",") if x]
             if name in args.tune.split(",") and cfg in args.tune_configs.split(","):
-                auto = triton_num_splits(bsz, hkv, ctx, 128, torch.device(dev))
+                auto = triton_num_splits(bsz, hkv, ctx, torch.device(dev))
                 variants = []
                 for bn in (64, 128):
                     for nw in (4, 8):
@@ -165,11 +164,10 @@ def main():
                     if kw.get("backend") == "cuda":
                         kw.setdefault("num_splits", cuda_num_splits(bsz, hkv, ctx, info["sms"]))
                     elif kw.get("backend") == "triton":
-                        kw.setdefault("num_splits", triton_num_splits(bsz, hkv, ctx, kw.get("block_n") or 64,
-                                                                       torch.device(dev)))
+                        kw.setdefault("num_splits", triton_num_splits(bsz, hkv, ctx, torch.device(dev)))
                     # backend "auto" picks its kernel and splits itself, as a user's call does
-                    fn = lambda: decode_pools(q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=ctx,  # noqa: E731
-                                              out=out, lse=lse, **kw)
+                    fn = functools.partial(decode_pools, q, kd, ks, vd, vs, kg, vg, bt, sl, fmt, max_seq_len=ctx,
+                                           out=out, lse=lse, **kw)
                     r = bench(fn, n=args.runs)
                     gr = bench_graph(fn, n=args.runs) if bsz == 1 else None
                     gbps = nbytes / (r["ms"] * 1e-3) / 1e9

@@ -11,7 +11,7 @@ import sys
 from kvx_core.abi.version import ABI_VERSION
 from kvx_core.errors import KvxError
 
-from . import bundle_cmd, calibrate_kv_cmd, demo_cmd, doctor_cmd, inspect_cmd, kvtc_cmd
+from . import bundle_cmd, calibrate_kv_cmd, config_cmd, demo_cmd, doctor_cmd, inspect_cmd, kvtc_cmd
 from .args import Parser, UsageError
 
 
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     kvtc_cmd.add_parser(sub)
     calibrate_kv_cmd.add_parser(sub)
     doctor_cmd.add_parser(sub)
+    config_cmd.add_parser(sub)
     try:
         args = parser.parse_args(argv)
     except UsageError as e:

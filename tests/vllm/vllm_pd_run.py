@@ -10,7 +10,7 @@ stores the prompts' KV. `--reload`: offload and reload: generate a new prompt (s
 generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk of the store
 entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM 0.32 (that
 request is recomputed) and "fail" on 0.26 (it ends with finish_reason "error"; the connector refuses "recompute"
-there). `--kvtc CAL`: the connector's `kvx_kvtc` option (store entries KVTC-coded with calibration CAL).
+there). `--kvtc CAL`: the connector's `kvtc` setting (store entries KVTC-coded with calibration CAL).
 """
 from __future__ import annotations
 
@@ -54,9 +54,8 @@ def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str 
               enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=512, enable_prefix_caching=True, seed=0,
               distributed_executor_backend="uni",
               kv_transfer_config={"kv_connector": "KvxConnector", "kv_role": role,
-                                  "kv_load_failure_policy": policy,
-                                  "kv_connector_extra_config": {"kvx_store": store,
-                                                                **({"kvx_kvtc": kvtc} if kvtc else {})}})
+                                  "kv_load_failure_policy": policy},
+              additional_config={"kvx": {"store": store, **({"kvtc": kvtc} if kvtc else {})}})
     out: dict = {"dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
                  "failure_policy": policy}
     greedy = dict(temperature=0.0, max_tokens=GEN, logprobs=5, ignore_eos=True)

@@ -19,7 +19,6 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
-import os
 import re
 import threading
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ... import jsonsafe
+from ... import config, jsonsafe
 from ...errors import KvxError, Status
 from . import toolchain
 from .toolchain import nvcc_path
@@ -35,11 +34,12 @@ from .toolchain import nvcc_path
 SOURCE, WRITE_SOURCE = toolchain.SOURCES
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
-_ORIGINS: dict[str, "LibrarySource"] = {}
+_ORIGINS: dict[str, LibrarySource] = {}
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVX_CUDA_CACHE", Path.home() / ".cache" / "kvx" / "cuda"))
+    """Where nvcc builds are kept: the `cuda_cache` setting (`$KVX_CUDA_CACHE`)."""
+    return Path(config.value("cuda_cache")).expanduser()
 
 
 def arch_of(capability: tuple[int, int]) -> str:
@@ -150,8 +150,9 @@ def locate(capability: tuple[int, int], *, manifest_dir: Path = toolchain.PREBUI
     except KvxError as e:
         manifest, why = None, e.message
     if why is None:
+        sass = ", sm_".join(manifest["sass"])
         return LibrarySource(arch, "prebuilt", manifest_dir / toolchain.PREBUILT_LIBRARY,
-                             f"prebuilt in this install (CUDA {manifest['cuda']}, SASS sm_{', sm_'.join(manifest['sass'])})")
+                             f"prebuilt in this install (CUDA {manifest['cuda']}, SASS sm_{sass})")
     try:
         path = build(arch)
     except KvxError as e:  # no nvcc, or an nvcc that fails on these sources: Triton serves, saying why
@@ -206,7 +207,8 @@ def mirror_mismatch(lib: ctypes.CDLL, size_entry: str, params, layout_entry: str
     theirs = getattr(lib, layout_entry)().decode().split()
     mine = [f"{name}@{getattr(params, name).offset}" for name, *_ in params._fields_]
     if theirs != mine:
-        diff = [f"{a} vs {b}" for a, b in zip(theirs, mine) if a != b] or [f"{len(theirs)} vs {len(mine)} fields"]
+        diff = ([f"{a} vs {b}" for a, b in zip(theirs, mine, strict=False) if a != b]
+                or [f"{len(theirs)} vs {len(mine)} fields"])
         return f"C layout vs the mirror: {', '.join(diff[:4])}"
     return None
 
@@ -239,12 +241,6 @@ def launch_on_stream(entry, device_index: int, *args) -> int:
 
 
 @functools.cache
-def env_backend(variable: str) -> str:
-    """The kernel backend `$variable` asks for ("auto" when unset), read once per process: a plan or a write does
-    not consult the environment (set it before the first call)."""
-    return os.environ.get(variable, "auto")
-
-
 class Choice(NamedTuple):
     """The kernel that serves a call ("cuda" or "triton") and, for Triton, why not CUDA (None when asked for)."""
 

@@ -72,12 +72,6 @@ def e4m3_byte_f16(b):
 
 
 @triton.jit
-def e4m3_byte_f32(b):
-    """E4M3 scale byte -> fp32 (exact; 0x7F/0xFF -> NaN)."""
-    return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def e8m0_f32_x2p14(b):
     """E8M0 byte -> fp32 2**(b-127) * 2**14 (undoes the fp16 E2M1 trick); 255 -> NaN.
 

@@ -4,20 +4,22 @@
 Loaded when TGI's model files read their layers' KV scales (`kv_cache.get_kv_scales`, during model load, before
 any cache exists), checked there against the checkpoint (fingerprint and geometry, when its config.json and
 tokenizer.json are present) and the run's format; a refusal is a KvxError at startup. Each layer's KV cache then
-takes its key smoothing, key centering and global scales from it (`kv_cache.KVCache`), keyed by the layer index in TGI's prefix.
+takes its key smoothing, key centering and global scales from it (`kv_cache.KVCache`), keyed by the layer index in
+TGI's prefix.
 """
 from __future__ import annotations
 
 import os
 import re
 
+from kvx_core import config as kvx_config
 from kvx_core.errors import Status, require
 from kvx_core.kv_calibration import LayerValues, default_file, fingerprint_dict, load_kv_calibration
 from kvx_core.transfer import checkpoint_fingerprint
 
 from . import config
 
-ENV = "KVX_KV_CALIBRATION"
+ENV = kvx_config.BY_NAME["kv_calibration"].env
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _loaded: dict[str, list[LayerValues]] = {}
 """Per file: every layer's values for the run's format (checked and computed once, at the first layer)."""
@@ -31,7 +33,7 @@ def _weights_dir(weights) -> str | None:
 
 def _path(weights) -> str | None:
     """The environment's file (which must exist), else the one beside the weights, else None."""
-    path = os.environ.get(ENV)
+    path = kvx_config.value("kv_calibration")
     if path:
         require(os.path.isfile(path), Status.INVALID_ARGUMENT, f"{ENV}={path!r}: no such file")
         return path

@@ -6,24 +6,23 @@ Rust launcher sets them); the backend serves:
 - `ATTENTION=flashdecoding` (BLOCK_SIZE 256): chunked prefill and prefix caching, the attention reading
   cached tokens back from the KVX pools;
 and refuses `flashinfer` (TGI's BLOCK_SIZE 1 there: a page per token, a scale group per token for every
-4-bit format) and `flashdecoding-ipex` (Intel devices, not verified), as well as speculative decoding (checked when the cache is
-built) and sliding windows (checked where TGI passes them).
+4-bit format) and `flashdecoding-ipex` (Intel devices, not verified), as well as speculative decoding (checked
+when the cache is built) and sliding windows (checked where TGI passes them).
 """
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
+from kvx_core import config as kvx_config
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
 
 SERVED_ATTENTION = ("paged", "flashdecoding")
-CACHE_MEMORY_ENV = "KVX_KV_CACHE_MEMORY"
-FORMAT_ENV = "KVX_FORMAT"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+CACHE_MEMORY_ENV = kvx_config.BY_NAME["kv_cache_memory"].env
+FORMAT_ENV = kvx_config.BY_NAME["format"].env
 
 
 def format_names() -> list[str]:
@@ -33,11 +32,7 @@ def format_names() -> list[str]:
 
 def parse_bytes(text: str, what: str = CACHE_MEMORY_ENV) -> int:
     """`123`, `64MiB`, `2GiB`, `512k` -> bytes (binary units); INVALID_ARGUMENT otherwise."""
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text or "")
-    unit = m.group(2).lower() if m else None
-    require(m is not None and unit in _UNITS and int(m.group(1)) > 0, Status.INVALID_ARGUMENT,
-            f"{what}={text!r}: expected a positive byte count such as 536870912, 512MiB or 2GiB")
-    return int(m.group(1)) * _UNITS[unit]
+    return kvx_config.parse_bytes(text, what)
 
 
 @dataclass(frozen=True)
@@ -68,7 +63,7 @@ _current: RunConfig | None = None
 
 def resolve(format: str | None) -> RunConfig:
     """The run's settings from `format` (else `$KVX_FORMAT`) and TGI's environment; refusals as KvxError."""
-    name = format if format is not None else os.environ.get(FORMAT_ENV)
+    name = format if format is not None else kvx_config.value("format")
     require(bool(name), Status.INVALID_ARGUMENT,
             f"no KVX format: pass install(format=...) or set {FORMAT_ENV} to one of {', '.join(format_names())}")
     require(name in format_names(), Status.INVALID_ARGUMENT,
@@ -84,9 +79,8 @@ def resolve(format: str | None) -> RunConfig:
     require("PREFIX_CACHING" in os.environ, Status.INVALID_ARGUMENT,
             "PREFIX_CACHING is not set: TGI's launcher sets it; set PREFIX_CACHING=0, or 1 with "
             "ATTENTION=flashdecoding")
-    mem = os.environ.get(CACHE_MEMORY_ENV)
     block_size = {"paged": 16, "flashdecoding": 256}[attention]
-    return RunConfig(get_format(name), attention, block_size, None if mem is None else parse_bytes(mem))
+    return RunConfig(get_format(name), attention, block_size, kvx_config.value("kv_cache_memory"))
 
 
 def set_current(run: RunConfig) -> None:

@@ -27,11 +27,12 @@ rows of that pool, shared by every layer; `SchedulerOutput.new_requests` carry t
 allocated so far, with `computed_position` excluding the tokens this connector matched; `cached_requests` carry
 the blocks and tokens added since. Served: one rank (no tensor / pipeline parallelism), beam width 1, bf16 / fp16
 / fp32 caches, and FP8 caches when `KVX_KV_SCALES` names a JSON list of one `kv_scale_quant_orig` per layer (x = fp8
-* s; a regular file of at most `MAX_KV_SCALES_BYTES`, strict JSON): the connector API passes no scales, so they come from the operator, and KVX cannot check they are the ones
-TRT-LLM's attention runs with. FP8 bundles keep the cache's bytes and its scales (a cache of the same scales takes
-them bit for bit; any other cache decodes and re-encodes with its own scales: `kvx_core.transfer.handoff`). Without
-`KVX_KV_SCALES` FP8 caches are refused: bytes under a guessed scale would be wrong KV in the importing engine. NVFP4
-caches are refused: the worker receives no block-scale pool.
+* s; a regular file of at most `MAX_KV_SCALES_BYTES`, strict JSON): the connector API passes no scales, so they
+come from the operator, and KVX cannot check they are the ones TRT-LLM's attention runs with. FP8 bundles keep the
+cache's bytes and its scales (a cache of the same scales takes them bit for bit; any other cache decodes and
+re-encodes with its own scales: `kvx_core.transfer.handoff`). Without `KVX_KV_SCALES` FP8 caches are refused:
+bytes under a guessed scale would be wrong KV in the importing engine. NVFP4 caches are refused: the worker
+receives no block-scale pool.
 """
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ from typing import Any
 
 import torch
 
-from kvx_core import jsonsafe
+from kvx_core import config, jsonsafe
 from kvx_core.errors import KvxError
-from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer import BundleStore, ModelFingerprint, fingerprint_from_files
+from kvx_core.transfer.kvtc_bundle import calibration_for
 
 from .cache import layer_views
 
@@ -65,7 +66,6 @@ except ImportError:
         _SchedulerBase = _WorkerBase = object
 
 logger = logging.getLogger("kvx_trtllm.connector")
-ROLES = ("both", "producer", "consumer")
 
 
 @dataclass
@@ -127,14 +127,13 @@ def connector_config(llm_args: Any) -> ConnectorConfig:
         _get(llm_args, "tokens_per_block", default=None)
     if not tpb:
         raise ValueError("KVX connector: llm_args.kv_cache_config.tokens_per_block is not set")
-    root = os.environ.get("KVX_STORE")
+    try:
+        root, role, kvtc, kv_scales = (config.value(n) for n in ("store", "role", "kvtc", "kv_scales"))
+    except KvxError as e:
+        raise ValueError(f"KVX connector: {e.message}") from None
     if not root:
         raise ValueError("KVX connector: set KVX_STORE to the bundle store directory, e.g. KVX_STORE=/dev/shm/kvx")
-    role = os.environ.get("KVX_ROLE", "both")
-    if role not in ROLES:
-        raise ValueError(f"KVX connector: KVX_ROLE must be one of {', '.join(ROLES)}, got {role!r}")
     model_fp = fingerprint_from_files(*paths)
-    kvtc = os.environ.get("KVX_KVTC")
     try:
         import xxhash  # noqa: F401  (bundle checksums: a missing package fails at startup, not per request)
         store = BundleStore(root, kvtc=calibration_for(kvtc, model_fp) if kvtc else None)
@@ -142,8 +141,7 @@ def connector_config(llm_args: Any) -> ConnectorConfig:
         raise ValueError("KVX connector: needs the xxhash package (pip install 'kvx[transfer]')") from None
     except KvxError as e:
         raise ValueError(f"KVX connector: {e}") from None
-    return ConnectorConfig(store, model_fp, int(tpb), role != "consumer", role != "producer",
-                           _kv_scales(os.environ.get("KVX_KV_SCALES")))
+    return ConnectorConfig(store, model_fp, int(tpb), role != "consumer", role != "producer", _kv_scales(kv_scales))
 
 
 MAX_KV_SCALES_BYTES = 1 << 20

@@ -1,9 +1,10 @@
 """`KvxConnector`: vLLM's KV connector (`KVConnectorBase_V1`) over KVX bundles, for prefill/decode disaggregation
 between instances that differ in cache dtype and block size, and for offload / reload of prompts' KV.
 
-    --kv-transfer-config '{"kv_connector": "KvxConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
-                           "kv_connector_extra_config": {"kvx_store": "/dev/shm/kvx"}}'
-    # KVTC-coded entries (~16x smaller, lossy): add "kvx_kvtc": "/path/calibration.safetensors" (`kvx kvtc calibrate`)
+    --kv-transfer-config '{"kv_connector": "KvxConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}'
+    --additional-config '{"kvx": {"store": "/dev/shm/kvx"}}'     # or KVX_STORE=/dev/shm/kvx
+    # KVTC-coded entries (~16x smaller, lossy): add "kvtc": "/path/calibration.safetensors" (`kvx kvtc calibrate`)
+    # (the older kv_connector_extra_config {"kvx_store": ..., "kvx_kvtc": ...} is still read, deprecated)
 
 A producer writes the KV of each prompt it computes into a `BundleStore` directory (one bundle per prompt, keyed by
 the model fingerprint and the token ids) at the end of the step that completes the prompt. A consumer looks every
@@ -30,17 +31,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                 KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
 from kvx_core.errors import KvxError
-from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer import BundleStore
+from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer.tp import tp_head_range
 
 from .fingerprint import model_fingerprint
 from .layer_kv import LayerCaches
+from .options import options_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,27 +83,27 @@ class KvxConnector(KVConnectorBase_V1):
         try:
             import xxhash  # noqa: F401  (bundle checksums; a missing package must fail at startup, not per request)
         except ImportError:
-            raise ValueError("KVX connector: needs the xxhash package (pip install kvx-vllm pulls kvx[transfer])") from None
+            raise ValueError("KVX connector: needs the xxhash package (pip install kvx-vllm pulls kvx[transfer])") \
+                from None
         from .compat import vllm_version
 
         if vllm_version() == (0, 26) and getattr(cfg, "kv_load_failure_policy", "fail") == "recompute":
             raise ValueError('KVX connector: kv_load_failure_policy "recompute" is refused on vLLM 0.26: after a '
                              "refused (damaged) bundle its scheduler decoded from the unloaded blocks instead of "
                              'recomputing them (H100 run); use "fail" (the default), or vLLM 0.32')
-        root = cfg.get_from_extra_config("kvx_store", None)
-        if not root:
-            raise ValueError('KVX connector: set the store directory, e.g. --kv-transfer-config \'{"kv_connector": '
-                             '"KvxConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
-                             '{"kvx_store": "/dev/shm/kvx"}}\'')
+        opts = options_of(vllm_config)
+        if not opts.store:
+            raise ValueError('KVX connector: set the store directory, e.g. --additional-config \'{"kvx": {"store": '
+                             '"/dev/shm/kvx"}}\' or KVX_STORE=/dev/shm/kvx')
         self.model = model_fingerprint(vllm_config)
         self.tp_size = par.tensor_parallel_size
         try:
             tp_head_range(self.model.num_kv_heads, self.tp_size, 0)
         except KvxError as e:
             raise ValueError(f"KVX connector: {e}") from None
-        kvtc = cfg.get_from_extra_config("kvx_kvtc", None)  # a `kvx kvtc calibrate` file: KVTC-coded entries
+        kvtc = opts.kvtc  # a `kvx kvtc calibrate` file: KVTC-coded entries
         try:
-            self.store = BundleStore(root, kvtc=calibration_for(kvtc, self.model) if kvtc else None)
+            self.store = BundleStore(opts.store, kvtc=calibration_for(kvtc, self.model) if kvtc else None)
         except KvxError as e:
             raise ValueError(f"KVX connector: {e}") from None
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
@@ -234,8 +235,8 @@ class KvxConnector(KVConnectorBase_V1):
             slots = torch.tensor(t.slots, dtype=torch.int64)
             try:
                 self.store.write_shard(self.model, t.token_ids, self.tp_size, self.tp_rank,
-                                       lambda f: self._caches.export(f, slots, model=self.model,
-                                                                     token_ids=t.token_ids, kv_heads=self.kv_heads))
+                                       lambda f, slots=slots, ids=t.token_ids: self._caches.export(
+                                           f, slots, model=self.model, token_ids=ids, kv_heads=self.kv_heads))
             except Exception as e:  # noqa: BLE001 - a failed save must not fail the request
                 logger.error("KVX connector: request %s: saving its %d prompt tokens failed: %s", t.req_id,
                              len(t.slots), e)

@@ -13,7 +13,11 @@ Options under the "kvx" key of vLLM's `additional_config`:
   what it refuses.
 - `kv_calibration` (a path, default unset): the KV-cache calibration file to serve with (`calibration`); without
   it, `<model dir>/kvx_kv_calibration.kvxcal` (or the older `.kvx` name) when that exists. `kvx_*` cache dtypes only.
-Anything else under "kvx" is refused, so a typo never silently does nothing. Also refused: an
+- `store`, `kvtc` (paths): the KV connector's bundle store and KVTC calibration (`connector`); their older
+  `kv_connector_extra_config` spellings `kvx_store` / `kvx_kvtc` are read with a DeprecationWarning.
+Each option is a setting of `kvx_core.config` (types, defaults, and the `KVX_<NAME>` environment variable that
+stands in when the key is absent: docs/guide/configuration.md). Anything else under "kvx" is refused, so a typo
+never silently does nothing; so are other `kvx*` keys in `kv_connector_extra_config`. Also refused: an
 `additional_config` that is not a JSON object, and a key that spells "kvx" another way ("KVX",
 " kvx"), which would otherwise be ignored. Errors are ValueError (as vLLM's own config checks
 raise) naming the option to fix.
@@ -25,13 +29,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvx_core import config
+from kvx_core.errors import KvxError
+
 from .dtypes import format_name, is_kvx_dtype
 
-_KNOWN = {"rotate", "prefill", "lm_head", "kv_calibration"}
-LM_HEAD_FORMATS = ("mxfp4",)
+_KNOWN = {s.name for s in config.SETTINGS if s.vllm}
+LM_HEAD_FORMATS = config.BY_NAME["lm_head"].choices
 CONNECTOR = ("KvxConnector", "kvx_vllm.connector", "KvxConnector")
 """(name for --kv-transfer-config, module, class) of the KVX KV connector."""
-PREFILL_ROUTES = ("split", "cache")
+PREFILL_ROUTES = config.BY_NAME["prefill"].choices
 SPECULATORS = ("ngram",)
 """Speculative decoding methods verified with KVX pages: drafters without attention of their own, whose 1 + k
 verification tokens per request the backend attends as a multi-row decode (`backend.KvxMetadataBuilder`)."""
@@ -45,55 +52,32 @@ class KvxOptions:
     prefill: str = "split"
     lm_head: str | None = None
     kv_calibration: str | None = None
-
-
-def _kvx_section(vllm_config: Any) -> Any:
-    """`additional_config["kvx"]` ({} when absent); ValueError when `additional_config` is not a mapping
-    or spells "kvx" another way (such a key would be ignored)."""
-    extra = getattr(vllm_config, "additional_config", None)
-    if extra is None:
-        return {}
-    if not isinstance(extra, Mapping):
-        raise ValueError('KVX: --additional-config must be a JSON object such as {"kvx": {"rotate": true}}, '
-                         f"got {type(extra).__name__} {extra!r}")
-    near = sorted(repr(k) for k in extra if isinstance(k, str) and k != "kvx" and k.strip().casefold() == "kvx")
-    if near:
-        raise ValueError(f'KVX: --additional-config key {near[0]} is not read (keys are case-sensitive); '
-                         'did you mean "kvx"?')
-    return extra.get("kvx", {})
+    store: str | None = None
+    kvtc: str | None = None
 
 
 def options_of(vllm_config: Any) -> KvxOptions:
     """Parse `vllm_config.additional_config["kvx"]` (ValueError on unknown keys or wrong types)."""
-    raw = _kvx_section(vllm_config)
-    if not isinstance(raw, Mapping):
-        raise ValueError(f'KVX: --additional-config "kvx" must be an object such as {{"rotate": true}}, got {raw!r}')
-    unknown = set(raw) - _KNOWN
-    if unknown:
-        raise ValueError(f"KVX: unknown --additional-config kvx option(s) {', '.join(sorted(map(repr, unknown)))}; "
-                         f"known: {', '.join(map(repr, sorted(_KNOWN)))}")
-    rotate = raw.get("rotate", False)
-    if not isinstance(rotate, bool):
-        raise ValueError(f'KVX: --additional-config kvx "rotate" must be true or false, got {rotate!r}')
-    prefill = raw.get("prefill", "split")
-    if prefill not in PREFILL_ROUTES:
-        raise ValueError(f'KVX: --additional-config kvx "prefill" must be one of {", ".join(map(repr, PREFILL_ROUTES))}, '
-                         f"got {prefill!r}")
-    lm_head = raw.get("lm_head")
-    if lm_head is not None and lm_head not in LM_HEAD_FORMATS:
-        raise ValueError(f'KVX: --additional-config kvx "lm_head" must be one of {", ".join(map(repr, LM_HEAD_FORMATS))}, '
-                         f"got {lm_head!r}")
-    kv_calibration = raw.get("kv_calibration")
-    if kv_calibration is not None and not (isinstance(kv_calibration, str) and kv_calibration):
-        raise ValueError(f'KVX: --additional-config kvx "kv_calibration" must be a file path, got {kv_calibration!r}')
+    try:
+        given = config.vllm_given(getattr(vllm_config, "additional_config", None), _connector_extra(vllm_config))
+        values = {name: config.resolve(name, given) for name in _KNOWN}
+    except KvxError as e:
+        raise ValueError(f"KVX: {e.message}") from None
     dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
-    if kv_calibration is not None and dtype is not None and not is_kvx_dtype(dtype):
+    kv_calibration = values["kv_calibration"]
+    if kv_calibration.value is not None and dtype is not None and not is_kvx_dtype(dtype):
         # refused here, not at backend selection, which an explicit --attention-backend bypasses: every language
         # model parses these options when it builds its head (the plugin's ParallelLMHead)
-        raise ValueError(f'KVX: --additional-config kvx "kv_calibration" applies to kvx_* cache dtypes; '
+        raise ValueError(f"KVX: kv_calibration ({kv_calibration.source}) applies to kvx_* cache dtypes; "
                          f"--kv-cache-dtype {dtype} is vLLM's own cache (its fp8 takes the checkpoint's k_scale / "
                          "v_scale)")
-    return KvxOptions(rotate=rotate, prefill=prefill, lm_head=lm_head, kv_calibration=kv_calibration)
+    return KvxOptions(**{name: v.value for name, v in values.items()})
+
+
+def _connector_extra(vllm_config: Any) -> Mapping:
+    """`--kv-transfer-config`'s `kv_connector_extra_config` ({} when absent or not a mapping: vLLM checks it)."""
+    extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None)
+    return extra if isinstance(extra, Mapping) else {}
 
 
 def refusals(vllm_config: Any) -> list[str]:
