@@ -64,8 +64,8 @@ from ..files import new_file_mode
 from ..jsonsafe import loads_object
 from ..kvtc.codec import MAGIC as KVTC_MAGIC
 from .bundle import BundleReader
-from .kvtc_bundle import decode_bundle, encode_bundle, entry_header
 from .handoff import ModelFingerprint, export_bundle, import_bundle
+from .kvtc_bundle import decode_bundle, encode_bundle, entry_header
 from .schema import token_bytes, token_list
 from .tp import shard_ranges, tp_head_range, writes_shard
 
