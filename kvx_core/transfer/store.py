@@ -30,18 +30,20 @@ entry's key (64 hex characters, nothing else). A prompt's chain names the links 
 outside bytes and only a hint: a missing link, or one naming an absent entry (evicted: stale), is a miss at that
 length; a link naming an entry whose header's token ids do not start with the prompt's prefix (a forged link, a hash
 collision) is a miss too, never a hit (the ids are compared, and the worker's import checks the bundle holds those
-ids); a link file that is not 64 hex characters is a KvxError. Entries written by several processes overwrite each
-other's links of a shared prefix (renames: any of them is right). A KVTC-coded entry's header holds no token ids
+ids); a link file that is not 64 hex characters is a KvxError. Entries sharing a prefix overwrite each other's links
+of it (renames: any of them serves it); the last writer's removal takes those links along, the other entries are
+then found by their own longer blocks only. A KVTC-coded entry's header holds no token ids
 without decoding it, so a KVTC store matches whole prompts only (it writes no links).
 
-Eviction: `BundleStore(root, max_bytes=N)` keeps the store's entry files (bundles, shards, manifests; not the links,
-64 bytes per block of an entry, nor other writers' in-flight `.tmp-*` files) within N bytes: a write that would pass the cap first removes whole entries, least
-recently used first (an entry's use time is its newest file's mtime: written, or touched by a hit of `header`,
-`longest_prefix`, `open_shards` or `get`), then the links left naming no entry. An entry larger than the cap by itself
-is refused (OUT_OF_RANGE) with nothing removed. The cap holds per writer: concurrent writers each make room for their
-own entry, so the store may pass it by what they write at the same time. A reader holding an evicted entry's file open
-reads it whole (POSIX unlink); one opening it after the eviction gets None (a miss) or, for a shard set whose shards
-go after its manifest, a KvxError naming the missing shard: never a mix of entries.
+Eviction: `BundleStore(root, max_bytes=N)` keeps the store's entry files (bundles, shards, manifests; not the
+links, 64 bytes per block of an entry, nor other writers' in-flight `.tmp-*` files) within N bytes: a write that
+would pass the cap first removes whole entries, least recently used first (an entry's use time is its newest file's
+mtime: written, or touched by a hit of `longest_prefix`, `open_shards` or `get`), never the entry being written, then
+the links left naming no entry. An entry larger than the cap by itself is refused (OUT_OF_RANGE) with nothing
+removed. The cap holds per writer: concurrent writers each make room for their own entry, so the store may pass it by
+what they write at the same time. A reader holding an evicted entry's file open reads it whole (POSIX unlink); one
+opening it after the eviction gets None (a miss) or, for a shard set whose shards go after its manifest, a KvxError
+naming the missing shard: never a mix of entries.
 """
 from __future__ import annotations
 
@@ -514,7 +516,8 @@ class BundleStore:
         with os.scandir(self.root) as it:
             for e in it:
                 name = e.name
-                if len(name) <= 65 or name[64] != "." or not _is_key(name[:64]) or not name.endswith((".kvx", ".kvxset")):
+                if not (len(name) > 65 and name[64] == "." and _is_key(name[:64])
+                        and name.endswith((".kvx", ".kvxset"))):
                     continue
                 try:
                     if not e.is_file(follow_symlinks=False):

@@ -151,6 +151,9 @@ def test_prefix_reuse_loads_the_shared_blocks_and_decodes_like_a_single_instance
     assert hit["cached"] == want and local["cached"] == 0, (hit["cached"], r)
     assert hit["prompt_tokens"] == local["prompt_tokens"] > want
     agree, first, mean = _agreement(hit, local)
+    print(f"prefix reuse: {hit['cached']} of {hit['prompt_tokens']} prompt tokens loaded ({r['shared']} shared with "
+          f"the {r['stored']}-token entry), {agree} greedy tokens agree, first-token top-5 gap {first:.3f}, "
+          f"mean {mean:.3f}")
     assert agree >= 1 and first <= FIRST_BOUND["auto"] and mean <= MEAN_BOUND["auto"], (agree, first, mean)
 
 

@@ -118,8 +118,9 @@ def test_a_damaged_shard_fails_the_load_on_every_rank(tmp_path, caplog):
     assert caplog.text.count("checksum") == 2
 
 
-def _config(checkpoint: str, store, tp: int, pp: int = 1) -> SimpleNamespace:
-    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`."""
+def _config(checkpoint: str, store, tp: int, pp: int = 1, **extra) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`; `extra`:
+    more kv_connector_extra_config keys."""
     from vllm.config import KVTransferConfig
 
     return SimpleNamespace(
@@ -128,7 +129,7 @@ def _config(checkpoint: str, store, tp: int, pp: int = 1) -> SimpleNamespace:
         cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
         compilation_config=SimpleNamespace(static_forward_context={}),
         kv_transfer_config=KVTransferConfig(kv_connector="KvxConnector", kv_role="kv_both",
-                                            kv_connector_extra_config={"kvx_store": str(store)}))
+                                            kv_connector_extra_config={"kvx_store": str(store), **extra}))
 
 
 @pytest.mark.parametrize("tp, pp, refused", [(2, 1, "3 KV heads do not split over 2"), (1, 2, "pipeline")])
@@ -137,6 +138,23 @@ def test_startup_refuses_a_tp_size_that_does_not_split_the_kv_heads_and_pp(check
 
     with pytest.raises(ValueError, match=refused):
         KvxConnector(_config(checkpoint, tmp_path / "kv", tp, pp), KVConnectorRole.SCHEDULER)
+
+
+def test_store_prefix_block_and_size_cap_options(checkpoint, tmp_path):
+    """`kvx_store_prefix_block` / `kvx_store_max_bytes` reach the store; a value that is not a positive integer, or
+    another block than the store records, is refused at startup (ValueError naming it) with no store created."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    c = KvxConnector(_config(checkpoint, tmp_path / "kv", 1, kvx_store_prefix_block=16,
+                             kvx_store_max_bytes=10**6), KVConnectorRole.SCHEDULER)
+    assert (c.store.prefix_block, c.store.max_bytes) == (16, 10**6)
+    with pytest.raises(ValueError, match="prefix block is 16 tokens, 32 given"):
+        KvxConnector(_config(checkpoint, tmp_path / "kv", 1, kvx_store_prefix_block=32), KVConnectorRole.SCHEDULER)
+    for key in ("kvx_store_prefix_block", "kvx_store_max_bytes"):
+        for bad in (0, -1, 1.5, True, "16"):
+            with pytest.raises(ValueError, match=f'"{key}" must be a positive integer'):
+                KvxConnector(_config(checkpoint, tmp_path / "new", 1, **{key: bad}), KVConnectorRole.SCHEDULER)
+            assert not (tmp_path / "new").exists()
 
 
 def test_a_worker_takes_its_rank_and_head_range_from_vllm(checkpoint, tmp_path):

@@ -8,9 +8,9 @@ disaggregated decode), then again computing everything locally (`skip_reading_pr
 reference with this instance's cache dtype). `--produce NAME`: compute the prompt set NAME (one output token), which
 stores the prompts' KV. `--prefix NAME`: prefix reuse: a prompt of the first 90% of the tokens of set NAME's last
 prompt (stored) plus new tokens, generated after dropping vLLM's prefix cache (its stored prefix loaded from STORE)
-and again computing everything locally. `--reload`: offload and reload: generate a new prompt (stored), drop vLLM's prefix cache,
-generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk of the store
-entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM 0.32 (that
+and again computing everything locally. `--reload`: offload and reload: generate a new prompt (stored), drop vLLM's
+prefix cache, generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk
+of the store entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM 0.32 (that
 request is recomputed) and "fail" on 0.26 (it ends with finish_reason "error"; the connector refuses "recompute"
 there). `--kvtc CAL`: the connector's `kvx_kvtc` option (store entries KVTC-coded with calibration CAL).
 """

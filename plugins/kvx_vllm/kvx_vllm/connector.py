@@ -114,7 +114,8 @@ class KvxConnector(KVConnectorBase_V1):
         sizes = {k: cfg.get_from_extra_config(k, None) for k in ("kvx_store_prefix_block", "kvx_store_max_bytes")}
         for k, v in sizes.items():
             if v is not None and (type(v) is not int or v < 1):
-                raise ValueError(f'KVX connector: kv_connector_extra_config "{k}" must be a positive integer, got {v!r}')
+                raise ValueError(f'KVX connector: kv_connector_extra_config "{k}" must be a positive integer, '
+                                 f"got {v!r}")
         try:
             self.store = BundleStore(root, kvtc=calibration_for(kvtc, self.model) if kvtc else None,
                                      prefix_block=sizes["kvx_store_prefix_block"],
