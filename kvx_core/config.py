@@ -39,7 +39,7 @@ VLLM_EXTRA = "kv_connector_extra_config."
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting: `kind` is its type (path, bool, choice, bytes or format), `engines` who reads it."""
+    """One setting: `kind` is its type (path, bool, choice, bytes, count or format), `engines` who reads it."""
 
     name: str
     kind: str
@@ -85,6 +85,13 @@ SETTINGS: tuple[Setting, ...] = (
             "The bundle store directory the KV connectors export to and import from (a path every instance "
             "reaches; `/dev/shm/kvx` for memory speed).", vllm=True,
             deprecated=(VLLM_EXTRA + "kvx_store",)),
+    Setting("store_prefix_block", "count", None, ("vllm",),
+            "Tokens per block of the store's prefix lookup: a prompt loads the stored entry sharing the longest "
+            "prefix with it in whole blocks. Unset: the store's recorded block, 256 for a new store; another value "
+            "than a store recorded is refused.", vllm=True),
+    Setting("store_max_bytes", "bytes", None, ("vllm",),
+            "Caps the store's entry files at this many bytes (`8GiB`); least recently used entries are evicted to "
+            "make room. Unset: no cap.", vllm=True),
     Setting("role", "choice", "both", ("trtllm",),
             "What the TensorRT-LLM connector does: `both`, `producer` (exports only) or `consumer` (imports only). "
             "vLLM takes its own `kv_role`.", choices=("both", "producer", "consumer")),
@@ -149,8 +156,17 @@ def _parse(s: Setting, raw: object, what: str, from_env: bool) -> Any:
         if not isinstance(raw, bool):
             raise bad("true or false")
         return raw
-    if s.kind == "bytes":  # an environment variable only: no engine key takes a byte count
-        return parse_bytes(raw, what)
+    if s.kind == "bytes":  # a string with an optional unit, or (JSON) an integer
+        if isinstance(raw, str):
+            return parse_bytes(raw, what)
+        if type(raw) is int and 0 < raw <= MAX_BYTES:
+            return raw
+        raise bad("a positive byte count of at most 2**60 (an integer, or a string such as 8GiB)")
+    if s.kind == "count":
+        n = raw if type(raw) is int else int(raw) if from_env and re.fullmatch(r"[0-9]{1,18}", raw, re.ASCII) else 0
+        if not 0 < n <= MAX_BYTES:
+            raise bad("a positive integer")
+        return n
     if s.kind == "path":
         if not isinstance(raw, str) or not raw:
             raise bad("a non-empty path")
@@ -239,7 +255,7 @@ def effective(given: Mapping[str, object] | None = None,
 def _type_text(s: Setting) -> str:
     if s.kind == "choice":
         return " \\| ".join(f"`{c}`" for c in s.choices)
-    return {"format": "KVX format", "bytes": "byte count"}.get(s.kind, s.kind)
+    return {"format": "KVX format", "bytes": "byte count", "count": "positive integer"}.get(s.kind, s.kind)
 
 
 def render_markdown() -> str:

@@ -28,7 +28,8 @@ def test_options_and_dtypes_import_without_vllm():
             "import kvx_vllm.options, kvx_vllm.dtypes; print(kvx_vllm.options.options_of(None))")
     out = run([sys.executable, "-c", code, str(PLUGIN)])
     assert out.returncode == 0, out.stderr
-    assert ("KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None, store=None, kvtc=None)"
+    assert ("KvxOptions(rotate=False, prefill='split', lm_head=None, kv_calibration=None, store=None, kvtc=None, "
+            "store_prefix_block=None, store_max_bytes=None)"
             in out.stdout)
 
 

@@ -115,6 +115,31 @@ def test_byte_counts_are_never_truncated_or_guessed(text):
     assert "KVX_KV_CACHE_MEMORY" in _refused("kv_cache_memory", environ={"KVX_KV_CACHE_MEMORY": text}).message
 
 
+@pytest.mark.parametrize("raw, want", [("256", 256), (16, 16), ("1", 1)])
+def test_counts_from_the_environment_and_json(raw, want):
+    src = {"environ": {"KVX_STORE_PREFIX_BLOCK": raw}} if isinstance(raw, str) else \
+        {"given": {"additional_config.kvx.store_prefix_block": raw}}
+    assert config.resolve("store_prefix_block", src.get("given"), src.get("environ", {})).value == want
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "1.5", "16k", "\u0661\u0666", " ", "9" * 19, 0, -3, 1.5, True, "16", 2**61])
+def test_counts_are_never_truncated_or_guessed(raw):
+    """A JSON count is an integer (a string is refused there: JSON has numbers); the environment's digits only."""
+    if isinstance(raw, str) and raw != "16":
+        e = _refused("store_prefix_block", environ={"KVX_STORE_PREFIX_BLOCK": raw})
+    else:
+        e = _refused("store_prefix_block", {"additional_config.kvx.store_prefix_block": raw})
+    assert "store_prefix_block" in e.message.lower() or "STORE_PREFIX_BLOCK" in e.message
+
+
+def test_byte_counts_from_json_are_integers_or_strings_with_units():
+    key = "additional_config.kvx.store_max_bytes"
+    assert config.resolve("store_max_bytes", {key: 4096}, {}).value == 4096
+    assert config.resolve("store_max_bytes", {key: "8GiB"}, {}).value == 8 << 30
+    for bad in (0, -1, 1.5, True, 2**61, "1.5GiB"):
+        _refused("store_max_bytes", {key: bad})
+
+
 @pytest.mark.parametrize("name, text", [("role", "sender"), ("role", "Both"), ("decode_backend", "CUDA"),
                                         ("write_backend", "tpu"), ("prefill", "flash"), ("format", "nvfp5"),
                                         ("lm_head", "nvfp4")])

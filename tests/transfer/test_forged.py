@@ -241,6 +241,7 @@ def test_non_integer_token_ids_are_refused_never_truncated(tmp_path):
                 np.array([1.5, 2, 3]), 3):
         for call in (lambda: store.put(_descs(other), slots, model=MODEL, token_ids=bad),
                      lambda: store.header(MODEL, bad), lambda: BundleStore.key(MODEL, bad),
+                     lambda: store.longest_prefix(MODEL, bad),
                      lambda: import_bundle(io.BytesIO(entry), _descs(dst), slots, model=MODEL, token_ids=bad)):
             with pytest.raises(KvxError, match="token ids must") as e:
                 call()

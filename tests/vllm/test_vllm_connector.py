@@ -4,7 +4,8 @@ dtype and block size differ, offload / reload, and a damaged bundle, through one
 Three vLLM processes run in turn on one store (`vllm_pd_run.py`); the same file runs on the GPU machine (vLLM 0.26,
 `KVX_VLLM_CKPT`), where `auto` is vLLM's FlashAttention cache:
   A  kvx_int8 block 128, kv_producer: prefills prompt set "a".
-  B  auto block 32, kv_both: decodes "a" from A's KV (kvx_int8 -> auto), prefills set "b", offloads and reloads.
+  B  auto block 32, kv_both: decodes "a" from A's KV (kvx_int8 -> auto), prefills set "b", reuses the stored prefix
+     of a prompt sharing 90% of one of them, offloads and reloads.
   C  kvx_nvfp4 block 128, kv_both: decodes "b" from B's KV (auto -> kvx_nvfp4; one entry damaged first), offloads
      and reloads.
 KVTC (`kvtc`, the connector's KVTC setting; its own store): D (auto, kv_producer) prefills set "c" into
@@ -48,7 +49,7 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLL
 FIRST_BOUND = {"auto": 0.3, "kvx_nvfp4": 1.0}
 MEAN_BOUND = {"auto": 0.1, "kvx_nvfp4": 0.35}
 INSTANCES = {"A": ("kvx_int8", 128, "kv_producer", ["--produce", "a"]),
-             "B": ("auto", 32, "kv_both", ["--consume", "a", "--produce", "b", "--reload"]),
+             "B": ("auto", 32, "kv_both", ["--consume", "a", "--produce", "b", "--prefix", "b", "--reload"]),
              "C": ("kvx_nvfp4", 128, "kv_both", ["--consume", "b", "--reload", "--damage"])}
 
 
@@ -137,11 +138,31 @@ def test_offload_and_reload(pd, instance):
     assert agree >= 1 and top5 <= FIRST_BOUND[r["dtype"]] and mean <= MEAN_BOUND[r["dtype"]], (agree, top5, mean)
 
 
+def test_prefix_reuse_loads_the_shared_blocks_and_decodes_like_a_single_instance(pd):
+    """B's prompt of the first 90% of the tokens of a stored prompt plus new ones: with vLLM's own prefix cache
+    dropped, the store serves the shared prefix in whole 16-token blocks (vLLM's num_cached_tokens: what the connector
+    reported and loaded), and the decode agrees with B computing the prompt itself within auto's bounds (the loaded
+    rows are B's own auto rows, bit for bit: tests/transfer)."""
+    r = pd["B"]["prefix"]
+    hit, local = r["hit"], r["local"]
+    want = r["shared"] // r["block"] * r["block"]
+    assert r["shared"] >= r["stored"] * 9 // 10 and want >= r["block"]
+    assert hit["cached"] == want and local["cached"] == 0, (hit["cached"], r)
+    assert hit["prompt_tokens"] == local["prompt_tokens"] > want
+    agree, first, mean = _agreement(hit, local)
+    print(f"prefix reuse: {hit['cached']} of {hit['prompt_tokens']} prompt tokens loaded ({r['shared']} shared with "
+          f"the {r['stored']}-token entry), {agree} greedy tokens agree, first-token top-5 gap {first:.3f}, "
+          f"mean {mean:.3f}")
+    assert agree >= 1 and first <= FIRST_BOUND["auto"] and mean <= MEAN_BOUND["auto"], (agree, first, mean)
+
+
 def test_store_holds_one_bundle_per_prompt(pd):
-    """A saved 3 prompts, B 3 + its reload prompt, C only its reload prompt (its consumed set was already stored)."""
+    """A saved 3 prompts, B 3 + its prefix-reuse prompt + its reload prompt, C only its reload prompt (its consumed
+    set was already stored); every entry has its prefix links."""
     files = pd["store_files"]
     assert "kvx_bundle_store.json" in files and not [f for f in files if f.startswith(".tmp-")]
-    assert len([f for f in files if f.endswith(".kvx")]) == 3 + 4 + 1
+    assert len([f for f in files if f.endswith(".kvx")]) == 3 + 5 + 1
+    assert len([f for f in files if f.endswith(".kvxp")]) > 0
     assert pd["A"]["produced"] == [h["prompt_tokens"] for h in pd["B"]["consumed"]["handoff"]]
 
 

@@ -118,8 +118,9 @@ def test_a_damaged_shard_fails_the_load_on_every_rank(tmp_path, caplog):
     assert caplog.text.count("checksum") == 2
 
 
-def _config(checkpoint: str, store, tp: int, pp: int = 1) -> SimpleNamespace:
-    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`."""
+def _config(checkpoint: str, store, tp: int, pp: int = 1, **kvx) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`; the store in
+    the deprecated `kv_connector_extra_config` spelling (still read), `kvx`: `--additional-config` kvx settings."""
     from vllm.config import KVTransferConfig
 
     return SimpleNamespace(
@@ -127,6 +128,7 @@ def _config(checkpoint: str, store, tp: int, pp: int = 1) -> SimpleNamespace:
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
         compilation_config=SimpleNamespace(static_forward_context={}),
+        additional_config={"kvx": kvx},
         kv_transfer_config=KVTransferConfig(kv_connector="KvxConnector", kv_role="kv_both",
                                             kv_connector_extra_config={"kvx_store": str(store)}))
 
@@ -137,6 +139,24 @@ def test_startup_refuses_a_tp_size_that_does_not_split_the_kv_heads_and_pp(check
 
     with pytest.raises(ValueError, match=refused):
         KvxConnector(_config(checkpoint, tmp_path / "kv", tp, pp), KVConnectorRole.SCHEDULER)
+
+
+def test_store_prefix_block_and_size_cap_options(checkpoint, tmp_path):
+    """The `store_prefix_block` / `store_max_bytes` settings reach the store; a value of the wrong type, or another
+    block than the store records, is refused at startup (ValueError naming it) with no store created."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    c = KvxConnector(_config(checkpoint, tmp_path / "kv", 1, store_prefix_block=16, store_max_bytes="1MiB"),
+                     KVConnectorRole.SCHEDULER)
+    assert (c.store.prefix_block, c.store.max_bytes) == (16, 1 << 20)
+    with pytest.raises(ValueError, match="prefix block is 16 tokens, 32 given"):
+        KvxConnector(_config(checkpoint, tmp_path / "kv", 1, store_prefix_block=32), KVConnectorRole.SCHEDULER)
+    bad = {"store_prefix_block": (0, -1, 1.5, True, "16", 2**61), "store_max_bytes": (0, -1, 1.5, True, "1.5GiB")}
+    for key, values in bad.items():
+        for value in values:
+            with pytest.raises(ValueError, match=f"additional_config.kvx.{key} must be"):
+                KvxConnector(_config(checkpoint, tmp_path / "new", 1, **{key: value}), KVConnectorRole.SCHEDULER)
+            assert not (tmp_path / "new").exists()
 
 
 def test_a_worker_takes_its_rank_and_head_range_from_vllm(checkpoint, tmp_path):

@@ -1,20 +1,23 @@
 """One vLLM instance (CPU, SmolLM2-135M) of a prefill/decode handoff through `KvxConnector`; prints one JSON line.
 
     python tests/vllm/vllm_pd_run.py CKPT CACHE_DTYPE BLOCK_SIZE STORE ROLE [--consume NAME] [--produce NAME]
-                                     [--reload] [--damage] [--kvtc CAL]
+                                     [--prefix NAME] [--reload] [--damage] [--kvtc CAL]
 
 ROLE is vLLM's kv_role. `--consume NAME`: generate the prompt set NAME with the prompts' KV loaded from STORE (the
 disaggregated decode), then again computing everything locally (`skip_reading_prefix_cache`: the single-instance
 reference with this instance's cache dtype). `--produce NAME`: compute the prompt set NAME (one output token), which
-stores the prompts' KV. `--reload`: offload and reload: generate a new prompt (stored), drop vLLM's prefix cache,
-generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk of the store
-entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM 0.32 (that
+stores the prompts' KV. `--prefix NAME`: prefix reuse: a prompt of the first 90% of the tokens of set NAME's last
+prompt (stored) plus new tokens, generated after dropping vLLM's prefix cache (its stored prefix loaded from STORE)
+and again computing everything locally. `--reload`: offload and reload: generate a new prompt (stored), drop vLLM's
+prefix cache, generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk
+of the store entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM 0.32 (that
 request is recomputed) and "fail" on 0.26 (it ends with finish_reason "error"; the connector refuses "recompute"
 there). `--kvtc CAL`: the connector's `kvtc` setting (store entries KVTC-coded with calibration CAL).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 BASE = ("In a quiet harbour town, the lighthouse keeper kept a journal of every ship that passed. "
@@ -22,7 +25,9 @@ BASE = ("In a quiet harbour town, the lighthouse keeper kept a journal of every 
 PROMPTS = {name: [BASE * (3 + i) + f"Entry {k}{i}: the ship" for i in range(3)]
            for k, name in enumerate(("a", "b", "c"))}
 RELOAD = BASE * 5 + "The last entry of the journal, kept in {}, reads:"
+NEW = " That night a storm broke, and the keeper wrote only one line:"
 GEN = 16
+PREFIX_BLOCK = 16  # the store's prefix-lookup block (the `store_prefix_block` setting), the same for every instance of a store
 
 
 def _result(req) -> dict:
@@ -44,8 +49,24 @@ def _damage(llm, store: str, prompt: str) -> None:
     path.write_bytes(bytes(blob))
 
 
+def _prefix(llm, prompt: str, greedy: dict) -> dict:
+    """Generate the first 90% of `prompt`'s tokens plus `NEW` with vLLM's prefix cache dropped (the stored prefix
+    loaded from the store), then computing everything locally; the prompt's shared and stored token counts."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    stored = tok(prompt)["input_ids"]
+    ids = stored[:len(stored) * 9 // 10] + tok(NEW, add_special_tokens=False)["input_ids"]
+    llm.reset_prefix_cache()
+    hit = llm.generate([{"prompt_token_ids": ids}], SamplingParams(**greedy), use_tqdm=False)[0]
+    local = llm.generate([{"prompt_token_ids": ids}], SamplingParams(**greedy, skip_reading_prefix_cache=True),
+                         use_tqdm=False)[0]
+    return {"stored": len(stored), "shared": len(os.path.commonprefix([stored, ids])), "block": PREFIX_BLOCK,
+            "hit": _result(hit), "local": _result(local)}
+
+
 def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str | None, produce: str | None,
-         reload: bool, damage: bool, kvtc: str | None = None) -> dict:
+         reload: bool, damage: bool, kvtc: str | None = None, prefix: str | None = None) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -55,7 +76,8 @@ def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str 
               distributed_executor_backend="uni",
               kv_transfer_config={"kv_connector": "KvxConnector", "kv_role": role,
                                   "kv_load_failure_policy": policy},
-              additional_config={"kvx": {"store": store, **({"kvtc": kvtc} if kvtc else {})}})
+              additional_config={"kvx": {"store": store, "store_prefix_block": PREFIX_BLOCK,
+                                         **({"kvtc": kvtc} if kvtc else {})}})
     out: dict = {"dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
                  "failure_policy": policy}
     greedy = dict(temperature=0.0, max_tokens=GEN, logprobs=5, ignore_eos=True)
@@ -69,6 +91,8 @@ def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str 
     if produce:
         done = llm.generate(PROMPTS[produce], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         out["produced"] = [len(r.prompt_token_ids) for r in done]
+    if prefix:
+        out["prefix"] = _prefix(llm, PROMPTS[prefix][-1], greedy)
     if reload:
         prompt = RELOAD.format(dtype)
         first = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0]
@@ -85,5 +109,5 @@ if __name__ == "__main__":
         return args[args.index(name) + 1] if name in args else None
 
     res = main(args[0], args[1], int(args[2]), args[3], args[4], opt("--consume"), opt("--produce"),
-               "--reload" in args, "--damage" in args, opt("--kvtc"))
+               "--reload" in args, "--damage" in args, opt("--kvtc"), opt("--prefix"))
     print("KVX_RESULT " + json.dumps(res), flush=True)

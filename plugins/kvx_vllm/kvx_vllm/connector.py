@@ -5,16 +5,21 @@ between instances that differ in cache dtype and block size, and for offload / r
     --additional-config '{"kvx": {"store": "/dev/shm/kvx"}}'     # or KVX_STORE=/dev/shm/kvx
     # KVTC-coded entries (~16x smaller, lossy): add "kvtc": "/path/calibration.safetensors" (`kvx kvtc calibrate`)
     # (the older kv_connector_extra_config {"kvx_store": ..., "kvx_kvtc": ...} is still read, deprecated)
+    # prefix reuse granularity and a size cap: "store_prefix_block": 16, "store_max_bytes": "8GiB"
 
 A producer writes the KV of each prompt it computes into a `BundleStore` directory (one bundle per prompt, keyed by
 the model fingerprint and the token ids) at the end of the step that completes the prompt. A consumer looks every
-new request's prompt up in the store; on a hit it loads the bundled tokens it does not already hold locally (up to
-the prompt's last token, which vLLM always computes for the first logits), converted into its own cache: any
+new request's prompt up in the store (`BundleStore.longest_prefix`: the entry of the whole prompt, else the stored
+entry sharing the longest prefix with it, in blocks of the store's prefix block, `store_prefix_block`); on a hit
+it loads that entry's tokens of the shared prefix that it does not already hold locally (up to the prompt's last
+token, which vLLM always computes for the first logits), converted into its own cache: any
 `kvx_*` dtype, `auto` or `fp8`, any block size (`layer_kv`). Loads are synchronous, before the step's forward, and
 all-or-nothing per request: a bundle that fails a check (damaged, another model or tokenizer) writes nothing, is
 logged with its reason, and its blocks are reported to vLLM as failed loads (`kv_load_failure_policy`: "fail" by
 default, "recompute" to recompute them). The store directory is the transport: a path both instances reach (the
-same host; `/dev/shm` for memory speed, a disk path to keep KV across restarts).
+same host; `/dev/shm` for memory speed, a disk path to keep KV across restarts). `kvx_store_max_bytes` caps it
+(least recently used entries evicted; an entry evicted between the scheduler's lookup and the load is a failed load
+like a damaged one).
 
 Tensor parallelism: each worker rank exports and imports the KV heads vLLM gives it (`kvx_core.transfer.tp`: split
 when the model has at least as many KV heads as ranks, replicated otherwise). A TP=M producer's entry is a shard set
@@ -55,8 +60,9 @@ logger = init_logger("vllm.plugins.kvx.connector")
 
 @dataclass
 class Transfer:
-    """One request's bundle traffic in a step: the prompt's token ids (the store key), the vLLM slots of the tokens
-    moved and, for a load, which bundled tokens `[start, stop)` they are."""
+    """One request's bundle traffic in a step: the token ids of the store entry (a save: the prompt; a load: the
+    entry whose prefix the prompt shares), the vLLM slots of the tokens moved and, for a load, which bundled tokens
+    `[start, stop)` they are."""
 
     req_id: str
     token_ids: list[int]
@@ -103,7 +109,8 @@ class KvxConnector(KVConnectorBase_V1):
             raise ValueError(f"KVX connector: {e}") from None
         kvtc = opts.kvtc  # a `kvx kvtc calibrate` file: KVTC-coded entries
         try:
-            self.store = BundleStore(opts.store, kvtc=calibration_for(kvtc, self.model) if kvtc else None)
+            self.store = BundleStore(opts.store, kvtc=calibration_for(kvtc, self.model) if kvtc else None,
+                                     prefix_block=opts.store_prefix_block, max_bytes=opts.store_max_bytes)
         except KvxError as e:
             raise ValueError(f"KVX connector: {e}") from None
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
@@ -112,7 +119,7 @@ class KvxConnector(KVConnectorBase_V1):
         # scheduler side
         self._blocks: dict[str, list[int]] = {}
         self._prompts: dict[str, list[int]] = {}
-        self._loads: dict[str, tuple[int, int]] = {}
+        self._loads: dict[str, tuple[int, int, list[int]]] = {}
         # worker side
         self._caches: LayerCaches | None = None
         self.tp_rank = 0
@@ -121,21 +128,22 @@ class KvxConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Bundled prompt tokens beyond the `num_computed_tokens` held locally, up to the prompt's last token."""
+        """Tokens of the longest stored prefix of the prompt beyond the `num_computed_tokens` held locally, up to
+        the prompt's last token."""
         params = getattr(request, "sampling_params", None)
         if not self.consumer or getattr(params, "skip_reading_prefix_cache", None):  # 0.26 asks us, 0.32 does not
             return 0, False
         ids = list(request.prompt_token_ids or [])
         try:
-            header = self.store.header(self.model, ids)
+            matched, entry = self.store.longest_prefix(self.model, ids)
         except KvxError as e:
             logger.warning("KVX connector: request %s: store entry refused (%s); computing the prompt",
                            request.request_id, e)
             return 0, False
-        stop = 0 if header is None else min(int(header["tokens"]["count"]), len(ids) - 1)
-        if stop <= num_computed_tokens:
+        stop = min(matched, len(ids) - 1)
+        if entry is None or stop <= num_computed_tokens:
             return 0, False
-        self._loads[request.request_id] = (num_computed_tokens, stop)
+        self._loads[request.request_id] = (num_computed_tokens, stop, entry)
         return stop - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -143,8 +151,8 @@ class KvxConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             self._loads.pop(rid, None)
         elif rid in self._loads:
-            start = self._loads[rid][0]
-            self._loads[rid] = (start, start + num_external_tokens)
+            start, _, entry = self._loads[rid]
+            self._loads[rid] = (start, start + num_external_tokens, entry)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads (requests admitted with bundled tokens) and saves (prompts completed in this step)."""
@@ -171,8 +179,8 @@ class KvxConnector(KVConnectorBase_V1):
         if prompt is None:
             return
         if rid in self._loads:
-            a, b = self._loads.pop(rid)
-            meta.loads.append(Transfer(rid, prompt, self._slots(rid, a, b), (a, b)))
+            a, b, entry = self._loads.pop(rid)
+            meta.loads.append(Transfer(rid, entry, self._slots(rid, a, b), (a, b)))
         if (self.producer and computed < len(prompt) <= computed + scheduled
                 and (self.model, prompt) not in self.store):
             meta.saves.append(Transfer(rid, prompt, self._slots(rid, 0, len(prompt))))

@@ -54,6 +54,8 @@ class KvxOptions:
     kv_calibration: str | None = None
     store: str | None = None
     kvtc: str | None = None
+    store_prefix_block: int | None = None
+    store_max_bytes: int | None = None
 
 
 def options_of(vllm_config: Any) -> KvxOptions:
