@@ -29,10 +29,10 @@ from ..ops import smoothing
 from ..ops.checks import cache_global_scales, check_write
 from ..ops.reference import write_kv
 from ..ops.rotation import rotate
-from .bundle import BundleReader, BundleWriter, TensorSpec
+from .bundle import BundleReader, BundleWriter, TensorSpec, split_payload
 from .header import bundle_header, head_range, transform_flags
 from .host import HostBundle
-from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs, layer_slots, prepare_write_rows, read_rows
+from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs, layer_slots, prepare_write_rows, read_chunk
 from .schema import ModelFingerprint, header_transforms, token_hash
 
 
@@ -84,7 +84,7 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     wheres = layer_slots(caches, slots)
     w = BundleWriter(out, header)
     for cache, where in zip(caches, wheres):
-        w.add_layer(read_rows(cache, slots, where=where))
+        w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where), w.specs, w.tokens))
     w.close()
     return header
 

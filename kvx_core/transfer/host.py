@@ -22,7 +22,7 @@ from .bundle import (SEGMENT_BYTES, BundleReader, bundle_bytes, bundle_prefix, c
                      check_trailer, chunk_at, chunk_head, combine_segments, parse_specs, segment_digest, segments,
                      split_payload, trailer)
 from .header import bundle_header
-from .rows import layer_slots, read_rows
+from .rows import layer_slots, read_chunk
 from .schema import ModelFingerprint, check_layer
 
 GPU_SEGMENT_BYTES = 1 << 16
@@ -114,11 +114,9 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
 
     dev = caches[0].k.tensor.device
     for i, (cache, where) in enumerate(zip(caches, wheres)):  # queue each layer's gather and copy; hash the landed
-        rows = read_rows(cache, slots, where=where)
+        chunk = read_chunk(cache, slots, specs, where=where)
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
-        if size:
-            chunk = torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
             side, ready, done = _copy_stream(dev), torch.cuda.Event(), torch.cuda.Event()
             ready.record()
