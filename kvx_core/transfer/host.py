@@ -23,7 +23,7 @@ from .bundle import (SEGMENT_BYTES, BundleReader, bundle_bytes, bundle_prefix, c
                      split_payload, trailer)
 from .header import bundle_header
 from .rows import layer_slots, read_chunk
-from .schema import ModelFingerprint, check_layer
+from .schema import ModelFingerprint, check_layers
 
 GPU_SEGMENT_BYTES = 1 << 16
 """Checksum segments of bundles exported from CUDA caches: 64 KiB, one GPU program each (thousands per bundle)."""
@@ -209,6 +209,5 @@ class HostBundle:
         layers = [split_payload(staged[i * stride:i * stride + n] if cuda else
                                 self.buf[chunk_at(self.first, n, i) + 16:][:n], self.specs, self.tokens)
                   for i in range(self.num_layers)]
-        for i, tensors in enumerate(layers):
-            check_layer(i, tensors, self.format)
+        check_layers(layers, self.format)  # one host sync for the bundle
         return layers

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import format_of
-from ..descriptors import CacheDesc, check_key_center, check_key_smoothing
+from ..descriptors import CacheDesc, all_finite, check_key_center, check_key_smoothing, finite_positive
 from ..errors import Status, require
 from ..ops import smoothing
 from ..ops.checks import cache_global_scales
@@ -25,18 +25,20 @@ from . import kernels
 class KeyTransform:
     """A per-layer key-transform vector a cache may carry (`ops.smoothing`): its bundle tensor (FP32 [H, D]), the
     header flag `cache.<header>` saying the bundle carries it, how to read it off a cache, and the check of its
-    values that `QuantDesc` applies (`check(v, heads, head_dim, device, what=)`: a bundle's vector passes it too)."""
+    values that `QuantDesc` applies (`check(v, heads, head_dim, device, what=)`: a bundle's vector passes it too),
+    and that check's value rule as a device bool (`valid(v)`: no host sync, for checks batched over layers)."""
 
     tensor: str
     header: str
     what: str
     of: Callable[[CacheDesc], torch.Tensor | None]
     check: Callable[..., None]
+    valid: Callable[[torch.Tensor], torch.Tensor]
 
 
 KEY_TRANSFORMS: tuple[KeyTransform, ...] = (
-    KeyTransform("k_smoothing", "key_smoothing", "key smoothing", smoothing.of, check_key_smoothing),
-    KeyTransform("k_center", "key_centering", "key centering", smoothing.center_of, check_key_center),
+    KeyTransform("k_smoothing", "key_smoothing", "key smoothing", smoothing.of, check_key_smoothing, finite_positive),
+    KeyTransform("k_center", "key_centering", "key centering", smoothing.center_of, check_key_center, all_finite),
 )
 """The key transforms in bundle tensor order: rows of a cache with them hold `(K - c) / s` (then rotated in `_rot`
 formats), so they mean K only with the same vectors."""
