@@ -127,15 +127,15 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)
     layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
     flat = [(layer[n].to(torch.float32), parts[n]) for n in LAYER_TENSORS if n in parts]
-    _move(cache, fmt, slots, parts, scatter=False, flat=flat)
+    _plan_rows(cache, fmt, slots, parts, scatter=False, flat=flat)()
     return chunk
 
 
-def _move(cache: CacheDesc, fmt, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
-          flat: list = ()) -> None:
-    """`ops.triton.rows.move_rows` between the pools of `cache` and `rows` (`{name: contiguous [T, H, X]}` on the
+def _plan_rows(cache: CacheDesc, fmt, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
+               flat: list = ()) -> Callable[[], None]:
+    """`ops.triton.rows.plan_rows` between the pools of `cache` and `rows` (`{name: contiguous [T, H, X]}` on the
     cache's device, every pool of the format), for `slots` already checked."""
-    from ..ops.triton.rows import block_rows, interleaved_rows, move_rows
+    from ..ops.triton.rows import block_rows, interleaved_rows, plan_rows
 
     pairs = []
     for which in ("k", "v"):
@@ -146,7 +146,7 @@ def _move(cache: CacheDesc, fmt, slots: torch.Tensor, rows: dict[str, torch.Tens
                     else block_rows(p.scales))
             pairs.append((pool, rows[f"{which}_scales"]))
     dev = cache.k.tensor.device
-    move_rows(slots.to(device=dev, dtype=torch.int64), cache.block_size, pairs, scatter=scatter, flat=flat)
+    return plan_rows(slots.to(device=dev, dtype=torch.int64), cache.block_size, pairs, scatter=scatter, flat=flat)
 
 
 def format_specs(fmt, num_kv_heads: int, head_dim: int, transforms: Collection[str] = ()
@@ -191,7 +191,7 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
     if kernels.use_kernels(cache.k.tensor.device):  # one scatter kernel; the rows staged on the device first
         dev = cache.k.tensor.device
         staged = {n: t.to(dev).contiguous() for n, t in rows.items() if n not in LAYER_TENSORS}
-        return lambda: _move(cache, fmt, slots, staged, scatter=True)
+        return _plan_rows(cache, fmt, slots, staged, scatter=True)
     sides = [(side_pools(cache, fmt, w), rows[f"{w}_data"], rows.get(f"{w}_scales")) for w in ("k", "v")]
 
     def store() -> None:

@@ -122,8 +122,12 @@ def plan_convert(src: CacheFormat, rows: dict[str, torch.Tensor], args: WriteArg
     d = int(k_data.shape[3]) * (2 if kernel_format(fmt.k).packed else 1)
     t = int(rows["k_data"].shape[0])
     check_device(args.slots, k_data, v_data, *rows.values())
-    scratch = tuple(torch.empty(t, hkv, d, dtype=torch.float32, device=k_data.device) for _ in "kv")
-    kargs, kc = _side("K", scratch[0], k_data, k_scales, args.k_gs, fmt.k, d, hkv)
-    vargs, vc = _side("V", scratch[1], v_data, v_scales, args.v_gs, fmt.v, d, hkv)
+    shape = torch.empty(0, hkv, d, dtype=torch.float32, device=k_data.device)  # the scratch's strides, for `_side`
+    kargs, kc = _side("K", shape, k_data, k_scales, args.k_gs, fmt.k, d, hkv)
+    vargs, vc = _side("V", shape, v_data, v_scales, args.v_gs, fmt.v, d, hkv)
     encode = (args.slots, list(kargs[3:]), list(vargs[3:]), kc, vc, bs)
-    return lambda: _launch(src, rows, d, hkv, scratch, encode, block_t)
+
+    def launch() -> None:  # the FP32 scratch lives for one layer's launch only
+        scratch = tuple(torch.empty(t, hkv, d, dtype=torch.float32, device=k_data.device) for _ in "kv")
+        _launch(src, rows, d, hkv, scratch, encode, block_t)
+    return launch

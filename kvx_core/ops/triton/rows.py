@@ -1,8 +1,8 @@
 """Row gather / scatter of a KV bundle chunk: every pool of a layer (K / V payload and scale pools) in ONE launch.
 
 A bundle chunk holds each pool's rows of the requested slots, packed `[T, H, X]` in the pool's own dtype
-(`transfer.rows.read_rows`). `move_rows` copies those rows between the pools and per-pool chunk buffers, both
-ways: gather (export: pools -> chunk) and scatter (import: chunk -> pools), plus on gather up to four per-layer
+(`transfer.rows.read_rows`). The kernel copies those rows between the pools and per-pool chunk buffers, both
+ways (`plan_rows`): gather (export: pools -> chunk) and scatter (import: chunk -> pools), plus on gather up to four per-layer
 tensors (global scales, key vectors) copied whole. Bits are moved as integers of the element's width (no float
 arithmetic), so the chunk is bit-identical to the torch gather.
 
@@ -14,12 +14,14 @@ cdiv(max row, BE))`: axis 1 picks one of four pools or four flat tensors; absent
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ...errors import Status, require
 from .launch import check_device
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -32,7 +34,7 @@ MAX_FLAT = 4
 
 @dataclass(frozen=True)
 class PoolRows:
-    """One pool as `move_rows` addresses it: `base`, an integer tensor of the element width starting at the pool's
+    """One pool as the kernel addresses it: `base`, an integer tensor of the element width starting at the pool's
     first element (its whole storage from there: strided views are read in place), the element strides of the
     block view (`block`, `group`, `offset`, `head`, `dp`, `pack`), the token group `g` (1 for linear pools) and
     the row shape (`heads`, `x` elements per head, `pk` pack)."""
@@ -146,41 +148,50 @@ def _rows_kernel(
             _copy(F3, FC3, N3, e0, BE)
 
 
-@torch.no_grad()
-def move_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, torch.Tensor]], *,
-              scatter: bool, flat: list[tuple[torch.Tensor, torch.Tensor]] = (), block_t: int = 16,
-              block_e: int = 1024) -> None:
-    """Gather (`scatter=False`: pools -> chunk rows) or scatter (`True`: chunk rows -> pools) the rows of `slots`
-    (int64 `[T]`, checked by the caller: in range and distinct) for up to four `(pool, rows)` pairs, `rows` a
-    contiguous `[T, H, X]` tensor of the pool's element width; `flat`: up to four `(src, dst)` contiguous tensors
-    of equal bytes copied whole (gather only). One launch."""
-    assert len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat)
+def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, torch.Tensor]], *, scatter: bool,
+              flat: list[tuple[torch.Tensor, torch.Tensor]] = (), block_t: int = 16,
+              block_e: int = 1024) -> Callable[[], None]:
+    """The launch that gathers (`scatter=False`: pools -> chunk rows) or scatters (`True`: chunk rows -> pools) the
+    rows of `slots` (int64 `[T]`, checked by the caller: in range and distinct) for up to four `(pool, rows)` pairs,
+    `rows` a contiguous `[T, H, X]` tensor of the pool's element width; `flat`: up to four `(src, dst)` tensors of
+    equal bytes (`dst` contiguous) copied whole (gather only). Everything is checked and built here; the returned
+    callable only launches (one launch)."""
+    require(len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat), Status.INVALID_ARGUMENT,
+            f"plan_rows: at most {MAX_POOLS} pools and {MAX_FLAT} flat tensors (gather only)")
     t = int(slots.numel())
     check_device(slots, *(c for _, c in pools), *(x for f in flat for x in f))
     pargs, consts, widest = [], [], 0
     for i in range(MAX_POOLS):
         if i < len(pools):
             p, c = pools[i]
-            assert c.is_contiguous() and c.numel() * c.element_size() == t * p.row * p.base.element_size()
-            pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, c.reshape(-1).view(p.base.dtype), p.x, p.row]
+            require(c.is_contiguous() and c.numel() * c.element_size() == t * p.row * p.base.element_size(),
+                    Status.INVALID_ARGUMENT, f"plan_rows: rows {i} must be contiguous [{t}, {p.heads}, {p.x}] "
+                                             f"elements of {p.base.element_size()} bytes")
+            pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, c.reshape(-1).view(p.base.dtype), p.x,
+                      p.row]
             consts.append((p.g, p.pk))
             widest = max(widest, p.row)
-        else:
+        else:  # an absent pool: R = 0, its programs return at once
             pargs += [slots, 0, 0, 0, 0, 0, 0, slots, 1, 0]
             consts.append((1, 1))
     fargs = []
     for i in range(MAX_FLAT):
         if i < len(flat):
-            src, dst = (x.contiguous().reshape(-1).view(torch.uint8) for x in flat[i])
-            assert src.numel() == dst.numel() and flat[i][1].is_contiguous()
-            fargs += [src, dst, src.numel()]
+            src, dst = flat[i]
+            require(dst.is_contiguous() and src.numel() * src.element_size() == dst.numel() * dst.element_size(),
+                    Status.INVALID_ARGUMENT, f"plan_rows: flat tensor {i}: a contiguous destination of equal bytes")
+            src = src.contiguous().reshape(-1).view(torch.uint8)
+            fargs += [src, dst.reshape(-1).view(torch.uint8), src.numel()]
             widest = max(widest, src.numel())
         else:
             fargs += [slots, slots, 0]
     if widest == 0 or (t == 0 and not flat):
-        return
+        return lambda: None
     grid = (max(1, triton.cdiv(t, block_t)), MAX_POOLS + MAX_FLAT, triton.cdiv(widest, block_e))
-    _rows_kernel[grid](slots, t, block_size, *pargs, *fargs,
-                       G0=consts[0][0], G1=consts[1][0], G2=consts[2][0], G3=consts[3][0],
-                       K0=consts[0][1], K1=consts[1][1], K2=consts[2][1], K3=consts[3][1],
-                       BT=block_t, BE=block_e, SCATTER=scatter, num_warps=4)
+
+    def launch() -> None:
+        _rows_kernel[grid](slots, t, block_size, *pargs, *fargs,
+                           G0=consts[0][0], G1=consts[1][0], G2=consts[2][0], G3=consts[3][0],
+                           K0=consts[0][1], K1=consts[1][1], K2=consts[2][1], K3=consts[3][1],
+                           BT=block_t, BE=block_e, SCATTER=scatter, num_warps=4)
+    return launch
