@@ -25,6 +25,7 @@ from kvx_core.transfer.rows import read_rows
 
 from ..fuzz import mutate_bytes, mutate_json, run_capped
 from ..transfer import test_bundle as tb
+from ..transfer import test_engines as engines
 from ..transfer.test_bundle import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged, small  # noqa: F401
 
 PATHS = ("torch", "triton")
@@ -65,14 +66,14 @@ def launches(monkeypatch) -> list[str]:
     return seen
 
 
-def _exports(caches, slots, **kw) -> dict[str, tuple[bytes, bytes]]:
+def _exports(caches, slots, model=MODEL, **kw) -> dict[str, tuple[bytes, bytes]]:
     """{path: (stream bundle, host bundle)} of both paths."""
     out = {}
     for path in PATHS:
         with _path(path):
             stream = io.BytesIO()
-            export_bundle(stream, caches, slots, model=MODEL, **kw)
-            out[path] = (stream.getvalue(), bytes(export_to_host(caches, slots, model=MODEL, **kw).numpy()))
+            export_bundle(stream, caches, slots, model=model, **kw)
+            out[path] = (stream.getvalue(), bytes(export_to_host(caches, slots, model=model, **kw).numpy()))
     return out
 
 
@@ -229,6 +230,37 @@ test_a_destination_failing_in_its_last_layer_changes_no_layer = tb.test_a_destin
 test_token_range_stores_only_those_tokens_bit_identically = tb.test_token_range_stores_only_those_tokens_bit_identically
 test_an_empty_sequence_round_trips = tb.test_an_empty_sequence_round_trips
 test_conversion_equals_writing_the_dequantized_kv = tb.test_conversion_equals_writing_the_dequantized_kv
+
+
+ENGINES = sorted(engines.ENGINES)
+
+
+@pytest.mark.parametrize("src_name", ENGINES)
+def test_kernel_export_from_engine_layouts_is_the_torch_export(src_name):
+    """vLLM NHD / HND / x-packed (HND_PACKED) / FP8 / plugin pages, TGI, TensorRT-LLM's primary pool, FlashInfer,
+    KVX pages: the kernel gather reads each layout's strides as torch does."""
+    bs, caches = engines._make(src_name)
+    _, slots = engines._table(bs, 1)
+    engines._fill(caches, slots, 2)
+    assert _same_bytes(_exports(caches, slots, model=engines.MODEL))
+
+
+@pytest.mark.parametrize("src_name", ENGINES)
+def test_kernel_handoff_between_engine_layouts(src_name):
+    """tests/transfer/test_engines.py's handoff on the kernel path, each layout into itself and the next one (the
+    whole matrix: the slow test below)."""
+    i = ENGINES.index(src_name)
+    for dst_name in (src_name, ENGINES[(i + 1) % len(ENGINES)]):
+        with _path("triton"):
+            engines.test_handoff_between_engine_layouts(src_name, dst_name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src_name", ENGINES)
+def test_kernel_handoff_between_every_pair_of_engine_layouts(src_name):
+    for dst_name in ENGINES:
+        with _path("triton"):
+            engines.test_handoff_between_engine_layouts(src_name, dst_name)
 
 
 SPECIALS = torch.tensor([0.0, -0.0, 1e-40, -1e-41, 6e-8, 1.0, -2.5, 3e38, -3e38, 65504.0, 1e5, 448.0, 500.0,
