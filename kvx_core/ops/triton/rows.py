@@ -56,6 +56,12 @@ class PoolRows:
         """Elements per token row (the chunk holds `[T, row]`)."""
         return self.heads * self.x
 
+    @property
+    def flat(self) -> bool:
+        """Whether a token's row is one contiguous run of elements (NHD pools, vLLM pages): the kernel then
+        addresses it without dividing the element index, and its loads and stores vectorize."""
+        return self.g == 1 and self.pk == 1 and self.dp == 1 and (self.heads == 1 or self.head == self.x)
+
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
     """The storage of `t` from its first element to the storage's end, as the integer dtype of its element width
@@ -83,8 +89,10 @@ def interleaved_rows(pool: torch.Tensor, group: int) -> PoolRows:
 
 @triton.jit
 def _move(P, s_b, s_g, s_o, s_h, s_d, s_p, C, SLOT, T, t0, e0, X, R, BS,
-          G: tl.constexpr, PK: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, SCATTER: tl.constexpr):
-    """Tokens t0 .. t0+BT, row elements e0 .. e0+BE of one pool <-> its chunk rows `C [T, R]`."""
+          G: tl.constexpr, PK: tl.constexpr, FLAT: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+          SCATTER: tl.constexpr):
+    """Tokens t0 .. t0+BT, row elements e0 .. e0+BE of one pool <-> its chunk rows `C [T, R]` (FLAT: each token's
+    row is contiguous in the pool)."""
     t = t0 + tl.arange(0, BT)
     e = e0 + tl.arange(0, BE)
     tm = t < T
@@ -92,10 +100,13 @@ def _move(P, s_b, s_g, s_o, s_h, s_d, s_p, C, SLOT, T, t0, e0, X, R, BS,
     slot = tl.load(SLOT + t, mask=tm, other=0).to(tl.int64)
     blk = slot // BS
     off = slot % BS
-    h = (e // X).to(tl.int64)
-    r = e % X
     tok = blk * s_b + (off // G) * s_g + (off % G) * s_o
-    elem = h * s_h + (r // PK).to(tl.int64) * s_d + (r % PK).to(tl.int64) * s_p
+    if FLAT:
+        elem = e.to(tl.int64)
+    else:
+        h = (e // X).to(tl.int64)
+        r = e % X
+        elem = h * s_h + (r // PK).to(tl.int64) * s_d + (r % PK).to(tl.int64) * s_p
     p = P + tok[:, None] + elem[None, :]
     c = C + t.to(tl.int64)[:, None] * R + e[None, :]
     if SCATTER:
@@ -120,6 +131,7 @@ def _rows_kernel(
     F0, FC0, N0, F1, FC1, N1, F2, FC2, N2, F3, FC3, N3,
     G0: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, G3: tl.constexpr,
     K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
+    L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr,
     BT: tl.constexpr, BE: tl.constexpr, SCATTER: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BT
@@ -127,16 +139,20 @@ def _rows_kernel(
     e0 = tl.program_id(2) * BE
     if which == 0:
         if e0 < R0:
-            _move(P0, b0, g0, o0, h0, d0, p0, C0, SLOT, T, t0, e0, X0, R0, BS, G0, K0, BT, BE, SCATTER)
+            _move(P0, b0, g0, o0, h0, d0, p0, C0, SLOT, T, t0, e0, X0, R0, BS, G0, K0, L0, BT,
+                  BE, SCATTER)
     elif which == 1:
         if e0 < R1:
-            _move(P1, b1, g1, o1, h1, d1, p1, C1, SLOT, T, t0, e0, X1, R1, BS, G1, K1, BT, BE, SCATTER)
+            _move(P1, b1, g1, o1, h1, d1, p1, C1, SLOT, T, t0, e0, X1, R1, BS, G1, K1, L1, BT,
+                  BE, SCATTER)
     elif which == 2:
         if e0 < R2:
-            _move(P2, b2, g2, o2, h2, d2, p2, C2, SLOT, T, t0, e0, X2, R2, BS, G2, K2, BT, BE, SCATTER)
+            _move(P2, b2, g2, o2, h2, d2, p2, C2, SLOT, T, t0, e0, X2, R2, BS, G2, K2, L2, BT,
+                  BE, SCATTER)
     elif which == 3:
         if e0 < R3:
-            _move(P3, b3, g3, o3, h3, d3, p3, C3, SLOT, T, t0, e0, X3, R3, BS, G3, K3, BT, BE, SCATTER)
+            _move(P3, b3, g3, o3, h3, d3, p3, C3, SLOT, T, t0, e0, X3, R3, BS, G3, K3, L3, BT,
+                  BE, SCATTER)
     elif tl.program_id(0) == 0:
         if which == 4:
             _copy(F0, FC0, N0, e0, BE)
@@ -169,11 +185,11 @@ def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, 
                                              f"elements of {p.base.element_size()} bytes")
             pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, c.reshape(-1).view(p.base.dtype), p.x,
                       p.row]
-            consts.append((p.g, p.pk))
+            consts.append((p.g, p.pk, p.flat))
             widest = max(widest, p.row)
         else:  # an absent pool: R = 0, its programs return at once
             pargs += [slots, 0, 0, 0, 0, 0, 0, slots, 1, 0]
-            consts.append((1, 1))
+            consts.append((1, 1, True))
     fargs = []
     for i in range(MAX_FLAT):
         if i < len(flat):
@@ -193,5 +209,6 @@ def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, 
         _rows_kernel[grid](slots, t, block_size, *pargs, *fargs,
                            G0=consts[0][0], G1=consts[1][0], G2=consts[2][0], G3=consts[3][0],
                            K0=consts[0][1], K1=consts[1][1], K2=consts[2][1], K3=consts[3][1],
+                           L0=consts[0][2], L1=consts[1][2], L2=consts[2][2], L3=consts[3][2],
                            BT=block_t, BE=block_e, SCATTER=scatter, num_warps=4)
     return launch
