@@ -225,8 +225,9 @@ def _triton_for_the_imported_tests(request):
         yield
 
 
-# The import's all-or-nothing guarantees, on the kernel path (tests/transfer/test_bundle.py's own tests):
-test_a_destination_failing_in_its_last_layer_changes_no_layer = tb.test_a_destination_failing_in_its_last_layer_changes_no_layer
+# The import's all-or-nothing guarantees and conversions, on the kernel path (tests/transfer/test_bundle.py's own):
+test_a_destination_failing_in_its_last_layer_changes_no_layer = (
+    tb.test_a_destination_failing_in_its_last_layer_changes_no_layer)
 test_token_range_stores_only_those_tokens_bit_identically = tb.test_token_range_stores_only_those_tokens_bit_identically
 test_an_empty_sequence_round_trips = tb.test_an_empty_sequence_round_trips
 test_conversion_equals_writing_the_dequantized_kv = tb.test_conversion_equals_writing_the_dequantized_kv

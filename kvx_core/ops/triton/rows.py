@@ -1,16 +1,17 @@
 """Row gather / scatter of a KV bundle chunk: every pool of a layer (K / V payload and scale pools) in ONE launch.
 
 A bundle chunk holds each pool's rows of the requested slots, packed `[T, H, X]` in the pool's own dtype
-(`transfer.rows.read_rows`). The kernel copies those rows between the pools and per-pool chunk buffers, both
-ways (`plan_rows`): gather (export: pools -> chunk) and scatter (import: chunk -> pools), plus on gather up to four per-layer
-tensors (global scales, key vectors) copied whole. Bits are moved as integers of the element's width (no float
+(`transfer.rows.read_rows`). The kernel copies those rows between the pools and per-pool chunk buffers, both ways
+(`plan_rows`): gather (export: pools -> chunk) and scatter (import: chunk -> pools), plus on gather up to four
+per-layer tensors (global scales, key vectors) copied whole. Bits are moved as integers of the element's width (no float
 arithmetic), so the chunk is bit-identical to the torch gather.
 
 A pool is addressed through its 5-D block view `[blocks, block_size, H, Dp, pack]` with any element strides
 (NHD, HND, HND_PACKED, regions of a page buffer), plus a token split for pools interleaved by G tokens
 (`scale_layout.Interleave4Rows`): the element of (block, offset, head, dp, p) lies at
 `block*s_b + (offset // G)*s_g + (offset % G)*s_o + head*s_h + dp*s_d + p*s_p`. Grid `(cdiv(T, BT), 8,
-cdiv(max row, BE))`: axis 1 picks one of four pools or four flat tensors; absent ones return at once.
+cdiv(max row, BE))`: axis 1 picks one of four pools or four flat tensors; absent ones return at once. A pool whose
+token rows are contiguous (`PoolRows.flat`) skips the index arithmetic.
 """
 from __future__ import annotations
 
