@@ -1,6 +1,7 @@
 """KV bundle export / import throughput against a raw copy of the same bytes, in the same run.
 
-    python benchmarks/bench_transfer.py [--device cuda] [--tokens 8192] [--out FILE.jsonl]
+    python benchmarks/bench_transfer.py [--device cuda] [--tokens 8192] [--layers 8] [--path old|new|both]
+                                        [--out FILE.jsonl]
 
 A cache of `--layers` x `--tokens` tokens (8 KV heads x 128) on `--device`; export writes the bundle into host
 memory, import reads it back into a second cache on the device, by two paths: "stream" (`export_bundle` into an
@@ -8,7 +9,11 @@ io.BytesIO, `import_bundle` from one: what files and pipes use) and "host" (`exp
 buffer, `import_bundle` from that buffer: pipelined copies, checksums in threads). Cases: the same format both ways
 (rows move as stored: bf16, nvfp4) and bf16 -> nvfp4 (decode + re-encode on import). The baseline is a copy of the
 bundle's bytes between the device and pinned host memory: device -> host for export, host -> device for import.
-GB/s count the bundle's bytes; `x_copy` = bundle GB/s / copy GB/s.
+GB/s count the bundle's bytes; `x_copy` = bundle GB/s / copy GB/s; `export_ms` / `import_ms` the per-request
+latency. `--path`: "old" moves rows with torch (`kernel_path("torch")`: gathers, index_put, the torch conversion),
+"new" with the transfer kernels (`kernel_path("triton")`: one gather / scatter / conversion kernel per layer,
+checks batched per bundle), "both" (default) times each against the same copy baseline in one run; on the CPU only
+"old" runs (the kernels need CUDA). The issue's shapes: `--tokens 16384 --layers 8` and `--tokens 1024 --layers 32`.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 from kvx_core.cache import PagedKVCache
 from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
 from kvx_core.transfer.host import export_to_host
+from kvx_core.transfer.kernels import kernel_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,6 +52,9 @@ def _best(fn, device: str, runs: int) -> float:
     return best
 
 
+KERNEL_PATHS = {"old": "torch", "new": "triton"}
+
+
 def _cache(fmt: str, a) -> PagedKVCache:
     blocks = (a.tokens + 15) // 16
     return PagedKVCache(fmt, num_layers=a.layers, num_blocks=blocks, block_size=16, num_kv_heads=8, head_dim=128,
@@ -60,11 +69,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--stream", action="store_true", help="also time the stream path (slow on GPU caches)")
+    ap.add_argument("--path", default="both", choices=("old", "new", "both"),
+                    help="torch row moves (old), the transfer kernels (new), or both in one run")
     ap.add_argument("--out")
     a = ap.parse_args()
     model = ModelFingerprint("bench", a.layers, 8, 128, {}, "0" * 64, "0" * 64)
     slots = torch.arange(a.tokens)
     env = {**env_info(), "bench": "transfer", "device": a.device, "layers": a.layers, "tokens": a.tokens}
+    kernels = ("old", "new") if a.path == "both" else (a.path,)
+    if a.device == "cpu" and "new" in kernels:
+        print("bench_transfer: the transfer kernels need CUDA; timing the torch path only", file=sys.stderr)
+        kernels = ("old",)
     g = torch.Generator().manual_seed(0)
     for src_fmt, dst_fmt in (("bf16", "bf16"), ("nvfp4", "nvfp4"), ("bf16", "nvfp4")):
         src, dst = _cache(src_fmt, a), _cache(dst_fmt, a)
@@ -78,21 +93,30 @@ def main() -> None:
         dev = torch.empty(n, dtype=torch.uint8, device=a.device)
         t_d2h = _best(lambda: pinned.copy_(dev), a.device, a.runs)
         t_h2d = _best(lambda: dev.copy_(pinned), a.device, a.runs)
-        blob = bytes(export_to_host(srcs, slots, model=model, out=pinned).numpy())
+        with kernel_path("torch"):
+            blob = bytes(export_to_host(srcs, slots, model=model, out=pinned).numpy())
         paths = {"stream": (lambda: export_bundle(io.BytesIO(), srcs, slots, model=model),
                             lambda: import_bundle(io.BytesIO(blob), dsts, slots, model=model)),
                  "host": (lambda: export_to_host(srcs, slots, model=model, out=pinned),
                           lambda: import_bundle(pinned, dsts, slots, model=model))}
+        if len(kernels) == 2:  # the kernels' bundle is the torch one, byte for byte, before either is timed
+            with kernel_path("triton"):
+                same = bytes(export_to_host(srcs, slots, model=model).numpy()) == blob
+            if not same:
+                raise SystemExit(f"bench_transfer: {src_fmt}: the kernel export differs from the torch export")
         for path, (export, import_) in paths.items():
             if path == "stream" and not a.stream:
                 continue
-            t_exp, t_imp = _best(export, a.device, a.runs), _best(import_, a.device, a.runs)
-            gb = n / 1e9
-            rec = {**env, "src": src_fmt, "dst": dst_fmt, "path": path, "bundle_bytes": n,
-                   "export_gbps": round(gb / t_exp, 3), "import_gbps": round(gb / t_imp, 3),
-                   "copy_d2h_gbps": round(gb / t_d2h, 3), "copy_h2d_gbps": round(gb / t_h2d, 3),
-                   "export_x_copy": round(t_d2h / t_exp, 3), "import_x_copy": round(t_h2d / t_imp, 3)}
-            emit(a.out, rec)
+            for rows in kernels:
+                with kernel_path(KERNEL_PATHS[rows]):
+                    t_exp, t_imp = _best(export, a.device, a.runs), _best(import_, a.device, a.runs)
+                gb = n / 1e9
+                rec = {**env, "src": src_fmt, "dst": dst_fmt, "path": path, "rows": rows, "bundle_bytes": n,
+                       "export_gbps": round(gb / t_exp, 3), "import_gbps": round(gb / t_imp, 3),
+                       "export_ms": round(t_exp * 1e3, 3), "import_ms": round(t_imp * 1e3, 3),
+                       "copy_d2h_gbps": round(gb / t_d2h, 3), "copy_h2d_gbps": round(gb / t_h2d, 3),
+                       "export_x_copy": round(t_d2h / t_exp, 3), "import_x_copy": round(t_h2d / t_imp, 3)}
+                emit(a.out, rec)
 
 
 if __name__ == "__main__":

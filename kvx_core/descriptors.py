@@ -470,12 +470,23 @@ def _check_key_vector(what: str, v: torch.Tensor | None, num_kv_heads: int, head
     return True
 
 
+def finite_positive(t: torch.Tensor) -> torch.Tensor:
+    """Device bool: every element finite and > 0 (the rule of global scales and smoothing vectors; no host sync,
+    so callers can batch it)."""
+    return (torch.isfinite(t) & (t > 0)).all()
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """Device bool: every element finite (the rule of centering vectors; no host sync)."""
+    return torch.isfinite(t).all()
+
+
 def check_key_smoothing(s: torch.Tensor | None, num_kv_heads: int, head_dim: int, device,
                         what: str = "quant.k_smoothing") -> None:
     """A key-smoothing vector: None, or FP32 `[num_kv_heads, head_dim]` on the pools' device, finite and > 0 (one
     host sync). `what` names it in errors (a KV bundle's vector is checked by the same rule)."""
     if _check_key_vector(what, s, num_kv_heads, head_dim, device):
-        require(bool((torch.isfinite(s) & (s > 0)).all()), Status.INVALID_ARGUMENT,
+        require(bool(finite_positive(s)), Status.INVALID_ARGUMENT,
                 f"{what} must be finite and > 0 (keys are divided by it)")
 
 
@@ -484,7 +495,7 @@ def check_key_center(c: torch.Tensor | None, num_kv_heads: int, head_dim: int, d
     """A key-centering vector: None, or FP32 `[num_kv_heads, head_dim]` on the pools' device, finite (one host
     sync). `what` as for `check_key_smoothing`."""
     if _check_key_vector(what, c, num_kv_heads, head_dim, device):
-        require(bool(torch.isfinite(c).all()), Status.INVALID_ARGUMENT,
+        require(bool(all_finite(c)), Status.INVALID_ARGUMENT,
                 f"{what} must be finite (it is subtracted from every key)")
 
 

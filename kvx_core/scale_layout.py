@@ -40,6 +40,7 @@ class Interleave4Rows:
     def __init__(self, pool: torch.Tensor):
         """`pool`: the `[N, H, T, S]` HND bytes (uint8) that `check_interleave4` accepted."""
         n, h, t, s = pool.shape
+        self.pool = pool
         self._planes = pool.as_strided((n, h, t // GROUP, s, GROUP),
                                        (pool.stride(0), pool.stride(1), GROUP * s, GROUP, 1))
         self.shape = (n, t, h, s, 1)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import format_of
-from ..descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, SeqLens, SlotMapping, WriteDesc
+from ..descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, SeqLens, SlotMapping, WriteDesc,
+                           finite_positive)
 from ..enums import BlockTableFormat, DType, ScaleGranularity
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, TensorFormat
@@ -49,7 +50,7 @@ def global_scale(tf: TensorFormat, g, num_heads: int, device: torch.device, what
             f"{(g.dtype, tuple(g.shape)) if isinstance(g, torch.Tensor) else type(g).__name__}")
     out = g.to(device=device, dtype=torch.float32).reshape(-1).expand(num_heads).contiguous()
     if check_values:
-        require(bool((torch.isfinite(out) & (out > 0)).all()), Status.INVALID_ARGUMENT,
+        require(bool(finite_positive(out)), Status.INVALID_ARGUMENT,
                 f"{what} must be finite and > 0 in FP32, got {g.tolist()}")
     return out
 
@@ -175,7 +176,7 @@ def check_write(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> Wr
                             k_gs=kg, v_gs=vg, invalid_slot=write.slots.invalid_slot, check=check)
     if check:
         slots = args.slots[args.keep]
-        _check_disjoint(k5, v5, slots // cache.block_size, slots % cache.block_size)
+        check_disjoint(k5, v5, slots // cache.block_size, slots % cache.block_size)
     return WritePlan(fmt, args)
 
 
@@ -202,7 +203,7 @@ def _blocks_disjoint(k5: torch.Tensor, v5: torch.Tensor) -> bool:
     return inner[0] <= d and d + inner[1] <= stride
 
 
-def _check_disjoint(k5: torch.Tensor, v5: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
+def check_disjoint(k5: torch.Tensor, v5: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
     """The K and V elements a write touches must be distinct (a TRT-LLM pool view, where K and V share
     one buffer and are told apart only by KV_OFFSETS, is for gathering, not slot-mapped writes)."""
     if k5.untyped_storage().data_ptr() != v5.untyped_storage().data_ptr() or blk.numel() == 0:

@@ -21,19 +21,22 @@ from typing import BinaryIO
 import torch
 
 from ..codec import format_of
-from ..descriptors import CacheDesc, KvIoDesc, SlotMapping, WriteDesc
+from ..descriptors import CacheDesc, KvIoDesc, SlotMapping, WriteDesc, finite_positive
 from ..errors import KvxError, Status, int_value, require
 from ..formats import CacheFormat, get_format
 from ..jsonsafe import loads_object
+from ..layouts import block_view
 from ..ops import smoothing
-from ..ops.checks import cache_global_scales, check_write
+from ..ops.checks import WriteArgs, cache_global_scales, check_disjoint, check_write
 from ..ops.reference import write_kv
 from ..ops.rotation import rotate
-from .bundle import BundleReader, BundleWriter, TensorSpec
+from .bundle import BundleReader, BundleWriter, TensorSpec, split_payload
 from .header import bundle_header, head_range, transform_flags
 from .host import HostBundle
-from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs, layer_slots, prepare_write_rows, read_rows
-from .schema import ModelFingerprint, header_transforms, token_hash
+from .kernels import use_kernels
+from .rows import (KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms, layer_slots, prepare_write_rows,
+                   read_chunk)
+from .schema import ModelFingerprint, header_transforms, read_flags, token_hash
 
 
 def _config_count(cfg: dict, *keys: str) -> int:
@@ -84,7 +87,7 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     wheres = layer_slots(caches, slots)
     w = BundleWriter(out, header)
     for cache, where in zip(caches, wheres):
-        w.add_layer(read_rows(cache, slots, where=where))
+        w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where), w.specs, w.tokens))
     w.close()
     return header
 
@@ -167,29 +170,76 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     return new
 
 
-def _same(ours: torch.Tensor | None, theirs: torch.Tensor | None) -> bool:
-    """Whether a cache's key-transform vector and a bundle's are the same bits (or both absent)."""
-    if ours is None or theirs is None:
-        return ours is None and theirs is None
-    return torch.equal(ours.float(), theirs.to(ours.device))
+def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: Sequence[CacheDesc]) -> list[bool]:
+    """Per layer, whether its destination takes the bundled rows as stored: same format, global scales and key
+    transform (the stored bytes mean the same K/V there). Also checks every destination's global scales (finite,
+    > 0). One host sync for the bundle: the comparisons are device flags read together."""
+    flags: list[torch.Tensor] = []
+    plans = []  # per layer: (index of its scales flag or None, index of its same flag, or a known answer)
+    for rows, cache in zip(layers, caches):
+        dst = format_of(cache)
+        kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
+        ours = [g for g in (kg, vg) if g is not None]
+        valid = None
+        if ours:
+            valid = len(flags)
+            flags.append(finite_positive(torch.cat(ours)))
+        pairs = [(g, rows.get(n)) for n, g in (("k_global", kg), ("v_global", vg)) if g is not None]
+        pairs += [(t.of(cache), rows.get(t.tensor)) for t in KEY_TRANSFORMS]
+        same: int | bool = src == dst and all((a is None) == (b is None) for a, b in pairs)
+        if same and any(a is not None for a, _ in pairs):
+            same = len(flags)
+            flags.append(torch.stack([(a.float() == b.to(a.device)).all() for a, b in pairs if a is not None]).all())
+        plans.append((valid, same))
+    got = read_flags(flags)
+    for cache, (valid, _) in zip(caches, plans):
+        if valid is not None and not got[valid]:
+            cache_global_scales(cache, format_of(cache), None, None, "import_bundle")  # raises, naming the scale
+    return [same if isinstance(same, bool) else got[same] for _, same in plans]
 
 
 def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
-             where: tuple[torch.Tensor, torch.Tensor]):
+             where: tuple[torch.Tensor, torch.Tensor], same: bool):
     """The store of one layer's bundled `rows` (source format `src`) into `cache` at `slots` (`where`: their
-    `check_slots` in this cache), checked and converted now; the returned callable only stores."""
-    dst = format_of(cache)
-    if src == dst:  # the stored bytes, when they mean the same K/V here: same scales, same key transform
-        kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle")
-        if all(_same(t.of(cache), rows.get(t.tensor)) for t in KEY_TRANSFORMS) and all(
-                g is None or torch.equal(g, rows[n].to(g.device)) for n, g in (("k_global", kg), ("v_global", vg))):
-            return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
-                                      where=where)
-    kv = decode_rows(rows, src)
+    `check_slots` in this cache; `same`: `_same_rows`' answer), checked and converted now; the returned callable
+    only stores."""
+    if same:
+        return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
+                                  where=where)
     dev = cache.k.tensor.device
+    if use_kernels(dev):
+        return _prepare_on_device(rows, src, cache, slots, where)
+    kv = decode_rows(rows, src)
     write = WriteDesc(KvIoDesc(kv[0].to(dev), kv[1].to(dev)), SlotMapping(slots.to(dev)))
     check_write(cache, write)  # write_kv checks again; this one runs before any layer stores
     return lambda: write_kv(cache, write)
+
+
+def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
+                       where: tuple[torch.Tensor, torch.Tensor]):
+    """`_prepare`'s conversion on the kernels, with no host sync (the slots and the destination's global scales are
+    checked already): without rotation or key transform on either side, one kernel decodes and encodes
+    (`ops.triton.convert.plan_convert`); otherwise the rows are decoded by a kernel, rotated and untransformed as
+    `decode_rows` does, and written by the fused write (`ops.dispatch.write_kv`)."""
+    from ..ops import dispatch
+    from ..ops.triton.convert import decode_rows as decode_on_device, plan_convert
+
+    dev = cache.k.tensor.device
+    dst = format_of(cache)
+    staged = {n: t.to(dev).contiguous() for n, t in rows.items()}
+    check_disjoint(block_view(cache.k.tensor, cache.k.layout), block_view(cache.v.tensor, cache.v.layout), *where)
+    pools = dispatch._kernel_pools(cache)
+    if pools is not None and not (src.rotate or dst.rotate or key_transforms(cache)
+                                  or any(t.tensor in rows for t in KEY_TRANSFORMS)):
+        kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
+        return plan_convert(src, staged, WriteArgs(slots.to(device=dev, dtype=torch.int64), kg, vg), *pools[:4], dst)
+    k, v = decode_on_device(src, staged, cache.head_dim)
+    if src.rotate:
+        k, v = rotate(k), rotate(v)
+    k = smoothing.untransform_keys(k, staged.get("k_smoothing"), staged.get("k_center"))
+    write = WriteDesc(KvIoDesc(k, v), SlotMapping(slots.to(dev)))
+    check_write(cache, write, check=False)  # the value checks ran (slots, scales); nothing after this refuses
+    return lambda: dispatch.write_kv(cache, write, check=False)
 
 
 def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tensor], caches: Sequence[CacheDesc],
@@ -238,8 +288,10 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     dev = caches[0].k.tensor.device
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
     rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
-    stores = [_prepare(layer_rows, readers[0].format, cache, slots, where)
-              for layer_rows, cache, where in zip(rows, caches, wheres)]
+    src = readers[0].format
+    same = _same_rows(rows, src, caches)
+    stores = [_prepare(layer_rows, src, cache, slots, where, ok)
+              for layer_rows, cache, where, ok in zip(rows, caches, wheres, same)]
     for store in stores:
         store()
     return [r.header for r in readers]

@@ -22,8 +22,8 @@ from .bundle import (SEGMENT_BYTES, BundleReader, bundle_bytes, bundle_prefix, c
                      check_trailer, chunk_at, chunk_head, combine_segments, parse_specs, segment_digest, segments,
                      split_payload, trailer)
 from .header import bundle_header
-from .rows import layer_slots, read_rows
-from .schema import ModelFingerprint, check_layer
+from .rows import layer_slots, read_chunk
+from .schema import ModelFingerprint, check_layers
 
 GPU_SEGMENT_BYTES = 1 << 16
 """Checksum segments of bundles exported from CUDA caches: 64 KiB, one GPU program each (thousands per bundle)."""
@@ -114,11 +114,9 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
 
     dev = caches[0].k.tensor.device
     for i, (cache, where) in enumerate(zip(caches, wheres)):  # queue each layer's gather and copy; hash the landed
-        rows = read_rows(cache, slots, where=where)
+        chunk = read_chunk(cache, slots, specs, where=where)
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
-        if size:
-            chunk = torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
             side, ready, done = _copy_stream(dev), torch.cuda.Event(), torch.cuda.Event()
             ready.record()
@@ -211,6 +209,5 @@ class HostBundle:
         layers = [split_payload(staged[i * stride:i * stride + n] if cuda else
                                 self.buf[chunk_at(self.first, n, i) + 16:][:n], self.specs, self.tokens)
                   for i in range(self.num_layers)]
-        for i, tensors in enumerate(layers):
-            check_layer(i, tensors, self.format)
+        check_layers(layers, self.format)  # one host sync for the bundle
         return layers

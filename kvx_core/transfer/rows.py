@@ -12,29 +12,33 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import format_of
-from ..descriptors import CacheDesc, check_key_center, check_key_smoothing
+from ..descriptors import CacheDesc, all_finite, check_key_center, check_key_smoothing, finite_positive
 from ..errors import Status, require
 from ..ops import smoothing
 from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
+from ..scale_layout import GROUP, Interleave4Rows
+from . import kernels
 
 
 @dataclass(frozen=True)
 class KeyTransform:
     """A per-layer key-transform vector a cache may carry (`ops.smoothing`): its bundle tensor (FP32 [H, D]), the
     header flag `cache.<header>` saying the bundle carries it, how to read it off a cache, and the check of its
-    values that `QuantDesc` applies (`check(v, heads, head_dim, device, what=)`: a bundle's vector passes it too)."""
+    values that `QuantDesc` applies (`check(v, heads, head_dim, device, what=)`: a bundle's vector passes it too),
+    and that check's value rule as a device bool (`valid(v)`: no host sync, for checks batched over layers)."""
 
     tensor: str
     header: str
     what: str
     of: Callable[[CacheDesc], torch.Tensor | None]
     check: Callable[..., None]
+    valid: Callable[[torch.Tensor], torch.Tensor]
 
 
 KEY_TRANSFORMS: tuple[KeyTransform, ...] = (
-    KeyTransform("k_smoothing", "key_smoothing", "key smoothing", smoothing.of, check_key_smoothing),
-    KeyTransform("k_center", "key_centering", "key centering", smoothing.center_of, check_key_center),
+    KeyTransform("k_smoothing", "key_smoothing", "key smoothing", smoothing.of, check_key_smoothing, finite_positive),
+    KeyTransform("k_center", "key_centering", "key centering", smoothing.center_of, check_key_center, all_finite),
 )
 """The key transforms in bundle tensor order: rows of a cache with them hold `(K - c) / s` (then rotated in `_rot`
 formats), so they mean K only with the same vectors."""
@@ -100,6 +104,51 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
     return out
 
 
+def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
+               where: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A layer's chunk payload: uint8 `[bytes]` on the cache's device, the tensors `read_rows` gives packed in the
+    order of `specs` (the bundle header's `TensorSpec`s, `format_specs` order). On a kernel device
+    (`kernels.use_kernels`) one gather kernel writes every tensor straight into the chunk; else torch gathers and
+    joins them. `where` as for `read_rows`."""
+    if not kernels.use_kernels(cache.k.tensor.device):
+        rows = read_rows(cache, slots, where=where)
+        return torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
+    cache.validate()
+    fmt = format_of(cache)
+    if where is None:
+        check_slots(cache, slots)
+    dev, t = cache.k.tensor.device, slots.numel()
+    chunk = torch.empty(sum(s.nbytes(t) for s in specs), dtype=torch.uint8, device=dev)
+    parts, pos = {}, 0
+    for s in specs:
+        n = s.nbytes(t)
+        parts[s.name] = chunk[pos:pos + n].view(s.dtype).reshape((t, *s.shape) if s.per_token else s.shape)
+        pos += n
+    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)
+    layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
+    flat = [(layer[n].to(torch.float32), parts[n]) for n in LAYER_TENSORS if n in parts]
+    _plan_rows(cache, fmt, slots, parts, scatter=False, flat=flat)()
+    return chunk
+
+
+def _plan_rows(cache: CacheDesc, fmt, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
+               flat: list = ()) -> Callable[[], None]:
+    """`ops.triton.rows.plan_rows` between the pools of `cache` and `rows` (`{name: contiguous [T, H, X]}` on the
+    cache's device, every pool of the format), for `slots` already checked."""
+    from ..ops.triton.rows import block_rows, interleaved_rows, plan_rows
+
+    pairs = []
+    for which in ("k", "v"):
+        p = side_pools(cache, fmt, which)
+        pairs.append((block_rows(p.data), rows[f"{which}_data"]))
+        if p.scales is not None:
+            pool = (interleaved_rows(p.scales.pool, GROUP) if isinstance(p.scales, Interleave4Rows)
+                    else block_rows(p.scales))
+            pairs.append((pool, rows[f"{which}_scales"]))
+    dev = cache.k.tensor.device
+    return plan_rows(slots.to(device=dev, dtype=torch.int64), cache.block_size, pairs, scatter=scatter, flat=flat)
+
+
 def format_specs(fmt, num_kv_heads: int, head_dim: int, transforms: Collection[str] = ()
                  ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """`{name: (dtype, per-token row shape or per-layer shape)}` of what a cache of format `fmt` stores for
@@ -139,6 +188,10 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
         t = rows.get(name)
         require(isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == (slots.numel(), *shape),
                 Status.INVALID_ARGUMENT, f"rows[{name!r}] must be {dtype} {(slots.numel(), *shape)}")
+    if kernels.use_kernels(cache.k.tensor.device):  # one scatter kernel; the rows staged on the device first
+        dev = cache.k.tensor.device
+        staged = {n: t.to(dev).contiguous() for n, t in rows.items() if n not in LAYER_TENSORS}
+        return _plan_rows(cache, fmt, slots, staged, scatter=True)
     sides = [(side_pools(cache, fmt, w), rows[f"{w}_data"], rows.get(f"{w}_scales")) for w in ("k", "v")]
 
     def store() -> None:

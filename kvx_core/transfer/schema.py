@@ -21,6 +21,7 @@ import torch
 from ..errors import KvxError, Status, int_value, require
 from ..formats import CacheFormat, get_format
 from ..formats.base import is_int
+from ..descriptors import finite_positive
 from ..ops.checks import global_scale
 from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs
 
@@ -167,3 +168,24 @@ def check_layer(layer: int, tensors: dict[str, torch.Tensor], fmt: CacheFormat) 
         v = tensors.get(t.tensor)
         if v is not None:
             t.check(v, *v.shape, v.device, what=f"KVX bundle rejected: layer {layer}'s {t.tensor}")
+
+
+def read_flags(flags: Sequence[torch.Tensor]) -> list[bool]:
+    """Device booleans (0-d, one device) read back with one host sync: what a bundle's checks batched over its
+    layers cost on a GPU, where a check per layer would stall the copies once per layer."""
+    return torch.stack(list(flags)).tolist() if flags else []
+
+
+def check_layers(layers: Sequence[dict[str, torch.Tensor]], fmt: CacheFormat) -> None:
+    """`check_layer` of every layer with one host sync: each layer's value rules as one device flag; a layer that
+    fails is then checked alone, for its message."""
+    flags = []
+    for tensors in layers:
+        rules = [finite_positive(tensors[f"{w}_global"]) for w in "kv" if f"{w}_global" in tensors]
+        rules += [t.valid(tensors[t.tensor]) for t in KEY_TRANSFORMS if t.tensor in tensors]
+        if rules:
+            flags.append(torch.stack(rules).all())
+    for i, ok in enumerate(read_flags(flags)):  # flags exist for every layer or for none (one tensor list)
+        if not ok:
+            check_layer(i, layers[i], fmt)
+            raise KvxError(Status.INTERNAL_ERROR, f"layer {i}'s values failed the batched check, not check_layer")

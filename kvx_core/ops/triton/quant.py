@@ -98,14 +98,15 @@ def f8_byte_f32(b, E5: tl.constexpr):
 
 @triton.jit
 def e4m3_f32(b):
-    """E4M3 byte -> FP32 from the bits (0x7F / 0xFF -> NaN; the CPU interpreter's fp8 cast reads 240)."""
+    """E4M3 byte -> FP32 from the bits (0x7F / 0xFF -> NaN; the CPU interpreter's fp8 cast reads 240). The sign is
+    set as a bit: Triton's unary minus is `0 - x`, which would decode 0x80 as +0.0 where torch gives -0.0."""
     x = b.to(tl.int32)
     e = (x >> 3) & 0xF
     m = x & 0x7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
     mag = tl.where((x & 0x7F) == 0x7F, float("nan"), mag)
-    return tl.where((x & 0x80) != 0, -mag, mag)
+    return (mag.to(tl.int32, bitcast=True) | ((x & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
