@@ -11,7 +11,9 @@ export CI=1
 # Three venvs (main, vLLM, TGI) must fit a small CI disk: no pip wheel cache (torch is shared by hard links)
 export PIP_NO_CACHE_DIR=1
 bash scripts/setup_env.sh
-.venv/bin/python -m pytest -q -m "not gpu and not vllm" --ignore=tests/vllm --ignore=tests/tgi "$@"
+# one test worker per core (pytest-xdist; the GPU machine runs the same suite with 16): the CPU suite is
+# single-threaded Python and Triton-interpreter work
+.venv/bin/python -m pytest -q -n auto -m "not gpu and not vllm" --ignore=tests/vllm --ignore=tests/tgi "$@"
 # what users install: the wheels (kvx with its prebuilt CUDA kernels), the same suite against them
 bash scripts/build_wheels.sh
 bash scripts/test_wheels.sh "$@"

@@ -22,5 +22,5 @@ trap 'rm -rf "$stage"' EXIT
 git ls-files -z | grep -zvE '^(kvx_core|kvx_adapters|kvx_cli|kvx_demo|plugins/[^/]+/kvx_[^/]+)/' \
   | xargs -0 cp --parents -t "$stage"
 cd "$stage"
-KVX_INSTALLED_WHEEL=1 "$root/.venv-wheel/bin/python" -m pytest -q -p no:cacheprovider -m "not gpu and not vllm" \
+KVX_INSTALLED_WHEEL=1 "$root/.venv-wheel/bin/python" -m pytest -q -n auto -p no:cacheprovider -m "not gpu and not vllm" \
   --ignore=tests/vllm --ignore=tests/tgi "$@"

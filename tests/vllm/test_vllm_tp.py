@@ -6,9 +6,9 @@ rank's heads) or refuses.
 
 Slow tests: real vLLM CPU 0.32 runs (`vllm_tp_run.py`, one subprocess each, `mp` executor: one worker process per
 rank) of a tiny random Llama (hidden 256, 8 query / 4 KV heads, head_dim 32, 2 layers; prompt as token ids, no
-tokenizer) at TP=1 and TP=2 for every kvx dtype, for kvx_nvfp4 with a calibration file (per-head key smoothing,
+tokenizer) at TP=1 and TP=2 for kvx_nvfp4, kvx_int4 and kvx_int8 (`TP_DTYPES`), for kvx_nvfp4 with a calibration file (per-head key smoothing,
 centering and global scales, every head's values distinct, so a rank bound to another rank's rows shows) and for
-kvx_nvfp4 with the MXFP4 lm_head option (each rank quantizes its vocabulary shard); 14 runs, ~40 s each here:
+kvx_nvfp4 with the MXFP4 lm_head option (each rank quantizes its vocabulary shard); 10 runs, ~25 s each here:
 - every rank's layers hold 2 KV heads and exactly its heads' rows of the file;
 - TP=2 holds twice the KV blocks of TP=1 in the same per-worker KV space (each rank stores half the heads);
 - prompt log-probabilities (top-5 at every position, teacher-forced: chunked prefill over the pages) and the greedy
@@ -32,7 +32,7 @@ import torch
 from kvx_core.transfer.tp import tp_head_range
 
 from ..procs import run as run_subprocess
-from .test_vllm_plugin import ENV, KVX_DTYPES
+from .test_vllm_plugin import ENV
 
 pytestmark = pytest.mark.vllm
 
@@ -177,7 +177,12 @@ def calibrated_model(tiny_model, tmp_path_factory) -> Path:
     return d
 
 
-RUNS = ([(dtype, tp, "") for dtype in KVX_DTYPES for tp in (1, 2)] + [("kvx_nvfp4", tp, "calibrated") for tp in (1, 2)]
+TP_DTYPES = ("kvx_nvfp4", "kvx_int4", "kvx_int8")
+"""The dtypes run at TP=1 and TP=2: a global-scale 4-bit, a plain 4-bit and an 8-bit page. What TP changes (each
+rank's heads, its calibration rows, its page count) does not depend on the page codec, so kvx_k8v4 / kvx_mxfp4 add
+two vLLM runs each (~25 s apiece) and no path; every dtype serves through the same backend at TP=1 in
+test_vllm_plugin.py."""
+RUNS = ([(dtype, tp, "") for dtype in TP_DTYPES for tp in (1, 2)] + [("kvx_nvfp4", tp, "calibrated") for tp in (1, 2)]
         + [("kvx_nvfp4", tp, "lm_head") for tp in (1, 2)])
 """(dtype, TP size, variant): plain, with the calibration file, with the MXFP4 lm_head option (each rank quantizes
 its vocabulary shard: the codec works row by row, so TP must not change it)."""
@@ -248,7 +253,7 @@ def test_each_rank_serves_its_heads(runs, calibrated_model):
 def test_tp2_holds_twice_the_blocks(runs):
     """Each rank stores its half of the KV heads in its own KV space (VLLM_CPU_KVCACHE_SPACE per worker): twice
     the blocks of one rank holding all heads (up to the floor of each division)."""
-    for dtype in KVX_DTYPES:
+    for dtype in TP_DTYPES:
         one, two = runs[dtype, 1, ""]["num_blocks"], runs[dtype, 2, ""]["num_blocks"]
         print(dtype, "blocks TP=1", one, "TP=2", two)
         assert 2 * one <= two <= 2 * one + 1, (dtype, one, two)
