@@ -267,24 +267,3 @@ def fuzz_target(rng: random.Random) -> None:
 
 def test_fuzz_configuration_values():
     run_capped("tests.core.test_config:fuzz_target", cases=400)
-
-
-@pytest.mark.parametrize("env, words", [({"KVX_KV_CACHE_MEMORY": "1.5GiB"}, "KVX_KV_CACHE_MEMORY"),
-                                        ({"KVX_FORMAT": "nvfp5"}, "KVX_FORMAT"),
-                                        ({"KVX_FORMAT": "fp32"}, "KVX_FORMAT")])
-def test_tgi_settings_are_read_through_the_table(monkeypatch, env, words):
-    """kvx_tgi's run settings: the table's parsing (no TGI server needed for `resolve`)."""
-    pytest.importorskip("kvx_tgi")
-    from kvx_tgi import config as tgi_config
-
-    monkeypatch.setenv("ATTENTION", "flashdecoding")
-    monkeypatch.setenv("PREFIX_CACHING", "1")
-    monkeypatch.setenv("KVX_FORMAT", "int8")
-    monkeypatch.setenv("KVX_KV_CACHE_MEMORY", "2GiB")
-    run = tgi_config.resolve(None)
-    assert (run.format.name, run.cache_memory) == ("int8", 2 << 30)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(KvxError) as e:
-        tgi_config.resolve(None)
-    assert e.value.status == Status.INVALID_ARGUMENT and words in e.value.message

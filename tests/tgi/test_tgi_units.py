@@ -139,3 +139,21 @@ def test_per_head_checkpoint_kv_scales_are_refused():
     with pytest.raises(KvxError) as e:
         KVScales(torch.ones(2), torch.ones(2))
     assert e.value.status == Status.UNSUPPORTED
+
+
+@pytest.mark.parametrize("env, words", [({"KVX_KV_CACHE_MEMORY": "1.5GiB"}, "KVX_KV_CACHE_MEMORY"),
+                                        ({"KVX_FORMAT": "nvfp5"}, "KVX_FORMAT"),
+                                        ({"KVX_FORMAT": "fp32"}, "KVX_FORMAT")])
+def test_tgi_settings_are_read_through_the_table(monkeypatch, env, words):
+    """kvx_tgi's run settings go through the configuration table (kvx_core.config): its parsing and messages."""
+    monkeypatch.setenv("ATTENTION", "flashdecoding")
+    monkeypatch.setenv("PREFIX_CACHING", "1")
+    monkeypatch.setenv("KVX_FORMAT", "int8")
+    monkeypatch.setenv("KVX_KV_CACHE_MEMORY", "2GiB")
+    run = config.resolve(None)
+    assert (run.format.name, run.cache_memory) == ("int8", 2 << 30)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(KvxError) as e:
+        config.resolve(None)
+    assert e.value.status == Status.INVALID_ARGUMENT and words in e.value.message
