@@ -126,15 +126,10 @@ class BundleStore:
     def _recorded_block(self, marker: Path) -> int | None:
         """The marker's prefix block; None when there is no marker or it predates prefix links. The marker is
         outside bytes: at most `MAX_MARKER_BYTES` of strict JSON, `prefix_block` an integer up to `MAX_PREFIX_BLOCK`."""
-        try:
-            with marker.open("rb") as f:
-                raw = f.read(MAX_MARKER_BYTES + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise _failed(marker, "read", e) from None
         what = f"bundle store marker {marker}"
-        require(len(raw) <= MAX_MARKER_BYTES, Status.INVALID_ARGUMENT, f"{what}: larger than {MAX_MARKER_BYTES} bytes")
+        raw = _read_capped(marker, MAX_MARKER_BYTES, what)
+        if raw is None:
+            return None
         doc = loads_object(raw, what)
         block = doc.get("prefix_block")
         require(_is_int(doc.get("kvx_bundle_store"), 1, 1) and set(doc) <= {"kvx_bundle_store", "prefix_block"}
@@ -252,16 +247,10 @@ class BundleStore:
         if os.path.lexists(plain):
             return [(plain, (0, model.num_kv_heads))]
         path = self._set_path(key)
-        try:
-            with path.open("rb") as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise _failed(path, "read", e) from None
         what = f"bundle store manifest {path}"
-        require(len(raw) <= MAX_MANIFEST_BYTES, Status.INVALID_ARGUMENT,
-                f"{what}: larger than {MAX_MANIFEST_BYTES} bytes")
+        raw = _read_capped(path, MAX_MANIFEST_BYTES, what)
+        if raw is None:
+            return None
         doc = loads_object(raw, what)
         tp, shards = doc.get("tp_size"), doc.get("shards")
         require(set(doc) == {"kvx_shard_set", "tp_size", "shards"} and _is_int(doc["kvx_shard_set"], 1, 1)
@@ -562,6 +551,19 @@ class BundleStore:
                 key = None
             if key is None or not (self._plain(key).exists() or self._set_path(key).exists()):
                 self._unlink(path)
+
+
+def _read_capped(path: Path, cap: int, what: str) -> bytes | None:
+    """A small store file's bytes (None when absent), refused past `cap` after reading one byte more."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(cap + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _failed(path, "read", e) from None
+    require(len(raw) <= cap, Status.INVALID_ARGUMENT, f"{what}: larger than {cap} bytes")
+    return raw
 
 
 def _failed(path: Path, doing: str, e: OSError) -> KvxError:
