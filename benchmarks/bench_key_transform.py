@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import bench_graph  # noqa: E402
+
 from kvx_core.cache import PagedKVCache  # noqa: E402
 from kvx_core.descriptors import BlockTable, SeqLens  # noqa: E402
 from kvx_core.ops import dispatch  # noqa: E402

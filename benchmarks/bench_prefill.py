@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from common import bench, emit, env_info
+
 from kvx_core.cache import PagedKVCache
 from kvx_core.ops.triton import plan_prefill
 

@@ -49,9 +49,8 @@ def _head(model) -> dict:
 def run_one(mode: str, out: str | None, steps: int) -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # `apply_model(_head)` pickles the function to the engine
     import vllm
-    from vllm import LLM
-
     from common import emit, env_info
+    from vllm import LLM
 
     base = {**env_info(), "bench": "vllm_lm_head", "vllm": vllm.__version__, "lm_head": mode,
             "model": "gpt-oss-20b-shaped dense Llama (random)"}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from common import bench, bench_graph, copy_bandwidth, emit, env_info
+
 from kvx_core.calibration import global_scale_for_amax
 from kvx_core.errors import KvxError
 from kvx_core.formats import get_format

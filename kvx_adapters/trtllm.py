@@ -38,8 +38,17 @@ from kvx_core.descriptors import BlockTable, CacheDesc, PoolDesc, SeqLens, memor
 from kvx_core.enums import Layout
 from kvx_core.errors import Status, require
 
-from . import (_as_cache_dtype, _check_geometry, _describe, _index_tensor, _logical, _name_layout, _packed_rows,
-               _seq_lens, _tensor)
+from . import (
+    _as_cache_dtype,
+    _check_geometry,
+    _describe,
+    _index_tensor,
+    _logical,
+    _name_layout,
+    _packed_rows,
+    _seq_lens,
+    _tensor,
+)
 
 KV_LAYOUTS = ("NHD", "HND")
 

@@ -31,8 +31,19 @@ from kvx_core.descriptors import BlockTable, CacheDesc, SeqLens, SlotMapping
 from kvx_core.enums import Layout
 from kvx_core.errors import KvxError, Status, require
 
-from . import (_as_cache_dtype, _check_geometry, _describe, _index_tensor, _int32, _logical, _name_layout,
-               _packed_rows, _seq_lens, _stack_views, _tensor)
+from . import (
+    _as_cache_dtype,
+    _check_geometry,
+    _describe,
+    _index_tensor,
+    _int32,
+    _logical,
+    _name_layout,
+    _packed_rows,
+    _seq_lens,
+    _stack_views,
+    _tensor,
+)
 
 BACKENDS = ("flash_attn", "flashinfer")
 """Backends whose `get_kv_cache_shape` the adapters understand, by the position of the K/V dim."""

@@ -25,8 +25,17 @@ import torch
 
 from kvx_core.calibration import SCALE_RULES, SampleObserver, amax_from_checkpoint
 from kvx_core.errors import KvxError, Status, require
-from kvx_core.kv_calibration import (FILENAME, WEIGHT_SUFFIXES, KvCalibration, fingerprint_dict, from_checkpoint_amax,
-                                     from_samples, global_formats, load_kv_calibration, scale_formats)
+from kvx_core.kv_calibration import (
+    FILENAME,
+    WEIGHT_SUFFIXES,
+    KvCalibration,
+    fingerprint_dict,
+    from_checkpoint_amax,
+    from_samples,
+    global_formats,
+    load_kv_calibration,
+    scale_formats,
+)
 from kvx_demo.text import TEXT_NAME
 
 from .args import bounded_int

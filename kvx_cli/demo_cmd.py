@@ -11,8 +11,9 @@ import contextlib
 import json
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 import torch
 
@@ -21,7 +22,6 @@ from kvx_core.calibration import SCALE_RULES, SampleObserver, key_transform, sto
 from kvx_core.enums import QuantFormat
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
-
 from kvx_demo.text import TEXT_NAME
 
 from .args import bounded_int

@@ -146,8 +146,8 @@ def _decompress(args: argparse.Namespace) -> int:
     expect_kind(cal_path, "kvtc-calibration")
     expect_kind(path, "kvtc")
     from kvx_core.kvtc import load_calibration
-    from kvx_core.transfer.kvtc_bundle import decode_bundle
     from kvx_core.kvtc.codec import read_file
+    from kvx_core.transfer.kvtc_bundle import decode_bundle
 
     cal = load_calibration(cal_path)
     with open_input(path) as f:

@@ -20,8 +20,17 @@ import torch
 
 from .allocator import BlockAllocator, as_int
 from .codec import quant_desc
-from .descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc,
-                          check_key_center, check_key_smoothing)
+from .descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    SeqLens,
+    SlotMapping,
+    WriteDesc,
+    check_key_center,
+    check_key_smoothing,
+)
 from .enums import Layout, QuantFormat
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, TensorFormat, get_format

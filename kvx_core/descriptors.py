@@ -16,8 +16,19 @@ import torch
 
 from .abi import structs
 from .abi.version import KEY_VECTORS
-from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory, QuantFormat,
-                    ScaleGranularity, as_enum, kvx_dtype, require_enum, torch_dtype)
+from .enums import (
+    BLOCK_TABLE_FLAG_KVCACHEINDEX,
+    BlockTableFormat,
+    DType,
+    Layout,
+    Memory,
+    QuantFormat,
+    ScaleGranularity,
+    as_enum,
+    kvx_dtype,
+    require_enum,
+    torch_dtype,
+)
 from .errors import KvxError, Status, int_value, require
 from .layouts import Geometry, check_shape, detect_layout, footprint
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvx_core import abi as kvx_abi
-from kvx_core import enums
+from kvx_core import abi as kvx_abi, enums
 from kvx_core.abi import (
     ABI_VERSION,
     C_NAMES,

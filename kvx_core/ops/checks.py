@@ -14,8 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import format_of
-from ..descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, SeqLens, SlotMapping, WriteDesc,
-                           finite_positive)
+from ..descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    ScaleDesc,
+    SeqLens,
+    SlotMapping,
+    WriteDesc,
+    finite_positive,
+)
 from ..enums import BlockTableFormat, DType, ScaleGranularity
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, TensorFormat

@@ -31,8 +31,20 @@ from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format
 from ..layouts import block_view
 from . import attention, reference, smoothing
-from .checks import (INT32_MAX, WriteArgs, cache_global_scales, check_block_ids, check_gather, check_table_types,
-                     check_write, kernel_slots, kernel_table, narrow_int32, offsets_kernel_table, require_type)
+from .checks import (
+    INT32_MAX,
+    WriteArgs,
+    cache_global_scales,
+    check_block_ids,
+    check_gather,
+    check_table_types,
+    check_write,
+    kernel_slots,
+    kernel_table,
+    narrow_int32,
+    offsets_kernel_table,
+    require_type,
+)
 from .kernel_format import kernel_format
 
 if TYPE_CHECKING:  # the kernel modules import triton; kvx_core imports with torch alone

@@ -17,11 +17,11 @@ from ..descriptors import CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, WriteDesc
 from ..enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, QuantFormat
 from ..errors import Status, require
 from ..formats import CacheFormat, TensorFormat
-from .rotation import rotate
 from ..layouts import block_view
 from ..scale_layout import Interleave4Rows
 from . import smoothing
 from .checks import check_gather, check_write
+from .rotation import rotate
 
 
 @dataclass

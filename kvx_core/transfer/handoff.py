@@ -34,8 +34,15 @@ from .bundle import BundleReader, BundleWriter, TensorSpec, split_payload
 from .header import bundle_header, head_range, transform_flags
 from .host import HostBundle
 from .kernels import use_kernels
-from .rows import (KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms, layer_slots, prepare_write_rows,
-                   read_chunk)
+from .rows import (
+    KEY_TRANSFORMS,
+    LAYER_TENSORS,
+    format_specs,
+    key_transforms,
+    layer_slots,
+    prepare_write_rows,
+    read_chunk,
+)
 from .schema import ModelFingerprint, header_transforms, read_flags, token_hash
 
 

@@ -18,9 +18,23 @@ import torch
 
 from ..descriptors import CacheDesc
 from ..errors import Status, require
-from .bundle import (SEGMENT_BYTES, BundleReader, bundle_bytes, bundle_prefix, check_chunk_head, check_chunk_sum,
-                     check_trailer, chunk_at, chunk_head, combine_segments, parse_specs, segment_digest, segments,
-                     split_payload, trailer)
+from .bundle import (
+    SEGMENT_BYTES,
+    BundleReader,
+    bundle_bytes,
+    bundle_prefix,
+    check_chunk_head,
+    check_chunk_sum,
+    check_trailer,
+    chunk_at,
+    chunk_head,
+    combine_segments,
+    parse_specs,
+    segment_digest,
+    segments,
+    split_payload,
+    trailer,
+)
 from .header import bundle_header
 from .rows import layer_slots, read_chunk
 from .schema import ModelFingerprint, check_layers

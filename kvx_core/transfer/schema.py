@@ -18,10 +18,10 @@ from typing import get_type_hints
 
 import torch
 
+from ..descriptors import finite_positive
 from ..errors import KvxError, Status, int_value, require
 from ..formats import CacheFormat, get_format
 from ..formats.base import is_int
-from ..descriptors import finite_positive
 from ..ops.checks import global_scale
 from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvx_adapters import flashinfer
 from kvx_core.block_tables import packed_to_ragged

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvx_adapters import trtllm, vllm
 from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
@@ -12,8 +11,17 @@ from kvx_core.enums import BlockTableFormat, Layout
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops.reference import gather_kv, write_kv
 
-from .engine_ref import (DTYPES, make_workload, rand, storage_bytes, trtllm_offset, trtllm_read,
-                         trtllm_write, vllm_allocate, vllm_reshape_and_cache_flash)
+from .engine_ref import (
+    DTYPES,
+    make_workload,
+    rand,
+    storage_bytes,
+    trtllm_offset,
+    trtllm_read,
+    trtllm_write,
+    vllm_allocate,
+    vllm_reshape_and_cache_flash,
+)
 
 SETTINGS = settings(max_examples=20, deadline=None)
 

@@ -18,12 +18,21 @@ import time
 import pytest
 import torch
 
-from kvx_core import abi
-from kvx_core import block_tables as bt
-from kvx_core import layouts
+from kvx_core import abi, block_tables as bt, layouts
 from kvx_core.cache import PagedKVCache, page_bytes, page_regions
-from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, PoolDesc, ScaleDesc, SeqLens,
-                                  SlotMapping, TensorDesc, WriteDesc, memory_of)
+from kvx_core.descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    PoolDesc,
+    ScaleDesc,
+    SeqLens,
+    SlotMapping,
+    TensorDesc,
+    WriteDesc,
+    memory_of,
+)
 from kvx_core.enums import DType, Layout, Memory, QuantFormat, ScaleGranularity
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format, list_formats

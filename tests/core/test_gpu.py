@@ -10,11 +10,21 @@ import pytest
 import torch
 
 from kvx_core import block_tables as bt
-from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, PoolDesc, SeqLens, SlotMapping,
-                                  WriteDesc, memory_of)
+from kvx_core.descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    PoolDesc,
+    SeqLens,
+    SlotMapping,
+    WriteDesc,
+    memory_of,
+)
 from kvx_core.enums import Layout, Memory
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops.reference import gather_kv, write_kv
+
 from .helpers import build
 
 pytestmark = [pytest.mark.gpu,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvx_core.cache import PagedKVCache
-from kvx_core.calibration import key_center, stored_values, SampleObserver
+from kvx_core.calibration import SampleObserver, key_center, stored_values
 from kvx_core.descriptors import BlockTable, SeqLens
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import attention, dispatch

@@ -10,12 +10,24 @@ import pytest
 import torch
 
 from kvx_core.cache import PagedKVCache
-from kvx_core.calibration import (SampleObserver, amax_from_checkpoint, global_scale_for_amax, key_center, key_smoothing,
-                                  stored_values)
+from kvx_core.calibration import (
+    SampleObserver,
+    amax_from_checkpoint,
+    global_scale_for_amax,
+    key_center,
+    key_smoothing,
+    stored_values,
+)
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
-from kvx_core.kv_calibration import (META_KEY, KvCalibration, LayerValues, from_checkpoint_amax, from_samples,
-                                     load_kv_calibration)
+from kvx_core.kv_calibration import (
+    META_KEY,
+    KvCalibration,
+    LayerValues,
+    from_checkpoint_amax,
+    from_samples,
+    load_kv_calibration,
+)
 from kvx_core.tensor_file import content_hash, read_tensor_file, write_tensor_file
 
 L, H, D, NB, BS = 3, 2, 32, 4, 8

@@ -11,14 +11,23 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from kvx_core import block_tables as bt
-from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, PoolDesc, SeqLens, SlotMapping,
-                                  WriteDesc, memory_of)
+from kvx_core.descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    PoolDesc,
+    SeqLens,
+    SlotMapping,
+    WriteDesc,
+    memory_of,
+)
 from kvx_core.enums import KVCACHEINDEX_NULL, KVCACHEINDEX_SECONDARY_BIT, Layout
 from kvx_core.ops.reference import gather_kv, write_kv
+
 from .helpers import ALL_LAYOUTS, PERMS, build, divisors, raw_bytes
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,

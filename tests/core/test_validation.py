@@ -12,13 +12,41 @@ import pytest
 import torch
 
 from kvx_core import block_tables as bt
-from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, PoolDesc, QuantDesc, SeqLens,
-                                  SlotMapping, TensorDesc, WriteDesc, storage_head_dim)
-from kvx_core.enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory, QuantFormat,
-                            kvx_dtype, torch_dtype)
+from kvx_core.descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    PoolDesc,
+    QuantDesc,
+    SeqLens,
+    SlotMapping,
+    TensorDesc,
+    WriteDesc,
+    storage_head_dim,
+)
+from kvx_core.enums import (
+    BLOCK_TABLE_FLAG_KVCACHEINDEX,
+    BlockTableFormat,
+    DType,
+    Layout,
+    Memory,
+    QuantFormat,
+    kvx_dtype,
+    torch_dtype,
+)
 from kvx_core.errors import KvxError, Status
-from kvx_core.layouts import (Geometry, block_view, canonical_shape, check_shape, convert, detect_layout,
-                              from_logical, logical_view, ndim_of)
+from kvx_core.layouts import (
+    Geometry,
+    block_view,
+    canonical_shape,
+    check_shape,
+    convert,
+    detect_layout,
+    from_logical,
+    logical_view,
+    ndim_of,
+)
 from kvx_core.ops.reference import gather_kv, write_kv
 
 INV, UNS, OOR = Status.INVALID_ARGUMENT, Status.UNSUPPORTED, Status.OUT_OF_RANGE

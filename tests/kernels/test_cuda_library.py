@@ -12,10 +12,10 @@ import json
 import pytest
 
 from kvx_core.errors import KvxError, Status
+from kvx_core.formats import get_format
 from kvx_core.ops import cuda
 from kvx_core.ops.cuda import toolchain
 from kvx_core.ops.decode import choose_backend
-from kvx_core.formats import get_format
 
 
 def manifest(**kw) -> dict:

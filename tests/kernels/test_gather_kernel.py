@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvx_core.descriptors import BlockTable, GatherDesc, SeqLens, SlotMapping, WriteDesc, KvIoDesc
+from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.formats import list_formats
 from kvx_core.ops import dispatch, reference
 from kvx_core.ops.triton import gather_pools

@@ -9,12 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvx_core.codec import format_of
-from kvx_core.formats import registry
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat
-from kvx_core.ops import decode as decode_ops
-from kvx_core.ops import dispatch, rotation
-from kvx_core.ops import write as write_ops
+from kvx_core.formats import registry
+from kvx_core.ops import decode as decode_ops, dispatch, rotation, write as write_ops
 
 from .helpers import filled_cache
 from .test_kv_offsets_kernels import _trtllm

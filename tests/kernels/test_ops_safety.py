@@ -19,8 +19,7 @@ from kvx_core.descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, Sc
 from kvx_core.enums import DType, Layout, ScaleGranularity
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format, hadamard, list_formats, rotate
-from kvx_core.ops import attention, checks, dispatch, reference
-from kvx_core.ops import triton as kernels
+from kvx_core.ops import attention, checks, dispatch, reference, triton as kernels
 
 INV, OOR, UNS = Status.INVALID_ARGUMENT, Status.OUT_OF_RANGE, Status.UNSUPPORTED
 NB, BS, H, D = 6, 4, 2, 64
@@ -43,7 +42,7 @@ def _cache(name: str, device: str = "cpu", page_buffer: bool = False, seed: int 
     return copy.deepcopy(_filled(name, device, page_buffer, seed))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _filled(name: str, device: str, page_buffer: bool, seed: int) -> PagedKVCache:
     c = PagedKVCache(name, num_layers=1, num_blocks=NB, block_size=BS, num_kv_heads=H, head_dim=D, device=device,
                      page_buffer=page_buffer, per_head_global_scale=True)

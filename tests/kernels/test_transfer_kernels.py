@@ -13,8 +13,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from .. import interpret  # noqa: F401  (the fuzz subprocess imports this module, not the conftest)
-
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import list_formats
@@ -23,9 +21,9 @@ from kvx_core.transfer.host import export_to_host
 from kvx_core.transfer.kernels import kernel_path, use_kernels
 from kvx_core.transfer.rows import read_rows
 
+from .. import interpret  # noqa: F401  (the fuzz subprocess imports this module, not the conftest)
 from ..fuzz import mutate_bytes, mutate_json, run_capped
-from ..transfer import test_bundle as tb
-from ..transfer import test_engines as engines
+from ..transfer import test_bundle as tb, test_engines as engines
 from ..transfer.test_bundle import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged, small  # noqa: F401
 
 PATHS = ("torch", "triton")

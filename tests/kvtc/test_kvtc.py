@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kvx_core.errors import KvxError, Status
-from kvx_core.kvtc import calibrate, compress, decompress, load_calibration, read_header
-from kvx_core.kvtc import calibration as calib_mod
+from kvx_core.kvtc import calibrate, calibration as calib_mod, compress, decompress, load_calibration, read_header
 from kvx_core.kvtc.codec import HEADER, VERSION
 from kvx_core.kvtc.quant import KINDS, RangeKind, dequantize_range, quantize_range, range_bytes
 
@@ -234,7 +233,7 @@ def test_rope_removal_matches_transformers_and_round_trips():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from kvx_core.kvtc.rope import rotate, rope_theta_of
+    from kvx_core.kvtc.rope import rope_theta_of, rotate
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
     k = torch.randn(1, 2, 37, 16, generator=torch.Generator().manual_seed(0))  # [B, H, T, D]

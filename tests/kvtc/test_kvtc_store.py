@@ -13,9 +13,9 @@ import torch
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status
 from kvx_core.kvtc import calibrate, decompress
-from kvx_core.transfer.kvtc_bundle import decode_bundle, encode_bundle
 from kvx_core.transfer import ModelFingerprint
 from kvx_core.transfer.handoff import export_bundle
+from kvx_core.transfer.kvtc_bundle import decode_bundle, encode_bundle
 from kvx_core.transfer.rows import read_rows
 from kvx_core.transfer.store import BundleStore
 

@@ -14,14 +14,24 @@ import pytest
 import torch
 
 from kvx_core.errors import KvxError, Status
-from kvx_core.kvtc import calibrate, compress, decompress, load_calibration, read_header
-from kvx_core.kvtc import calibration as calib_mod
+from kvx_core.kvtc import calibrate, calibration as calib_mod, compress, decompress, load_calibration, read_header
 from kvx_core.kvtc.codec import HEADER, MAX_BODY_BYTES, read_file
 from kvx_core.kvtc.layout import body_layout
 
 from ..fuzz import DEEP, run_capped
-from .forge import (MODEL, buffers, cal_parts, calibration, fields, forge, raw_body, seal, small_kv, with_raw_body,
-                    write_cal)
+from .forge import (
+    MODEL,
+    buffers,
+    cal_parts,
+    calibration,
+    fields,
+    forge,
+    raw_body,
+    seal,
+    small_kv,
+    with_raw_body,
+    write_cal,
+)
 
 
 def _refused(fn, status=Status.INVALID_ARGUMENT, words: str | None = None) -> KvxError:

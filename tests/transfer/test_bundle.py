@@ -8,8 +8,7 @@ import struct
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status

@@ -19,9 +19,9 @@ from kvx_adapters import flashinfer, tgi, trtllm, vllm
 from kvx_core.cache import PagedKVCache
 from kvx_core.codec import format_of
 from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
+from kvx_core.formats import get_format
 from kvx_core.ops import reference
 from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
-from kvx_core.formats import get_format
 from kvx_core.transfer.rows import read_rows
 
 PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "kvx_vllm"

@@ -23,7 +23,7 @@ from kvx_core.transfer.store import MAX_MANIFEST_BYTES, BundleStore
 from kvx_core.transfer.tp import tp_head_range
 from tests.fuzz import DEEP, dumps_json, mutate_bytes, mutate_json, run_capped
 from tests.transfer.forge import build, split
-from tests.transfer.test_tensor_parallel import D, H, LAYERS, MODEL, SLOTS, T, _caches, _data, _same_heads
+from tests.transfer.test_tensor_parallel import LAYERS, MODEL, SLOTS, D, H, T, _caches, _data, _same_heads
 
 IDS = list(range(100, 100 + T))
 FMT = "nvfp4"  # per-head global scales: the slicing must carry them too

@@ -23,7 +23,7 @@ from .test_trtllm_cache import TwoPools
 from .test_trtllm_nvfp4 import Nvfp4Cache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _caches() -> dict[str, object]:
     return {"bf16": TwoPools(secondary=False), "fp8": TwoPools(dtype=torch.float8_e4m3fn, secondary=False),
             "nvfp4": Nvfp4Cache()}

@@ -12,14 +12,13 @@ from unittest import mock
 
 import pytest
 import torch
-
 import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
 
 from kvx_core.transfer import export_bundle, import_bundle
 from kvx_core.transfer.store import BundleStore
 from kvx_core.transfer.tp import tp_head_range
 from kvx_vllm.connector import KvxConnector, KvxConnectorMetadata, Transfer
-from tests.transfer.test_tensor_parallel import H, LAYERS, MODEL, SLOTS, T, _caches, _data, _same_heads
+from tests.transfer.test_tensor_parallel import LAYERS, MODEL, SLOTS, H, T, _caches, _data, _same_heads
 
 pytestmark = [pytest.mark.vllm]
 

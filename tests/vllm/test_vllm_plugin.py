@@ -20,7 +20,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import vllm  # noqa: E402,F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
 
 pytestmark = pytest.mark.vllm

@@ -23,7 +23,6 @@ import torch
 
 from ..procs import run
 from .bounds import PPL_BOUND
-
 from .conftest import kvx_impl
 
 pytestmark = pytest.mark.vllm

@@ -25,10 +25,10 @@ def inspect(model) -> list[dict]:
     """Per KVX attention layer: max |CacheDesc value - file value| of the smoothing, the centering (None: neither
     has one, inf: only one has) and the global scales."""
     import torch
+    from vllm.model_executor.models.utils import extract_layer_index
 
     from kvx_core.kv_calibration import FILENAME, load_kv_calibration
     from kvx_vllm.backend import KvxAttentionImpl
-    from vllm.model_executor.models.utils import extract_layer_index
 
     cal = load_kv_calibration(f"{_MODEL[0]}/{FILENAME}")
     out = []

@@ -18,9 +18,7 @@ PROMPTS = ["The lighthouse keeper wrote in his journal that the ship had", "def 
 def inspect(model) -> dict:
     import torch
 
-    from kvx_core.mxfp4_linear import quantize_mxfp4
-
-    from kvx_core.mxfp4_linear import mxfp4_linear
+    from kvx_core.mxfp4_linear import mxfp4_linear, quantize_mxfp4
 
     head, embed = model.lm_head, model.model.embed_tokens
     out = {"method": type(head.quant_method).__name__, "tied": head.weight is embed.weight,

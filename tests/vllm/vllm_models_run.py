@@ -67,9 +67,8 @@ class Oracle:
         self.plans = Counter()
 
     def install(self):
-        from kvx_vllm import backend
-
         from kvx_core.ops.attention import paged_decode
+        from kvx_vllm import backend
 
         orig = backend.KvxAttentionImpl.forward
         oracle = self

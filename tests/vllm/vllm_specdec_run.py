@@ -24,8 +24,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, 
 
 
 def main(ckpt: str, cache_dtype: str, spec: bool) -> dict:
-    import kvx_vllm.backend as backend
     from vllm import LLM, SamplingParams
+
+    import kvx_vllm.backend as backend
 
     rows = Counter()
     plan = backend.plan_decode

@@ -14,10 +14,17 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
-from ..rotation import rotate
-from ..checks import (IO_DTYPES, check_block_ids, check_max_seq_len, check_no_alias, check_out_dtype, global_scale,
-                      require_type)
+from ..checks import (
+    IO_DTYPES,
+    check_block_ids,
+    check_max_seq_len,
+    check_no_alias,
+    check_out_dtype,
+    global_scale,
+    require_type,
+)
 from ..kernel_format import FormatCode, kernel_format
+from ..rotation import rotate
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
 from .quant import cast_exact, e2m1_value, e4m3_f32, f8_byte_f32, f16_bytes_f32

@@ -41,6 +41,7 @@ from kvx_core.ops.dispatch import BoundLayer, bind, write_kv
 
 from . import calibration, config
 
+
 @dataclass
 class KVScales:
     """A layer's checkpoint KV scales: the fields TGI's model files and attention functions read

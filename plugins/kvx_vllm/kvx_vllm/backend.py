@@ -23,28 +23,35 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
 
+from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
 from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.formats import CacheFormat, get_format
 from kvx_core.ops import backends
 from kvx_core.ops.attention import check_sinks, sink_values
 from kvx_core.ops.dispatch import AttentionPlan, BoundLayer, bind, plan_decode, plan_prefill, write_kv
-from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
-from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
-from vllm.logger import init_logger
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionLayer,
-                                       AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata, MultipleOf)
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .calibration import layer_values
 from .dtypes import KVX_CACHE_DTYPES, is_kvx_dtype
 from .options import check_config, options_of
 from .pages import PAGE_BLOCK_ALIGN, page_cache_desc, token_bytes
 from .prefill import SplitPrefill
-
 
 _run: dict[str, CacheFormat] = {}
 """The format of this process's run, recorded when its layers are built (inside vLLM's config context)
@@ -86,11 +93,11 @@ class KvxAttentionBackend(AttentionBackend):
         return "CUSTOM"
 
     @staticmethod
-    def get_impl_cls() -> type["KvxAttentionImpl"]:
+    def get_impl_cls() -> type[KvxAttentionImpl]:
         return KvxAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type["KvxMetadataBuilder"]:
+    def get_builder_cls() -> type[KvxMetadataBuilder]:
         return KvxMetadataBuilder
 
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvx_core.cache import page_regions, page_bytes
+from kvx_core.cache import page_bytes, page_regions
 from kvx_core.codec import quant_desc
 from kvx_core.descriptors import CacheDesc
 from kvx_core.enums import Layout

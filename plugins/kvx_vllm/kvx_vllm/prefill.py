@@ -40,11 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
 from kvx_core.descriptors import CacheDesc
 from kvx_core.ops import attention
 from kvx_core.ops.dispatch import AttentionPlan
-from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
 
 def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_scale, softcap, window):
