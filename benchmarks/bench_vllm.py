@@ -152,15 +152,15 @@ def summarize(path: str) -> str:
             d[key] = r.get("tok_s", "skipped")
         elif r["metric"] in ("capacity", "prefill", "ttft"):
             d.update({k: r[k] for k in ("kv_tokens", "prefill_s", "ttft_s") if k in r})
-    cols = [("kv_tokens", "KV tokens", True), ("decode_b64_8k", "decode B64 8k tok/s", True),
-            ("decode_b64_32k", "decode B64 32k tok/s", True), ("decode_b1_32k", "decode B1 32k tok/s", True),
-            ("prefill_s", "prefill 64x8k s", False), ("ttft_s", "TTFT 8k s", False)]
+    cols = [("kv_tokens", "KV tokens"), ("decode_b64_8k", "decode B64 8k tok/s"),
+            ("decode_b64_32k", "decode B64 32k tok/s"), ("decode_b1_32k", "decode B1 32k tok/s"),
+            ("prefill_s", "prefill 64x8k s"), ("ttft_s", "TTFT 8k s")]
     cols = [c for c in cols if any(c[0] in d for d in rows.values())]
     out = ["| model | dtype | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
     for (model, dtype), d in rows.items():
         base = rows.get((model, "auto"), {})
         cells = []
-        for key, _, higher_better in cols:
+        for key, _ in cols:
             v, b = d.get(key), base.get(key)
             if not isinstance(v, (int, float)):
                 cells.append(str(v or "-"))

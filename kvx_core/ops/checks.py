@@ -91,8 +91,8 @@ def cache_global_scales(cache: CacheDesc, fmt: CacheFormat, k10: ScaleDesc | Non
     """Validated FP32 `[H]` global scales of K and V: from `cache.quant` (v1.1) or the call's v1.0 FP8 scale
     descriptors `k10` / `v10`."""
     out = []
-    for which, tf, v10 in (("k", fmt.k, k10), ("v", fmt.v, v10)):
-        g = _v10_scale(v10, cache, tf, f"{what}.{which}_scale")
+    for which, tf, d10 in (("k", fmt.k, k10), ("v", fmt.v, v10)):
+        g = _v10_scale(d10, cache, tf, f"{what}.{which}_scale")
         if cache.quant is not None:
             g = getattr(cache.quant, f"{which}_global_scale")
         name = f"quant.{which}_global_scale" if cache.quant is not None else f"{what}.{which}_scale"

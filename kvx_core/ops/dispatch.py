@@ -398,43 +398,44 @@ class AttentionPlan:
                 kernel_table(cache, self.table, self.seq_lens, check=True)
         args = None if self.kernel is None else _kernel_args(cache, self.table, self.check)
         if args is None:  # reads keys through the reference gather (times s, plus c)
-            o, l = self._reference(query, cache, out, lse)
-            return o, l if want_lse else None
+            o, lse_t = self._reference(query, cache, out, lse)
+            return o, lse_t if want_lse else None
         kernel, late = self.kernel, self._sinks_after_kernel(cache)
         if late:
             kernel = replace(kernel, sinks=None)
         s = smoothing.of(cache)
         if self.what == "paged_decode":  # the decode scales the queries by s as it loads them
-            o, l = kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s,
-                              want_lse=want_lse or late)
+            o, lse_t = kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s,
+                                  want_lse=want_lse or late)
         else:
-            o, l = kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
-                              out=out, lse=lse)
+            o, lse_t = kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
+                                  out=out, lse=lse)
         if not (want_lse or late):
             return o, None
-        l = smoothing.center_lse(cache, query, l, attention.softmax_scale(self.options["sm_scale"], cache.head_dim))
+        sm_scale = attention.softmax_scale(self.options["sm_scale"], cache.head_dim)
+        lse_t = smoothing.center_lse(cache, query, lse_t, sm_scale)
         if late:  # one more rounding of the output, in its dtype
-            o_s, l_s = attention.apply_sinks(o, l, self.options["sinks"])
+            o_s, lse_s = attention.apply_sinks(o, lse_t, self.options["sinks"])
             o.copy_(o_s)
-            l.copy_(l_s)
-        return o, l if want_lse else None
+            lse_t.copy_(lse_s)
+        return o, lse_t if want_lse else None
 
     def _reference(self, query, cache, out, lse):
         opts = self.options
         if self.what == "paged_decode":
-            o, l = attention.paged_decode(query, cache, self.table, self.seq_lens, rows_per_seq=self.rows_per_seq,
-                                          **opts)
+            o, lse_t = attention.paged_decode(query, cache, self.table, self.seq_lens,
+                                              rows_per_seq=self.rows_per_seq, **opts)
         else:
-            o, l = attention.paged_prefill(query, self.qo_indptr, cache, self.table, self.seq_lens, **opts)
+            o, lse_t = attention.paged_prefill(query, self.qo_indptr, cache, self.table, self.seq_lens, **opts)
         if out is not None:
             require(isinstance(out, torch.Tensor) and out.shape == o.shape, Status.INVALID_ARGUMENT,
                     f"{self.what}: out must be {tuple(o.shape)}")
             o = out.copy_(o)
         if lse is not None:
-            require(isinstance(lse, torch.Tensor) and lse.shape == l.shape, Status.INVALID_ARGUMENT,
-                    f"{self.what}: lse must be {tuple(l.shape)}")
-            l = lse.copy_(l)
-        return o, l
+            require(isinstance(lse, torch.Tensor) and lse.shape == lse_t.shape, Status.INVALID_ARGUMENT,
+                    f"{self.what}: lse must be {tuple(lse_t.shape)}")
+            lse_t = lse.copy_(lse_t)
+        return o, lse_t
 
 
 def _plan_tables(what: str, fmt, table: BlockTable, seq_lens: SeqLens, options: dict, device, check: bool,

@@ -64,7 +64,7 @@ class Engine:
         self.mem = torch.full((len(self.lens), self.w, m), -1, dtype=torch.int64)
         self.sec = torch.zeros((len(self.lens), self.w, m), dtype=torch.bool)
         at = 0
-        for s, ((shared, own), n) in enumerate(zip(ids, need)):
+        for s, ((shared, _own), n) in enumerate(zip(ids, need)):
             for j in range(shared):
                 self.sec[s, :, j] = pick_sec[at]
                 self.mem[s, :, j] = (sec_perm if pick_sec[at] else prim_perm)[at]

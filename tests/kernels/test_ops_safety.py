@@ -212,7 +212,9 @@ def _v10_cache(dtype=torch.float8_e4m3fn) -> CacheDesc:
 
 
 def _v10_scales():
-    per_tensor = lambda v, dt=torch.float32: ScaleDesc.from_torch(torch.tensor([v], dtype=dt), ScaleGranularity.PER_TENSOR)
+    def per_tensor(v, dt=torch.float32):
+        return ScaleDesc.from_torch(torch.tensor([v], dtype=dt), ScaleGranularity.PER_TENSOR)
+
     return {
         **{bad: per_tensor(v) for bad, v in BAD_SCALES.items() if not bad.startswith("1e39")},
         "float16": per_tensor(0.5, torch.float16),
@@ -536,7 +538,10 @@ def test_gather_launcher_checks_its_arguments(device):
     bt, lens = t([[0, 1], [4, 0]]), t([6, 3])
     args = (p.k_data, p.k_scales, p.v_data, p.v_scales)
     snap = _snapshot(c)
-    g = lambda *a, **k: kernels.gather_pools(*args, *a, c.format, p.k_global, p.v_global, **k)
+
+    def g(*a, **k):
+        return kernels.gather_pools(*args, *a, c.format, p.k_global, p.v_global, **k)
+
     _raises(INV, lambda: g(bt, lens, max_seq_len=2.5), match="max_seq_len")
     _raises(OOR, lambda: g(t([[0, 2**32 + 1], [4, 0]]), lens), match="outside")
     _raises(INV, lambda: g(bt, lens.float()), match="seq_lens")
@@ -586,8 +591,11 @@ def test_rot_write_and_gather_are_batch_invariant(name, h, d):
     """F9: the bytes written for a token, and the values gathered from the same bytes, do not depend on how
     many tokens share the call (a batch of 1 and of 8 differed by ~4e-7 with a matmul rotation)."""
     n_tok = 64
-    mk = lambda: PagedKVCache(name, num_layers=1, num_blocks=n_tok // BS, block_size=BS, num_kv_heads=h,
-                              head_dim=d, per_head_global_scale=False)
+
+    def mk():
+        return PagedKVCache(name, num_layers=1, num_blocks=n_tok // BS, block_size=BS, num_kv_heads=h, head_dim=d,
+                            per_head_global_scale=False)
+
     x = torch.randn(2, n_tok, h, d, generator=torch.Generator().manual_seed(7)) * 3
     whole = mk()
     whole.write(0, x[0], x[1], torch.arange(n_tok))

@@ -69,7 +69,10 @@ def _check(name, device, x_dtype=torch.float32, t=9, h=2, d=64, bs=4, per_head=T
     gv = gv if fmt.v.uses_global_scale else None
     kd, ks = _pools(fmt.k, nb, h, bs, d, device)
     vd, vs = _pools(fmt.v, nb, h, bs, d, device)
-    dev = lambda g: None if g is None else g.to(device)
+
+    def dev(g):
+        return None if g is None else g.to(device)
+
     write_kv(k.to(device), v.to(device), slots.to(device), kd, ks, vd, vs, fmt, dev(gk), dev(gv), backend=backend)
     keep = slots >= 0
     blk, off = slots[keep] // bs, slots[keep] % bs
@@ -112,7 +115,10 @@ def test_fp8_rounding_every_boundary(fmt_name, mbits, device, backend):
     vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).float()
     vals = vals[torch.isfinite(vals)].unique()
     mids = (vals[1:] + vals[:-1]) / 2
-    ulp = lambda m, s: (m.view(torch.int32) + s).view(torch.float32)
+
+    def ulp(m, s):
+        return (m.view(torch.int32) + s).view(torch.float32)
+
     x = torch.cat([vals, mids, ulp(mids, 1), ulp(mids, -1), -mids, vals * 1.0000001])
     x = torch.cat([x, x.new_zeros((-x.numel()) % 64)]).view(-1, 1, 64)
     fmt = get_format(fmt_name)

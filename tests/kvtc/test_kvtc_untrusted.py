@@ -77,7 +77,7 @@ def test_a_deflate_body_must_be_one_stream_of_the_declared_size():
     cases = {"one byte more": zlib.compress(raw + b"\0"), "one byte less": zlib.compress(raw[:-1]),
              "bytes after the stream": zlib.compress(raw) + b"tail", "cut stream": zlib.compress(raw)[:-6],
              "not DEFLATE": b"\x00" * 64}
-    for name, stored in cases.items():
+    for stored in cases.values():
         forged = seal({**f, "body_bytes": len(stored)}, stored)
         _refused(lambda: decompress(forged, calibration()), words="DEFLATE")
     assert decompress(seal({**f, "body_bytes": len(z := zlib.compress(raw, 9))}, z), calibration()).token_ids

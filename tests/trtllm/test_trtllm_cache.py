@@ -48,7 +48,7 @@ class TwoPools:
             offs.append(torch.stack([trtllm_offset(mem, self.layers_in[p], kv, sec) for kv in (0, 1)], dim=2))
         self.offsets = torch.stack(offs).flatten(1, 2)  # [num_pools, seqs * beams, 2, M]
         self.written = []
-        for layer, (p, li) in enumerate(self.mapping.tolist()):  # K/V of every token, by raw byte arithmetic
+        for p, li in self.mapping.tolist():  # K/V of every token, by raw byte arithmetic
             seq = torch.cat([torch.full((n * beams,), s) for s, n in enumerate(lens)])
             beam = torch.cat([torch.arange(beams).repeat_interleave(n) for n in lens])
             pos = torch.cat([torch.arange(n).repeat(beams) for n in lens])

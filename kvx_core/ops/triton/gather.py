@@ -163,7 +163,10 @@ def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: to
         ko, vo = (torch.empty(total, hkv, d, dtype=torch.float32 if fmt.rotate else x, device=k_data.device) for x in dts)
     if total:
         dp = triton.next_power_of_2(d)
-        ngp = lambda k: triton.next_power_of_2(max(1, d // (k.group or 16)))
+
+        def ngp(k) -> int:
+            return triton.next_power_of_2(max(1, d // (k.group or 16)))
+
         _gather_kernel[(triton.cdiv(max_len, block_t), block_table.shape[0], 2 * hkv)](
             block_table, block_table.stride(0), seq_lens, cu, max_len, hkv,
             as_bytes(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks,

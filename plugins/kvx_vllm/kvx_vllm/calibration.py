@@ -79,7 +79,7 @@ def run_calibration(vllm_config: Any) -> KvCalibration | None:
         _loaded[path] = cal
         init_logger("vllm.plugins.kvx").info(
             "KVX KV calibration %s: %s layers, key smoothing %s, key centering %s, %s scales for %s", path,
-            cal.num_layers, "alpha %s" % cal.alpha if cal.alpha else "off", "on" if cal.center is not None else "off",
+            cal.num_layers, f"alpha {cal.alpha}" if cal.alpha else "off", "on" if cal.center is not None else "off",
             cal.rule or "no", ", ".join(sorted(cal.scales)) or "-")
     return _loaded[path]
 

@@ -66,9 +66,9 @@ def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_sca
     lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
     for q0, q1 in zip(starts, starts[1:]):
         if q1 > q0:
-            o, l = attention.attend(query[q0:q1], key[q0:q1], value[q0:q1], torch.arange(q1 - q0), sm_scale,
-                                    softcap, window, True)
-            out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), l.t().float()
+            o, lse_t = attention.attend(query[q0:q1], key[q0:q1], value[q0:q1], torch.arange(q1 - q0), sm_scale,
+                                        softcap, window, True)
+            out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), lse_t.t().float()
     return out, lse
 
 
