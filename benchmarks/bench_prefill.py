@@ -6,6 +6,7 @@ Usage: python benchmarks/bench_prefill.py [--out benchmarks/results/prefill.json
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 from common import bench, emit, env_info
@@ -81,9 +82,8 @@ def main() -> None:
                     kw = cfg or {}
                     plan = plan_prefill(c.format, qo, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                         q_dtype=q.dtype, device=q.device, **kw)  # planned once, as engines do
-                    fn = lambda: plan.run(q, p.k_data, p.k_scales, p.v_data, p.v_scales,  # noqa: E731
-                                          p.k_global, p.v_global, bt, sl)
-                    r = bench(fn, n=50)
+                    r = bench(partial(plan.run, q, p.k_data, p.k_scales, p.v_data, p.v_scales, p.k_global,
+                                      p.v_global, bt, sl), n=50)
                     rec = {**base, **shape, "impl": "kvx_triton", "format": name, "config": kw or "default", **r,
                            "tflops": fl / r["ms"] / 1e9}
                     if peer_ms:
