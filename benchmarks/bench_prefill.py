@@ -43,7 +43,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print("flashinfer unavailable:", repr(e)[:200])
     configs = [None if c == "default" else dict(zip(("block_m", "block_n", "num_warps", "num_stages"),
-                                                      map(int, c.split("x")))) for c in args.configs]
+                                                      map(int, c.split("x")), strict=True)) for c in args.configs]
     for chunk in args.chunks:
         for prefix in args.prefixes:
             n = prefix + chunk

@@ -38,7 +38,7 @@ def bench(fn, n: int = 50, warmup: int = 5) -> dict:
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    ts = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
     return {"ms": statistics.median(ts), "ms_min": ts[0], "ms_p90": ts[int(0.9 * (len(ts) - 1))], "runs": n}
 
 

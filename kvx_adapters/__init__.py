@@ -134,7 +134,7 @@ def _stack_views(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor | N
     size, stride = list(a.shape), list(a.stride())
     size.insert(dim, 2)
     stride.insert(dim, delta)
-    pairs = sorted((s, n) for s, n in zip(stride, size) if n > 1)
+    pairs = sorted((s, n) for s, n in zip(stride, size, strict=True) if n > 1)
     span = 1
     for s, n in pairs:  # the stacked view must not alias: each dim steps past everything inside it
         if s < span:

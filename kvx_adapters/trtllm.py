@@ -329,7 +329,7 @@ def to_trtllm_block_array(cache: CacheDesc, table: BlockTable, *, seq_lens: SeqL
         lens = _index_tensor(seq_lens.lengths, "seq_lens", 1).to(ids.device)
         null = null | (torch.arange(ids.shape[1], device=ids.device)[None, :] >= blocks_needed(lens, t)[:, None])
     steps = [x.stride(0) // per_block if n > 1 else 1 for x in (k, v)]
-    planes = [torch.where(null, -1, s // per_block + ids * step) for s, step in zip(starts, steps)]
+    planes = [torch.where(null, -1, s // per_block + ids * step) for s, step in zip(starts, steps, strict=True)]
     offsets = make_kv_cache_index(torch.stack(planes, dim=1))
     return TrtllmBlockArray(primary, per_block * k.element_size(),
                             offsets.unsqueeze(1).expand(-1, beam_width, -1, -1).contiguous(), t)

@@ -166,9 +166,10 @@ class PagedKVCache:
         except (RuntimeError, MemoryError) as e:  # the device had less free memory than it has in total
             raise KvxError(Status.OUT_OF_RANGE, f"could not allocate the {need}-byte cache on {self.device}: "
                                                 f"{e}; size the cache with blocks_for_budget()") from None
-        for pools, (k, v) in zip(self.layers, scales or []):
-            pools.k_global.copy_(k)
-            pools.v_global.copy_(v)
+        if scales is not None:
+            for pools, (k, v) in zip(self.layers, scales, strict=True):
+                pools.k_global.copy_(k)
+                pools.v_global.copy_(v)
 
     # ------------------------------------------------------------ allocation
     def _pool_bytes(self, page_buffer: bool) -> int:
@@ -190,7 +191,7 @@ class PagedKVCache:
         buf = torch.zeros(self.num_blocks, page_bytes(f, self.block_size, self.num_kv_heads, self.head_dim),
                           dtype=torch.uint8, device=self.device)
         views: list[torch.Tensor | None] = []
-        for (off, n), tf, scales in zip(regions, (f.k, f.v, f.k, f.v), (False, False, True, True)):
+        for (off, n), tf, scales in zip(regions, (f.k, f.v, f.k, f.v), (False, False, True, True), strict=True):
             if n == 0:
                 views.append(None)
                 continue

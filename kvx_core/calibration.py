@@ -201,7 +201,7 @@ class SampleObserver:
         out = []
         for layer in range(self.num_layers):
             pair = []
-            for tf, x in zip((fmt.k, fmt.v), self.values(layer)):
+            for tf, x in zip((fmt.k, fmt.v), self.values(layer), strict=True):
                 if rule == "mse":
                     pair.append(mse_global_scale(tf, x))
                 else:

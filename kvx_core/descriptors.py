@@ -93,7 +93,7 @@ def _check_no_overlap(shape: tuple[int, ...], stride: tuple[int, ...], what: str
     if any(s < 0 for s in stride):
         raise KvxError(Status.INVALID_ARGUMENT, f"{what}: negative strides {stride} are not allowed")
     span = 1
-    for s, n in sorted((s, n) for s, n in zip(stride, shape) if n > 1):
+    for s, n in sorted((s, n) for s, n in zip(stride, shape, strict=True) if n > 1):
         if s < span:
             raise KvxError(Status.INVALID_ARGUMENT,
                            f"{what}: strides {stride} overlap for shape {shape} (elements would alias)")

@@ -152,7 +152,7 @@ class KvCalibration:
             require(len(layers) == self.num_layers, Status.INVALID_ARGUMENT,
                     f"{name}: global scales for {len(layers)} layers, the calibration has {self.num_layers}")
             for i, pair in enumerate(layers):
-                for side, tf, g in zip("kv", (fmt.k, fmt.v), pair):
+                for side, tf, g in zip("kv", (fmt.k, fmt.v), pair, strict=True):
                     what = f"layer {i} {name}.{side}_global"
                     if tf.uses_global_scale:
                         _check_vector(g, ((1,), (h,)), what)
@@ -196,7 +196,7 @@ class KvCalibration:
                 f"{fmt.name}; recalibrate with that format (kvx calibrate-kv --formats {fmt.name})")
         pairs = self.scales[fmt.name] if uses else [(None, None)] * self.num_layers
         none = (None,) * self.num_layers
-        values = [LayerValues(s, c, k, v) for s, c, (k, v) in zip(self.smoothing or none, self.center or none, pairs)]
+        values = [LayerValues(s, c, k, v) for s, c, (k, v) in zip(self.smoothing or none, self.center or none, pairs, strict=True)]
         if heads is None:
             return values
         return [LayerValues(*(None if t is None else t if t.shape == (1,) else t[start:stop].contiguous() for t in lv))
@@ -232,7 +232,7 @@ class KvCalibration:
                 out[f"layer.{i}.{name}"] = t
         for name, layers in self.scales.items():
             for i, pair in enumerate(layers):
-                for side, g in zip("kv", pair):
+                for side, g in zip("kv", pair, strict=True):
                     if g is not None:
                         out[f"layer.{i}.{name}.{side}_global"] = g
         return out
@@ -307,7 +307,7 @@ def load_kv_calibration(path: str) -> KvCalibration:
         for fmt in scale_formats(formats):
             name = fmt.name
             names = [[f"layer.{i}.{name}.{s}_global" if tf.uses_global_scale else None
-                      for s, tf in zip("kv", (fmt.k, fmt.v))] for i in range(n)]
+                      for s, tf in zip("kv", (fmt.k, fmt.v), strict=True)] for i in range(n)]
             expected |= {x for pair in names for x in pair if x}
             scales[name] = tuple(tuple(tensors.get(x) if x else None for x in pair) for pair in names)
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)

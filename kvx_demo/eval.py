@@ -63,7 +63,7 @@ class EvalResult:
 
     @property
     def window_perplexities(self) -> list[float]:
-        return [math.exp(n / c) for n, c in zip(self.nll_sums, self.token_counts)]
+        return [math.exp(n / c) for n, c in zip(self.nll_sums, self.token_counts, strict=True)]
 
     @property
     def tokens_per_s(self) -> float:

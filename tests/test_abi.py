@@ -276,7 +276,7 @@ def test_header_struct_fields_equal_mirror():
     assert set(header) == set(C_NAMES.values())
     for cls, c_name in C_NAMES.items():
         assert [f for f, _ in header[c_name]] == [f for f, _ in cls._fields_], c_name
-        for (field, c_type), (_, ctype) in zip(header[c_name], cls._fields_):
+        for (field, c_type), (_, ctype) in zip(header[c_name], cls._fields_, strict=True):
             want = _c_type(ctype)
             ok = c_type in ENUM_CONSTANTS if want == "enum" else c_type == want
             assert ok, f"{c_name}.{field} is {c_type} in the header, the mirror says {want}"

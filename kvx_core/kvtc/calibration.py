@@ -287,7 +287,7 @@ def _allocate(projections: Sequence[tuple[torch.Tensor, torch.Tensor]], range_si
         for spent, e in enumerate(best):
             if e == inf:
                 continue
-            for ki, (cost, err) in enumerate(zip(rc, re_)):
+            for ki, (cost, err) in enumerate(zip(rc, re_, strict=True)):
                 s2 = spent + cost
                 if s2 <= budget and e + err < nxt[s2]:
                     nxt[s2], pick[s2] = e + err, ki * (budget + 1) + spent
@@ -303,7 +303,7 @@ def _allocate(projections: Sequence[tuple[torch.Tensor, torch.Tensor]], range_si
     for t in tables:
         ks = kinds[at:at + len(t)]
         at += len(t)
-        out.append(tuple((a, b, str(KINDS[k])) for (a, b, _, _), k in zip(t, ks) if KINDS[k].bits > 0))
+        out.append(tuple((a, b, str(KINDS[k])) for (a, b, _, _), k in zip(t, ks, strict=True) if KINDS[k].bits > 0))
     return out
 
 
@@ -341,7 +341,7 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
     groups = []
     for g in range(num_layers // layers_per_group):
         fits = {}
-        for s, kv in zip(SIDES, per_side):
+        for s, kv in zip(SIDES, per_side, strict=True):
             x = group_features(kv, g, layers_per_group).double()
             require(x.shape[0] >= 2, Status.INVALID_ARGUMENT, "calibrate: fewer than 2 tokens after the sinks")
             mean = x.mean(0)
@@ -357,7 +357,7 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
         else:
             ranges = [_allocate([(fits[s][3], fits[s][4])], range_size, int(features * 2 / ratio))[0] for s in SIDES]
         groups.append({s: SideCalibration(fits[s][0].float(), fits[s][1].float(), fits[s][2].float(), fits[s][4], r)
-                       for s, r in zip(SIDES, ranges)})
+                       for s, r in zip(SIDES, ranges, strict=True)})
         if progress is not None:
             progress(g)
     return Calibration(num_layers, h, d, layers_per_group, sink_tokens, recent_tokens, settings["ratio"], range_size,

@@ -137,7 +137,7 @@ def _project(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
     y = torch.empty(b - a, columns, dtype=torch.float32, device=kv[0][0].device)
     col = 0
     for g, gc in enumerate(cal.groups):
-        for s, rows in zip(SIDES, sides):
+        for s, rows in zip(SIDES, sides, strict=True):
             c = gc[s]
             x = group_features(rows, g, cal.layers_per_group).float()
             y[:, col:col + c.kept] = (x - c.mean.to(x.device)) @ c.basis[:, :c.kept].to(x.device)

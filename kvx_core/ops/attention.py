@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from itertools import pairwise
 
 import torch
 
@@ -175,7 +176,7 @@ def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | 
             f"tensor, got {(qo_indptr.dtype, tuple(qo_indptr.shape)) if isinstance(qo_indptr, torch.Tensor) else qo_indptr!r}")
     ip = qo_indptr.tolist()
     require(len(ip) == len(lens) + 1 and ip[0] == 0 and ip[-1] == (ip[-1] if num_tokens is None else num_tokens)
-            and all(a <= b for a, b in zip(ip, ip[1:])), Status.INVALID_ARGUMENT,
+            and all(a <= b for a, b in pairwise(ip)), Status.INVALID_ARGUMENT,
             "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing entries from 0 to num query tokens")
     for b, n in enumerate(lens):
         require(not queries_cached or ip[b + 1] - ip[b] <= n, Status.INVALID_ARGUMENT,
@@ -202,7 +203,7 @@ def _window_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, first_
     bs = cache.block_size
     # a row longer than its table keeps every block: the gather refuses it as before
     skip = [max(f, 0) // bs if 0 <= n <= rows.shape[1] * bs else 0
-            for f, n in zip(first_key, seq_lens.lengths.tolist())]
+            for f, n in zip(first_key, seq_lens.lengths.tolist(), strict=True)]
     if not any(skip):
         return table, seq_lens
     cols = torch.arange(rows.shape[1], device=rows.device)[None, :] + torch.tensor(skip, device=rows.device)[:, None]

@@ -192,7 +192,7 @@ def check_write(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> Wr
 def _byte_offsets(view5: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
     """Storage byte offsets of every element of rows `view5[blk, off]` (a 5-D block view)."""
     s, es = view5.stride(), view5.element_size()
-    idx = [torch.arange(n, device=blk.device) * st for n, st in zip(view5.shape[2:], s[2:])]
+    idx = [torch.arange(n, device=blk.device) * st for n, st in zip(view5.shape[2:], s[2:], strict=True)]
     inner = idx[0][:, None, None] + idx[1][None, :, None] + idx[2][None, None, :]
     return ((view5.storage_offset() + blk * s[0] + off * s[1])[:, None, None, None] + inner).flatten() * es
 
@@ -204,7 +204,7 @@ def _blocks_disjoint(k5: torch.Tensor, v5: torch.Tensor) -> bool:
     stride = k5.stride(0) * es
     if v5.stride(0) * v5.element_size() != stride:
         return False
-    inner = [(sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) + 1) * t.element_size()
+    inner = [(sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:], strict=True)) + 1) * t.element_size()
              for t in (k5, v5)]
     if max(inner) > stride:
         return False
@@ -281,7 +281,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """Address range [first byte, last byte + 1) of `t`'s elements (empty for an empty tensor)."""
     if t.numel() == 0:
         return 0, 0
-    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 

@@ -16,6 +16,7 @@ import io
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
+from itertools import pairwise
 from typing import BinaryIO
 
 import torch
@@ -93,7 +94,7 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
     wheres = layer_slots(caches, slots)
     w = BundleWriter(out, header)
-    for cache, where in zip(caches, wheres):
+    for cache, where in zip(caches, wheres, strict=True):
         w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where), w.specs, w.tokens))
     w.close()
     return header
@@ -161,7 +162,7 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     layers = []
     for rows in reader.read_all():
         layer = {}
-        for (which, tf), x in zip((("k", fmt.k), ("v", fmt.v)), decode_rows(rows, reader.format)):
+        for (which, tf), x in zip((("k", fmt.k), ("v", fmt.v)), decode_rows(rows, reader.format), strict=True):
             g = torch.ones(heads) if tf.uses_global_scale else None
             payload, scales = tf.encode(rotate(x) if fmt.rotate else x, g)
             layer[f"{which}_data"] = payload
@@ -183,7 +184,7 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
     > 0). One host sync for the bundle: the comparisons are device flags read together."""
     flags: list[torch.Tensor] = []
     plans = []  # per layer: (index of its scales flag or None, index of its same flag, or a known answer)
-    for rows, cache in zip(layers, caches):
+    for rows, cache in zip(layers, caches, strict=True):
         dst = format_of(cache)
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
         ours = [g for g in (kg, vg) if g is not None]
@@ -199,7 +200,7 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
             flags.append(torch.stack([(a.float() == b.to(a.device)).all() for a, b in pairs if a is not None]).all())
         plans.append((valid, same))
     got = read_flags(flags)
-    for cache, (valid, _) in zip(caches, plans):
+    for cache, (valid, _) in zip(caches, plans, strict=True):
         if valid is not None and not got[valid]:
             cache_global_scales(cache, format_of(cache), None, None, "import_bundle")  # raises, naming the scale
     return [same if isinstance(same, bool) else got[same] for _, same in plans]
@@ -272,7 +273,7 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
                 and header_transforms(r.header) == header_transforms(first),
                 Status.INCOMPATIBLE, "import_bundle: the shards differ in format, tokens or key transform")
     covered = sorted(ranges)
-    require(all(p[1] <= q[0] for p, q in zip(covered, covered[1:])), Status.INVALID_ARGUMENT,
+    require(all(p[1] <= q[0] for p, q in pairwise(covered)), Status.INVALID_ARGUMENT,
             f"import_bundle: shards overlap in KV heads: {covered}")
     need = [h for h in range(a, b) if not any(lo <= h < hi for lo, hi in covered)]
     require(not need, Status.INCOMPATIBLE, f"import_bundle: no shard holds KV heads {need} of [{a}, {b})")
@@ -293,12 +294,12 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
     wheres = layer_slots(caches, slots)  # the destination checked before any payload is read
     dev = caches[0].k.tensor.device
-    shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
+    shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]  # every shard verified, used or not
     rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
     src = readers[0].format
     same = _same_rows(rows, src, caches)
     stores = [_prepare(layer_rows, src, cache, slots, where, ok)
-              for layer_rows, cache, where, ok in zip(rows, caches, wheres, same)]
+              for layer_rows, cache, where, ok in zip(rows, caches, wheres, same, strict=True)]
     for store in stores:
         store()
     return [r.header for r in readers]

@@ -198,7 +198,7 @@ class BundleStore:
             except OSError as e:
                 raise _failed(final, "written", e) from None
         manifest = json.dumps({"kvx_shard_set": 1, "tp_size": tp_size,
-                               "shards": [{"kv_heads": list(r), "bytes": n} for r, n in zip(ranges, sizes)]})
+                               "shards": [{"kv_heads": list(r), "bytes": n} for r, n in zip(ranges, sizes, strict=True)]})
         self._publish(self._set_path(key), lambda f: f.write(manifest.encode()))
         self._link(model, token_ids, key)
         return final
@@ -270,11 +270,11 @@ class BundleStore:
         want = shard_ranges(model.num_kv_heads, tp)
         got = [s.get("kv_heads") if isinstance(s, dict) else None for s in shards]
         require(len(got) == len(want) and all(isinstance(g, list) and all(type(x) is int for x in g)
-                                              and tuple(g) == r for g, r in zip(got, want)), Status.INVALID_ARGUMENT,
+                                              and tuple(g) == r for g, r in zip(got, want, strict=True)), Status.INVALID_ARGUMENT,
                 f"{what}: its shards must hold KV heads {want} (the model's {model.num_kv_heads} split over {tp} "
                 f"ranks: a tiling, no overlap, no gap), not {str(got)[:200]}")
         files = []
-        for i, (s, r) in enumerate(zip(shards, want)):
+        for i, (s, r) in enumerate(zip(shards, want, strict=True)):
             shard = self._shard_path(key, tp, i)
             require(set(s) == {"kv_heads", "bytes"} and _is_int(s["bytes"], 1, 2**63), Status.INVALID_ARGUMENT,
                     f"{what}: shard {i} must be {{\"kv_heads\": [start, stop], \"bytes\": size}}")

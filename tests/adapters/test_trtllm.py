@@ -64,7 +64,7 @@ class Engine:
         self.mem = torch.full((len(self.lens), self.w, m), -1, dtype=torch.int64)
         self.sec = torch.zeros((len(self.lens), self.w, m), dtype=torch.bool)
         at = 0
-        for s, ((shared, _own), n) in enumerate(zip(ids, need)):
+        for s, ((shared, _own), n) in enumerate(zip(ids, need, strict=True)):
             for j in range(shared):
                 self.sec[s, :, j] = pick_sec[at]
                 self.mem[s, :, j] = (sec_perm if pick_sec[at] else prim_perm)[at]
@@ -177,9 +177,9 @@ def test_vllm_hnd_cache_as_kv_block_array():
     back = trtllm.from_trtllm_pool(arr.primary, tokens_per_block=8, num_kv_heads=2, head_dim=16)
     out = gather_kv(back, GatherDesc(trtllm.from_trtllm_offsets(arr.offsets), lens, 64))
     ek, ev = wl.expected()
-    per_beam = [x for part in zip(ek.split(wl.lens), ek.split(wl.lens)) for x in part]  # (seq, beam) order
+    per_beam = [x for part in zip(ek.split(wl.lens), ek.split(wl.lens), strict=True) for x in part]  # (seq, beam) order
     assert torch.equal(out.key, torch.cat(per_beam))
-    per_beam = [x for part in zip(ev.split(wl.lens), ev.split(wl.lens)) for x in part]
+    per_beam = [x for part in zip(ev.split(wl.lens), ev.split(wl.lens), strict=True) for x in part]
     assert torch.equal(out.value, torch.cat(per_beam))
 
 

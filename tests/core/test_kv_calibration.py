@@ -79,14 +79,14 @@ def test_fitted_values_are_calibrations_own(request, which):
     _rot): what the cache stores."""
     cal, obs = request.getfixturevalue(which), _obs()
     centers = [key_center(obs.values(layer)[0]) for layer in range(L)] if which == "centered" else None
-    assert cal.center is None if centers is None else all(torch.equal(a, b) for a, b in zip(cal.center, centers))
+    assert cal.center is None if centers is None else all(torch.equal(a, b) for a, b in zip(cal.center, centers, strict=True))
     for layer in range(L):
         keys = obs.values(layer)[0] - (0 if centers is None else centers[layer])
         assert torch.equal(cal.smoothing[layer], key_smoothing(keys, 0.5))
     for name in ("nvfp4", "k8v4_rot"):
         fmt = get_format(name)
         want = stored_values(obs, list(cal.smoothing), fmt.rotate, centers).global_scales(fmt, "mse")
-        for got, ref in zip(cal.scales[name], want):
+        for got, ref in zip(cal.scales[name], want, strict=True):
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     if centers is not None:  # the centering changed what the scales were fitted on
         assert not torch.equal(cal.scales["nvfp4"][0][0], request.getfixturevalue("cal").scales["nvfp4"][0][0])
@@ -325,5 +325,5 @@ def test_head_range_takes_the_rows_of_those_heads(centered):
         with pytest.raises(KvxError, match="KV heads") as e:
             centered.for_format(fmt, heads=bad)
         assert e.value.status == Status.OUT_OF_RANGE
-    assert all(all(a is b is None or torch.equal(a, b) for a, b in zip(lv, w))
+    assert all(all(a is b is None or torch.equal(a, b) for a, b in zip(lv, w, strict=True))
                for lv, w in zip(centered.for_format(fmt), whole, strict=True))

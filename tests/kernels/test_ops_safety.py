@@ -68,7 +68,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _assert_unchanged(c: PagedKVCache, snap: list[torch.Tensor]) -> None:
-    for before, now in zip(snap, _pools(c)):
+    for before, now in zip(snap, _pools(c), strict=True):
         assert _same_bytes(before, now), "a rejected call changed the cache"
 
 
@@ -290,7 +290,7 @@ def test_write_with_inputs_that_require_grad(name, entry, kernel_device):
     slots = torch.tensor([5, 9, 2], device=kernel_device)
     _write(entry, c, k, v, slots)
     _write(entry, twin, k.detach(), v.detach(), slots)
-    for t, ref in zip(_pools(c), _pools(twin)):
+    for t, ref in zip(_pools(c), _pools(twin), strict=True):
         assert not t.requires_grad and t.grad_fn is None
         assert _same_bytes(t, ref)
 
@@ -604,7 +604,7 @@ def test_rot_write_and_gather_are_batch_invariant(name, h, d):
         for i in range(0, n_tok, batch):
             j = min(i + batch, n_tok)
             part.write(0, x[0, i:j], x[1, i:j], torch.arange(i, j))
-        for a, b in zip(_pools(whole), _pools(part)):
+        for a, b in zip(_pools(whole), _pools(part), strict=True):
             assert _same_bytes(a, b), f"batch {batch}: written bytes differ"
     table = torch.arange(n_tok // BS)[None]
     fk, fv = whole.gather(0, table, torch.tensor([n_tok]))
@@ -623,7 +623,7 @@ def test_rot_kernel_paths_are_batch_invariant(name, kernel_device):
         dispatch.write_kv(c.descriptor(0), WriteDesc(KvIoDesc(x[0, i:i + 1], x[1, i:i + 1]),
                                                      SlotMapping(torch.tensor([i], device=dev))))
     reference.write_kv(ref.descriptor(0), WriteDesc(KvIoDesc(x[0], x[1]), SlotMapping(torch.arange(8, device=dev))))
-    for a, b in zip(_pools(c), _pools(ref)):
+    for a, b in zip(_pools(c), _pools(ref), strict=True):
         assert _same_bytes(a, b)
     table = BlockTable.packed(torch.tensor([[0, 1]], device=dev))
     full = dispatch.gather_kv(c.descriptor(0), GatherDesc(table, SeqLens(torch.tensor([8], device=dev)), 8))

@@ -252,7 +252,7 @@ def test_cuda_write_strided_input_int32_slots_odd_block_size(name):
         vd, vs = _pools(fmt.v, nb, h, bs, d, "cuda")
         ops_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, gk, gv, backend=be)
         out[be] = [x.view(torch.uint8).cpu() for x in (kd, ks, vd, vs) if x is not None]
-    assert all(torch.equal(a, b) for a, b in zip(out["cuda"], out["triton"]))
+    assert all(torch.equal(a, b) for a, b in zip(out["cuda"], out["triton"], strict=True))
     keep = slots >= 0
     blk, off = (slots[keep] // bs).long().cpu(), (slots[keep] % bs).long().cpu()
     for tf, x, data, gs in ((fmt.k, k, out["cuda"][0], gk), (fmt.v, v, out["cuda"][-2 if fmt.v.scale_dim(d) else -1], gv)):

@@ -60,7 +60,7 @@ def _rows(c, slots):
 
 
 def _same(a, b):
-    return all(torch.equal(x[n].view(torch.uint8), y[n].view(torch.uint8)) for x, y in zip(a, b) for n in x)
+    return all(torch.equal(x[n].view(torch.uint8), y[n].view(torch.uint8)) for x, y in zip(a, b, strict=True) for n in x)
 
 
 @pytest.mark.parametrize("dst_fmt", ["bf16", "nvfp4", "int8"])
@@ -127,5 +127,5 @@ def test_kvtc_entries_are_refused_without_their_calibration_or_damaged(cal, tmp_
     with pytest.raises(KvxError, match="checksum"):
         BundleStore(tmp_path / "kv", kvtc=cal).get(_descs(dst), torch.arange(T), model=MODEL, token_ids=IDS)
     after = [t for p in dst.layers for t in (p.k_data, p.v_data, p.k_scales)]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert not list((tmp_path / "kv2").glob("*.kvx"))

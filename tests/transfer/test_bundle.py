@@ -58,7 +58,7 @@ def _snapshot(c: PagedKVCache) -> list[torch.Tensor]:
 
 
 def _unchanged(c: PagedKVCache, before: list[torch.Tensor]) -> bool:
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(_snapshot(c), before))
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(_snapshot(c), before, strict=True))
 
 
 @pytest.mark.parametrize("fmt", list_formats())

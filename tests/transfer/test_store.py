@@ -60,7 +60,7 @@ def test_a_damaged_entry_is_refused_and_the_cache_untouched(tmp_path):
     with pytest.raises(KvxError, match="checksum") as e:
         store.get(_descs(dst), torch.arange(T), model=MODEL, token_ids=IDS)
     assert e.value.status == Status.INVALID_ARGUMENT
-    assert all(torch.equal(a, b) for a, b in zip(before, (t for p in dst.layers for t in (p.k_data, p.v_scales))))
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for p in dst.layers for t in (p.k_data, p.v_scales)), strict=True))
 
 
 def test_a_failed_put_leaves_no_file(tmp_path):

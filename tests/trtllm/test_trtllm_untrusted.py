@@ -77,7 +77,7 @@ def test_bad_arguments_are_refused(which, edit, words):
         describe_trtllm_cache(pools, offsets, **{**kw, **edit})
     assert e.value.status == Status.INVALID_ARGUMENT and words in e.value.message, e.value.message
     after = (pools if isinstance(pools, list) else [pools]) + [offsets]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing written
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # nothing written
 
 
 def test_offsets_that_are_no_tensor_are_refused():

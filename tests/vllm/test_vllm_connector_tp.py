@@ -112,7 +112,7 @@ def test_a_damaged_shard_fails_the_load_on_every_rank(tmp_path, caplog):
     for state, cache in _consumers(store, data, 2):
         untouched = _caches(FMT, state.kv_heads, *_data(99)[:2], data[2], data[3])
         assert state._failed == {s // 8 for s in SLOTS.tolist()}
-        assert all(torch.equal(a, b) for p, q in zip(cache.layers, untouched.layers)
+        assert all(torch.equal(a, b) for p, q in zip(cache.layers, untouched.layers, strict=True)
                    for a, b in ((p.k_data, q.k_data), (p.v_data, q.v_data), (p.k_scales, q.k_scales)))
     assert caplog.text.count("checksum") == 2
 

@@ -102,10 +102,10 @@ def test_cuda_graph_decode_agrees_with_eager(runs, dtype):
     far as DRIFT_BOUND until the greedy paths split."""
     g, e = runs[dtype], runs[f"{dtype}_eager"]
     assert g["ppl"] == e["ppl"]
-    for gt, et, gl, el in zip(g["gen_tokens"], e["gen_tokens"], g["gen_logprobs"], e["gen_logprobs"]):
-        n = next((i for i, (a, b) in enumerate(zip(gt, et)) if a != b), len(gt))
+    for gt, et, gl, el in zip(g["gen_tokens"], e["gen_tokens"], g["gen_logprobs"], e["gen_logprobs"], strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(gt, et, strict=True)) if a != b), len(gt))
         assert n >= 2  # the first token comes from prefill, the second from the first decode step
-        assert max(abs(a - b) for a, b in zip(gl[:n], el[:n])) <= DRIFT_BOUND
+        assert max(abs(a - b) for a, b in zip(gl[:n], el[:n], strict=True)) <= DRIFT_BOUND
 
 
 @pytest.mark.parametrize("tag", [*DTYPES, "kvx_nvfp4_prefillcache"])

@@ -129,7 +129,7 @@ def test_greedy_agreement_int8_vs_bf16(runs):
     """Greedy next tokens of BF16 and kvx_int8 at each of the 511 positions of the demo text (same
     context for both, so one early divergence does not count every later token as a disagreement)."""
     a, b = runs["auto"]["text_top1"], runs["kvx_int8"]["text_top1"]
-    agree = sum(x == y for x, y in zip(a, b)) / len(a)
+    agree = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
     assert len(a) == len(b) == 511 and agree >= 0.95, f"greedy agreement {agree:.3f}"
 
 

@@ -55,9 +55,9 @@ def test_verification_steps_run_as_multi_row_decodes(runs):
 
 def test_greedy_tokens_agree_with_and_without_speculation(runs):
     base, spec = runs
-    for i, (a, b) in enumerate(zip(base["tokens"], spec["tokens"])):
+    for i, (a, b) in enumerate(zip(base["tokens"], spec["tokens"], strict=True)):
         assert len(a) == len(b)
-        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         if pos is None:
             continue
         (t1, l1), (t2, l2) = base["top2"][i][pos]

@@ -268,7 +268,7 @@ def _gaps(a: dict, b: dict) -> dict[str, list[float]]:
         for pa, pb in zip(ra["prompt_logprobs"], rb["prompt_logprobs"], strict=True):
             if pa is not None:
                 add("prompt", pa, pb)
-        for j, ((ta, pa), (tb, pb)) in enumerate(zip(ra["generated"], rb["generated"])):
+        for j, ((ta, pa), (tb, pb)) in enumerate(zip(ra["generated"], rb["generated"], strict=True)):
             if j > 0:
                 add("decode", pa, pb)
             if ta != tb:

@@ -64,7 +64,7 @@ def main(model_dir: str, cache_dtype: str, prefill: str, prompt_ids: list[int]) 
     return {"layers": llm.apply_model(inspect)[0],
             "prompt_logprobs": [None if lp is None else sorted((k, v.logprob) for k, v in lp.items())
                                 for lp in res.prompt_logprobs],
-            "generated": [[t, lp[t].logprob] for t, lp in zip(o.token_ids, o.logprobs)]}
+            "generated": [[t, lp[t].logprob] for t, lp in zip(o.token_ids, o.logprobs, strict=True)]}
 
 
 if __name__ == "__main__":

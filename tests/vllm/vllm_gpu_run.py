@@ -49,12 +49,12 @@ def main(ckpt: str, cache_dtype: str, eager: bool, prefill_cache: bool) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=1)
     gens = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
     out["gen_tokens"] = [list(g.outputs[0].token_ids) for g in gens]
-    out["gen_logprobs"] = [[lp[t].logprob for t, lp in zip(g.outputs[0].token_ids, g.outputs[0].logprobs)]
+    out["gen_logprobs"] = [[lp[t].logprob for t, lp in zip(g.outputs[0].token_ids, g.outputs[0].logprobs, strict=True)]
                            for g in gens]
     scored_ids = ids[:PPL_TOKENS]
     scored = llm.generate([TokensPrompt(prompt_token_ids=scored_ids)],
                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-    out["prompt_logprobs"] = [lp[t].logprob for t, lp in zip(scored_ids[1:], scored.prompt_logprobs[1:])]
+    out["prompt_logprobs"] = [lp[t].logprob for t, lp in zip(scored_ids[1:], scored.prompt_logprobs[1:], strict=True)]
     out["ppl"] = math.exp(-sum(out["prompt_logprobs"]) / len(out["prompt_logprobs"]))
     prefix = ids[5000:6024]
     probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
@@ -64,8 +64,8 @@ def main(ckpt: str, cache_dtype: str, eager: bool, prefill_cache: bool) -> dict:
     cold = llm.generate([TokensPrompt(prompt_token_ids=prefix + ids[8000:8002])], probe, use_tqdm=False)[0]
     out["prefix"] = {"warm_cached": warm.num_cached_tokens, "cold_cached": cold.num_cached_tokens,
                      "warm_tokens": list(warm.outputs[0].token_ids), "cold_tokens": list(cold.outputs[0].token_ids),
-                     "warm": [lp[t].logprob for t, lp in zip(warm.outputs[0].token_ids, warm.outputs[0].logprobs)],
-                     "cold": [lp[t].logprob for t, lp in zip(cold.outputs[0].token_ids, cold.outputs[0].logprobs)]}
+                     "warm": [lp[t].logprob for t, lp in zip(warm.outputs[0].token_ids, warm.outputs[0].logprobs, strict=True)],
+                     "cold": [lp[t].logprob for t, lp in zip(cold.outputs[0].token_ids, cold.outputs[0].logprobs, strict=True)]}
     out["total_s"] = round(time.perf_counter() - t0, 1)
     return out
 

@@ -181,7 +181,7 @@ def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: to
             num_warps=4, enable_fp_fusion=False,
         )
     if fmt.rotate:
-        ko, vo = (rotate(x, out_dtype=o.dtype if out is not None else dt) for x, o in zip((ko, vo), out or (None, None)))
+        ko, vo = (rotate(x, out_dtype=o.dtype if out is not None else dt) for x, o in zip((ko, vo), out or (None, None), strict=True))
     if out is None or direct:
         return ko, vo
     out[0][:total].copy_(ko)

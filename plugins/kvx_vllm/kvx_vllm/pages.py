@@ -52,7 +52,7 @@ def page_cache_desc(kv_cache: torch.Tensor, fmt: CacheFormat, num_kv_heads: int,
     pages = kv_cache.as_strided((n, block_size * c), (kv_cache.stride(0), 1))
     views: list[torch.Tensor | None] = []
     for (off, size), tf, scales in zip(page_regions(fmt, block_size, num_kv_heads, head_dim),
-                                       (fmt.k, fmt.v, fmt.k, fmt.v), (False, False, True, True)):
+                                       (fmt.k, fmt.v, fmt.k, fmt.v), (False, False, True, True), strict=True):
         if size == 0:
             views.append(None)
             continue

@@ -38,6 +38,7 @@ per request: the same math, for testing the route on small models.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
@@ -64,7 +65,7 @@ def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_sca
     """The same attention with KVX's FP64 reference core, request by request (off CUDA)."""
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
-    for q0, q1 in zip(starts, starts[1:]):
+    for q0, q1 in pairwise(starts):
         if q1 > q0:
             o, lse_t = attention.attend(query[q0:q1], key[q0:q1], value[q0:q1], torch.arange(q1 - q0), sm_scale,
                                         softcap, window, True)
