@@ -80,7 +80,8 @@ def main() -> None:
             t_cd, _ = _timed(lambda: encode_body(kv, cal, 0, b"", head, tail), a.runs, a.device)
             hdr, layout, on_dev, _ = open_body(buf, cal, device=a.device)
             t_dd, _ = _timed(lambda: decode_body(on_dev, cal, layout, hdr), a.runs, a.device)
-            err = sum(float(((x.float() - y.float()) ** 2).sum()) for p, q in zip(kv, dec.kv, strict=True) for x, y in zip(p, q, strict=True))
+            err = sum(float(((x.float() - y.float()) ** 2).sum())
+                      for p, q in zip(kv, dec.kv, strict=True) for x, y in zip(p, q, strict=True))
             ref = sum(float((x.float() ** 2).sum()) for p in kv for x in p)
             on_cpu = decompress(buf, cal, device="cpu").kv
             cross = max(float((x.cpu().float() - y.float()).abs().max()) for p, q in zip(dec.kv, on_cpu, strict=True)

@@ -2,13 +2,14 @@
 MXFP4 kernel (`kvx_core.ops.triton.mxfp4_gemv`), same run, same weight, M activation rows in {1 .. 64}.
 
 Shapes: gpt-oss's head 201088 x 2880 and its TP=2 shard 100544 x 2880 (random weights: the kernel's time does not
-depend on the values). Reported per (shape, M): median us (L2 flushed before each run), the MXFP4 speed-up over BF16 (the bf16 decode the quantized head takes; the FP32 decode, for any scale, beside it),
-and each one's bytes read (weight + activations + logits) as % of the device's copy bandwidth. `--sweep` first times
-the kernel's tile configurations at M = 1 / 16 / 64 (the table `config()` is chosen from). vLLM's Marlin MXFP4 GEMM
+depend on the values). Reported per (shape, M): median us (L2 flushed before each run), the MXFP4 speed-up over BF16
+(the bf16 decode the quantized head takes; the FP32 decode, for any scale, beside it), and each one's bytes read
+(weight + activations + logits) as % of the device's copy bandwidth. `--sweep` first times the kernel's tile
+configurations at M = 1 / 16 / 64 (the table `config()` is chosen from). vLLM's Marlin MXFP4 GEMM
 (`marlin_utils_fp4`, through `kvx_vllm.marlin_head`: the same MXFP4 weight repacked by `prepare_fp4_layer_for_marlin`,
-what vLLM's W4A16 MXFP4 linear layers and the KVX head option run on Hopper) is timed too when vLLM is importable
-(with plugins/kvx_vllm on the path), after checking that it computes the same logits as KVX's kernel; otherwise a
-line says why it was not.
+what vLLM's W4A16 MXFP4 linear layers and the KVX head option run on Hopper) is timed too when vLLM is importable (with
+plugins/kvx_vllm on the path), after checking that it computes the same logits as KVX's kernel; otherwise a line says
+why it was not.
 
 Usage: python benchmarks/bench_lm_head.py [--out F.jsonl] [--sweep]
 """

@@ -67,7 +67,8 @@ def main() -> None:
                        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
                 r = bench(lambda: w.run(q, (kc, vc)), n=50)
                 peer_ms = r["ms"]
-                emit(args.out, {**base, **shape, "impl": "flashinfer", "format": "bf16", **r, "tflops": fl / r["ms"] / 1e9})
+                emit(args.out, {**base, **shape, "impl": "flashinfer", "format": "bf16", **r,
+                                "tflops": fl / r["ms"] / 1e9})
                 del kc, vc, ws
             for name in args.formats:
                 c = PagedKVCache(name, num_layers=1, num_blocks=nb, block_size=bs, num_kv_heads=hkv, head_dim=d,

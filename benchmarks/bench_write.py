@@ -1,9 +1,10 @@
 """Fused KV write throughput (quantize + scatter, K and V in one launch) per format and backend (CUDA, Triton),
 vs copy bandwidth.
 
-Formats with global scales get calibrated per-head scales (amax rule: not powers of two). GB/s counts the bf16 K/V read, the slot mapping read and the payload + scale bytes written. Each row has the
-eager time (`ms`: the Python launcher included where it outlasts the L2 flush) and the CUDA-graph replay time
-(`graph_ms`: the kernel alone, as engines run it), and the GB/s / % of copy bandwidth of the graph time.
+Formats with global scales get calibrated per-head scales (amax rule: not powers of two). GB/s counts the bf16 K/V read,
+the slot mapping read and the payload + scale bytes written. Each row has the eager time (`ms`: the Python launcher
+included where it outlasts the L2 flush) and the CUDA-graph replay time (`graph_ms`: the kernel alone, as engines run
+it), and the GB/s / % of copy bandwidth of the graph time.
 Usage: python benchmarks/bench_write.py [--out benchmarks/results/write.jsonl]
 Nsight Compute: `ncu -k regex:write python benchmarks/bench_write.py --runs 1 --warmup 1 --no-graph ...`
 """

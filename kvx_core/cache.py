@@ -205,9 +205,15 @@ class PagedKVCache:
         if page_buffer:
             kd, vd, ks, vs = self._page_views()
         else:
-            kd, vd, ks, vs = self._pool(f.k, False), self._pool(f.v, False), self._pool(f.k, True), self._pool(f.v, True)
-        g = (lambda: torch.ones(self._g_shape, dtype=torch.float32, device=self.device)) if f.uses_global_scale else (lambda: None)
-        return LayerPools(kd, vd, ks, vs, g(), g())
+            kd, vd = self._pool(f.k, False), self._pool(f.v, False)
+            ks, vs = self._pool(f.k, True), self._pool(f.v, True)
+        return LayerPools(kd, vd, ks, vs, self._global_pool(), self._global_pool())
+
+    def _global_pool(self) -> torch.Tensor | None:
+        """A layer's FP32 global scales (all ones until set), None for formats without them."""
+        if not self.format.uses_global_scale:
+            return None
+        return torch.ones(self._g_shape, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------ global scales
     def _checked_scale(self, tf: TensorFormat, src: torch.Tensor | float, which: str) -> torch.Tensor:

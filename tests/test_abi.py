@@ -459,7 +459,8 @@ def test_new_sets_sizes_recursively_and_fills_arrays():
 
 
 KEY_VECTOR_CASES = [  # (reader, field, its flag, the size of the version before the field)
-    pytest.param(smoothing_of, "k_smoothing", enums.QUANT_FLAG_KEY_SMOOTHING, QUANT_DESC_V1_1_SIZE, id="v1.2_smoothing"),
+    pytest.param(smoothing_of, "k_smoothing", enums.QUANT_FLAG_KEY_SMOOTHING, QUANT_DESC_V1_1_SIZE,
+                 id="v1.2_smoothing"),
     pytest.param(center_of, "k_center", enums.QUANT_FLAG_KEY_CENTERING, QUANT_DESC_V1_2_SIZE, id="v1.3_centering"),
 ]
 

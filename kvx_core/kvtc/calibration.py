@@ -251,7 +251,8 @@ def group_features(kv: Sequence[torch.Tensor], group: int, layers_per_group: int
     return torch.cat([x.reshape(x.shape[0], -1) for x in layers], dim=1)
 
 
-def _range_table(y: torch.Tensor, scale: torch.Tensor, range_size: int) -> list[tuple[int, int, list[int], list[float]]]:
+def _range_table(y: torch.Tensor, scale: torch.Tensor,
+                 range_size: int) -> list[tuple[int, int, list[int], list[float]]]:
     """Per range of `range_size` components of the calibration projections `y [M, C]`: (start, stop, bytes per token
     of each kind, the kind's measured squared error over the calibration rows)."""
     c = y.shape[1]

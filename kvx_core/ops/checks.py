@@ -54,8 +54,9 @@ def global_scale(tf: TensorFormat, g, num_heads: int, device: torch.device, what
         return torch.ones(num_heads, dtype=torch.float32, device=device)
     if isinstance(g, (int, float)) and not isinstance(g, bool):
         g = torch.tensor(float(g))
-    require(isinstance(g, torch.Tensor) and g.is_floating_point() and (g.dim() == 0 or tuple(g.shape) in ((1,), (num_heads,))),
-            Status.INVALID_ARGUMENT, f"{what} must be a float tensor of shape [], [1] or [H_kv={num_heads}], got "
+    require(isinstance(g, torch.Tensor) and g.is_floating_point()
+            and (g.dim() == 0 or tuple(g.shape) in ((1,), (num_heads,))), Status.INVALID_ARGUMENT,
+            f"{what} must be a float tensor of shape [], [1] or [H_kv={num_heads}], got "
             f"{(g.dtype, tuple(g.shape)) if isinstance(g, torch.Tensor) else type(g).__name__}")
     out = g.to(device=device, dtype=torch.float32).reshape(-1).expand(num_heads).contiguous()
     if check_values:
@@ -295,7 +296,8 @@ def check_no_alias(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Ten
     names = list(outputs)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            require(not _overlap(outputs[a], outputs[b]), Status.INVALID_ARGUMENT, f"gather {a} and {b} overlap in memory")
+            require(not _overlap(outputs[a], outputs[b]), Status.INVALID_ARGUMENT,
+                    f"gather {a} and {b} overlap in memory")
         for b, t in inputs.items():
             require(t is None or not _overlap(outputs[a], t), Status.INVALID_ARGUMENT,
                     f"gather {a} overlaps the cache's {b} pool in memory (a gather must not write into the cache)")

@@ -3,10 +3,10 @@ the pools are CUDA tensors the kernels can address, the torch reference otherwis
 results as `ops.reference` / `ops.attention` (write and gather bit-identical; attention equal up to float
 accumulation order), so callers switch by importing this module instead.
 
-KV_OFFSETS tables (TRT-LLM) run on the kernels over their K plane, V read one block further (`checks.offsets_kernel_table`).
-The reference remains the path for: CPU pools, v1.0 FP8 caches (per-write scale descriptors),
-HND_PACKED layouts with pack > 1, RAGGED tables, KV_OFFSETS tables that name host blocks or break TRT-LLM's
-K/V block pairing (checked), caches with a secondary (host) pool, and NVFP4 caches whose V scales are
+KV_OFFSETS tables (TRT-LLM) run on the kernels over their K plane, V read one block further
+(`checks.offsets_kernel_table`). The reference remains the path for: CPU pools, v1.0 FP8 caches (per-write scale
+descriptors), HND_PACKED layouts with pack > 1, RAGGED tables, KV_OFFSETS tables that name host blocks or break
+TRT-LLM's K/V block pairing (checked), caches with a secondary (host) pool, and NVFP4 caches whose V scales are
 interleaved by 4 tokens (TRT-LLM's layout, `QUANT_FLAG_V_SCALE_INTERLEAVE4`: the kernels read scale rows by strides).
 """
 from __future__ import annotations
@@ -216,9 +216,9 @@ def _attention_pools(cache: CacheDesc):
 
 @torch.no_grad()
 def write_kv(cache: CacheDesc | BoundLayer, write: WriteDesc, *, check: bool = True) -> None:
-    """`reference.write_kv`, on the fused write kernel (CUDA or Triton, `ops.write`) when possible. `check` validates the descriptors
-    and the values the write depends on (slot range and uniqueness, global scales: host syncs); engines that
-    own their slot mappings and scales pass False to stay sync-free, and a layer bound once (`bind`) then launches
+    """`reference.write_kv`, on the fused write kernel (CUDA or Triton, `ops.write`) when possible. `check` validates
+    the descriptors and the values the write depends on (slot range and uniqueness, global scales: host syncs); engines
+    that own their slot mappings and scales pass False to stay sync-free, and a layer bound once (`bind`) then launches
     the write kernel and nothing else. Either way nothing is stored unless the whole write is accepted. A layer
     bound for KV_OFFSETS tables is refused: its K and V are one block array (TRT-LLM's), which a slot names once,
     so a slot-mapped write would store V over K (TRT-LLM: write through `kvx_trtllm.layer_views`)."""

@@ -256,9 +256,9 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     """Read, verify and store bundles into `caches` (layer i -> `caches[i]`) at `slots` (one per bundled token, in
     order). `src`: one bundle (a stream, bytes, or a uint8 host tensor holding it: `host.HostBundle`, checked in
     parallel and copied to the caches' device at copy speed), or a list of the shards of several tensor-parallel
-    ranks; the destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards
-    hold them (resharding: split, merge or both). `token_range` = `[start, stop)` stores only those bundled tokens
-    (`slots` then has one entry per token of the range): what an engine loads beside a prefix it already holds.
+    ranks; the destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever
+    shards hold them (resharding: split, merge or both). `token_range` = `[start, stop)` stores only those bundled
+    tokens (`slots` then has one entry per token of the range): what an engine loads beside a prefix it already holds.
     All or nothing: every check, every bundle's checksums and every layer's conversion happen before the first
     byte is stored. Returns the bundle headers."""
     require(isinstance(model, ModelFingerprint), Status.INVALID_ARGUMENT,
@@ -294,7 +294,8 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
     wheres = layer_slots(caches, slots)  # the destination checked before any payload is read
     dev = caches[0].k.tensor.device
-    shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]  # every shard verified, used or not
+    # every shard verified, used or not
+    shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]
     rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
     src = readers[0].format
     same = _same_rows(rows, src, caches)

@@ -127,7 +127,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
     dev = caches[0].k.tensor.device
-    for i, (cache, where) in enumerate(zip(caches, wheres, strict=True)):  # queue each layer's gather and copy; hash the landed
+    # queue each layer's gather and copy; hash the landed
+    for i, (cache, where) in enumerate(zip(caches, wheres, strict=True)):
         chunk = read_chunk(cache, slots, specs, where=where)
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))

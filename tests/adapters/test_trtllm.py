@@ -59,7 +59,8 @@ class Engine:
             ids.append((shared, own))
         total = sum(s + o for s, o in ids)
         self.p1, self.p2 = total + 2, (total + 2 if g["use_secondary"] else 0)
-        pick_sec = torch.rand(total, generator=gen) < 0.4 if g["use_secondary"] else torch.zeros(total, dtype=torch.bool)
+        pick_sec = (torch.rand(total, generator=gen) < 0.4 if g["use_secondary"]
+                    else torch.zeros(total, dtype=torch.bool))
         prim_perm, sec_perm = torch.randperm(self.p1, generator=gen), torch.randperm(max(self.p2, 1), generator=gen)
         self.mem = torch.full((len(self.lens), self.w, m), -1, dtype=torch.int64)
         self.sec = torch.zeros((len(self.lens), self.w, m), dtype=torch.bool)
@@ -90,7 +91,8 @@ class Engine:
         k = rand(self.gen, (seq.numel(), self.h, self.d), self.dt)
         v = rand(self.gen, (seq.numel(), self.h, self.d), self.dt)
         blk = pos // self.t
-        shared = (self.mem[seq, beam, blk] == self.mem[seq, 0, blk]) & (self.sec[seq, beam, blk] == self.sec[seq, 0, blk])
+        shared = ((self.mem[seq, beam, blk] == self.mem[seq, 0, blk])
+                  & (self.sec[seq, beam, blk] == self.sec[seq, 0, blk]))
         starts = torch.cumsum(torch.tensor([0] + [n * self.w for n in self.lens[:-1]]), 0)
         first = starts[seq] + pos  # index of beam 0's token at the same position
         k = torch.where(shared.view(-1, 1, 1), k[first], k)
@@ -186,7 +188,8 @@ def test_vllm_hnd_cache_as_kv_block_array():
 def test_nhd_cache_is_not_a_kv_block_array():
     kv = vllm_allocate("flash_attn", "NHD", 4, 8, 2, 16, torch.float16)
     with pytest.raises(KvxError) as e:
-        trtllm.to_trtllm_block_array(vllm.from_vllm_kv_cache(kv), BlockTable.packed(torch.zeros(1, 1, dtype=torch.int32)))
+        trtllm.to_trtllm_block_array(vllm.from_vllm_kv_cache(kv),
+                                     BlockTable.packed(torch.zeros(1, 1, dtype=torch.int32)))
     assert e.value.status == Status.UNSUPPORTED
 
 
@@ -247,7 +250,8 @@ def test_offsets_round_trip_and_errors():
 
 
 @pytest.mark.parametrize("bad", [
-    lambda: trtllm.from_trtllm_pool(torch.zeros(4, 2, 2, 64).transpose(0, 3), tokens_per_block=4, num_kv_heads=2, head_dim=8),
+    lambda: trtllm.from_trtllm_pool(torch.zeros(4, 2, 2, 64).transpose(0, 3), tokens_per_block=4, num_kv_heads=2,
+                                    head_dim=8),
     lambda: trtllm.from_trtllm_pool(torch.zeros(4, 2, 2, 64), tokens_per_block=4, num_kv_heads=2, head_dim=4),
     lambda: trtllm.from_trtllm_pool(torch.zeros(4, 2, 2, 64), tokens_per_block=4, num_kv_heads=2, head_dim=8,
                                     layer=2),

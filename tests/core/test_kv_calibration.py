@@ -79,7 +79,8 @@ def test_fitted_values_are_calibrations_own(request, which):
     _rot): what the cache stores."""
     cal, obs = request.getfixturevalue(which), _obs()
     centers = [key_center(obs.values(layer)[0]) for layer in range(L)] if which == "centered" else None
-    assert cal.center is None if centers is None else all(torch.equal(a, b) for a, b in zip(cal.center, centers, strict=True))
+    assert cal.center is None if centers is None else all(torch.equal(a, b)
+                                                          for a, b in zip(cal.center, centers, strict=True))
     for layer in range(L):
         keys = obs.values(layer)[0] - (0 if centers is None else centers[layer])
         assert torch.equal(cal.smoothing[layer], key_smoothing(keys, 0.5))
@@ -143,7 +144,8 @@ def test_centers_edited_or_dropped_are_refused(centered, tmp_path):
     center false are refused (the identity hash covers the centers and the version)."""
     t = dict(centered.tensors())
     t["layer.0.k_center"] = -torch.ones(H, D)
-    assert torch.equal(load_kv_calibration(_rewrite(centered, tmp_path / "neg.kvx", tensors=t)).center[0], t["layer.0.k_center"])
+    loaded = load_kv_calibration(_rewrite(centered, tmp_path / "neg.kvx", tensors=t))
+    assert torch.equal(loaded.center[0], t["layer.0.k_center"])
     with pytest.raises(KvxError, match="identity"):  # edited, hash of the original
         load_kv_calibration(_rewrite(centered, tmp_path / "edit.kvx", tensors=t, identity=centered.identity))
     v1 = {k: v for k, v in centered.params().items() if k != "center"} | {"version": 1}
@@ -178,7 +180,8 @@ def test_bad_metadata_and_damage_are_refused(cal, tmp_path):
     with pytest.raises(KvxError, match="version 3") as e:
         load_kv_calibration(_rewrite(cal, tmp_path / "v.safetensors", params=newer))
     assert e.value.status == Status.INCOMPATIBLE
-    for params, match in (({**cal.params(), "num_kv_heads": H + 1}, "shape"), ({**cal.params(), "rule": "best"}, "rule"),
+    for params, match in (({**cal.params(), "num_kv_heads": H + 1}, "shape"),
+                          ({**cal.params(), "rule": "best"}, "rule"),
                           ({**cal.params(), "formats": ["int4"]}, "take no global scale"),
                           ({k: v for k, v in cal.params().items() if k != "alpha"}, "malformed")):
         with pytest.raises(KvxError, match=match):
@@ -223,8 +226,9 @@ def test_format_without_scales_is_refused(cal, centered):
     with pytest.raises(KvxError, match="not quantized"):
         cal.for_format(get_format("bf16"))
     values = centered.for_format(get_format("nvfp4"))
-    assert all(isinstance(lv, LayerValues) and lv.k_center is centered.center[i] and lv.k_smoothing is centered.smoothing[i]
-               and lv.k_global is centered.scales["nvfp4"][i][0] for i, lv in enumerate(values))
+    assert all(isinstance(lv, LayerValues) and lv.k_center is centered.center[i]
+               and lv.k_smoothing is centered.smoothing[i] and lv.k_global is centered.scales["nvfp4"][i][0]
+               for i, lv in enumerate(values))
     center_only = KvCalibration(L, H, D, {}, None, None, None, {}, centered.center)
     with pytest.raises(KvxError, match="not quantized: the calibration's k_center"):
         center_only.for_format(get_format("fp16"))

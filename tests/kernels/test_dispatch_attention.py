@@ -123,4 +123,5 @@ def test_dispatch_decode_step_cuda_graph(name):
     o_e, lse_e = step()
     assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after_graph, pools, strict=True))
-    assert not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after_graph, snapshot, strict=True))
+    assert not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(after_graph, snapshot, strict=True))

@@ -255,6 +255,7 @@ def test_cuda_write_strided_input_int32_slots_odd_block_size(name):
     assert all(torch.equal(a, b) for a, b in zip(out["cuda"], out["triton"], strict=True))
     keep = slots >= 0
     blk, off = (slots[keep] // bs).long().cpu(), (slots[keep] % bs).long().cpu()
-    for tf, x, data, gs in ((fmt.k, k, out["cuda"][0], gk), (fmt.v, v, out["cuda"][-2 if fmt.v.scale_dim(d) else -1], gv)):
+    v_data = out["cuda"][-2 if fmt.v.scale_dim(d) else -1]
+    for tf, x, data, gs in ((fmt.k, k, out["cuda"][0], gk), (fmt.v, v, v_data, gv)):
         payload, _ = tf.encode(x[keep].float().cpu(), None if gs is None else gs.cpu())
         assert torch.equal(data[blk, :, off], payload.view(torch.uint8))

@@ -45,7 +45,8 @@ def cal(bases):
 
 
 def _rel(a, b):
-    return float(sum(((x.float() - y.float()) ** 2).sum() for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
+    return float(sum(((x.float() - y.float()) ** 2).sum()
+                     for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
                  / sum((x.float() ** 2).sum() for p in a for x in p))
 
 
@@ -87,7 +88,8 @@ def _brute_force(segments, budget):
             continue
         e = 0.0
         for k, (seg, sc) in zip(combo, segments, strict=True):
-            rec = dequantize_range(*quantize_range(seg, k, sc), k, seg.shape[1], sc) if k.bits else torch.zeros_like(seg)
+            rec = (dequantize_range(*quantize_range(seg, k, sc), k, seg.shape[1], sc) if k.bits
+                   else torch.zeros_like(seg))
             e += float(((rec - seg).double() ** 2).sum())
         best = min(best, e)
     return best
@@ -261,6 +263,7 @@ def test_rope_removal_codes_rotated_keys_better(bases):
                       sink_tokens=4, recent_tokens=16, rope_theta=theta)
         kv = roped(80, 11, start=100)
         hdr, out, _ = decompress(compress(kv, c, token_start=100), c)
-        assert all(torch.equal(a[-16:], b[-16:]) for p, q in zip(kv, out, strict=True) for a, b in zip(p, q, strict=True))
+        assert all(torch.equal(a[-16:], b[-16:])
+                   for p, q in zip(kv, out, strict=True) for a, b in zip(p, q, strict=True))
         err[theta] = _rel([(k[:-16], k[:-16]) for k, _ in kv], [(k[:-16], k[:-16]) for k, _ in out])
     assert err[10000.0] < 5e-3 < err[None]

@@ -60,7 +60,8 @@ def _rows(c, slots):
 
 
 def _same(a, b):
-    return all(torch.equal(x[n].view(torch.uint8), y[n].view(torch.uint8)) for x, y in zip(a, b, strict=True) for n in x)
+    return all(torch.equal(x[n].view(torch.uint8), y[n].view(torch.uint8))
+               for x, y in zip(a, b, strict=True) for n in x)
 
 
 @pytest.mark.parametrize("dst_fmt", ["bf16", "nvfp4", "int8"])

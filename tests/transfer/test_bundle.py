@@ -143,7 +143,8 @@ def _chunks(blob: bytes) -> tuple[bytes, list[bytes], bytes]:
     start = 16 + n + 8
     (size,) = struct.unpack("<Q", blob[start + 8:start + 16])
     step = 16 + size + 8
-    return blob[:start], [blob[start + i * step:start + (i + 1) * step] for i in range(LAYERS)], blob[start + LAYERS * step:]
+    chunks = [blob[start + i * step:start + (i + 1) * step] for i in range(LAYERS)]
+    return blob[:start], chunks, blob[start + LAYERS * step:]
 
 
 def test_reordered_duplicated_or_missing_chunks_are_refused(small):

@@ -129,7 +129,8 @@ def test_same_transform_takes_the_rows_bit_for_bit(fmt, transform):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("source, dest", [(s, d) for s in SOURCES for d in DESTINATIONS if SOURCES[s] != DESTINATIONS[d]])
+@pytest.mark.parametrize("source, dest",
+                         [(s, d) for s in SOURCES for d in DESTINATIONS if SOURCES[s] != DESTINATIONS[d]])
 def test_another_transform_stores_what_writing_the_reads_stores(fmt, source, dest):
     src, _, blob = _source(fmt, SOURCES[source])
     dst = _empty(fmt, 8, DESTINATIONS[dest])

@@ -308,7 +308,8 @@ def shard_sets(rng: random.Random) -> None:
         store.get(_descs(dst), SLOTS, model=MODEL, token_ids=IDS, kv_heads=heads)
     except Exception:
         after = [t for p in dst.layers for t in (p.k_data, p.v_data, p.k_scales, p.v_scales)]
-        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "a refused shard set changed the cache"
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), \
+            "a refused shard set changed the cache"
         raise
 
 

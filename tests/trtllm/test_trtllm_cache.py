@@ -79,7 +79,8 @@ def _gather(layer, lens: SeqLens, n: int):
 
 def test_every_layer_of_two_pools_gathers_the_engine_bytes():
     e = TwoPools()
-    layers = e.describe(pool_pointers=torch.tensor([[p.data_ptr(), h.data_ptr()] for p, h in zip(e.pools, e.hosts, strict=True)]))
+    pointers = [[p.data_ptr(), h.data_ptr()] for p, h in zip(e.pools, e.hosts, strict=True)]
+    layers = e.describe(pool_pointers=torch.tensor(pointers))
     assert [(x.pool, x.layer_in_pool) for x in layers] == [tuple(r) for r in e.mapping.tolist()]
     for layer, (x, (k, v)) in enumerate(zip(layers, e.written, strict=True)):
         assert x.table.format == BlockTableFormat.KV_OFFSETS and x.table.beam_width == 2

@@ -37,7 +37,8 @@ def _kwargs(which: str) -> tuple[object, object, dict]:
                                        kv_scale_quant_orig=c.quant_orig)
     kw = dict(tokens_per_block=4, num_kv_heads=list(c.heads), head_dim=8, pool_mapping=c.mapping, beam_width=c.w)
     if which == "fp8":
-        kw.update(kv_scale_quant_orig=torch.tensor([0.5, 2.0, 0.125]), kv_scale_orig_quant=1 / torch.tensor([0.5, 2.0, 0.125]))
+        kw.update(kv_scale_quant_orig=torch.tensor([0.5, 2.0, 0.125]),
+                  kv_scale_orig_quant=1 / torch.tensor([0.5, 2.0, 0.125]))
     return c.pools, c.offsets, kw
 
 

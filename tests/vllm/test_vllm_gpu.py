@@ -110,8 +110,9 @@ def test_cuda_graph_decode_agrees_with_eager(runs, dtype):
 
 @pytest.mark.parametrize("tag", [*DTYPES, "kvx_nvfp4_prefillcache"])
 def test_prefix_cache_reuse_is_exact(runs, tag):
-    """Reused blocks give the same logprobs as recomputed ones, bit for bit. Split prefill: the cold run's chunk ends where the cached prefix ends
-    (`vllm_gpu_run.py`), so both attend it through the pages; the cache route attends everything there."""
+    """Reused blocks give the same logprobs as recomputed ones, bit for bit. Split prefill: the cold run's chunk ends
+    where the cached prefix ends (`vllm_gpu_run.py`), so both attend it through the pages; the cache route attends
+    everything there."""
     p = runs[tag]["prefix"]
     assert p["warm_cached"] >= 1008 and p["cold_cached"] == 0
     assert p["warm"] == p["cold"] and p["warm_tokens"] == p["cold_tokens"]

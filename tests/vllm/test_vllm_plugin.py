@@ -148,7 +148,8 @@ def test_prefix_cache_reuse_is_exact(runs, dtype):
 def test_rotated_end_to_end(runs, checkpoint, dtype):
     """`--additional-config '{"kvx": {"rotate": true}}'` end to end: generation, bit-identical prefix caching,
     and perplexity within the format's bound of BF16 (measured over the cache prefill route: nvfp4 18.90 vs 19.27
-    unrotated, int4 18.73 vs 19.88; that rotation beats no rotation is this model's behaviour, not a KVX guarantee, so not asserted)."""
+    unrotated, int4 18.73 vs 19.88; that rotation beats no rotation is this model's behaviour, not a KVX guarantee, so
+    not asserted)."""
     p = run([sys.executable, str(RUNNER), checkpoint, dtype, "--rotate"], env=ENV)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, (p.stdout + p.stderr)[-4000:]

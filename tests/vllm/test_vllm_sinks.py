@@ -109,7 +109,8 @@ def test_decode_and_split_prefill_steps_with_sinks(config):
     # split prefill: the last q_len tokens of each request are new (attended unquantized), the rest cached
     q_lens = [5, 1, 20]
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-    new = torch.cat([torch.arange(s - m, s) for s, m in zip(torch.tensor(lens).cumsum(0).tolist(), q_lens, strict=True)])
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    new = torch.cat([torch.arange(s - m, s) for s, m in zip(ends, q_lens, strict=True)])
     qp = torch.randn(sum(q_lens), HQ, D, generator=g).bfloat16()
     prefix = SeqLens(torch.tensor([n - m for n, m in zip(lens, q_lens, strict=True)], dtype=torch.int32))
     split = SplitPrefill(plan_prefill(cu, table, prefix, causal=False, **geometry), cu, cu.tolist(), max(q_lens),

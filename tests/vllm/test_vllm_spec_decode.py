@@ -62,7 +62,8 @@ def test_greedy_tokens_agree_with_and_without_speculation(runs):
             continue
         (t1, l1), (t2, l2) = base["top2"][i][pos]
         assert t1 == a[pos] and b[pos] == t2 and l1 - l2 <= NEAR_TIE, \
-            f"prompt {i}: greedy tokens differ at {pos} ({a[pos]} vs {b[pos]}), not a near tie: top-2 {base['top2'][i][pos]}"
+            f"prompt {i}: greedy tokens differ at {pos} ({a[pos]} vs {b[pos]}), not a near tie: " \
+            f"top-2 {base['top2'][i][pos]}"
 
 
 def test_the_builder_runs_uniform_steps_of_up_to_1_plus_k_tokens_as_decodes():

@@ -162,8 +162,9 @@ def test_decode_and_split_prefill_honour_the_window(config, monkeypatch):
     k[-BS:], v[-BS:] = float("nan"), float("nan")
     for impl, layer, cache in zip(impls, layers, caches, strict=True):
         impl.do_kv_cache_update(layer, k, v, cache, slots)
-    honest = [reference.gather_kv(impl.cache_desc(layer, cache), GatherDesc(BlockTable.packed(bt), SeqLens(
-        torch.tensor(lens, dtype=torch.int32)), max(lens))) for impl, layer, cache in zip(impls, layers, caches, strict=True)]
+    gd = GatherDesc(BlockTable.packed(bt), SeqLens(torch.tensor(lens, dtype=torch.int32)), max(lens))
+    honest = [reference.gather_kv(impl.cache_desc(layer, cache), gd)
+              for impl, layer, cache in zip(impls, layers, caches, strict=True)]
     starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
 
     def poisoned(first_keys):

@@ -4,10 +4,10 @@
 
 MODEL_DIR holds `kvx_kv_calibration.kvx` (found there, no option). One greedy request over the given prompt
 token ids, prefilled in chunks of `CHUNK` tokens (split prefill: each chunk over its own exact K/V plus the cached,
-calibrated prefix; cache prefill: everything over the pages) then decoded for `GEN` tokens, returns the prompt's top-5 log-probabilities at every position and
-each generated token with its log-probability. `LLM.apply_model` reports, per attention layer, how far the
-CacheDesc the backend built lies from the file's values for this format (key smoothing, key centering, K / V global
-scales).
+calibrated prefix; cache prefill: everything over the pages) then decoded for `GEN` tokens, returns the prompt's top-5
+log-probabilities at every position and each generated token with its log-probability. `LLM.apply_model` reports, per
+attention layer, how far the CacheDesc the backend built lies from the file's values for this format (key smoothing, key
+centering, K / V global scales).
 """
 from __future__ import annotations
 

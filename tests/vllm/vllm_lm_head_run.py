@@ -1,4 +1,5 @@
-"""One vLLM instance (CPU, or CUDA on the GPU machine; SmolLM2-135M) with `--additional-config '{"kvx": {"lm_head": MODE}}'`; prints one JSON line.
+"""One vLLM instance (CPU, or CUDA on the GPU machine; SmolLM2-135M) with
+`--additional-config '{"kvx": {"lm_head": MODE}}'`; prints one JSON line.
 
     python tests/vllm/vllm_lm_head_run.py CKPT MODE     (MODE: mxfp4 or none)
 

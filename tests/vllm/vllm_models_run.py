@@ -135,7 +135,8 @@ def run(model_dir: str, vocab: int, dtype: str, spec: bool, oracle: Oracle, *, t
     if score:
         res = llm.generate([{"prompt_token_ids": p} for p in scored],
                            SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False), use_tqdm=False)
-        out["logprobs"] = [[lp[t].logprob for t, lp in zip(p[1:], r.prompt_logprobs[1:], strict=True)] for p, r in zip(scored, res, strict=True)]
+        out["logprobs"] = [[lp[t].logprob for t, lp in zip(p[1:], r.prompt_logprobs[1:], strict=True)]
+                           for p, r in zip(scored, res, strict=True)]
         out["top1"] = [[next(k for k, v in lp.items() if v.rank == 1) for lp in r.prompt_logprobs[1:]] for r in res]
     params = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, detokenize=False,
                             **({} if spec else {"logprobs": 2}))

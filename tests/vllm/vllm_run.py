@@ -53,7 +53,8 @@ def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool, prefill: st
 
     out["prefix"] = prefix_reuse(llm, PREFIX_REPEAT)
     t1 = time.perf_counter()
-    out["timing"] = {"gen": round(t_gen - t0 - startup, 1), "ppl": round(t_ppl - t_gen, 1), "prefix": round(t1 - t_ppl, 1)}
+    out["timing"] = {"gen": round(t_gen - t0 - startup, 1), "ppl": round(t_ppl - t_gen, 1),
+                     "prefix": round(t1 - t_ppl, 1)}
     out["total_s"] = round(time.perf_counter() - t0, 1)
     return out
 

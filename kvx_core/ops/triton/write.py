@@ -97,7 +97,8 @@ def _encode_rows(X, s_xt, s_xh, SLOT, T, t0, h, PD, s_pb, s_ph, s_pt, SC, s_sb, 
         jm = (j < D // 2)[None, :]
         fin = tl.max(tl.where(jm & ~(is_finite(xa) & is_finite(xb)), 1, 0), axis=1) == 0
         mn = tl.minimum(tl.min(tl.where(jm, xa, float("inf")), axis=1), tl.min(tl.where(jm, xb, float("inf")), axis=1))
-        mx = tl.maximum(tl.max(tl.where(jm, xa, float("-inf")), axis=1), tl.max(tl.where(jm, xb, float("-inf")), axis=1))
+        mx = tl.maximum(tl.max(tl.where(jm, xa, float("-inf")), axis=1),
+                        tl.max(tl.where(jm, xb, float("-inf")), axis=1))
         sc_bits, mn_bits, s, m, usable = _int_params(mn, mx, fin, 15.0)
         qa = _int_code(xa, m, s, usable, 15.0)
         qb = _int_code(xb, m, s, usable, 15.0)

@@ -12,9 +12,9 @@ per request (speculative decoding's verification, k <= num_speculative_tokens) t
 the split prefill of `prefill` (new tokens by FlashAttention, cached prefix by KVX, merged) unless the run
 asks for `{"kvx": {"prefill": "cache"}}`. Sliding-window layers (Mistral's `sliding_window`, Gemma 2/3 and
 gpt-oss `layer_types`): vLLM gives each KV cache group its own builder, so a window group plans its steps with
-its window (`window_of`) and frees the blocks that fall out of it (KVX never reads them, `ops.attention`). Attention sinks (gpt-oss: the impl's `sinks`, one logit per query head
-and layer) are checked once when the weights are loaded and given to each layer's run of the step's plan
-(`AttentionPlan.run`'s `sinks`, `SplitPrefill.run`).
+its window (`window_of`) and frees the blocks that fall out of it (KVX never reads them, `ops.attention`). Attention
+sinks (gpt-oss: the impl's `sinks`, one logit per query head and layer) are checked once when the weights are loaded and
+given to each layer's run of the step's plan (`AttentionPlan.run`'s `sinks`, `SplitPrefill.run`).
 """
 from __future__ import annotations
 
@@ -303,7 +303,8 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
                     init_logger("vllm.plugins.kvx").info_once(
                         "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
             if k is None and v is None and ckpt:
-                sd = {"layers.0.k_scale": layer._k_scale.detach().cpu(), "layers.0.v_scale": layer._v_scale.detach().cpu()}
+                sd = {"layers.0.k_scale": layer._k_scale.detach().cpu(),
+                      "layers.0.v_scale": layer._v_scale.detach().cpu()}
                 amax = amax_from_checkpoint(sd, 1)[0]
                 k, v = global_scale_for_amax(fmt.k, amax[0]), global_scale_for_amax(fmt.v, amax[1])
             elif k is None and v is None:

@@ -53,8 +53,9 @@ def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_
     layer's window as vLLM's FlashAttention backend passes it (`window_size = (window_left, 0)`)."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
-    out, lse = flash_attn_varlen_func(q=query.contiguous(), k=key, v=value, cu_seqlens_q=cu_seqlens, max_seqlen_q=max_query_len,
-                                      cu_seqlens_k=cu_seqlens, max_seqlen_k=max_query_len, softmax_scale=sm_scale,
+    out, lse = flash_attn_varlen_func(q=query.contiguous(), k=key, v=value, cu_seqlens_q=cu_seqlens,
+                                      max_seqlen_q=max_query_len, cu_seqlens_k=cu_seqlens,
+                                      max_seqlen_k=max_query_len, softmax_scale=sm_scale,
                                       causal=True, softcap=softcap or 0.0, return_softmax_lse=True,
                                       window_size=(-1, -1) if window is None else (window, 0),
                                       fa_version=get_flash_attn_version(head_size=query.shape[-1]))
