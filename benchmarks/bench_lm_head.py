@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +57,8 @@ def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: b
             x = torch.randn(m, K, device="cuda").bfloat16()
             bm = config(m)[0]
             for bn, bk, warps, stages in SWEEP:
-                t = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales, (bm, bn, bk, warps, stages),
-                                                      max_scale=wq.max_scale))
+                t = bench(partial(mxfp4_linear_triton, x, wq.payload, wq.scales, (bm, bn, bk, warps, stages),
+                                  max_scale=wq.max_scale))
                 emit(out, {**env, "bench": "lm_head_sweep", "shape": name, "m": m,
                            "tiles": [bm, bn, bk, warps, stages], "us": t["ms"] * 1e3})
     marlin, why = marlin_head(wq, n)
@@ -65,9 +66,9 @@ def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: b
         emit(out, {**env, "bench": "lm_head", "shape": name, "marlin": why})
     for m in MS:
         x = torch.randn(m, K, device="cuda").bfloat16()
-        t_bf16 = bench(lambda: F.linear(x, w))
-        t_mx = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales, max_scale=wq.max_scale))
-        t_gen = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales))  # the FP32 decode (any scale)
+        t_bf16 = bench(partial(F.linear, x, w))
+        t_mx = bench(partial(mxfp4_linear_triton, x, wq.payload, wq.scales, max_scale=wq.max_scale))
+        t_gen = bench(partial(mxfp4_linear_triton, x, wq.payload, wq.scales))  # the FP32 decode (any scale)
         io = 2 * m * (K + n)
         row = {**env, "bench": "lm_head", "shape": name, "n": n, "k": K, "m": m,
                "tiles": list(config(m)), "bf16_us": t_bf16["ms"] * 1e3, "mxfp4_us": t_mx["ms"] * 1e3,
@@ -78,7 +79,7 @@ def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: b
             ours = mxfp4_linear_triton(x, wq.payload, wq.scales, max_scale=wq.max_scale).float()
             # the same exact products summed in another order: a few bf16 ulps of the logits' scale apart
             row["marlin_max_rel_diff"] = float((marlin(x).float() - ours).abs().max() / ours.abs().max())
-            t_marlin = bench(lambda: marlin(x))
+            t_marlin = bench(partial(marlin, x))
             row.update(marlin_us=t_marlin["ms"] * 1e3, speedup_vs_marlin=t_marlin["ms"] / t_mx["ms"])
         emit(out, row)
 

@@ -11,6 +11,7 @@ Nsight Compute: `ncu -k regex:write python benchmarks/bench_write.py --runs 1 --
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 from common import bench, bench_graph, copy_bandwidth, emit, env_info
@@ -60,7 +61,7 @@ def main() -> None:
             kg = _amax_scale(k, fmt.k) if fmt.k.uses_global_scale else None
             vg = _amax_scale(v, fmt.v) if fmt.v.uses_global_scale else None
             for backend in args.backends:
-                fn = lambda: write_pools(k, v, slots, kd, ks, vd, vs, fmt, kg, vg, check=False, backend=backend)  # noqa: E731
+                fn = partial(write_pools, k, v, slots, kd, ks, vd, vs, fmt, kg, vg, check=False, backend=backend)
                 try:
                     fn()
                 except KvxError as e:  # e.g. bf16 on the CUDA write: recorded, not timed

@@ -199,6 +199,22 @@ def _paged(fmt: CacheFormat, shape: dict, window_len: int, block_size: int) -> P
                         per_head_global_scale=True)
 
 
+def _one_live_cache(paged: PagedKVCache):
+    """A factory of `KvxCache` views of `paged` that releases the previous view first, so each evaluated window
+    starts from free blocks."""
+    from kvx_demo.kvx_cache import KvxCache
+
+    live: list[KvxCache] = []
+
+    def factory() -> KvxCache:
+        while live:
+            live.pop().release()
+        live.append(KvxCache(paged))
+        return live[0]
+
+    return factory
+
+
 def _progress(enabled: bool, total: int, desc: str):
     if not enabled:
         return None, None
@@ -240,7 +256,6 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
            cal_text: str | None) -> list[dict]:
     """One result row per format, printed as a table while it runs."""
     from kvx_demo import evaluate, load_windows, model_shape
-    from kvx_demo.kvx_cache import KvxCache
 
     shape = model_shape(loaded.model)
     calibrating = _calibrating(a)
@@ -271,14 +286,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
         if a.calibrate and paged.layers[0].k_global is not None:
             for layer, (kg, vg) in enumerate(stored[fmt.rotate].global_scales(fmt, a.calibrate)):
                 paged.set_global_scales(layer, kg if kg is not None else 1.0, vg if vg is not None else 1.0)
-        live: list[KvxCache] = []
-
-        def factory() -> KvxCache:
-            while live:
-                live.pop().release()
-            live.append(KvxCache(paged))
-            return live[0]
-
+        factory = _one_live_cache(paged)
         bar, progress = _progress(not a.no_progress, a.windows, fmt.name)
         res = evaluate(loaded.model, eval_windows, factory, chunk_size=a.chunk_size, progress=progress)
         if bar is not None:

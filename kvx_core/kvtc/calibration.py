@@ -234,15 +234,21 @@ def _check_tensors(cal: Calibration, path: str) -> None:
     or inf."""
     for i, g in enumerate(cal.groups):
         for s in SIDES:
-            c = g[s]
-            checks = (("non-finite values", lambda: all(bool(torch.isfinite(t).all()) for t in
-                                                        (c.mean, c.basis, c.variance, c.fp8_scale))),
-                      ("negative variances", lambda: bool((c.variance >= 0).all())),
-                      ("FP8 scales <= 0", lambda: bool((c.fp8_scale > 0).all())),
-                      ("basis columns not of unit length",
-                       lambda: bool((((c.basis.double() ** 2).sum(0) - 1).abs() <= BASIS_TOLERANCE).all())))
-            for what, ok in checks:
-                require(ok(), Status.INVALID_ARGUMENT, f"{path}: group {i} {s} holds {what}")
+            problem = _side_problem(g[s])
+            require(problem is None, Status.INVALID_ARGUMENT, f"{path}: group {i} {s} holds {problem}")
+
+
+def _side_problem(c: SideCalibration) -> str | None:
+    """What is wrong with one group side's tensors (the first failing check), or None."""
+    if not all(bool(torch.isfinite(t).all()) for t in (c.mean, c.basis, c.variance, c.fp8_scale)):
+        return "non-finite values"
+    if not bool((c.variance >= 0).all()):
+        return "negative variances"
+    if not bool((c.fp8_scale > 0).all()):
+        return "FP8 scales <= 0"
+    if not bool((((c.basis.double() ** 2).sum(0) - 1).abs() <= BASIS_TOLERANCE).all()):
+        return "basis columns not of unit length"
+    return None
 
 
 def group_features(kv: Sequence[torch.Tensor], group: int, layers_per_group: int) -> torch.Tensor:
