@@ -52,8 +52,8 @@ def _check(device: str, fmt: str, case: str, softcap: float | None = None, sinks
     v = torch.randn(sum(totals), hkv, d, generator=g).to(torch.bfloat16)
     k[..., :2] *= 4.0
     cache.write(0, k.to(device), v.to(device), torch.cat(slots).to(device))  # vLLM writes the new tokens first
-    starts = torch.tensor([0, *totals]).cumsum(0)
-    new = torch.cat([torch.arange(s + p, s + t) for s, p, t in zip(starts.tolist(), prefix_lens, totals, strict=True)])
+    starts = torch.tensor([0, *totals[:-1]]).cumsum(0).tolist()  # each sequence's first row
+    new = torch.cat([torch.arange(s + p, s + t) for s, p, t in zip(starts, prefix_lens, totals, strict=True)])
     q = torch.randn(sum(q_lens), hkv * qh, d, generator=g).to(torch.bfloat16)
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
 
