@@ -8,6 +8,7 @@ Usage: python benchmarks/bench_key_transform.py   (GPU machine)
 """
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -15,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import bench_graph  # noqa: E402
+
 from kvx_core.cache import PagedKVCache  # noqa: E402
 from kvx_core.descriptors import BlockTable, SeqLens  # noqa: E402
 from kvx_core.ops import dispatch  # noqa: E402
@@ -46,7 +48,7 @@ def main() -> None:
                 c.set_key_center(0, cc)
                 desc = c.descriptor(0)
                 for lse in (True, False):  # an engine's decode reads only the output: no LSE correction
-                    r = bench_graph(lambda: plan.run(q, desc, want_lse=lse), n=50)
+                    r = bench_graph(partial(plan.run, q, desc, want_lse=lse), n=50)
                     out[name + ("" if lse else " no-lse")] = r["ms"] * 1e3
             print(fmt, b, n, {k: round(v, 1) for k, v in out.items()}, "overhead %",
                   {k: round(100 * (v / out["plain"] - 1), 2) for k, v in out.items() if k != "plain"}, flush=True)

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +56,8 @@ def main() -> None:
         for deflate in (False, True):
             row = {**env, "bench": "kvtc", "model": "SmolLM2-135M", "device": "cpu", "target_ratio": ratio,
                    "deflate": deflate, "layers_per_group": a.layers_per_group, "range_size": a.range_size,
-                   "sink": a.sink, "recent": a.recent, "rope_removed": theta is not None, "joint": a.joint, "prefix": a.prefix, "window_len": a.window_len,
+                   "sink": a.sink, "recent": a.recent, "rope_removed": theta is not None, "joint": a.joint,
+                   "prefix": a.prefix, "window_len": a.window_len,
                    "calibration_s": round(collect_s + cal_s, 1),
                    "calibration_tokens": a.cal_windows * a.window_len}
             for name, windows in (("demo_text", w[a.cal_windows:]), ("second_text", w2)):

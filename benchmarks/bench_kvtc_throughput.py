@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -74,17 +75,18 @@ def main() -> None:
             kv = synthetic_kv(n, 100 + n, a.device)
             raw = sum(k.numel() + v.numel() for k, v in kv) * 2
             compress(kv, cal)  # warm-up
-            t_c, buf = _timed(lambda: compress(kv, cal), a.runs, a.device)
-            t_d, dec = _timed(lambda: decompress(buf, cal, device=a.device), a.runs, a.device)
+            t_c, buf = _timed(partial(compress, kv, cal), a.runs, a.device)
+            t_d, dec = _timed(partial(decompress, buf, cal, device=a.device), a.runs, a.device)
             head, tail = split_raw(n, 0, cal)  # the device halves alone: body in / out of device memory
-            t_cd, _ = _timed(lambda: encode_body(kv, cal, 0, b"", head, tail), a.runs, a.device)
+            t_cd, _ = _timed(partial(encode_body, kv, cal, 0, b"", head, tail), a.runs, a.device)
             hdr, layout, on_dev, _ = open_body(buf, cal, device=a.device)
-            t_dd, _ = _timed(lambda: decode_body(on_dev, cal, layout, hdr), a.runs, a.device)
-            err = sum(float(((x.float() - y.float()) ** 2).sum()) for p, q in zip(kv, dec.kv) for x, y in zip(p, q))
+            t_dd, _ = _timed(partial(decode_body, on_dev, cal, layout, hdr), a.runs, a.device)
+            err = sum(float(((x.float() - y.float()) ** 2).sum())
+                      for p, q in zip(kv, dec.kv, strict=True) for x, y in zip(p, q, strict=True))
             ref = sum(float((x.float() ** 2).sum()) for p in kv for x in p)
             on_cpu = decompress(buf, cal, device="cpu").kv
-            cross = max(float((x.cpu().float() - y.float()).abs().max()) for p, q in zip(dec.kv, on_cpu)
-                        for x, y in zip(p, q))
+            cross = max(float((x.cpu().float() - y.float()).abs().max()) for p, q in zip(dec.kv, on_cpu, strict=True)
+                        for x, y in zip(p, q, strict=True))
             emit(a.out, {**env, "bench": "kvtc_throughput", "device": a.device,
                          "codec": "triton" if a.device.startswith("cuda") else "torch", "geometry": [LAYERS, H, D],
                          "tokens": n, "target_ratio": ratio, "ratio_vs_bf16": raw / len(buf),

@@ -2,13 +2,14 @@
 MXFP4 kernel (`kvx_core.ops.triton.mxfp4_gemv`), same run, same weight, M activation rows in {1 .. 64}.
 
 Shapes: gpt-oss's head 201088 x 2880 and its TP=2 shard 100544 x 2880 (random weights: the kernel's time does not
-depend on the values). Reported per (shape, M): median us (L2 flushed before each run), the MXFP4 speed-up over BF16 (the bf16 decode the quantized head takes; the FP32 decode, for any scale, beside it),
-and each one's bytes read (weight + activations + logits) as % of the device's copy bandwidth. `--sweep` first times
-the kernel's tile configurations at M = 1 / 16 / 64 (the table `config()` is chosen from). vLLM's Marlin MXFP4 GEMM
+depend on the values). Reported per (shape, M): median us (L2 flushed before each run), the MXFP4 speed-up over BF16
+(the bf16 decode the quantized head takes; the FP32 decode, for any scale, beside it), and each one's bytes read
+(weight + activations + logits) as % of the device's copy bandwidth. `--sweep` first times the kernel's tile
+configurations at M = 1 / 16 / 64 (the table `config()` is chosen from). vLLM's Marlin MXFP4 GEMM
 (`marlin_utils_fp4`, through `kvx_vllm.marlin_head`: the same MXFP4 weight repacked by `prepare_fp4_layer_for_marlin`,
-what vLLM's W4A16 MXFP4 linear layers and the KVX head option run on Hopper) is timed too when vLLM is importable
-(with plugins/kvx_vllm on the path), after checking that it computes the same logits as KVX's kernel; otherwise a
-line says why it was not.
+what vLLM's W4A16 MXFP4 linear layers and the KVX head option run on Hopper) is timed too when vLLM is importable (with
+plugins/kvx_vllm on the path), after checking that it computes the same logits as KVX's kernel; otherwise a line says
+why it was not.
 
 Usage: python benchmarks/bench_lm_head.py [--out F.jsonl] [--sweep]
 """
@@ -18,6 +19,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +57,8 @@ def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: b
             x = torch.randn(m, K, device="cuda").bfloat16()
             bm = config(m)[0]
             for bn, bk, warps, stages in SWEEP:
-                t = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales, (bm, bn, bk, warps, stages),
-                                                      max_scale=wq.max_scale))
+                t = bench(partial(mxfp4_linear_triton, x, wq.payload, wq.scales, (bm, bn, bk, warps, stages),
+                                  max_scale=wq.max_scale))
                 emit(out, {**env, "bench": "lm_head_sweep", "shape": name, "m": m,
                            "tiles": [bm, bn, bk, warps, stages], "us": t["ms"] * 1e3})
     marlin, why = marlin_head(wq, n)
@@ -64,9 +66,9 @@ def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: b
         emit(out, {**env, "bench": "lm_head", "shape": name, "marlin": why})
     for m in MS:
         x = torch.randn(m, K, device="cuda").bfloat16()
-        t_bf16 = bench(lambda: F.linear(x, w))
-        t_mx = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales, max_scale=wq.max_scale))
-        t_gen = bench(lambda: mxfp4_linear_triton(x, wq.payload, wq.scales))  # the FP32 decode (any scale)
+        t_bf16 = bench(partial(F.linear, x, w))
+        t_mx = bench(partial(mxfp4_linear_triton, x, wq.payload, wq.scales, max_scale=wq.max_scale))
+        t_gen = bench(partial(mxfp4_linear_triton, x, wq.payload, wq.scales))  # the FP32 decode (any scale)
         io = 2 * m * (K + n)
         row = {**env, "bench": "lm_head", "shape": name, "n": n, "k": K, "m": m,
                "tiles": list(config(m)), "bf16_us": t_bf16["ms"] * 1e3, "mxfp4_us": t_mx["ms"] * 1e3,
@@ -77,7 +79,7 @@ def run_shape(out: str | None, env: dict, bw: float, name: str, n: int, sweep: b
             ours = mxfp4_linear_triton(x, wq.payload, wq.scales, max_scale=wq.max_scale).float()
             # the same exact products summed in another order: a few bf16 ulps of the logits' scale apart
             row["marlin_max_rel_diff"] = float((marlin(x).float() - ours).abs().max() / ours.abs().max())
-            t_marlin = bench(lambda: marlin(x))
+            t_marlin = bench(partial(marlin, x))
             row.update(marlin_us=t_marlin["ms"] * 1e3, speedup_vs_marlin=t_marlin["ms"] / t_mx["ms"])
         emit(out, row)
 

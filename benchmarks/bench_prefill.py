@@ -6,10 +6,11 @@ Usage: python benchmarks/bench_prefill.py [--out benchmarks/results/prefill.json
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
-
 from common import bench, emit, env_info
+
 from kvx_core.cache import PagedKVCache
 from kvx_core.ops.triton import plan_prefill
 
@@ -42,7 +43,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print("flashinfer unavailable:", repr(e)[:200])
     configs = [None if c == "default" else dict(zip(("block_m", "block_n", "num_warps", "num_stages"),
-                                                      map(int, c.split("x")))) for c in args.configs]
+                                                      map(int, c.split("x")), strict=True)) for c in args.configs]
     for chunk in args.chunks:
         for prefix in args.prefixes:
             n = prefix + chunk
@@ -64,9 +65,10 @@ def main() -> None:
                 last = torch.full((b,), n - (per - 1) * bs, dtype=torch.int32, device="cuda")
                 w.plan(qo, kv_indptr, bt.reshape(-1), last, hq, hkv, d, bs, causal=True,
                        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-                r = bench(lambda: w.run(q, (kc, vc)), n=50)
+                r = bench(partial(w.run, q, (kc, vc)), n=50)
                 peer_ms = r["ms"]
-                emit(args.out, {**base, **shape, "impl": "flashinfer", "format": "bf16", **r, "tflops": fl / r["ms"] / 1e9})
+                emit(args.out, {**base, **shape, "impl": "flashinfer", "format": "bf16", **r,
+                                "tflops": fl / r["ms"] / 1e9})
                 del kc, vc, ws
             for name in args.formats:
                 c = PagedKVCache(name, num_layers=1, num_blocks=nb, block_size=bs, num_kv_heads=hkv, head_dim=d,
@@ -81,9 +83,8 @@ def main() -> None:
                     kw = cfg or {}
                     plan = plan_prefill(c.format, qo, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                         q_dtype=q.dtype, device=q.device, **kw)  # planned once, as engines do
-                    fn = lambda: plan.run(q, p.k_data, p.k_scales, p.v_data, p.v_scales,  # noqa: E731
-                                          p.k_global, p.v_global, bt, sl)
-                    r = bench(fn, n=50)
+                    r = bench(partial(plan.run, q, p.k_data, p.k_scales, p.v_data, p.v_scales, p.k_global,
+                                      p.v_global, bt, sl), n=50)
                     rec = {**base, **shape, "impl": "kvx_triton", "format": name, "config": kw or "default", **r,
                            "tflops": fl / r["ms"] / 1e9}
                     if peer_ms:

@@ -22,6 +22,7 @@ import io
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -62,6 +63,14 @@ def _cache(fmt: str, a) -> PagedKVCache:
 
 
 
+def _paths(srcs, dsts, slots, model, blob: bytes, pinned: torch.Tensor) -> dict:
+    """Per path, its (export, import) calls: through a stream, or through the reused pinned host buffer."""
+    return {"stream": (lambda: export_bundle(io.BytesIO(), srcs, slots, model=model),
+                       lambda: import_bundle(io.BytesIO(blob), dsts, slots, model=model)),
+            "host": (lambda: export_to_host(srcs, slots, model=model, out=pinned),
+                     lambda: import_bundle(pinned, dsts, slots, model=model))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -91,14 +100,11 @@ def main() -> None:
         pinned = export_to_host(srcs, slots, model=model)  # reused: a transport's registered buffer
         n = pinned.numel()
         dev = torch.empty(n, dtype=torch.uint8, device=a.device)
-        t_d2h = _best(lambda: pinned.copy_(dev), a.device, a.runs)
-        t_h2d = _best(lambda: dev.copy_(pinned), a.device, a.runs)
+        t_d2h = _best(partial(pinned.copy_, dev), a.device, a.runs)
+        t_h2d = _best(partial(dev.copy_, pinned), a.device, a.runs)
         with kernel_path("torch"):
             blob = bytes(export_to_host(srcs, slots, model=model, out=pinned).numpy())
-        paths = {"stream": (lambda: export_bundle(io.BytesIO(), srcs, slots, model=model),
-                            lambda: import_bundle(io.BytesIO(blob), dsts, slots, model=model)),
-                 "host": (lambda: export_to_host(srcs, slots, model=model, out=pinned),
-                          lambda: import_bundle(pinned, dsts, slots, model=model))}
+        paths = _paths(srcs, dsts, slots, model, blob, pinned)
         if len(kernels) == 2:  # the kernels' bundle is the torch one, byte for byte, before either is timed
             with kernel_path("triton"):
                 same = bytes(export_to_host(srcs, slots, model=model).numpy()) == blob

@@ -6,11 +6,11 @@
 Model (`--model`, `model_geometries.MODELS`): by default a random-weight Llama of 8B geometry cut to 8 layers
 (hidden 4096, MLP 14336, GQA 32/8, head_dim 128, vocab 32000, bf16; `load_format="dummy"`, no tokenizer), so the
 GPU's memory goes to the KV cache and attention is a real share of the step; gpt-oss-20b / Gemma 3 27B / Qwen3-8B
-geometries cut to a few layers serve their window layers, sinks and softmax scales. Settings (the same for every dtype): gpu_memory_utilization 0.85, prefix caching on,
-block size 16, max_num_batched_tokens 16384 (vLLM's LLM-class default on 80 GB GPUs), max_model_len 32768 + the
-decode steps, decode in full CUDA graphs (`cudagraph_mode=FULL_DECODE_ONLY`, capture sizes 1..64) and no
-torch.compile (`mode=0`: every dtype would compile its own graphs, ~1 minute each; prefill runs eagerly, which
-costs all dtypes alike).
+geometries cut to a few layers serve their window layers, sinks and softmax scales. Settings (the same for every dtype):
+gpu_memory_utilization 0.85, prefix caching on, block size 16, max_num_batched_tokens 16384 (vLLM's LLM-class default on
+80 GB GPUs), max_model_len 32768 + the decode steps, decode in full CUDA graphs (`cudagraph_mode=FULL_DECODE_ONLY`,
+capture sizes 1..64) and no torch.compile (`mode=0`: every dtype would compile its own graphs, ~1 minute each; prefill
+runs eagerly, which costs all dtypes alike).
 
 Per dtype, JSON lines (`benchmarks/common.py` environment fields plus vllm version):
 - `capacity`: KV tokens vLLM allocated, and requests of 32k tokens that fit at once (`max_concurrency_32k`).
@@ -89,8 +89,9 @@ def _long_batch(llm, long, kv_tokens: int, steps: int, predicted_s: float, long_
         return {"batch": BATCH, "ctx": CTX_LONG,
                 "skipped": f"the KV cache holds {kv_tokens} tokens < {BATCH} x {CTX_LONG + steps}"}
     if predicted_s > long_prefill_s:
-        return {"batch": BATCH, "ctx": CTX_LONG, "skipped": f"64 x 32k prefill expected ~{predicted_s:.0f} s (16x the "
-                                                             f"64 x 8k prefill) > --long-prefill-s {long_prefill_s:.0f}"}
+        return {"batch": BATCH, "ctx": CTX_LONG,
+                "skipped": f"64 x 32k prefill expected ~{predicted_s:.0f} s (16x the 64 x 8k prefill) > "
+                           f"--long-prefill-s {long_prefill_s:.0f}"}
     return _decode(llm, long, steps)
 
 
@@ -152,15 +153,15 @@ def summarize(path: str) -> str:
             d[key] = r.get("tok_s", "skipped")
         elif r["metric"] in ("capacity", "prefill", "ttft"):
             d.update({k: r[k] for k in ("kv_tokens", "prefill_s", "ttft_s") if k in r})
-    cols = [("kv_tokens", "KV tokens", True), ("decode_b64_8k", "decode B64 8k tok/s", True),
-            ("decode_b64_32k", "decode B64 32k tok/s", True), ("decode_b1_32k", "decode B1 32k tok/s", True),
-            ("prefill_s", "prefill 64x8k s", False), ("ttft_s", "TTFT 8k s", False)]
+    cols = [("kv_tokens", "KV tokens"), ("decode_b64_8k", "decode B64 8k tok/s"),
+            ("decode_b64_32k", "decode B64 32k tok/s"), ("decode_b1_32k", "decode B1 32k tok/s"),
+            ("prefill_s", "prefill 64x8k s"), ("ttft_s", "TTFT 8k s")]
     cols = [c for c in cols if any(c[0] in d for d in rows.values())]
     out = ["| model | dtype | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
     for (model, dtype), d in rows.items():
         base = rows.get((model, "auto"), {})
         cells = []
-        for key, _, higher_better in cols:
+        for key, _ in cols:
             v, b = d.get(key), base.get(key)
             if not isinstance(v, (int, float)):
                 cells.append(str(v or "-"))

@@ -13,8 +13,9 @@ and attention sinks are not part of what is measured here.
 Settings (both runs): bf16, max_model_len 2048, prefix caching, decode in full CUDA graphs (FULL_DECODE_ONLY,
 capture sizes 1..16) without torch.compile (`mode=0`; vLLM computes logits outside the graphs either way). Per
 batch B: 512-token random prompts cached first, then time per output token = (wall time of 1 + S tokens - wall time
-of 1 token) / S (`bench_vllm._decode`), the median of 3 such measurements (all 3 recorded). The child also reports KV capacity (an untied head's freed BF16 weight goes
-to the KV cache) and what the head is (its method and BF16 weight size, read through `LLM.apply_model`).
+of 1 token) / S (`bench_vllm._decode`), the median of 3 such measurements (all 3 recorded). The child also reports KV
+capacity (an untied head's freed BF16 weight goes to the KV cache) and what the head is (its method and BF16 weight
+size, read through `LLM.apply_model`).
 """
 from __future__ import annotations
 
@@ -49,9 +50,8 @@ def _head(model) -> dict:
 def run_one(mode: str, out: str | None, steps: int) -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # `apply_model(_head)` pickles the function to the engine
     import vllm
-    from vllm import LLM
-
     from common import emit, env_info
+    from vllm import LLM
 
     base = {**env_info(), "bench": "vllm_lm_head", "vllm": vllm.__version__, "lm_head": mode,
             "model": "gpt-oss-20b-shaped dense Llama (random)"}

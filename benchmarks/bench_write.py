@@ -1,19 +1,21 @@
 """Fused KV write throughput (quantize + scatter, K and V in one launch) per format and backend (CUDA, Triton),
 vs copy bandwidth.
 
-Formats with global scales get calibrated per-head scales (amax rule: not powers of two). GB/s counts the bf16 K/V read, the slot mapping read and the payload + scale bytes written. Each row has the
-eager time (`ms`: the Python launcher included where it outlasts the L2 flush) and the CUDA-graph replay time
-(`graph_ms`: the kernel alone, as engines run it), and the GB/s / % of copy bandwidth of the graph time.
+Formats with global scales get calibrated per-head scales (amax rule: not powers of two). GB/s counts the bf16 K/V read,
+the slot mapping read and the payload + scale bytes written. Each row has the eager time (`ms`: the Python launcher
+included where it outlasts the L2 flush) and the CUDA-graph replay time (`graph_ms`: the kernel alone, as engines run
+it), and the GB/s / % of copy bandwidth of the graph time.
 Usage: python benchmarks/bench_write.py [--out benchmarks/results/write.jsonl]
 Nsight Compute: `ncu -k regex:write python benchmarks/bench_write.py --runs 1 --warmup 1 --no-graph ...`
 """
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
-
 from common import bench, bench_graph, copy_bandwidth, emit, env_info
+
 from kvx_core.calibration import global_scale_for_amax
 from kvx_core.errors import KvxError
 from kvx_core.formats import get_format
@@ -59,7 +61,7 @@ def main() -> None:
             kg = _amax_scale(k, fmt.k) if fmt.k.uses_global_scale else None
             vg = _amax_scale(v, fmt.v) if fmt.v.uses_global_scale else None
             for backend in args.backends:
-                fn = lambda: write_pools(k, v, slots, kd, ks, vd, vs, fmt, kg, vg, check=False, backend=backend)  # noqa: E731
+                fn = partial(write_pools, k, v, slots, kd, ks, vd, vs, fmt, kg, vg, check=False, backend=backend)
                 try:
                     fn()
                 except KvxError as e:  # e.g. bf16 on the CUDA write: recorded, not timed

@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -37,7 +38,7 @@ def bench(fn, n: int = 50, warmup: int = 5) -> dict:
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    ts = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
     return {"ms": statistics.median(ts), "ms_min": ts[0], "ms_p90": ts[int(0.9 * (len(ts) - 1))], "runs": n}
 
 
@@ -58,7 +59,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     x.random_(0, 255)
     y = torch.empty_like(x)
-    r = bench(lambda: y.copy_(x), n=20, warmup=3)
+    r = bench(partial(y.copy_, x), n=20, warmup=3)
     del x, y
     return 2 * nbytes / (r["ms"] * 1e-3) / 1e9
 

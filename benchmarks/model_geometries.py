@@ -82,7 +82,7 @@ def realistic_weights(model, seed: int = 0, std: float = 0.02, tie_head: bool = 
     norms = {}
     for mname, mod in model.named_modules():
         if "Norm" in type(mod).__name__:
-            for pname, p in mod.named_parameters(recurse=False):
+            for pname, _ in mod.named_parameters(recurse=False):
                 norms[f"{mname}.{pname}" if mname else pname] = 0.0 if "Gemma" in type(mod).__name__ else 1.0
     gen = None
     with torch.no_grad():

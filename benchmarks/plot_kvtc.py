@@ -2,8 +2,9 @@
 coded ratio, per text, for the default configuration (groups of 6 layers, ranges of 16, RoPE removed, separate K / V
 budgets) and the best one measured (30 layers in one group, ranges of 32, joint budget).
 
-Usage: python benchmarks/plot_kvtc.py benchmarks/results/kvtc_smollm2_cpu.jsonl benchmarks/results/kvtc_curve_smollm2_cpu.png
-(needs matplotlib, which the benchmarks do not otherwise use: pip install matplotlib)
+Usage: python benchmarks/plot_kvtc.py RESULTS.jsonl OUT.png (e.g. benchmarks/results/kvtc_smollm2_cpu.jsonl
+benchmarks/results/kvtc_curve_smollm2_cpu.png; needs matplotlib, which the benchmarks do not otherwise use:
+pip install matplotlib)
 """
 from __future__ import annotations
 

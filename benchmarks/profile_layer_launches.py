@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -100,8 +101,8 @@ def measure(fmt: str, batch: int, ctx: int) -> list[dict]:
     write = WriteDesc(KvIoDesc(k_new, k_new), SlotMapping(slots))
     rows = []
     for path, layer in (("descriptor", desc), ("bound", dispatch.bind(desc))):
-        for op, fn in (("decode", lambda: plan.run(q, layer, out=out, want_lse=False)),
-                       ("write", lambda: dispatch.write_kv(layer, write, check=False))):
+        for op, fn in (("decode", partial(plan.run, q, layer, out=out, want_lse=False)),
+                       ("write", partial(dispatch.write_kv, layer, write, check=False))):
             fn()
             rows.append({"bench": "layer_launches", "format": fmt, "batch": batch, "ctx": ctx, "path": path, "op": op,
                          "kernels": _kernels(fn), "python_calls": _python_calls(fn),

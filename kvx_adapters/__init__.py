@@ -1,8 +1,8 @@
 """KVX engine adapters: pure, zero-copy translation between engine KV-cache tensors and KVX descriptors.
 
-One module per engine (`vllm`, `tgi`, `trtllm`, `flashinfer`, `lmdeploy`: its quant_policy -> format). Each function takes tensors shaped and
-typed exactly as the engine allocates them and returns KVX descriptors that *view* the same memory
-(no copies), and the reverse. No engine is imported: these are tensor functions, testable anywhere.
+One module per engine (`vllm`, `tgi`, `trtllm`, `flashinfer`, `lmdeploy`: its quant_policy -> format). Each function
+takes tensors shaped and typed exactly as the engine allocates them and returns KVX descriptors that *view* the same
+memory (no copies), and the reverse. No engine is imported: these are tensor functions, testable anywhere.
 The engine source each shape comes from is cited in the docstrings; docs/engine_layouts.md §17
 describes the layouts and §17.6 (and compat_matrix.yaml) lists the engine files and commits read.
 
@@ -33,8 +33,8 @@ def _tensor(t: object, what: str, ndim: int | tuple[int, ...] | None = None) -> 
     return t
 
 
-def _index_tensor(t: object, what: str, ndim: int | tuple[int, ...], dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
-                  ) -> torch.Tensor:
+def _index_tensor(t: object, what: str, ndim: int | tuple[int, ...],
+                  dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64)) -> torch.Tensor:
     """An integer index tensor (block table, slots, lengths) of rank `ndim` and one of `dtypes`."""
     t = _tensor(t, what, ndim)
     require(t.dtype in dtypes, Status.INVALID_ARGUMENT,
@@ -134,7 +134,7 @@ def _stack_views(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor | N
     size, stride = list(a.shape), list(a.stride())
     size.insert(dim, 2)
     stride.insert(dim, delta)
-    pairs = sorted((s, n) for s, n in zip(stride, size) if n > 1)
+    pairs = sorted((s, n) for s, n in zip(stride, size, strict=True) if n > 1)
     span = 1
     for s, n in pairs:  # the stacked view must not alias: each dim steps past everything inside it
         if s < span:

@@ -22,8 +22,17 @@ from kvx_core.block_tables import flashinfer_to_packed, packed_to_flashinfer
 from kvx_core.descriptors import BlockTable, CacheDesc, SeqLens
 from kvx_core.errors import KvxError, Status, require
 
-from . import (_as_cache_dtype, _check_geometry, _describe, _index_tensor, _logical, _name_layout, _packed_rows,
-               _stack_views, _tensor)
+from . import (
+    _as_cache_dtype,
+    _check_geometry,
+    _describe,
+    _index_tensor,
+    _logical,
+    _name_layout,
+    _packed_rows,
+    _stack_views,
+    _tensor,
+)
 
 KV_LAYOUTS = ("NHD", "HND")
 

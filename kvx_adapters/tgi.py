@@ -28,8 +28,18 @@ from kvx_core.descriptors import BlockTable, CacheDesc, SeqLens, SlotMapping
 from kvx_core.enums import BlockTableFormat
 from kvx_core.errors import KvxError, Status, require
 
-from . import (_as_cache_dtype, _check_geometry, _describe, _index_tensor, _int32, _logical, _name_layout,
-               _packed_rows, _seq_lens, _tensor)
+from . import (
+    _as_cache_dtype,
+    _check_geometry,
+    _describe,
+    _index_tensor,
+    _int32,
+    _logical,
+    _name_layout,
+    _packed_rows,
+    _seq_lens,
+    _tensor,
+)
 from .vllm import from_vllm_paged, to_vllm_paged
 
 ATTENTION = ("flashinfer", "flashdecoding", "flashdecoding-ipex", "paged", "ipex-cpu")

@@ -38,8 +38,17 @@ from kvx_core.descriptors import BlockTable, CacheDesc, PoolDesc, SeqLens, memor
 from kvx_core.enums import Layout
 from kvx_core.errors import Status, require
 
-from . import (_as_cache_dtype, _check_geometry, _describe, _index_tensor, _logical, _name_layout, _packed_rows,
-               _seq_lens, _tensor)
+from . import (
+    _as_cache_dtype,
+    _check_geometry,
+    _describe,
+    _index_tensor,
+    _logical,
+    _name_layout,
+    _packed_rows,
+    _seq_lens,
+    _tensor,
+)
 
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -101,10 +110,10 @@ def from_trtllm_pool(primary_pool: torch.Tensor, *, tokens_per_block: int, num_k
 
     `primary_pool` is the pool allocation: `get_unique_primary_pool()` `[blocks, num_layers, kv_factor,
     H * T * D]` (checked), a bare `[n, H, T, D]` block array (`TrtllmBlockArray.primary`), or the same
-    memory flat / as bytes (`cache_dtype` then names the element type). K and V are both the `[n, H, T, D]` (HND) block array starting at the layer's pool pointer,
-    base + `layer * kv_factor * bytes_per_block` (`attentionOp.cpp` `intra_pool_offset`), so the raw
-    offsets TRT-LLM stores (`(mem_idx * num_layers) * kv_factor + kv`) index it unchanged; with
-    `layer=0`, absolute offsets `(mem_idx * num_layers + layer) * kv_factor + kv` index it instead.
+    memory flat / as bytes (`cache_dtype` then names the element type). K and V are both the `[n, H, T, D]` (HND) block
+    array starting at the layer's pool pointer, base + `layer * kv_factor * bytes_per_block` (`attentionOp.cpp`
+    `intra_pool_offset`), so the raw offsets TRT-LLM stores (`(mem_idx * num_layers) * kv_factor + kv`) index it
+    unchanged; with `layer=0`, absolute offsets `(mem_idx * num_layers + layer) * kv_factor + kv` index it instead.
     `secondary_pool` (the pinned host pool, same layout) serves offsets with bit 31 set.
     """
     t, kv_factor = _check_tokens_per_block(tokens_per_block), _check_kv_factor(kv_factor)
@@ -320,7 +329,7 @@ def to_trtllm_block_array(cache: CacheDesc, table: BlockTable, *, seq_lens: SeqL
         lens = _index_tensor(seq_lens.lengths, "seq_lens", 1).to(ids.device)
         null = null | (torch.arange(ids.shape[1], device=ids.device)[None, :] >= blocks_needed(lens, t)[:, None])
     steps = [x.stride(0) // per_block if n > 1 else 1 for x in (k, v)]
-    planes = [torch.where(null, -1, s // per_block + ids * step) for s, step in zip(starts, steps)]
+    planes = [torch.where(null, -1, s // per_block + ids * step) for s, step in zip(starts, steps, strict=True)]
     offsets = make_kv_cache_index(torch.stack(planes, dim=1))
     return TrtllmBlockArray(primary, per_block * k.element_size(),
                             offsets.unsqueeze(1).expand(-1, beam_width, -1, -1).contiguous(), t)

@@ -31,8 +31,19 @@ from kvx_core.descriptors import BlockTable, CacheDesc, SeqLens, SlotMapping
 from kvx_core.enums import Layout
 from kvx_core.errors import KvxError, Status, require
 
-from . import (_as_cache_dtype, _check_geometry, _describe, _index_tensor, _int32, _logical, _name_layout,
-               _packed_rows, _seq_lens, _stack_views, _tensor)
+from . import (
+    _as_cache_dtype,
+    _check_geometry,
+    _describe,
+    _index_tensor,
+    _int32,
+    _logical,
+    _name_layout,
+    _packed_rows,
+    _seq_lens,
+    _stack_views,
+    _tensor,
+)
 
 BACKENDS = ("flash_attn", "flashinfer")
 """Backends whose `get_kv_cache_shape` the adapters understand, by the position of the K/V dim."""
@@ -146,7 +157,8 @@ def split_vllm_paged_kv_cache(kv_cache: torch.Tensor, *, num_kv_heads: int, head
     `x = 16 // element_size` as in `vllm/v1/attention/ops/paged_attn.py`.
     """
     t = _tensor(kv_cache, "vLLM paged kv_cache", 3)
-    require(t.shape[0] == 2, Status.INVALID_ARGUMENT, f"paged kv_cache must be (2, num_blocks, ...), got {tuple(t.shape)}")
+    require(t.shape[0] == 2, Status.INVALID_ARGUMENT,
+            f"paged kv_cache must be (2, num_blocks, ...), got {tuple(t.shape)}")
     t = _as_cache_dtype(t, cache_dtype, "vLLM paged kv_cache")
     x = 16 // t.element_size()
     per_block = t.shape[2]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import BinaryIO, Callable, NoReturn
+from collections.abc import Callable
+from typing import BinaryIO, NoReturn
 
 from kvx_core.errors import KvxError, Status
 

@@ -90,7 +90,8 @@ def _export(args: argparse.Namespace) -> int:
         from kvx_demo.kvx_cache import KvxCache
     except ImportError as e:  # the demo's optional dependencies
         raise KvxError(Status.UNSUPPORTED, str(e)) from None
-    require(args.model is None or args.model.is_dir(), Status.INVALID_ARGUMENT, f"--model {args.model}: not a directory")
+    require(args.model is None or args.model.is_dir(), Status.INVALID_ARGUMENT,
+            f"--model {args.model}: not a directory")
     from kvx_core.block_tables import slot_mapping
     from kvx_core.transfer import checkpoint_fingerprint, export_bundle
 
@@ -150,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     rows = [("bundle version", f"{reader.version[0]}.{reader.version[1]}"),
             ("model", f"{m.get('architecture')} ({m.get('num_layers')} layers, {m.get('num_kv_heads')} KV heads x "
                       f"{m.get('head_dim')})"),
-            ("config / tokenizer sha256", f"{str(m.get('config_sha256'))[:16]}... / {str(m.get('tokenizer_sha256'))[:16]}..."),
+            ("config / tokenizer sha256",
+             f"{str(m.get('config_sha256'))[:16]}... / {str(m.get('tokenizer_sha256'))[:16]}..."),
             ("tokens", f"{reader.tokens}" + ("" if h["tokens"].get("ids") is None else " (ids included)")),
             ("format", c.get("format")), ("KV heads in bundle", str(c.get("kv_heads")))]
     rows += [(f"tensor {s.name}", f"{str(s.dtype).removeprefix('torch.')} {'[tokens, ' if s.per_token else '['}"

@@ -25,8 +25,17 @@ import torch
 
 from kvx_core.calibration import SCALE_RULES, SampleObserver, amax_from_checkpoint
 from kvx_core.errors import KvxError, Status, require
-from kvx_core.kv_calibration import (FILENAME, WEIGHT_SUFFIXES, KvCalibration, fingerprint_dict, from_checkpoint_amax,
-                                     from_samples, global_formats, load_kv_calibration, scale_formats)
+from kvx_core.kv_calibration import (
+    FILENAME,
+    WEIGHT_SUFFIXES,
+    KvCalibration,
+    fingerprint_dict,
+    from_checkpoint_amax,
+    from_samples,
+    global_formats,
+    load_kv_calibration,
+    scale_formats,
+)
 from kvx_demo.text import TEXT_NAME
 
 from .args import bounded_int
@@ -167,8 +176,9 @@ def _check_out(out: Path, model_dir: Path, force: bool, folder_built_later: bool
     `folder_built_later`), and an existing path only with --force, and only a regular file (never a directory,
     device or FIFO)."""
     require(not (out.resolve().parent == model_dir.resolve() and out.name.endswith(WEIGHT_SUFFIXES)),
-            Status.INVALID_ARGUMENT, f"--out {out}: engines load every {'/'.join(WEIGHT_SUFFIXES)} file of a checkpoint "
-            f"directory as weights; name it differently (default {FILENAME})")
+            Status.INVALID_ARGUMENT,
+            f"--out {out}: engines load every {'/'.join(WEIGHT_SUFFIXES)} file of a checkpoint directory as weights; "
+            f"name it differently (default {FILENAME})")
     folder = out.resolve().parent
     require(folder_built_later or (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)), Status.INVALID_ARGUMENT,
             f"--out {out}: {folder} is not a directory this user can write in")

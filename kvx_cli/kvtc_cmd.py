@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recent", type=bounded_int(0, MAX_POSITION), default=64,
                    help="calibrate: last tokens of a buffer kept raw (default 64)")
     p.add_argument("--no-rope-removal", action="store_true",
-                   help="calibrate: code keys with their RoPE (default: removed when the model's RoPE is the default form)")
+                   help="calibrate: code keys with their RoPE (default: removed when the model's RoPE is the "
+                        "default form)")
     p.add_argument("--joint", action="store_true", help="calibrate: K and V of a group share one byte budget")
     p.add_argument("--deflate", action="store_true", help="compress: DEFLATE the coded body (lossless)")
     p.add_argument("--json", action="store_true", help="inspect: print JSON")
@@ -146,8 +147,8 @@ def _decompress(args: argparse.Namespace) -> int:
     expect_kind(cal_path, "kvtc-calibration")
     expect_kind(path, "kvtc")
     from kvx_core.kvtc import load_calibration
-    from kvx_core.transfer.kvtc_bundle import decode_bundle
     from kvx_core.kvtc.codec import read_file
+    from kvx_core.transfer.kvtc_bundle import decode_bundle
 
     cal = load_calibration(cal_path)
     with open_input(path) as f:

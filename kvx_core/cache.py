@@ -20,8 +20,17 @@ import torch
 
 from .allocator import BlockAllocator, as_int
 from .codec import quant_desc
-from .descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc,
-                          check_key_center, check_key_smoothing)
+from .descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    SeqLens,
+    SlotMapping,
+    WriteDesc,
+    check_key_center,
+    check_key_smoothing,
+)
 from .enums import Layout, QuantFormat
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, TensorFormat, get_format
@@ -157,9 +166,10 @@ class PagedKVCache:
         except (RuntimeError, MemoryError) as e:  # the device had less free memory than it has in total
             raise KvxError(Status.OUT_OF_RANGE, f"could not allocate the {need}-byte cache on {self.device}: "
                                                 f"{e}; size the cache with blocks_for_budget()") from None
-        for pools, (k, v) in zip(self.layers, scales or []):
-            pools.k_global.copy_(k)
-            pools.v_global.copy_(v)
+        if scales is not None:
+            for pools, (k, v) in zip(self.layers, scales, strict=True):
+                pools.k_global.copy_(k)
+                pools.v_global.copy_(v)
 
     # ------------------------------------------------------------ allocation
     def _pool_bytes(self, page_buffer: bool) -> int:
@@ -181,7 +191,7 @@ class PagedKVCache:
         buf = torch.zeros(self.num_blocks, page_bytes(f, self.block_size, self.num_kv_heads, self.head_dim),
                           dtype=torch.uint8, device=self.device)
         views: list[torch.Tensor | None] = []
-        for (off, n), tf, scales in zip(regions, (f.k, f.v, f.k, f.v), (False, False, True, True)):
+        for (off, n), tf, scales in zip(regions, (f.k, f.v, f.k, f.v), (False, False, True, True), strict=True):
             if n == 0:
                 views.append(None)
                 continue
@@ -195,9 +205,15 @@ class PagedKVCache:
         if page_buffer:
             kd, vd, ks, vs = self._page_views()
         else:
-            kd, vd, ks, vs = self._pool(f.k, False), self._pool(f.v, False), self._pool(f.k, True), self._pool(f.v, True)
-        g = (lambda: torch.ones(self._g_shape, dtype=torch.float32, device=self.device)) if f.uses_global_scale else (lambda: None)
-        return LayerPools(kd, vd, ks, vs, g(), g())
+            kd, vd = self._pool(f.k, False), self._pool(f.v, False)
+            ks, vs = self._pool(f.k, True), self._pool(f.v, True)
+        return LayerPools(kd, vd, ks, vs, self._global_pool(), self._global_pool())
+
+    def _global_pool(self) -> torch.Tensor | None:
+        """A layer's FP32 global scales (all ones until set), None for formats without them."""
+        if not self.format.uses_global_scale:
+            return None
+        return torch.ones(self._g_shape, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------ global scales
     def _checked_scale(self, tf: TensorFormat, src: torch.Tensor | float, which: str) -> torch.Tensor:

@@ -178,7 +178,8 @@ class SampleObserver:
         pair = []
         for name, x in (("K", key), ("V", value)):
             require(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2, Status.INVALID_ARGUMENT,
-                    f"layer {layer}: {name} must be a float tensor [..., H, D], got {getattr(x, 'shape', type(x).__name__)}")
+                    f"layer {layer}: {name} must be a float tensor [..., H, D], "
+                    f"got {getattr(x, 'shape', type(x).__name__)}")
             require(bool(torch.isfinite(x).all()), Status.INVALID_ARGUMENT,
                     f"layer {layer}: non-finite {name} values in calibration data")
             pair.append(x.detach().reshape(-1, *x.shape[-2:]).float().cpu())
@@ -201,7 +202,7 @@ class SampleObserver:
         out = []
         for layer in range(self.num_layers):
             pair = []
-            for tf, x in zip((fmt.k, fmt.v), self.values(layer)):
+            for tf, x in zip((fmt.k, fmt.v), self.values(layer), strict=True):
                 if rule == "mse":
                     pair.append(mse_global_scale(tf, x))
                 else:

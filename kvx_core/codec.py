@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 
 from .descriptors import CacheDesc, QuantDesc, TensorDesc
-from .enums import (QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, QUANT_FLAG_V_SCALE_INTERLEAVE4, DType, Layout,
-                    QuantFormat, torch_dtype)
+from .enums import (
+    QUANT_FLAG_HADAMARD,
+    QUANT_FLAG_MX_SCALE_FLOOR,
+    QUANT_FLAG_V_SCALE_INTERLEAVE4,
+    DType,
+    Layout,
+    QuantFormat,
+    torch_dtype,
+)
 from .errors import KvxError, Status, require
 from .formats import CacheFormat, get_format, list_formats
 from .layouts import Geometry, check_shape

@@ -16,8 +16,19 @@ import torch
 
 from .abi import structs
 from .abi.version import KEY_VECTORS
-from .enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory, QuantFormat,
-                    ScaleGranularity, as_enum, kvx_dtype, require_enum, torch_dtype)
+from .enums import (
+    BLOCK_TABLE_FLAG_KVCACHEINDEX,
+    BlockTableFormat,
+    DType,
+    Layout,
+    Memory,
+    QuantFormat,
+    ScaleGranularity,
+    as_enum,
+    kvx_dtype,
+    require_enum,
+    torch_dtype,
+)
 from .errors import KvxError, Status, int_value, require
 from .layouts import Geometry, check_shape, detect_layout, footprint
 
@@ -82,7 +93,7 @@ def _check_no_overlap(shape: tuple[int, ...], stride: tuple[int, ...], what: str
     if any(s < 0 for s in stride):
         raise KvxError(Status.INVALID_ARGUMENT, f"{what}: negative strides {stride} are not allowed")
     span = 1
-    for s, n in sorted((s, n) for s, n in zip(stride, shape) if n > 1):
+    for s, n in sorted((s, n) for s, n in zip(stride, shape, strict=True) if n > 1):
         if s < span:
             raise KvxError(Status.INVALID_ARGUMENT,
                            f"{what}: strides {stride} overlap for shape {shape} (elements would alias)")

@@ -152,7 +152,7 @@ class KvCalibration:
             require(len(layers) == self.num_layers, Status.INVALID_ARGUMENT,
                     f"{name}: global scales for {len(layers)} layers, the calibration has {self.num_layers}")
             for i, pair in enumerate(layers):
-                for side, tf, g in zip("kv", (fmt.k, fmt.v), pair):
+                for side, tf, g in zip("kv", (fmt.k, fmt.v), pair, strict=True):
                     what = f"layer {i} {name}.{side}_global"
                     if tf.uses_global_scale:
                         _check_vector(g, ((1,), (h,)), what)
@@ -196,7 +196,8 @@ class KvCalibration:
                 f"{fmt.name}; recalibrate with that format (kvx calibrate-kv --formats {fmt.name})")
         pairs = self.scales[fmt.name] if uses else [(None, None)] * self.num_layers
         none = (None,) * self.num_layers
-        values = [LayerValues(s, c, k, v) for s, c, (k, v) in zip(self.smoothing or none, self.center or none, pairs)]
+        values = [LayerValues(s, c, k, v)
+                  for s, c, (k, v) in zip(self.smoothing or none, self.center or none, pairs, strict=True)]
         if heads is None:
             return values
         return [LayerValues(*(None if t is None else t if t.shape == (1,) else t[start:stop].contiguous() for t in lv))
@@ -232,7 +233,7 @@ class KvCalibration:
                 out[f"layer.{i}.{name}"] = t
         for name, layers in self.scales.items():
             for i, pair in enumerate(layers):
-                for side, g in zip("kv", pair):
+                for side, g in zip("kv", pair, strict=True):
                     if g is not None:
                         out[f"layer.{i}.{name}.{side}_global"] = g
         return out
@@ -255,7 +256,8 @@ def _check_sample(sample: object) -> None:
     """None, or a dict of `SAMPLE_FIELDS` with values of their type: integers >= 1 (not bool), a short text name."""
     if sample is None:
         return
-    require(isinstance(sample, dict), Status.INVALID_ARGUMENT, f"calibration sample must be a dict, got {_short(sample)}")
+    require(isinstance(sample, dict), Status.INVALID_ARGUMENT,
+            f"calibration sample must be a dict, got {_short(sample)}")
     for key, value in sample.items():
         kind = SAMPLE_FIELDS.get(key)
         require(kind is not None, Status.INVALID_ARGUMENT,
@@ -282,7 +284,8 @@ def load_kv_calibration(path: str) -> KvCalibration:
     is capped (`MAX_FILE_BYTES`) before it is read, `num_layers` is checked against the tensors present before any
     per-layer list is built, and every value's type, shape and range before it is used."""
     meta, tensors = read_tensor_file(path, max_bytes=MAX_FILE_BYTES)
-    require(META_KEY in meta, Status.INVALID_ARGUMENT, f"{path}: not a KVX KV-cache calibration (no {META_KEY} metadata)")
+    require(META_KEY in meta, Status.INVALID_ARGUMENT,
+            f"{path}: not a KVX KV-cache calibration (no {META_KEY} metadata)")
     try:
         p = loads_object(meta[META_KEY], f"the {META_KEY} metadata")
         version = p.get("version")
@@ -298,7 +301,8 @@ def load_kv_calibration(path: str) -> KvCalibration:
                 and len(set(formats)) == len(formats), Status.INVALID_ARGUMENT,
                 f"formats {_short(formats)}: expected a list of distinct format names")
         centered = False if version == 1 else p["center"]  # version 1 predates centering
-        require(isinstance(centered, bool), Status.INVALID_ARGUMENT, f"center {_short(centered)}: expected true or false")
+        require(isinstance(centered, bool), Status.INVALID_ARGUMENT,
+                f"center {_short(centered)}: expected true or false")
         held = {"smoothing": p["alpha"] is not None, "center": centered}
         vector_names = {attr: [f"layer.{i}.{name}" for i in range(n)] for attr, name in KEY_VECTORS.items()
                         if held[attr]}
@@ -307,7 +311,7 @@ def load_kv_calibration(path: str) -> KvCalibration:
         for fmt in scale_formats(formats):
             name = fmt.name
             names = [[f"layer.{i}.{name}.{s}_global" if tf.uses_global_scale else None
-                      for s, tf in zip("kv", (fmt.k, fmt.v))] for i in range(n)]
+                      for s, tf in zip("kv", (fmt.k, fmt.v), strict=True)] for i in range(n)]
             expected |= {x for pair in names for x in pair if x}
             scales[name] = tuple(tuple(tensors.get(x) if x else None for x in pair) for pair in names)
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -321,7 +325,8 @@ def load_kv_calibration(path: str) -> KvCalibration:
     except KvxError as e:
         raise KvxError(e.status, f"{path}: {e.message}") from None
     except (KeyError, TypeError, ValueError) as e:
-        raise KvxError(Status.INVALID_ARGUMENT, f"{path}: malformed calibration metadata ({type(e).__name__}: {e})") from None
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{path}: malformed calibration metadata ({type(e).__name__}: {e})") from None
     require(cal.identity == meta.get("identity"), Status.INVALID_ARGUMENT,
             f"{path}: the identity hash does not match the contents (damaged or edited)")
     return cal
@@ -349,8 +354,8 @@ def scale_formats(formats: list[str]) -> list[CacheFormat]:
 def from_checkpoint_amax(amax: torch.Tensor, formats: list[str], *, num_kv_heads: int, head_dim: int,
                          model: dict) -> KvCalibration:
     """Scales (rule "checkpoint") from a checkpoint's per-layer amax `[L, 2, 1|H]` (`amax_from_checkpoint`). No
-    smoothing or centering: the checkpoint's scales describe the keys as the model makes them. `_rot` formats are refused: the scales describe
-    unrotated values."""
+    smoothing or centering: the checkpoint's scales describe the keys as the model makes them. `_rot` formats are
+    refused: the scales describe unrotated values."""
     from .calibration import global_scale_for_amax
 
     fmts = scale_formats(formats)
@@ -372,7 +377,8 @@ def from_samples(obs, formats: list[str], *, rule: str | None, alpha: float | No
     from .calibration import key_transform, stored_values
 
     fmts = scale_formats(formats) if rule is not None else []
-    require(rule is None or rule in RULES[1:], Status.INVALID_ARGUMENT, f"text calibration rule must be amax or mse, got {rule!r}")
+    require(rule is None or rule in RULES[1:], Status.INVALID_ARGUMENT,
+            f"text calibration rule must be amax or mse, got {rule!r}")
     k0 = obs.values(0)[0]
     smooth, centers = key_transform(obs, alpha, center)
     scales = {}

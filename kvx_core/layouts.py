@@ -156,7 +156,7 @@ def logical_view(t: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def _is_canonical(t: torch.Tensor) -> bool:
-    return all(st == want for st, want, n in zip(t.stride(), contiguous_strides(tuple(t.shape)), t.shape)
+    return all(st == want for st, want, n in zip(t.stride(), contiguous_strides(tuple(t.shape)), t.shape, strict=True)
                if n > 1)
 
 
@@ -244,7 +244,7 @@ def byte_lattice(t: torch.Tensor) -> ByteLattice:
 @functools.lru_cache(maxsize=1024)
 def _byte_lattice(shape: tuple[int, ...], stride: tuple[int, ...], es: int) -> ByteLattice:
     run, merged = es, []
-    for s, n in sorted((s * es, n) for n, s in zip(shape, stride) if n > 1 and s != 0):
+    for s, n in sorted((s * es, n) for n, s in zip(shape, stride, strict=True) if n > 1 and s != 0):
         if not merged and s == run:
             run *= n  # the next element starts where the run ends
         elif merged and s == merged[-1][0] * merged[-1][1]:

@@ -5,10 +5,11 @@ scale per 32 inputs, the OCP MX rule, 4.25 bits per weight) it is 3.76x smaller.
 `MXFP4Format(group_size=32)` (RCEIL scales), so the quantized weight is bit-identical to what the KV-cache formats'
 oracles define, except for groups whose largest |w| exceeds 6 * 2**125 (~2.55e38, within 25% of the FP32 maximum):
 there RCEIL's scale 2**126 would decode finite weights to inf (4 * 2**126 = 2**128), so those groups take OCP MX's
-own scale 2**(floor(log2(amax)) - 2) = 2**125 and their largest elements saturate to +-6 * 2**125 (`MAX_EXPONENT`). This module is the torch reference (any device): `mxfp4_linear` decodes the weight in row chunks (peak
-memory one chunk, not the dense head) and multiplies in the input's dtype with FP32 accumulation where torch does.
-On CUDA, bf16 / fp16 inputs go to the Triton kernel (`ops.triton.mxfp4_gemv`: the weight decoded in registers, 4.25
-bits per weight read); `backend="torch"` forces the reference.
+own scale 2**(floor(log2(amax)) - 2) = 2**125 and their largest elements saturate to +-6 * 2**125 (`MAX_EXPONENT`). This
+module is the torch reference (any device): `mxfp4_linear` decodes the weight in row chunks (peak memory one chunk, not
+the dense head) and multiplies in the input's dtype with FP32 accumulation where torch does. On CUDA, bf16 / fp16 inputs
+go to the Triton kernel (`ops.triton.mxfp4_gemv`: the weight decoded in registers, 4.25 bits per weight read);
+`backend="torch"` forces the reference.
 """
 from __future__ import annotations
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kvx_core.errors import KvxError, Status, int_value, require
+
 from .text import is_integer_tensor
 
 CacheFactory = Callable[[], Any]  # returns a transformers Cache (fresh, empty) for one window
@@ -61,7 +63,7 @@ class EvalResult:
 
     @property
     def window_perplexities(self) -> list[float]:
-        return [math.exp(n / c) for n, c in zip(self.nll_sums, self.token_counts)]
+        return [math.exp(n / c) for n, c in zip(self.nll_sums, self.token_counts, strict=True)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,7 +74,7 @@ class EvalResult:
         """Fraction of positions whose argmax prediction is the actual next token."""
         return float((self.predictions == self.targets).float().mean())
 
-    def top1_agreement(self, reference: "EvalResult") -> float:
+    def top1_agreement(self, reference: EvalResult) -> float:
         """Fraction of positions where this run's argmax equals `reference`'s (e.g. the BF16 run)."""
         if self.predictions.shape != reference.predictions.shape:
             raise KvxError(

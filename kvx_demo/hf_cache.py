@@ -24,7 +24,8 @@ With no round trip it is exact and matches `DynamicCache` bit for bit.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin

@@ -62,7 +62,8 @@ def collect_kv(model: Any, windows: torch.Tensor, progress: Callable[[], None] |
     return out
 
 
-def _score(model: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], cont: torch.Tensor) -> tuple[float, torch.Tensor, int]:
+def _score(model: Any, kv: list[tuple[torch.Tensor, torch.Tensor]],
+           cont: torch.Tensor) -> tuple[float, torch.Tensor, int]:
     """Teacher-forced NLL sum of `cont[1:]` over a prefix cache holding `kv`, the argmax predictions, the count."""
     from transformers import DynamicCache
 

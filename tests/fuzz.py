@@ -10,7 +10,8 @@ that reproduces it.
 
 A target is a module-level function `target(rng: random.Random) -> None` in an importable module: it builds one
 forged input (usually a `mutate_bytes` / `mutate_json` of a valid one) and calls the reader; `KvxError` is caught by
-the runner. Cases use the seeds `seed .. seed + cases - 1`; run one by hand: `python -m tests.fuzz MODULE:FUNC SEED 1 0`.
+the runner. Cases use the seeds `seed .. seed + cases - 1`; run one by hand:
+`python -m tests.fuzz MODULE:FUNC SEED 1 0`.
 """
 from __future__ import annotations
 

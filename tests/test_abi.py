@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvx_core import abi as kvx_abi
-from kvx_core import enums
+from kvx_core import abi as kvx_abi, enums
 from kvx_core.abi import (
     ABI_VERSION,
     C_NAMES,
@@ -277,7 +276,7 @@ def test_header_struct_fields_equal_mirror():
     assert set(header) == set(C_NAMES.values())
     for cls, c_name in C_NAMES.items():
         assert [f for f, _ in header[c_name]] == [f for f, _ in cls._fields_], c_name
-        for (field, c_type), (_, ctype) in zip(header[c_name], cls._fields_):
+        for (field, c_type), (_, ctype) in zip(header[c_name], cls._fields_, strict=True):
             want = _c_type(ctype)
             ok = c_type in ENUM_CONSTANTS if want == "enum" else c_type == want
             assert ok, f"{c_name}.{field} is {c_type} in the header, the mirror says {want}"
@@ -460,7 +459,8 @@ def test_new_sets_sizes_recursively_and_fills_arrays():
 
 
 KEY_VECTOR_CASES = [  # (reader, field, its flag, the size of the version before the field)
-    pytest.param(smoothing_of, "k_smoothing", enums.QUANT_FLAG_KEY_SMOOTHING, QUANT_DESC_V1_1_SIZE, id="v1.2_smoothing"),
+    pytest.param(smoothing_of, "k_smoothing", enums.QUANT_FLAG_KEY_SMOOTHING, QUANT_DESC_V1_1_SIZE,
+                 id="v1.2_smoothing"),
     pytest.param(center_of, "k_center", enums.QUANT_FLAG_KEY_CENTERING, QUANT_DESC_V1_2_SIZE, id="v1.3_centering"),
 ]
 

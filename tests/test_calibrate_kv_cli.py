@@ -218,9 +218,9 @@ def test_text_reads_like_read_text(tmp_path, monkeypatch):
 
 
 def test_defaults_are_the_measured_recipe_over_every_window(tiny, text, tmp_path, capsys):
-    """No transform flag: centering + smoothing ALPHA 0.25 + MSE scales (the measured recipe, docs/results.md), fitted on all
-    --tokens (two windows here, not silently the first), said in the output and recorded in the file; the file is
-    mode 0644 under umask 022 and `inspect` prints it on one screen."""
+    """No transform flag: centering + smoothing ALPHA 0.25 + MSE scales (the measured recipe, docs/results.md), fitted
+    on all --tokens (two windows here, not silently the first), said in the output and recorded in the file; the
+    file is mode 0644 under umask 022 and `inspect` prints it on one screen."""
     import os
 
     from kvx_cli.demo_cmd import observe_kv

@@ -25,8 +25,8 @@ import kvx_demo as demo
 from kvx_cli import demo_cmd, inspect_cmd
 from kvx_cli.args import UINT32_MAX
 from kvx_cli.main import main
-from kvx_demo import model as demo_model
 from kvx_core.errors import KvxError, Status
+from kvx_demo import model as demo_model
 
 from .procs import run
 from .tiny_llama import save_tiny_llama

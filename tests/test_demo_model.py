@@ -15,10 +15,10 @@ import os
 import pytest
 import torch
 
+from kvx_core.errors import KvxError, Status
 from kvx_demo import model as demo_model
 from kvx_demo.eval import EvalResult, evaluate
 from kvx_demo.text import default_text, make_windows, text_fingerprint, tokenize
-from kvx_core.errors import KvxError, Status
 
 # pydoc_data.topics of CPython 3.11.7: the exact reference values below hold only for this text.
 KNOWN_TEXT_FINGERPRINT = "71f2ff5d99bd"

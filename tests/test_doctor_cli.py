@@ -1,5 +1,6 @@
 """`kvx doctor` on this CPU machine: every format with the kernel serving decode / prefill / write and the reason it
-is not the fastest one; bad options exit 2 with one line. (On a GPU: benchmarks/results/wheel_install_no_toolkit_h200.log.)"""
+is not the fastest one; bad options exit 2 with one line. (On a GPU:
+benchmarks/results/wheel_install_no_toolkit_h200.log.)"""
 from __future__ import annotations
 
 import json

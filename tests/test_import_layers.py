@@ -4,6 +4,7 @@ or inside a function: a lazy import is still a dependency."""
 from __future__ import annotations
 
 import ast
+from itertools import pairwise
 from pathlib import Path
 
 import kvx_core
@@ -81,7 +82,7 @@ def test_no_cycles_between_subpackages():
     report = []
     for cycle in _cycles(edges):
         report.append(" -> ".join(cycle))
-        for a, b in zip(cycle, cycle[1:]):
+        for a, b in pairwise(cycle):
             report.extend(f"    {line}" for line in edges[(a, b)])
     assert not report, "import cycles between kvx_core subpackages:\n" + "\n".join(report)
 

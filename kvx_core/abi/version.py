@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ctypes
 
-from ..errors import KvxError, Status, int_value
 from ..enums import QUANT_FLAG_KEY_CENTERING, QUANT_FLAG_KEY_SMOOTHING
+from ..errors import KvxError, Status, int_value
 from .structs import CACHE_DESC_V1_0_SIZE, V1_0_SIZES, CacheDescC, QuantDescC, VersionC, field_type, fits
 
 __all__ = [

@@ -26,7 +26,13 @@ from ..enums import DType, QuantFormat, ScaleGranularity
 from ..errors import KvxError, Status
 from .base import TensorFormat, is_int
 from .codes import (
-    E8M0_NAN_BYTE, ceil_log2, e8m0_from_byte, e8m0_to_byte, floor_log2, fp4_decode_groups, fp4_encode_groups,
+    E8M0_NAN_BYTE,
+    ceil_log2,
+    e8m0_from_byte,
+    e8m0_to_byte,
+    floor_log2,
+    fp4_decode_groups,
+    fp4_encode_groups,
 )
 from .kernel_facts import CudaCode, EncoderCode, FormatCode, KernelFormat
 

@@ -29,7 +29,13 @@ from ..enums import DType, QuantFormat, ScaleGranularity
 from ..errors import KvxError, Status
 from .base import TensorFormat
 from .codes import (
-    E2M1_MAX, E4M3_MAX, E4M3_MIN_SUBNORMAL, E4M3_NAN_BYTE, e4m3_from_byte, e4m3_to_byte, fp4_decode_groups,
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    E4M3_NAN_BYTE,
+    e4m3_from_byte,
+    e4m3_to_byte,
+    fp4_decode_groups,
     fp4_encode_groups,
 )
 from .kernel_facts import CudaCode, EncoderCode, FormatCode, KernelFormat

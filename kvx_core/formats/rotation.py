@@ -54,7 +54,8 @@ def check_rotate_args(x: Tensor, out_dtype: torch.dtype | None, out: Tensor | No
     if out is not None:
         if not isinstance(out, Tensor) or not out.is_floating_point() or out.shape != x.shape \
                 or out.device != x.device:
-            raise KvxError(Status.INVALID_ARGUMENT, f"rotate: out must be a float tensor {tuple(x.shape)} on {x.device}")
+            raise KvxError(Status.INVALID_ARGUMENT,
+                           f"rotate: out must be a float tensor {tuple(x.shape)} on {x.device}")
         return out.dtype
     return out_dtype or x.dtype
 

@@ -4,5 +4,5 @@ self-describing buffer with a global header, range headers and a checksum. `kvx 
 from .calibration import Calibration, SideCalibration, calibrate, load_calibration
 from .codec import KvtcDecoded, KvtcHeader, compress, decompress, read_header
 
-__all__ = ["Calibration", "KvtcDecoded", "KvtcHeader", "SideCalibration", "calibrate", "compress", "decompress", "load_calibration",
-           "read_header"]
+__all__ = ["Calibration", "KvtcDecoded", "KvtcHeader", "SideCalibration", "calibrate", "compress", "decompress",
+           "load_calibration", "read_header"]

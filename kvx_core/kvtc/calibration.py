@@ -234,15 +234,21 @@ def _check_tensors(cal: Calibration, path: str) -> None:
     or inf."""
     for i, g in enumerate(cal.groups):
         for s in SIDES:
-            c = g[s]
-            checks = (("non-finite values", lambda: all(bool(torch.isfinite(t).all()) for t in
-                                                        (c.mean, c.basis, c.variance, c.fp8_scale))),
-                      ("negative variances", lambda: bool((c.variance >= 0).all())),
-                      ("FP8 scales <= 0", lambda: bool((c.fp8_scale > 0).all())),
-                      ("basis columns not of unit length",
-                       lambda: bool((((c.basis.double() ** 2).sum(0) - 1).abs() <= BASIS_TOLERANCE).all())))
-            for what, ok in checks:
-                require(ok(), Status.INVALID_ARGUMENT, f"{path}: group {i} {s} holds {what}")
+            problem = _side_problem(g[s])
+            require(problem is None, Status.INVALID_ARGUMENT, f"{path}: group {i} {s} holds {problem}")
+
+
+def _side_problem(c: SideCalibration) -> str | None:
+    """What is wrong with one group side's tensors (the first failing check), or None."""
+    if not all(bool(torch.isfinite(t).all()) for t in (c.mean, c.basis, c.variance, c.fp8_scale)):
+        return "non-finite values"
+    if not bool((c.variance >= 0).all()):
+        return "negative variances"
+    if not bool((c.fp8_scale > 0).all()):
+        return "FP8 scales <= 0"
+    if not bool((((c.basis.double() ** 2).sum(0) - 1).abs() <= BASIS_TOLERANCE).all()):
+        return "basis columns not of unit length"
+    return None
 
 
 def group_features(kv: Sequence[torch.Tensor], group: int, layers_per_group: int) -> torch.Tensor:
@@ -251,7 +257,8 @@ def group_features(kv: Sequence[torch.Tensor], group: int, layers_per_group: int
     return torch.cat([x.reshape(x.shape[0], -1) for x in layers], dim=1)
 
 
-def _range_table(y: torch.Tensor, scale: torch.Tensor, range_size: int) -> list[tuple[int, int, list[int], list[float]]]:
+def _range_table(y: torch.Tensor, scale: torch.Tensor,
+                 range_size: int) -> list[tuple[int, int, list[int], list[float]]]:
     """Per range of `range_size` components of the calibration projections `y [M, C]`: (start, stop, bytes per token
     of each kind, the kind's measured squared error over the calibration rows)."""
     c = y.shape[1]
@@ -287,7 +294,7 @@ def _allocate(projections: Sequence[tuple[torch.Tensor, torch.Tensor]], range_si
         for spent, e in enumerate(best):
             if e == inf:
                 continue
-            for ki, (cost, err) in enumerate(zip(rc, re_)):
+            for ki, (cost, err) in enumerate(zip(rc, re_, strict=True)):
                 s2 = spent + cost
                 if s2 <= budget and e + err < nxt[s2]:
                     nxt[s2], pick[s2] = e + err, ki * (budget + 1) + spent
@@ -303,7 +310,7 @@ def _allocate(projections: Sequence[tuple[torch.Tensor, torch.Tensor]], range_si
     for t in tables:
         ks = kinds[at:at + len(t)]
         at += len(t)
-        out.append(tuple((a, b, str(KINDS[k])) for (a, b, _, _), k in zip(t, ks) if KINDS[k].bits > 0))
+        out.append(tuple((a, b, str(KINDS[k])) for (a, b, _, _), k in zip(t, ks, strict=True) if KINDS[k].bits > 0))
     return out
 
 
@@ -341,7 +348,7 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
     groups = []
     for g in range(num_layers // layers_per_group):
         fits = {}
-        for s, kv in zip(SIDES, per_side):
+        for s, kv in zip(SIDES, per_side, strict=True):
             x = group_features(kv, g, layers_per_group).double()
             require(x.shape[0] >= 2, Status.INVALID_ARGUMENT, "calibrate: fewer than 2 tokens after the sinks")
             mean = x.mean(0)
@@ -357,7 +364,7 @@ def calibrate(windows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
         else:
             ranges = [_allocate([(fits[s][3], fits[s][4])], range_size, int(features * 2 / ratio))[0] for s in SIDES]
         groups.append({s: SideCalibration(fits[s][0].float(), fits[s][1].float(), fits[s][2].float(), fits[s][4], r)
-                       for s, r in zip(SIDES, ranges)})
+                       for s, r in zip(SIDES, ranges, strict=True)})
         if progress is not None:
             progress(g)
     return Calibration(num_layers, h, d, layers_per_group, sink_tokens, recent_tokens, settings["ratio"], range_size,

@@ -7,12 +7,12 @@ projected per layer group onto the calibrated PCA basis (mean subtracted) and qu
 on the CPU (CI) and on a GPU (matmuls on the device).
 
 Buffer (little-endian): a fixed header (`HEADER`: magic `KVTC`, version, flags (bit 0: the body is DEFLATE
-compressed; bit 1: the body starts with the tokens' ids, u32 each), the calibration identity (sha256), the model fingerprint hash (sha256, zeros when none), geometry,
-token range, raw head / tail token counts, raw dtype, body sizes), the body, and a 16-byte checksum of header
-and body. The body: the raw head tokens, then the raw tail tokens (per layer, K then V, `[tokens, H, D]` in the raw
-dtype), then per group, K then V, per kept range a 40-byte range header (`i32 quant_type (0 FP8, 1 IntX), i32
-int_bits, u64 start, u64 end, u64 packed_data_bytes, u64 metadata_bytes`), the range's metadata (IntX: fp16 min and
-step per component) and packed data (rows in token order).
+compressed; bit 1: the body starts with the tokens' ids, u32 each), the calibration identity (sha256), the model
+fingerprint hash (sha256, zeros when none), geometry, token range, raw head / tail token counts, raw dtype, body sizes),
+the body, and a 16-byte checksum of header and body. The body: the raw head tokens, then the raw tail tokens (per layer,
+K then V, `[tokens, H, D]` in the raw dtype), then per group, K then V, per kept range a 40-byte range header (`i32
+quant_type (0 FP8, 1 IntX), i32 int_bits, u64 start, u64 end, u64 packed_data_bytes, u64 metadata_bytes`), the range's
+metadata (IntX: fp16 min and step per component) and packed data (rows in token order).
 
 A buffer is untrusted even with a valid checksum (anyone can recompute one): `read_header` checks every header
 field's range and the declared sizes against the bytes present and `MAX_BODY_BYTES`, `open_body` checks them against
@@ -137,7 +137,7 @@ def _project(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibration, 
     y = torch.empty(b - a, columns, dtype=torch.float32, device=kv[0][0].device)
     col = 0
     for g, gc in enumerate(cal.groups):
-        for s, rows in zip(SIDES, sides):
+        for s, rows in zip(SIDES, sides, strict=True):
             c = gc[s]
             x = group_features(rows, g, cal.layers_per_group).float()
             y[:, col:col + c.kept] = (x - c.mean.to(x.device)) @ c.basis[:, :c.kept].to(x.device)
@@ -171,7 +171,8 @@ def encode_body(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], cal: Calibratio
     return body
 
 
-def decode_body(body: torch.Tensor, cal: Calibration, layout, hdr: KvtcHeader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_body(body: torch.Tensor, cal: Calibration, layout,
+                hdr: KvtcHeader) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The device half of `decompress` (header and range headers checked): a body on the target device -> K/V per
     layer `[token_count, H, D]` in the header's dtype on that device. KvxError when they are not all finite (forged
     IntX metadata, FP8 NaN codes or raw tokens, or a sum that overflows the dtype)."""

@@ -95,7 +95,7 @@ def column_params(cal: Calibration, layout: BodyLayout, device) -> tuple[torch.T
     if key not in _COLUMN_CACHE:
         levels, is_int, scale = [1.0] * layout.columns, [False] * layout.columns, torch.ones(layout.columns)
         sides = [gc[s] for gc in cal.groups for s in SIDES]
-        for (col, _), c in zip(layout.side_columns, sides):
+        for (col, _), c in zip(layout.side_columns, sides, strict=True):
             for lo, hi, name in c.ranges:
                 kind = RangeKind.parse(name)
                 if kind.is_int:

@@ -39,7 +39,8 @@ class RangeKind:
         for k in KINDS:
             if k.name == name:
                 return k
-        raise KvxError(Status.INVALID_ARGUMENT, f"unknown KVTC range kind {name!r} (one of {', '.join(map(str, KINDS))})")
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"unknown KVTC range kind {name!r} (one of {', '.join(map(str, KINDS))})")
 
 
 KINDS = (RangeKind("drop", 0), RangeKind("int2", 2), RangeKind("int4", 4), RangeKind("int8", 8), RangeKind("fp8", 8))

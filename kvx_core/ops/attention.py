@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from itertools import pairwise
 
 import torch
 
@@ -123,8 +124,8 @@ def check_options(what: str, *, sm_scale=None, softcap=None, window=None, causal
                 Status.INVALID_ARGUMENT, f"{what}: {name} must be None or a finite number, got {x!r}")
     require(softcap is None or softcap >= 0, Status.INVALID_ARGUMENT, f"{what}: softcap must be >= 0, got {softcap}")
     # an int: the reference would compare a float window, the kernels truncate it
-    require(window is None or (isinstance(window, numbers.Integral) and not isinstance(window, bool)), Status.INVALID_ARGUMENT,
-            f"{what}: window must be None or an int, got {window!r}")
+    require(window is None or (isinstance(window, numbers.Integral) and not isinstance(window, bool)),
+            Status.INVALID_ARGUMENT, f"{what}: window must be None or an int, got {window!r}")
     check_sinks(sinks, what)
 
 
@@ -170,12 +171,13 @@ def check_qo_indptr(qo_indptr: torch.Tensor, lens: list[int], num_tokens: int | 
     sequence more new tokens than its cached length (INVALID_ARGUMENT). Read on its own dtype: callers narrow it
     only after this. `num_tokens` None: a plan made before the queries are known (the run checks the query rows
     against the last entry)."""
-    require(isinstance(qo_indptr, torch.Tensor) and qo_indptr.dtype in (torch.int32, torch.int64)
-            and qo_indptr.dim() == 1, Status.INVALID_ARGUMENT, "paged_prefill: qo_indptr must be a 1-D int32/int64 "
-            f"tensor, got {(qo_indptr.dtype, tuple(qo_indptr.shape)) if isinstance(qo_indptr, torch.Tensor) else qo_indptr!r}")
+    is_tensor = isinstance(qo_indptr, torch.Tensor)
+    got = (qo_indptr.dtype, tuple(qo_indptr.shape)) if is_tensor else qo_indptr
+    require(is_tensor and qo_indptr.dtype in (torch.int32, torch.int64) and qo_indptr.dim() == 1,
+            Status.INVALID_ARGUMENT, f"paged_prefill: qo_indptr must be a 1-D int32/int64 tensor, got {got!r}")
     ip = qo_indptr.tolist()
     require(len(ip) == len(lens) + 1 and ip[0] == 0 and ip[-1] == (ip[-1] if num_tokens is None else num_tokens)
-            and all(a <= b for a, b in zip(ip, ip[1:])), Status.INVALID_ARGUMENT,
+            and all(a <= b for a, b in pairwise(ip)), Status.INVALID_ARGUMENT,
             "paged_prefill: qo_indptr must have seq_count + 1 non-decreasing entries from 0 to num query tokens")
     for b, n in enumerate(lens):
         require(not queries_cached or ip[b + 1] - ip[b] <= n, Status.INVALID_ARGUMENT,
@@ -202,7 +204,7 @@ def _window_table(cache: CacheDesc, table: BlockTable, seq_lens: SeqLens, first_
     bs = cache.block_size
     # a row longer than its table keeps every block: the gather refuses it as before
     skip = [max(f, 0) // bs if 0 <= n <= rows.shape[1] * bs else 0
-            for f, n in zip(first_key, seq_lens.lengths.tolist())]
+            for f, n in zip(first_key, seq_lens.lengths.tolist(), strict=True)]
     if not any(skip):
         return table, seq_lens
     cols = torch.arange(rows.shape[1], device=rows.device)[None, :] + torch.tensor(skip, device=rows.device)[:, None]

@@ -52,8 +52,7 @@ def _triton_missing() -> str | None:
 
 def serving(fmt: CacheFormat | str, device: torch.device | str, geometry: Geometry = Geometry()) -> list[Serving]:
     """Decode, prefill and write: the kernel that serves each for caches of `fmt` on `device`."""
-    from . import decode as decode_ops
-    from . import write as write_ops
+    from . import decode as decode_ops, write as write_ops
 
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     device = torch.device(device)

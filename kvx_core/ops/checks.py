@@ -14,8 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import format_of
-from ..descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, SeqLens, SlotMapping, WriteDesc,
-                           finite_positive)
+from ..descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    ScaleDesc,
+    SeqLens,
+    SlotMapping,
+    WriteDesc,
+    finite_positive,
+)
 from ..enums import BlockTableFormat, DType, ScaleGranularity
 from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, TensorFormat
@@ -45,8 +54,9 @@ def global_scale(tf: TensorFormat, g, num_heads: int, device: torch.device, what
         return torch.ones(num_heads, dtype=torch.float32, device=device)
     if isinstance(g, (int, float)) and not isinstance(g, bool):
         g = torch.tensor(float(g))
-    require(isinstance(g, torch.Tensor) and g.is_floating_point() and (g.dim() == 0 or tuple(g.shape) in ((1,), (num_heads,))),
-            Status.INVALID_ARGUMENT, f"{what} must be a float tensor of shape [], [1] or [H_kv={num_heads}], got "
+    require(isinstance(g, torch.Tensor) and g.is_floating_point()
+            and (g.dim() == 0 or tuple(g.shape) in ((1,), (num_heads,))), Status.INVALID_ARGUMENT,
+            f"{what} must be a float tensor of shape [], [1] or [H_kv={num_heads}], got "
             f"{(g.dtype, tuple(g.shape)) if isinstance(g, torch.Tensor) else type(g).__name__}")
     out = g.to(device=device, dtype=torch.float32).reshape(-1).expand(num_heads).contiguous()
     if check_values:
@@ -82,8 +92,8 @@ def cache_global_scales(cache: CacheDesc, fmt: CacheFormat, k10: ScaleDesc | Non
     """Validated FP32 `[H]` global scales of K and V: from `cache.quant` (v1.1) or the call's v1.0 FP8 scale
     descriptors `k10` / `v10`."""
     out = []
-    for which, tf, v10 in (("k", fmt.k, k10), ("v", fmt.v, v10)):
-        g = _v10_scale(v10, cache, tf, f"{what}.{which}_scale")
+    for which, tf, d10 in (("k", fmt.k, k10), ("v", fmt.v, v10)):
+        g = _v10_scale(d10, cache, tf, f"{what}.{which}_scale")
         if cache.quant is not None:
             g = getattr(cache.quant, f"{which}_global_scale")
         name = f"quant.{which}_global_scale" if cache.quant is not None else f"{what}.{which}_scale"
@@ -183,7 +193,7 @@ def check_write(cache: CacheDesc, write: WriteDesc, *, check: bool = True) -> Wr
 def _byte_offsets(view5: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
     """Storage byte offsets of every element of rows `view5[blk, off]` (a 5-D block view)."""
     s, es = view5.stride(), view5.element_size()
-    idx = [torch.arange(n, device=blk.device) * st for n, st in zip(view5.shape[2:], s[2:])]
+    idx = [torch.arange(n, device=blk.device) * st for n, st in zip(view5.shape[2:], s[2:], strict=True)]
     inner = idx[0][:, None, None] + idx[1][None, :, None] + idx[2][None, None, :]
     return ((view5.storage_offset() + blk * s[0] + off * s[1])[:, None, None, None] + inner).flatten() * es
 
@@ -195,7 +205,7 @@ def _blocks_disjoint(k5: torch.Tensor, v5: torch.Tensor) -> bool:
     stride = k5.stride(0) * es
     if v5.stride(0) * v5.element_size() != stride:
         return False
-    inner = [(sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:])) + 1) * t.element_size()
+    inner = [(sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:], strict=True)) + 1) * t.element_size()
              for t in (k5, v5)]
     if max(inner) > stride:
         return False
@@ -272,7 +282,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """Address range [first byte, last byte + 1) of `t`'s elements (empty for an empty tensor)."""
     if t.numel() == 0:
         return 0, 0
-    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
@@ -286,7 +296,8 @@ def check_no_alias(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Ten
     names = list(outputs)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            require(not _overlap(outputs[a], outputs[b]), Status.INVALID_ARGUMENT, f"gather {a} and {b} overlap in memory")
+            require(not _overlap(outputs[a], outputs[b]), Status.INVALID_ARGUMENT,
+                    f"gather {a} and {b} overlap in memory")
         for b, t in inputs.items():
             require(t is None or not _overlap(outputs[a], t), Status.INVALID_ARGUMENT,
                     f"gather {a} overlaps the cache's {b} pool in memory (a gather must not write into the cache)")

@@ -3,10 +3,10 @@ the pools are CUDA tensors the kernels can address, the torch reference otherwis
 results as `ops.reference` / `ops.attention` (write and gather bit-identical; attention equal up to float
 accumulation order), so callers switch by importing this module instead.
 
-KV_OFFSETS tables (TRT-LLM) run on the kernels over their K plane, V read one block further (`checks.offsets_kernel_table`).
-The reference remains the path for: CPU pools, v1.0 FP8 caches (per-write scale descriptors),
-HND_PACKED layouts with pack > 1, RAGGED tables, KV_OFFSETS tables that name host blocks or break TRT-LLM's
-K/V block pairing (checked), caches with a secondary (host) pool, and NVFP4 caches whose V scales are
+KV_OFFSETS tables (TRT-LLM) run on the kernels over their K plane, V read one block further
+(`checks.offsets_kernel_table`). The reference remains the path for: CPU pools, v1.0 FP8 caches (per-write scale
+descriptors), HND_PACKED layouts with pack > 1, RAGGED tables, KV_OFFSETS tables that name host blocks or break
+TRT-LLM's K/V block pairing (checked), caches with a secondary (host) pool, and NVFP4 caches whose V scales are
 interleaved by 4 tokens (TRT-LLM's layout, `QUANT_FLAG_V_SCALE_INTERLEAVE4`: the kernels read scale rows by strides).
 """
 from __future__ import annotations
@@ -31,8 +31,20 @@ from ..errors import KvxError, Status, require
 from ..formats import CacheFormat, get_format
 from ..layouts import block_view
 from . import attention, reference, smoothing
-from .checks import (INT32_MAX, WriteArgs, cache_global_scales, check_block_ids, check_gather, check_table_types,
-                     check_write, kernel_slots, kernel_table, narrow_int32, offsets_kernel_table, require_type)
+from .checks import (
+    INT32_MAX,
+    WriteArgs,
+    cache_global_scales,
+    check_block_ids,
+    check_gather,
+    check_table_types,
+    check_write,
+    kernel_slots,
+    kernel_table,
+    narrow_int32,
+    offsets_kernel_table,
+    require_type,
+)
 from .kernel_format import kernel_format
 
 if TYPE_CHECKING:  # the kernel modules import triton; kvx_core imports with torch alone
@@ -204,9 +216,9 @@ def _attention_pools(cache: CacheDesc):
 
 @torch.no_grad()
 def write_kv(cache: CacheDesc | BoundLayer, write: WriteDesc, *, check: bool = True) -> None:
-    """`reference.write_kv`, on the fused write kernel (CUDA or Triton, `ops.write`) when possible. `check` validates the descriptors
-    and the values the write depends on (slot range and uniqueness, global scales: host syncs); engines that
-    own their slot mappings and scales pass False to stay sync-free, and a layer bound once (`bind`) then launches
+    """`reference.write_kv`, on the fused write kernel (CUDA or Triton, `ops.write`) when possible. `check` validates
+    the descriptors and the values the write depends on (slot range and uniqueness, global scales: host syncs); engines
+    that own their slot mappings and scales pass False to stay sync-free, and a layer bound once (`bind`) then launches
     the write kernel and nothing else. Either way nothing is stored unless the whole write is accepted. A layer
     bound for KV_OFFSETS tables is refused: its K and V are one block array (TRT-LLM's), which a slot names once,
     so a slot-mapped write would store V over K (TRT-LLM: write through `kvx_trtllm.layer_views`)."""
@@ -386,43 +398,44 @@ class AttentionPlan:
                 kernel_table(cache, self.table, self.seq_lens, check=True)
         args = None if self.kernel is None else _kernel_args(cache, self.table, self.check)
         if args is None:  # reads keys through the reference gather (times s, plus c)
-            o, l = self._reference(query, cache, out, lse)
-            return o, l if want_lse else None
+            o, lse_t = self._reference(query, cache, out, lse)
+            return o, lse_t if want_lse else None
         kernel, late = self.kernel, self._sinks_after_kernel(cache)
         if late:
             kernel = replace(kernel, sinks=None)
         s = smoothing.of(cache)
         if self.what == "paged_decode":  # the decode scales the queries by s as it loads them
-            o, l = kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s,
-                              want_lse=want_lse or late)
+            o, lse_t = kernel.run(query, *args, self.block_table, self.lens, out=out, lse=lse, k_smoothing=s,
+                                  want_lse=want_lse or late)
         else:
-            o, l = kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
-                              out=out, lse=lse)
+            o, lse_t = kernel.run(smoothing.smooth_queries(cache, query), *args, self.block_table, self.lens,
+                                  out=out, lse=lse)
         if not (want_lse or late):
             return o, None
-        l = smoothing.center_lse(cache, query, l, attention.softmax_scale(self.options["sm_scale"], cache.head_dim))
+        sm_scale = attention.softmax_scale(self.options["sm_scale"], cache.head_dim)
+        lse_t = smoothing.center_lse(cache, query, lse_t, sm_scale)
         if late:  # one more rounding of the output, in its dtype
-            o_s, l_s = attention.apply_sinks(o, l, self.options["sinks"])
+            o_s, lse_s = attention.apply_sinks(o, lse_t, self.options["sinks"])
             o.copy_(o_s)
-            l.copy_(l_s)
-        return o, l if want_lse else None
+            lse_t.copy_(lse_s)
+        return o, lse_t if want_lse else None
 
     def _reference(self, query, cache, out, lse):
         opts = self.options
         if self.what == "paged_decode":
-            o, l = attention.paged_decode(query, cache, self.table, self.seq_lens, rows_per_seq=self.rows_per_seq,
-                                          **opts)
+            o, lse_t = attention.paged_decode(query, cache, self.table, self.seq_lens,
+                                              rows_per_seq=self.rows_per_seq, **opts)
         else:
-            o, l = attention.paged_prefill(query, self.qo_indptr, cache, self.table, self.seq_lens, **opts)
+            o, lse_t = attention.paged_prefill(query, self.qo_indptr, cache, self.table, self.seq_lens, **opts)
         if out is not None:
             require(isinstance(out, torch.Tensor) and out.shape == o.shape, Status.INVALID_ARGUMENT,
                     f"{self.what}: out must be {tuple(o.shape)}")
             o = out.copy_(o)
         if lse is not None:
-            require(isinstance(lse, torch.Tensor) and lse.shape == l.shape, Status.INVALID_ARGUMENT,
-                    f"{self.what}: lse must be {tuple(l.shape)}")
-            l = lse.copy_(l)
-        return o, l
+            require(isinstance(lse, torch.Tensor) and lse.shape == lse_t.shape, Status.INVALID_ARGUMENT,
+                    f"{self.what}: lse must be {tuple(lse_t.shape)}")
+            lse_t = lse.copy_(lse_t)
+        return o, lse_t
 
 
 def _plan_tables(what: str, fmt, table: BlockTable, seq_lens: SeqLens, options: dict, device, check: bool,

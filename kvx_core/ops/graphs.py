@@ -2,7 +2,8 @@
 to prove the kernels, plans and merges capture and replay)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

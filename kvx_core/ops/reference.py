@@ -17,11 +17,11 @@ from ..descriptors import CacheDesc, GatherDesc, KvIoDesc, ScaleDesc, WriteDesc
 from ..enums import QUANT_FLAG_V_SCALE_INTERLEAVE4, QuantFormat
 from ..errors import Status, require
 from ..formats import CacheFormat, TensorFormat
-from .rotation import rotate
 from ..layouts import block_view
 from ..scale_layout import Interleave4Rows
 from . import smoothing
 from .checks import check_gather, check_write
+from .rotation import rotate
 
 
 @dataclass
@@ -60,7 +60,7 @@ def write_kv(cache: CacheDesc, write: WriteDesc) -> None:
     sides = [(side_pools(cache, fmt, "k"), smoothing.smooth_keys(cache, write.io.key), a.k_gs),
              (side_pools(cache, fmt, "v"), write.io.value, a.v_gs)]
     encoded = [p.fmt.encode(rotate(x[a.keep]) if fmt.rotate else x[a.keep], g) for p, x, g in sides]
-    for (p, _, _), (payload, scales) in zip(sides, encoded):
+    for (p, _, _), (payload, scales) in zip(sides, encoded, strict=True):
         p.data[blk, off] = payload.reshape(-1, *p.data.shape[2:])
         if p.scales is not None:
             p.scales[blk, off] = scales.reshape(-1, *p.scales.shape[2:])
@@ -94,7 +94,7 @@ def gather_kv(cache: CacheDesc, gather: GatherDesc, out: KvIoDesc | None = None,
         dt = out_dtype or (cache.k.tensor.dtype if fmt.quant == QuantFormat.NONE else torch.float32)
         dev = cache.k.tensor.device
         out = KvIoDesc(torch.empty(total, h, d, dtype=dt, device=dev), torch.empty(total, h, d, dtype=dt, device=dev))
-    for (which, blocks, sec, g), dst in zip(sides, (out.key, out.value)):
+    for (which, blocks, sec, g), dst in zip(sides, (out.key, out.value), strict=True):
         p = side_pools(cache, fmt, which)
         if bool(sec.any()):
             data = _with_secondary(cache, which, p.data, blocks, sec, addr.offsets)

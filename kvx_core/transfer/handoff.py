@@ -16,6 +16,7 @@ import io
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
+from itertools import pairwise
 from typing import BinaryIO
 
 import torch
@@ -34,8 +35,15 @@ from .bundle import BundleReader, BundleWriter, TensorSpec, split_payload
 from .header import bundle_header, head_range, transform_flags
 from .host import HostBundle
 from .kernels import use_kernels
-from .rows import (KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms, layer_slots, prepare_write_rows,
-                   read_chunk)
+from .rows import (
+    KEY_TRANSFORMS,
+    LAYER_TENSORS,
+    format_specs,
+    key_transforms,
+    layer_slots,
+    prepare_write_rows,
+    read_chunk,
+)
 from .schema import ModelFingerprint, header_transforms, read_flags, token_hash
 
 
@@ -86,7 +94,7 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
     wheres = layer_slots(caches, slots)
     w = BundleWriter(out, header)
-    for cache, where in zip(caches, wheres):
+    for cache, where in zip(caches, wheres, strict=True):
         w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where), w.specs, w.tokens))
     w.close()
     return header
@@ -154,7 +162,7 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     layers = []
     for rows in reader.read_all():
         layer = {}
-        for (which, tf), x in zip((("k", fmt.k), ("v", fmt.v)), decode_rows(rows, reader.format)):
+        for (which, tf), x in zip((("k", fmt.k), ("v", fmt.v)), decode_rows(rows, reader.format), strict=True):
             g = torch.ones(heads) if tf.uses_global_scale else None
             payload, scales = tf.encode(rotate(x) if fmt.rotate else x, g)
             layer[f"{which}_data"] = payload
@@ -176,7 +184,7 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
     > 0). One host sync for the bundle: the comparisons are device flags read together."""
     flags: list[torch.Tensor] = []
     plans = []  # per layer: (index of its scales flag or None, index of its same flag, or a known answer)
-    for rows, cache in zip(layers, caches):
+    for rows, cache in zip(layers, caches, strict=True):
         dst = format_of(cache)
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
         ours = [g for g in (kg, vg) if g is not None]
@@ -192,7 +200,7 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
             flags.append(torch.stack([(a.float() == b.to(a.device)).all() for a, b in pairs if a is not None]).all())
         plans.append((valid, same))
     got = read_flags(flags)
-    for cache, (valid, _) in zip(caches, plans):
+    for cache, (valid, _) in zip(caches, plans, strict=True):
         if valid is not None and not got[valid]:
             cache_global_scales(cache, format_of(cache), None, None, "import_bundle")  # raises, naming the scale
     return [same if isinstance(same, bool) else got[same] for _, same in plans]
@@ -248,9 +256,9 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     """Read, verify and store bundles into `caches` (layer i -> `caches[i]`) at `slots` (one per bundled token, in
     order). `src`: one bundle (a stream, bytes, or a uint8 host tensor holding it: `host.HostBundle`, checked in
     parallel and copied to the caches' device at copy speed), or a list of the shards of several tensor-parallel
-    ranks; the destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever shards
-    hold them (resharding: split, merge or both). `token_range` = `[start, stop)` stores only those bundled tokens
-    (`slots` then has one entry per token of the range): what an engine loads beside a prefix it already holds.
+    ranks; the destination holds the model's KV heads `kv_heads` = `[start, stop)` (default: all), cut from whichever
+    shards hold them (resharding: split, merge or both). `token_range` = `[start, stop)` stores only those bundled
+    tokens (`slots` then has one entry per token of the range): what an engine loads beside a prefix it already holds.
     All or nothing: every check, every bundle's checksums and every layer's conversion happen before the first
     byte is stored. Returns the bundle headers."""
     require(isinstance(model, ModelFingerprint), Status.INVALID_ARGUMENT,
@@ -265,7 +273,7 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
                 and header_transforms(r.header) == header_transforms(first),
                 Status.INCOMPATIBLE, "import_bundle: the shards differ in format, tokens or key transform")
     covered = sorted(ranges)
-    require(all(p[1] <= q[0] for p, q in zip(covered, covered[1:])), Status.INVALID_ARGUMENT,
+    require(all(p[1] <= q[0] for p, q in pairwise(covered)), Status.INVALID_ARGUMENT,
             f"import_bundle: shards overlap in KV heads: {covered}")
     need = [h for h in range(a, b) if not any(lo <= h < hi for lo, hi in covered)]
     require(not need, Status.INCOMPATIBLE, f"import_bundle: no shard holds KV heads {need} of [{a}, {b})")
@@ -286,12 +294,13 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
     wheres = layer_slots(caches, slots)  # the destination checked before any payload is read
     dev = caches[0].k.tensor.device
-    shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers)]  # every shard verified, used or not
+    # every shard verified, used or not
+    shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]
     rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
     src = readers[0].format
     same = _same_rows(rows, src, caches)
     stores = [_prepare(layer_rows, src, cache, slots, where, ok)
-              for layer_rows, cache, where, ok in zip(rows, caches, wheres, same)]
+              for layer_rows, cache, where, ok in zip(rows, caches, wheres, same, strict=True)]
     for store in stores:
         store()
     return [r.header for r in readers]

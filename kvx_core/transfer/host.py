@@ -18,9 +18,23 @@ import torch
 
 from ..descriptors import CacheDesc
 from ..errors import Status, require
-from .bundle import (SEGMENT_BYTES, BundleReader, bundle_bytes, bundle_prefix, check_chunk_head, check_chunk_sum,
-                     check_trailer, chunk_at, chunk_head, combine_segments, parse_specs, segment_digest, segments,
-                     split_payload, trailer)
+from .bundle import (
+    SEGMENT_BYTES,
+    BundleReader,
+    bundle_bytes,
+    bundle_prefix,
+    check_chunk_head,
+    check_chunk_sum,
+    check_trailer,
+    chunk_at,
+    chunk_head,
+    combine_segments,
+    parse_specs,
+    segment_digest,
+    segments,
+    split_payload,
+    trailer,
+)
 from .header import bundle_header
 from .rows import layer_slots, read_chunk
 from .schema import ModelFingerprint, check_layers
@@ -113,7 +127,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
     dev = caches[0].k.tensor.device
-    for i, (cache, where) in enumerate(zip(caches, wheres)):  # queue each layer's gather and copy; hash the landed
+    # queue each layer's gather and copy; hash the landed
+    for i, (cache, where) in enumerate(zip(caches, wheres, strict=True)):
         chunk = read_chunk(cache, slots, specs, where=where)
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))

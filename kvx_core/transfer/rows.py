@@ -95,7 +95,8 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
         out[f"{which}_data"] = p.data[blk, off].flatten(-2).contiguous()
         if p.scales is not None:
             out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
-    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)  # no host sync: a read copies what is stored
+    # no host sync: a read copies what is stored
+    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)
     out.update({name: g for name, g in (("k_global", kg), ("v_global", vg)) if g is not None})
     for t in KEY_TRANSFORMS:
         v = t.of(cache)

@@ -18,10 +18,10 @@ from typing import get_type_hints
 
 import torch
 
+from ..descriptors import finite_positive
 from ..errors import KvxError, Status, int_value, require
 from ..formats import CacheFormat, get_format
 from ..formats.base import is_int
-from ..descriptors import finite_positive
 from ..ops.checks import global_scale
 from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs
 
@@ -79,7 +79,7 @@ def token_list(token_ids: Iterable, what: str = "token ids") -> list[int]:
         raise KvxError(Status.INVALID_ARGUMENT, f"{what} must be a sequence of integers, got "
                                                 f"{type(token_ids).__name__}") from None
     ids = [int_value(t) for t in given]
-    for i, (t, v) in enumerate(zip(given, ids)):
+    for i, (t, v) in enumerate(zip(given, ids, strict=True)):
         require(v is not None, Status.INVALID_ARGUMENT, f"{what} must be integers, got {short(t)} at position {i}")
         require(0 <= v < 2**32, Status.INVALID_ARGUMENT, f"{what} must lie in [0, 2**32), got {v} at position {i}")
     return ids

@@ -6,8 +6,8 @@ temporary file in the store and renames it into place (readers never see a parti
 every check of `import_bundle` (a damaged file is refused and the cache left untouched). With `kvtc=` (a KVTC
 calibration of the model) entries are stored KVTC-coded (`kvx_core.transfer.kvtc_bundle`): written bundles are
 compressed, read entries decompressed into BF16 bundles that import into any format; a KVTC entry needs a store opened
-with its calibration. An entry is outside bytes like any bundle (another process may have written, or forged, it): every read
-checks it as `BundleReader` does, and a damaged, forged or unreadable entry (a directory in its place, an I/O
+with its calibration. An entry is outside bytes like any bundle (another process may have written, or forged, it): every
+read checks it as `BundleReader` does, and a damaged, forged or unreadable entry (a directory in its place, an I/O
 error) is a KvxError, which the connectors log and treat as a miss. The store owns only its directory: it creates
 it with a marker file and refuses a non-empty directory without that marker, and it only ever writes, renames or
 deletes its own `*.kvx` / `*.kvxset` / `*.kvxp` / `.tmp-*` files.
@@ -161,7 +161,8 @@ class BundleStore:
         return self.write_entry(model, token_ids,
                                 lambda f: export_bundle(f, caches, slots, model=model, token_ids=token_ids))
 
-    def write_entry(self, model: ModelFingerprint, token_ids: Sequence[int], write: Callable[[BinaryIO], object]) -> Path:
+    def write_entry(self, model: ModelFingerprint, token_ids: Sequence[int],
+                    write: Callable[[BinaryIO], object]) -> Path:
         """Publish the bundle `write(file)` writes as the entry of `token_ids`: into a temporary file, synced, then
         renamed into place (a failure leaves no file and the older entry, if any). A KVTC store compresses it first."""
         key = self.key(model, token_ids)
@@ -192,8 +193,8 @@ class BundleStore:
                 return final
             except OSError as e:
                 raise _failed(final, "written", e) from None
-        manifest = json.dumps({"kvx_shard_set": 1, "tp_size": tp_size,
-                               "shards": [{"kv_heads": list(r), "bytes": n} for r, n in zip(ranges, sizes)]})
+        shards = [{"kv_heads": list(r), "bytes": n} for r, n in zip(ranges, sizes, strict=True)]
+        manifest = json.dumps({"kvx_shard_set": 1, "tp_size": tp_size, "shards": shards})
         self._publish(self._set_path(key), lambda f: f.write(manifest.encode()))
         self._link(model, token_ids, key)
         return final
@@ -258,12 +259,13 @@ class BundleStore:
                 f"{what}: must be {{\"kvx_shard_set\": 1, \"tp_size\": 1..{MAX_TP_SIZE}, \"shards\": [...]}}")
         want = shard_ranges(model.num_kv_heads, tp)
         got = [s.get("kv_heads") if isinstance(s, dict) else None for s in shards]
-        require(len(got) == len(want) and all(isinstance(g, list) and all(type(x) is int for x in g)
-                                              and tuple(g) == r for g, r in zip(got, want)), Status.INVALID_ARGUMENT,
+        require(len(got) == len(want)
+                and all(isinstance(g, list) and all(type(x) is int for x in g) and tuple(g) == r
+                        for g, r in zip(got, want, strict=True)), Status.INVALID_ARGUMENT,
                 f"{what}: its shards must hold KV heads {want} (the model's {model.num_kv_heads} split over {tp} "
                 f"ranks: a tiling, no overlap, no gap), not {str(got)[:200]}")
         files = []
-        for i, (s, r) in enumerate(zip(shards, want)):
+        for i, (s, r) in enumerate(zip(shards, want, strict=True)):
             shard = self._shard_path(key, tp, i)
             require(set(s) == {"kv_heads", "bytes"} and _is_int(s["bytes"], 1, 2**63), Status.INVALID_ARGUMENT,
                     f"{what}: shard {i} must be {{\"kv_heads\": [start, stop], \"bytes\": size}}")

@@ -237,7 +237,7 @@ def trtllm_read(prim_bytes, sec_bytes, offsets, layer, num_layers, t, h, d, dtyp
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same memory seen the same way: shape, start and the strides of every dim longer than 1."""
     return (a.shape == b.shape and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
-            and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1))
+            and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape, strict=True) if n > 1))
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvx_adapters import flashinfer
 from kvx_core.block_tables import packed_to_ragged
@@ -108,7 +107,8 @@ def test_nhd_indexed_tensor_with_hnd_memory():
     nhd_view = mem.permute(0, 1, 3, 2, 4)
     cache = flashinfer.from_flashinfer_paged_kv_cache(nhd_view, "NHD")
     assert cache.k.layout == Layout.HND and cache.v.layout == Layout.HND
-    write_kv(cache, WriteDesc(KvIoDesc(torch.ones(1, 3, 8), torch.ones(1, 3, 8)), SlotMapping(torch.tensor([4 * 2 + 1]))))
+    write_kv(cache, WriteDesc(KvIoDesc(torch.ones(1, 3, 8), torch.ones(1, 3, 8)),
+                              SlotMapping(torch.tensor([4 * 2 + 1]))))
     assert mem[2, 0, :, 1].eq(1).all() and mem.sum() == 2 * 3 * 8
 
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvx_adapters import tgi
 from kvx_core.block_tables import packed_to_ragged
@@ -13,8 +12,15 @@ from kvx_core.enums import BlockTableFormat, Layout
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops.reference import gather_kv, write_kv
 
-from .engine_ref import (DTYPES, make_workload, same_view, tgi_store_hnd, tgi_store_nhd, vllm_paged_read,
-                         vllm_reshape_and_cache)
+from .engine_ref import (
+    DTYPES,
+    make_workload,
+    same_view,
+    tgi_store_hnd,
+    tgi_store_nhd,
+    vllm_paged_read,
+    vllm_reshape_and_cache,
+)
 
 SETTINGS = settings(max_examples=15, deadline=None)
 # TGI models/globals.py BLOCK_SIZE per ATTENTION

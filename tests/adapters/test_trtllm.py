@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvx_adapters import trtllm, vllm
 from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
@@ -12,8 +11,17 @@ from kvx_core.enums import BlockTableFormat, Layout
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops.reference import gather_kv, write_kv
 
-from .engine_ref import (DTYPES, make_workload, rand, storage_bytes, trtllm_offset, trtllm_read,
-                         trtllm_write, vllm_allocate, vllm_reshape_and_cache_flash)
+from .engine_ref import (
+    DTYPES,
+    make_workload,
+    rand,
+    storage_bytes,
+    trtllm_offset,
+    trtllm_read,
+    trtllm_write,
+    vllm_allocate,
+    vllm_reshape_and_cache_flash,
+)
 
 SETTINGS = settings(max_examples=20, deadline=None)
 
@@ -51,12 +59,13 @@ class Engine:
             ids.append((shared, own))
         total = sum(s + o for s, o in ids)
         self.p1, self.p2 = total + 2, (total + 2 if g["use_secondary"] else 0)
-        pick_sec = torch.rand(total, generator=gen) < 0.4 if g["use_secondary"] else torch.zeros(total, dtype=torch.bool)
+        pick_sec = (torch.rand(total, generator=gen) < 0.4 if g["use_secondary"]
+                    else torch.zeros(total, dtype=torch.bool))
         prim_perm, sec_perm = torch.randperm(self.p1, generator=gen), torch.randperm(max(self.p2, 1), generator=gen)
         self.mem = torch.full((len(self.lens), self.w, m), -1, dtype=torch.int64)
         self.sec = torch.zeros((len(self.lens), self.w, m), dtype=torch.bool)
         at = 0
-        for s, ((shared, own), n) in enumerate(zip(ids, need)):
+        for s, ((shared, _own), n) in enumerate(zip(ids, need, strict=True)):
             for j in range(shared):
                 self.sec[s, :, j] = pick_sec[at]
                 self.mem[s, :, j] = (sec_perm if pick_sec[at] else prim_perm)[at]
@@ -82,7 +91,8 @@ class Engine:
         k = rand(self.gen, (seq.numel(), self.h, self.d), self.dt)
         v = rand(self.gen, (seq.numel(), self.h, self.d), self.dt)
         blk = pos // self.t
-        shared = (self.mem[seq, beam, blk] == self.mem[seq, 0, blk]) & (self.sec[seq, beam, blk] == self.sec[seq, 0, blk])
+        shared = ((self.mem[seq, beam, blk] == self.mem[seq, 0, blk])
+                  & (self.sec[seq, beam, blk] == self.sec[seq, 0, blk]))
         starts = torch.cumsum(torch.tensor([0] + [n * self.w for n in self.lens[:-1]]), 0)
         first = starts[seq] + pos  # index of beam 0's token at the same position
         k = torch.where(shared.view(-1, 1, 1), k[first], k)
@@ -169,16 +179,17 @@ def test_vllm_hnd_cache_as_kv_block_array():
     back = trtllm.from_trtllm_pool(arr.primary, tokens_per_block=8, num_kv_heads=2, head_dim=16)
     out = gather_kv(back, GatherDesc(trtllm.from_trtllm_offsets(arr.offsets), lens, 64))
     ek, ev = wl.expected()
-    per_beam = [x for part in zip(ek.split(wl.lens), ek.split(wl.lens)) for x in part]  # (seq, beam) order
+    per_beam = [x for part in zip(ek.split(wl.lens), ek.split(wl.lens), strict=True) for x in part]  # (seq, beam) order
     assert torch.equal(out.key, torch.cat(per_beam))
-    per_beam = [x for part in zip(ev.split(wl.lens), ev.split(wl.lens)) for x in part]
+    per_beam = [x for part in zip(ev.split(wl.lens), ev.split(wl.lens), strict=True) for x in part]
     assert torch.equal(out.value, torch.cat(per_beam))
 
 
 def test_nhd_cache_is_not_a_kv_block_array():
     kv = vllm_allocate("flash_attn", "NHD", 4, 8, 2, 16, torch.float16)
     with pytest.raises(KvxError) as e:
-        trtllm.to_trtllm_block_array(vllm.from_vllm_kv_cache(kv), BlockTable.packed(torch.zeros(1, 1, dtype=torch.int32)))
+        trtllm.to_trtllm_block_array(vllm.from_vllm_kv_cache(kv),
+                                     BlockTable.packed(torch.zeros(1, 1, dtype=torch.int32)))
     assert e.value.status == Status.UNSUPPORTED
 
 
@@ -239,7 +250,8 @@ def test_offsets_round_trip_and_errors():
 
 
 @pytest.mark.parametrize("bad", [
-    lambda: trtllm.from_trtllm_pool(torch.zeros(4, 2, 2, 64).transpose(0, 3), tokens_per_block=4, num_kv_heads=2, head_dim=8),
+    lambda: trtllm.from_trtllm_pool(torch.zeros(4, 2, 2, 64).transpose(0, 3), tokens_per_block=4, num_kv_heads=2,
+                                    head_dim=8),
     lambda: trtllm.from_trtllm_pool(torch.zeros(4, 2, 2, 64), tokens_per_block=4, num_kv_heads=2, head_dim=4),
     lambda: trtllm.from_trtllm_pool(torch.zeros(4, 2, 2, 64), tokens_per_block=4, num_kv_heads=2, head_dim=8,
                                     layer=2),

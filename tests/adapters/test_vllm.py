@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvx_adapters import vllm
 from kvx_core.block_tables import packed_to_ragged
@@ -13,8 +12,16 @@ from kvx_core.enums import BlockTableFormat, DType, Layout
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops.reference import gather_kv, write_kv
 
-from .engine_ref import (DTYPES, make_workload, vllm_allocate, vllm_flash_read, vllm_kv,
-                         vllm_paged_read, vllm_reshape_and_cache, vllm_reshape_and_cache_flash)
+from .engine_ref import (
+    DTYPES,
+    make_workload,
+    vllm_allocate,
+    vllm_flash_read,
+    vllm_kv,
+    vllm_paged_read,
+    vllm_reshape_and_cache,
+    vllm_reshape_and_cache_flash,
+)
 
 SETTINGS = settings(max_examples=25, deadline=None)
 

@@ -45,7 +45,7 @@ def _snapshot(cache: PagedKVCache) -> list[torch.Tensor]:
 
 def _unchanged(cache: PagedKVCache, before: list[torch.Tensor]) -> None:
     after = _snapshot(cache)
-    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
 def _filled(fmt="nvfp4", **kw) -> PagedKVCache:

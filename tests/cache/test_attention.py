@@ -68,7 +68,7 @@ def test_decode_and_prefill_match_f64_attention_on_dequantized_cache(fmt, config
     out, lse = paged_prefill(qp, indptr, desc, b.block_table, b.seq_lens, causal=causal, softcap=softcap,
                              window=window)
     ref_out, ref_lse = np.zeros((sum(Q_LENS), hq, d)), np.full((sum(Q_LENS), hq), -np.inf)
-    for s, (n, m) in enumerate(zip(LENS, Q_LENS)):
+    for s, (n, m) in enumerate(zip(LENS, Q_LENS, strict=True)):
         if m:
             r0 = int(indptr[s])
             ref_out[r0:r0 + m], ref_lse[r0:r0 + m] = attention_f64(

@@ -1,5 +1,7 @@
 """Byte accounting vs hand-computed numbers: bytes per token, capacity vs BF16, page size and its
 16-byte region alignment, blocks for a byte budget."""
+from itertools import pairwise
+
 import pytest
 
 from kvx_core.cache import PagedKVCache, blocks_for_budget, bytes_per_token, capacity_ratio_vs_bf16, page_bytes
@@ -83,7 +85,7 @@ def test_page_buffer_regions_are_16_byte_aligned_and_disjoint(fmt):
             assert t[0].numel() * t.element_size() == want and t[0].is_contiguous()
             spans.append((off, off + want))
         spans.sort()
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= pb
+        assert all(a[1] <= b[0] for a, b in pairwise(spans)) and spans[-1][1] <= pb
         assert pb - sum(e - s for s, e in spans) < 16 * 4  # only alignment padding
 
 

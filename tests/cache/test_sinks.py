@@ -65,7 +65,7 @@ def test_reference_with_sinks_matches_textbook_attention(fmt, sinks):
         out, lse = paged_prefill(qp, torch.tensor(ip, dtype=torch.int32), desc, b.block_table, b.seq_lens,
                                  causal=causal, window=window, sinks=sk)
         ref_out, ref_lse = np.zeros((sum(q_lens), hq, d)), np.zeros((sum(q_lens), hq))
-        for s, (n, m) in enumerate(zip(LENS, q_lens)):
+        for s, (n, m) in enumerate(zip(LENS, q_lens, strict=True)):
             pos = list(range(n - m, n)) if causal else [n] * m
             ref_out[ip[s]:ip[s + 1]], ref_lse[ip[s]:ip[s + 1]] = attention_f64(
                 qp[ip[s]:ip[s + 1]].double().numpy(), *kv[s], pos, sm_scale=scale, window=window, causal=causal,

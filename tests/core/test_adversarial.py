@@ -18,12 +18,21 @@ import time
 import pytest
 import torch
 
-from kvx_core import abi
-from kvx_core import block_tables as bt
-from kvx_core import layouts
+from kvx_core import abi, block_tables as bt, layouts
 from kvx_core.cache import PagedKVCache, page_bytes, page_regions
-from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, PoolDesc, ScaleDesc, SeqLens,
-                                  SlotMapping, TensorDesc, WriteDesc, memory_of)
+from kvx_core.descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    PoolDesc,
+    ScaleDesc,
+    SeqLens,
+    SlotMapping,
+    TensorDesc,
+    WriteDesc,
+    memory_of,
+)
 from kvx_core.enums import DType, Layout, Memory, QuantFormat, ScaleGranularity
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format, list_formats
@@ -62,7 +71,7 @@ def touched(t: torch.Tensor) -> set[int]:
     if t.numel() == 0:
         return set()
     es, idx = t.element_size(), torch.zeros(1, dtype=torch.int64)
-    for n, s in zip(t.shape, t.stride()):
+    for n, s in zip(t.shape, t.stride(), strict=True):
         idx = (idx[:, None] + torch.arange(n) * s * es).reshape(-1)
     return set((idx[:, None] + torch.arange(es)).reshape(-1).add(t.data_ptr()).tolist())
 
@@ -202,7 +211,7 @@ def _random_view(buf: torch.Tensor, rng: random.Random) -> torch.Tensor | None:
     nel = buf.numel() // es
     shape = [rng.randint(0, 4) for _ in range(rng.randint(1, 4))]
     stride = [rng.choice([0, 1, 2, 3, 5, 8, 16, 24, 48]) for _ in shape]
-    span = sum(max(n - 1, 0) * s for n, s in zip(shape, stride)) + 1
+    span = sum(max(n - 1, 0) * s for n, s in zip(shape, stride, strict=True)) + 1
     if span > nel:
         return None
     return buf[:nel * es].view(dtype).as_strided(shape, stride, rng.randint(0, nel - span))

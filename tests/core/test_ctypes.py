@@ -9,10 +9,27 @@ import torch
 
 from kvx_core import block_tables as bt
 from kvx_core.abi import structs
-from kvx_core.descriptors import (BlockTable, CacheDesc, KvIoDesc, PoolDesc, QuantDesc, ScaleDesc, SeqLens,
-                                  SlotMapping, TensorDesc)
-from kvx_core.enums import (BLOCK_TABLE_FLAG_KVCACHEINDEX, BlockTableFormat, DType, Layout, Memory, QuantFormat,
-                            ScaleGranularity)
+from kvx_core.descriptors import (
+    BlockTable,
+    CacheDesc,
+    KvIoDesc,
+    PoolDesc,
+    QuantDesc,
+    ScaleDesc,
+    SeqLens,
+    SlotMapping,
+    TensorDesc,
+)
+from kvx_core.enums import (
+    BLOCK_TABLE_FLAG_KVCACHEINDEX,
+    BlockTableFormat,
+    DType,
+    Layout,
+    Memory,
+    QuantFormat,
+    ScaleGranularity,
+)
+
 from .helpers import build
 
 

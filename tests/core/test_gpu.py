@@ -10,11 +10,21 @@ import pytest
 import torch
 
 from kvx_core import block_tables as bt
-from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, PoolDesc, SeqLens, SlotMapping,
-                                  WriteDesc, memory_of)
+from kvx_core.descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    PoolDesc,
+    SeqLens,
+    SlotMapping,
+    WriteDesc,
+    memory_of,
+)
 from kvx_core.enums import Layout, Memory
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops.reference import gather_kv, write_kv
+
 from .helpers import build
 
 pytestmark = [pytest.mark.gpu,
@@ -88,6 +98,6 @@ def test_reference_ops_on_gpu_match_cpu(layout, pack, dtype):
             res.append((out.key.cpu(), out.value.cpu()))
         outs.append(res)
     want_k = torch.cat([key[:6], key[7:12]]).to(dtype)
-    for (kc, vc), (kg, vg) in zip(*outs):
+    for (kc, vc), (kg, vg) in zip(*outs, strict=True):
         assert torch.equal(kc, kg) and torch.equal(vc, vg)
     assert torch.equal(outs[0][0][0], want_k)

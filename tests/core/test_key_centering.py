@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvx_core.cache import PagedKVCache
-from kvx_core.calibration import key_center, stored_values, SampleObserver
+from kvx_core.calibration import SampleObserver, key_center, stored_values
 from kvx_core.descriptors import BlockTable, SeqLens
 from kvx_core.errors import KvxError, Status
 from kvx_core.ops import attention, dispatch
@@ -41,7 +41,8 @@ def test_rule_is_the_mean_per_head_and_channel():
     keys = torch.tensor([[[1.0, -2.0]], [[3.0, 2.0]], [[5.0, 6.0]]])  # [T=3, H=1, D=2]
     assert torch.equal(key_center(keys), torch.tensor([[3.0, 2.0]]))
     assert key_center(keys.bfloat16()).dtype == torch.float32
-    for bad in (torch.ones(0, 1, 2), torch.full((2, 1, 2), float("nan")), torch.ones(2, 2), torch.ones(2, 1, 2, dtype=torch.int32)):
+    for bad in (torch.ones(0, 1, 2), torch.full((2, 1, 2), float("nan")), torch.ones(2, 2),
+                torch.ones(2, 1, 2, dtype=torch.int32)):
         with pytest.raises(KvxError):
             key_center(bad)
     obs = SampleObserver(1)

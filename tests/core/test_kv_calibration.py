@@ -10,12 +10,24 @@ import pytest
 import torch
 
 from kvx_core.cache import PagedKVCache
-from kvx_core.calibration import (SampleObserver, amax_from_checkpoint, global_scale_for_amax, key_center, key_smoothing,
-                                  stored_values)
+from kvx_core.calibration import (
+    SampleObserver,
+    amax_from_checkpoint,
+    global_scale_for_amax,
+    key_center,
+    key_smoothing,
+    stored_values,
+)
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
-from kvx_core.kv_calibration import (META_KEY, KvCalibration, LayerValues, from_checkpoint_amax, from_samples,
-                                     load_kv_calibration)
+from kvx_core.kv_calibration import (
+    META_KEY,
+    KvCalibration,
+    LayerValues,
+    from_checkpoint_amax,
+    from_samples,
+    load_kv_calibration,
+)
 from kvx_core.tensor_file import content_hash, read_tensor_file, write_tensor_file
 
 L, H, D, NB, BS = 3, 2, 32, 4, 8
@@ -67,14 +79,15 @@ def test_fitted_values_are_calibrations_own(request, which):
     _rot): what the cache stores."""
     cal, obs = request.getfixturevalue(which), _obs()
     centers = [key_center(obs.values(layer)[0]) for layer in range(L)] if which == "centered" else None
-    assert cal.center is None if centers is None else all(torch.equal(a, b) for a, b in zip(cal.center, centers))
+    assert cal.center is None if centers is None else all(torch.equal(a, b)
+                                                          for a, b in zip(cal.center, centers, strict=True))
     for layer in range(L):
         keys = obs.values(layer)[0] - (0 if centers is None else centers[layer])
         assert torch.equal(cal.smoothing[layer], key_smoothing(keys, 0.5))
     for name in ("nvfp4", "k8v4_rot"):
         fmt = get_format(name)
         want = stored_values(obs, list(cal.smoothing), fmt.rotate, centers).global_scales(fmt, "mse")
-        for got, ref in zip(cal.scales[name], want):
+        for got, ref in zip(cal.scales[name], want, strict=True):
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     if centers is not None:  # the centering changed what the scales were fitted on
         assert not torch.equal(cal.scales["nvfp4"][0][0], request.getfixturevalue("cal").scales["nvfp4"][0][0])
@@ -131,7 +144,8 @@ def test_centers_edited_or_dropped_are_refused(centered, tmp_path):
     center false are refused (the identity hash covers the centers and the version)."""
     t = dict(centered.tensors())
     t["layer.0.k_center"] = -torch.ones(H, D)
-    assert torch.equal(load_kv_calibration(_rewrite(centered, tmp_path / "neg.kvx", tensors=t)).center[0], t["layer.0.k_center"])
+    loaded = load_kv_calibration(_rewrite(centered, tmp_path / "neg.kvx", tensors=t))
+    assert torch.equal(loaded.center[0], t["layer.0.k_center"])
     with pytest.raises(KvxError, match="identity"):  # edited, hash of the original
         load_kv_calibration(_rewrite(centered, tmp_path / "edit.kvx", tensors=t, identity=centered.identity))
     v1 = {k: v for k, v in centered.params().items() if k != "center"} | {"version": 1}
@@ -166,7 +180,8 @@ def test_bad_metadata_and_damage_are_refused(cal, tmp_path):
     with pytest.raises(KvxError, match="version 3") as e:
         load_kv_calibration(_rewrite(cal, tmp_path / "v.safetensors", params=newer))
     assert e.value.status == Status.INCOMPATIBLE
-    for params, match in (({**cal.params(), "num_kv_heads": H + 1}, "shape"), ({**cal.params(), "rule": "best"}, "rule"),
+    for params, match in (({**cal.params(), "num_kv_heads": H + 1}, "shape"),
+                          ({**cal.params(), "rule": "best"}, "rule"),
                           ({**cal.params(), "formats": ["int4"]}, "take no global scale"),
                           ({k: v for k, v in cal.params().items() if k != "alpha"}, "malformed")):
         with pytest.raises(KvxError, match=match):
@@ -211,8 +226,9 @@ def test_format_without_scales_is_refused(cal, centered):
     with pytest.raises(KvxError, match="not quantized"):
         cal.for_format(get_format("bf16"))
     values = centered.for_format(get_format("nvfp4"))
-    assert all(isinstance(lv, LayerValues) and lv.k_center is centered.center[i] and lv.k_smoothing is centered.smoothing[i]
-               and lv.k_global is centered.scales["nvfp4"][i][0] for i, lv in enumerate(values))
+    assert all(isinstance(lv, LayerValues) and lv.k_center is centered.center[i]
+               and lv.k_smoothing is centered.smoothing[i] and lv.k_global is centered.scales["nvfp4"][i][0]
+               for i, lv in enumerate(values))
     center_only = KvCalibration(L, H, D, {}, None, None, None, {}, centered.center)
     with pytest.raises(KvxError, match="not quantized: the calibration's k_center"):
         center_only.for_format(get_format("fp16"))
@@ -313,5 +329,5 @@ def test_head_range_takes_the_rows_of_those_heads(centered):
         with pytest.raises(KvxError, match="KV heads") as e:
             centered.for_format(fmt, heads=bad)
         assert e.value.status == Status.OUT_OF_RANGE
-    assert all(all(a is b is None or torch.equal(a, b) for a, b in zip(lv, w))
+    assert all(all(a is b is None or torch.equal(a, b) for a, b in zip(lv, w, strict=True))
                for lv, w in zip(centered.for_format(fmt), whole, strict=True))

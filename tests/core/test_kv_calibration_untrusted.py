@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from kvx_core import kv_calibration
+from kvx_core.calibration import SampleObserver
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
 from kvx_core.kv_calibration import META_KEY, KvCalibration, from_samples, load_kv_calibration
-from kvx_core.calibration import SampleObserver
 from kvx_core.tensor_file import content_hash, write_tensor_file
 from tests.fuzz import DEEP, dumps_json, mutate_bytes, mutate_json, run_capped
 

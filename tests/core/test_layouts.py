@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvx_core.enums import Layout
 from kvx_core.errors import KvxError, Status
-from kvx_core.layouts import (Geometry, block_view, canonical_strides, convert, detect_layout, from_logical,
-                              logical_view)
+from kvx_core.layouts import Geometry, block_view, canonical_strides, convert, detect_layout, from_logical, logical_view
+
 from .helpers import ALL_LAYOUTS, PERMS, build, divisors
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,14 +11,23 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from kvx_core import block_tables as bt
-from kvx_core.descriptors import (BlockTable, CacheDesc, GatherDesc, KvIoDesc, PoolDesc, SeqLens, SlotMapping,
-                                  WriteDesc, memory_of)
+from kvx_core.descriptors import (
+    BlockTable,
+    CacheDesc,
+    GatherDesc,
+    KvIoDesc,
+    PoolDesc,
+    SeqLens,
+    SlotMapping,
+    WriteDesc,
+    memory_of,
+)
 from kvx_core.enums import KVCACHEINDEX_NULL, KVCACHEINDEX_SECONDARY_BIT, Layout
 from kvx_core.ops.reference import gather_kv, write_kv
+
 from .helpers import ALL_LAYOUTS, PERMS, build, divisors, raw_bytes
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -63,7 +72,7 @@ def make_cache_tensor(x: torch.Tensor, spec) -> torch.Tensor:
 
 def slots_by_hand(table, seq_ids, positions, block_size, invalid_slot):
     out = []
-    for s, p in zip(seq_ids.tolist(), positions.tolist()):
+    for s, p in zip(seq_ids.tolist(), positions.tolist(), strict=True):
         out.append(invalid_slot if s < 0 or p < 0 else int(table[s, p // block_size]) * block_size + p % block_size)
     return torch.tensor(out, dtype=torch.int64)
 
@@ -138,7 +147,7 @@ def test_write_then_gather_returns_what_was_written(data, block_size, heads, hea
     if bt.is_power_of_two(B):
         beam = draw(st.integers(1, 3), label="beam_width")
         tables["KV_OFFSETS"] = (BlockTable.kv_offsets(bt.packed_to_kv_offsets(table, beam_width=beam)), beam)
-    event(f"max_seq_len cuts a sequence: {any(c < n for c, n in zip(cut_lens, lens))}")
+    event(f"max_seq_len cuts a sequence: {any(c < n for c, n in zip(cut_lens, lens, strict=True))}")
     for name, (blocks, beam) in tables.items():
         event(f"format {name} beam {beam}")
         c = cache
@@ -306,8 +315,8 @@ def test_packed_flashinfer_round_trip_and_hand_computation(args):
     pages = [cdiv(n, B) for n in lens.tolist()]
     assert indptr.tolist() == [sum(pages[:i]) for i in range(len(pages) + 1)]
     assert indices.tolist() == [int(table[s, j]) for s in range(len(pages)) for j in range(pages[s])]
-    assert last.tolist() == [n - (p - 1) * B if p else 0 for n, p in zip(lens.tolist(), pages)]
-    assert all(1 <= x <= B for x, p in zip(last.tolist(), pages) if p)
+    assert last.tolist() == [n - (p - 1) * B if p else 0 for n, p in zip(lens.tolist(), pages, strict=True)]
+    assert all(1 <= x <= B for x, p in zip(last.tolist(), pages, strict=True) if p)
     back, back_lens = bt.flashinfer_to_packed(indptr, indices, last, B, pad=-1)
     assert back_lens.tolist() == lens.tolist()
     for s, p in enumerate(pages):
@@ -333,7 +342,7 @@ def test_kv_cache_index_encode_decode(entries, extra):
     sec = torch.tensor([s for _, s in entries] + [False])
     enc = bt.make_kv_cache_index(idx, sec)
     assert enc.dtype == torch.int32
-    for i, s, e in zip(idx.tolist(), sec.tolist(), enc.tolist()):
+    for i, s, e in zip(idx.tolist(), sec.tolist(), enc.tolist(), strict=True):
         if i == -1:
             assert e == KVCACHEINDEX_NULL
         elif s:
@@ -343,7 +352,7 @@ def test_kv_cache_index_encode_decode(entries, extra):
     index, is_sec, is_null = bt.split_kv_cache_index(enc)
     assert index.tolist() == idx.tolist()
     assert is_null.tolist() == [i == -1 for i in idx.tolist()]
-    assert is_sec.tolist() == [s and i != -1 for i, s in zip(idx.tolist(), sec.tolist())]
+    assert is_sec.tolist() == [s and i != -1 for i, s in zip(idx.tolist(), sec.tolist(), strict=True)]
     # the decoder also accepts int64 views of the same bits
     index2, is_sec2, _ = bt.split_kv_cache_index(enc.to(torch.int64) & 0xFFFFFFFF)
     assert index2.tolist() == idx.tolist() and is_sec2.tolist() == is_sec.tolist()
@@ -393,7 +402,7 @@ def test_slot_mapping_matches_hand_formula(packed, data):
     assert got.dtype == torch.int64
     assert got.tolist() == slots_by_hand(table, seq_ids, positions, B, invalid).tolist()
     # spec §4.1: slot -> (block_idx, block_offset)
-    for slot, s, p in zip(got.tolist(), seq_ids.tolist(), positions.tolist()):
+    for slot, s, p in zip(got.tolist(), seq_ids.tolist(), positions.tolist(), strict=True):
         if s >= 0 and p >= 0:
             assert (slot // B, slot % B) == (int(table[s, p // B]), p % B)
 

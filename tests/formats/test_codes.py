@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 from kvx_core.formats import codes as C
+
 from .oracles import E2M1_TABLE, e2m1_codes, pack
 
 F32 = np.float32

@@ -8,8 +8,8 @@ from kvx_core.enums import QUANT_FLAG_HADAMARD, QUANT_FLAG_MX_SCALE_FLOOR, DType
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format, hadamard, list_formats, rotate
 
-NAMES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp4", "mxfp4_32", "nvfp4", "k8v4", "mxfp4_floor", "mxfp4_32_floor",
-         "int4_rot", "mxfp4_rot", "mxfp4_32_rot", "nvfp4_rot", "k8v4_rot"]
+NAMES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp4", "mxfp4_32", "nvfp4", "k8v4",
+         "mxfp4_floor", "mxfp4_32_floor", "int4_rot", "mxfp4_rot", "mxfp4_32_rot", "nvfp4_rot", "k8v4_rot"]
 
 
 def test_every_name_listed_and_resolvable():

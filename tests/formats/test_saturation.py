@@ -11,11 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from kvx_core.errors import KvxError, Status
 from kvx_adapters.lmdeploy import kv_cache_format_name
+from kvx_core.errors import KvxError, Status
 from kvx_core.formats import (
-    FP8Format, IdentityFormat, IntFormat, MXFP4Format, NVFP4Format, get_format, global_scale_from_amax,
-    list_formats, rotate,
+    FP8Format,
+    IdentityFormat,
+    IntFormat,
+    MXFP4Format,
+    NVFP4Format,
+    get_format,
+    global_scale_from_amax,
+    list_formats,
+    rotate,
 )
 
 from . import oracles as O

@@ -27,7 +27,10 @@ def make_pools(fmt: CacheFormat, num_blocks: int, hkv: int, bs: int, d: int, dev
     kd, ksc = fmt.encode_k(k, k_gs)
     vd, vsc = fmt.encode_v(v, v_gs)
     # [nb, bs, H, x] -> HND [nb, H, bs, x]
-    hnd = lambda t: t.permute(0, 2, 1, 3).contiguous().to(device)
+
+    def hnd(t):
+        return t.permute(0, 2, 1, 3).contiguous().to(device)
+
     return hnd(kd), hnd(ksc), hnd(vd), hnd(vsc)
 
 

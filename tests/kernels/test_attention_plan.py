@@ -48,8 +48,8 @@ def test_decode_plan_runs_every_layer_like_the_one_shot_dispatch(name, device, m
         q = torch.randn(4, 4, 64, generator=g).to(torch.bfloat16).to(device)
         out = torch.full_like(q, 7.0)
         lse = torch.full((4, 4), 7.0, device=device)
-        o, l = plan.run(q, desc, out=out, lse=lse)
-        assert o is out and l is lse
+        o, lse_t = plan.run(q, desc, out=out, lse=lse)
+        assert o is out and lse_t is lse
         ro, rl = dispatch.paged_decode(q, desc, table, lens, softcap=20.0)
         _same(out, ro)
         _same(lse, rl)

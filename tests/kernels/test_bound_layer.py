@@ -60,7 +60,7 @@ def test_bound_write_equals_the_descriptor_write(name, invalid_slot, device, mon
     w = WriteDesc(KvIoDesc(k, v), SlotMapping(slots, invalid_slot))
     dispatch.write_kv(a.descriptor(0), w, check=False)
     dispatch.write_kv(dispatch.bind(b.descriptor(0)), w, check=False)
-    for pa, pb in zip(a.layers[0].__dict__.values(), b.layers[0].__dict__.values()):
+    for pa, pb in zip(a.layers[0].__dict__.values(), b.layers[0].__dict__.values(), strict=True):
         if isinstance(pa, torch.Tensor):
             assert torch.equal(pa.view(torch.uint8), pb.view(torch.uint8))
 
@@ -86,7 +86,7 @@ def test_bound_refusals_change_nothing(device, monkeypatch):
         with pytest.raises(KvxError) as e:
             dispatch.write_kv(layer, w, check=False)
         assert e.value.status == Status.INVALID_ARGUMENT
-    assert all(torch.equal(x, y) for x, y in zip(before, (c.layers[0].k_data, c.layers[0].v_data)))
+    assert all(torch.equal(x, y) for x, y in zip(before, (c.layers[0].k_data, c.layers[0].v_data), strict=True))
 
 
 def test_bind_is_none_where_the_kernels_do_not_run():

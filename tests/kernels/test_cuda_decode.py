@@ -20,8 +20,8 @@ from kvx_core.ops.kernel_format import MIXED, CudaCode, FormatCode, kernel_forma
 
 from .oracle import make_pools, make_table, ref_decode
 
-CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3", "fp8_e5m2",
-                "k8v4", "k8v4_rot"]
+CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3",
+                "fp8_e5m2", "k8v4", "k8v4_rot"]
 
 
 def _gs(fmt, hkv, seed, k):
@@ -38,7 +38,8 @@ def _run(name, lens, hkv=2, qh=4, d=128, bs=16, q_dtype=torch.bfloat16, splits=N
         make_pools(fmt, nb, hkv, bs, d, device="cuda", seed=seed, k_gs=kg, v_gs=vg, scale=kv_scale)
     bt = make_table(lens, bs, nb, device="cuda", seed=seed)
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = (torch.randn(len(lens), hkv * qh, d, generator=torch.Generator().manual_seed(seed + 3)) * q_scale).to(q_dtype).cuda()
+    q = torch.randn(len(lens), hkv * qh, d, generator=torch.Generator().manual_seed(seed + 3))
+    q = (q * q_scale).to(q_dtype).cuda()
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     o, lse = decode_pools(q, kd, ks, vd, vs, None if kg is None else kg.cuda(), None if vg is None else vg.cuda(),
                           bt, sl, fmt, softcap=softcap, window=window, num_splits=splits, out=out, backend="cuda")
@@ -73,7 +74,8 @@ def test_cuda_source_compiles_and_mirror_matches():
 
     class Swapped(ctypes.Structure):
         _fields_ = fields
-    assert "C layout vs the mirror" in mirror_mismatch(lib, "kvx_decode_params_size", Swapped, "kvx_decode_params_layout")
+    assert "C layout vs the mirror" in mirror_mismatch(lib, "kvx_decode_params_size", Swapped,
+                                                       "kvx_decode_params_layout")
     assert build("90a") == path and path.name.startswith("kvx_paged_decode_mma-90a-")  # cached
 
 

@@ -12,10 +12,10 @@ import json
 import pytest
 
 from kvx_core.errors import KvxError, Status
+from kvx_core.formats import get_format
 from kvx_core.ops import cuda
 from kvx_core.ops.cuda import toolchain
 from kvx_core.ops.decode import choose_backend
-from kvx_core.formats import get_format
 
 
 def manifest(**kw) -> dict:
@@ -91,7 +91,8 @@ def test_choose_falls_back_to_triton_with_the_reason_and_refuses_when_cuda_is_as
     def unavailable():
         raise KvxError(Status.UNSUPPORTED, "no KVX CUDA kernels for sm_90a: because")
 
-    assert cuda.choose(None, "auto", unavailable, "decode") == cuda.Choice("triton", "no KVX CUDA kernels for sm_90a: because")
+    want = cuda.Choice("triton", "no KVX CUDA kernels for sm_90a: because")
+    assert cuda.choose(None, "auto", unavailable, "decode") == want
     with pytest.raises(KvxError, match="head_dim 96"):  # asked for CUDA: refused, never a silent fallback
         cuda.choose("head_dim 96", "cuda", unavailable, "decode")
     assert cuda.choose(None, "auto", lambda: None, "decode") == cuda.Choice("cuda", None)

@@ -17,8 +17,10 @@ def _run(name, device, lens, hkv=2, qh=4, d=64, bs=16, q_dtype=torch.bfloat16, s
     fmt = get_format(name)
     need = sum(math.ceil(L / bs) for L in lens)
     nb = need + 3
-    kg = (torch.rand(hkv, generator=torch.Generator().manual_seed(seed)) + 0.5) if (gs and fmt.k.uses_global_scale) else None
-    vg = (torch.rand(hkv, generator=torch.Generator().manual_seed(seed + 7)) + 0.5) if (gs and fmt.v.uses_global_scale) else None
+    kg = (torch.rand(hkv, generator=torch.Generator().manual_seed(seed)) + 0.5
+          if (gs and fmt.k.uses_global_scale) else None)
+    vg = (torch.rand(hkv, generator=torch.Generator().manual_seed(seed + 7)) + 0.5
+          if (gs and fmt.v.uses_global_scale) else None)
     kd, ks, vd, vs = make_pools(fmt, nb, hkv, bs, d, device=device, seed=seed, k_gs=kg, v_gs=vg)
     bt = make_table(lens, bs, nb, device=device, seed=seed)
     sl = torch.tensor(lens, dtype=torch.int32, device=device)

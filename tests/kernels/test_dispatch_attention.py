@@ -118,9 +118,10 @@ def test_dispatch_decode_step_cuda_graph(name):
     graph.replay()
     torch.cuda.synchronize()
     after_graph = [t.clone() for t in pools]
-    for t, s0 in zip(pools, snapshot):
+    for t, s0 in zip(pools, snapshot, strict=True):
         t.copy_(s0)
     o_e, lse_e = step()
     assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after_graph, pools))
-    assert not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after_graph, snapshot))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after_graph, pools, strict=True))
+    assert not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(after_graph, snapshot, strict=True))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvx_core.descriptors import BlockTable, GatherDesc, SeqLens, SlotMapping, WriteDesc, KvIoDesc
+from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.formats import list_formats
 from kvx_core.ops import dispatch, reference
 from kvx_core.ops.triton import gather_pools
@@ -58,7 +58,7 @@ def test_dispatch_matches_reference(name, device, monkeypatch):
     slots = torch.tensor([40, -1, 3, 17, -1, 46], device=device)
     dispatch.write_kv(a.descriptor(0), WriteDesc(KvIoDesc(k, v), SlotMapping(slots)))
     reference.write_kv(b.descriptor(0), WriteDesc(KvIoDesc(k, v), SlotMapping(slots)))
-    for x, y in zip(vars(a.layers[0]).values(), vars(b.layers[0]).values()):
+    for x, y in zip(vars(a.layers[0]).values(), vars(b.layers[0]).values(), strict=True):
         assert x is None or torch.equal(x.view(torch.uint8), y.view(torch.uint8))
     bt, lens = _table(a.block_size, device)
     gd = GatherDesc(BlockTable.packed(bt), SeqLens(lens), 100)

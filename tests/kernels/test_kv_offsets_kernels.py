@@ -93,8 +93,9 @@ def test_tables_the_kernels_cannot_read_go_to_the_reference(damage, device, monk
     real = attention.paged_decode
     monkeypatch.setattr(attention, "paged_decode", lambda *a, **k: ran.append(1) or real(*a, **k))
     if damage == "host block":  # this pool has no host pool: the reference refuses the host reference
-        with pytest.raises(Exception):
+        with pytest.raises(KvxError, match="secondary pool") as e:
             dispatch.paged_decode(q, layer.cache, table, lens)
+        assert e.value.status == Status.INVALID_ARGUMENT
     else:
         got = dispatch.paged_decode(q, layer.cache, table, lens)
         _close(got, real(q, layer.cache, table, lens))

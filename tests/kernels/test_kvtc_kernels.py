@@ -114,7 +114,7 @@ def test_gpu_codec_round_trip_decodes_the_same_on_the_cpu():
     on_gpu = decompress(buf, cal, device="cuda")
     on_cpu = decompress(buf, cal, device="cpu")
     assert on_gpu.token_ids == list(range(1000))
-    for (kg, vg), (kc, vc), (k, v) in zip(on_gpu.kv, on_cpu.kv, x):
+    for (kg, vg), (kc, vc), (k, v) in zip(on_gpu.kv, on_cpu.kv, x, strict=True):
         for a, b, ref in ((kg, kc, k), (vg, vc, v)):
             assert torch.equal(a[:1].cpu(), ref[:1].cpu()) and torch.equal(a[-32:].cpu(), ref[-32:].cpu())  # raw
             assert float((a.cpu().float() - b.float()).abs().max()) <= 0.02  # matmul rounding of two devices

@@ -9,12 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvx_core.codec import format_of
-from kvx_core.formats import registry
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.enums import BlockTableFormat
-from kvx_core.ops import decode as decode_ops
-from kvx_core.ops import dispatch, rotation
-from kvx_core.ops import write as write_ops
+from kvx_core.formats import registry
+from kvx_core.ops import decode as decode_ops, dispatch, rotation, write as write_ops
 
 from .helpers import filled_cache
 from .test_kv_offsets_kernels import _trtllm
@@ -43,7 +41,8 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
     monkeypatch.setattr(decode_ops.triton_decode, "launch_decode", stub("decode"))
-    monkeypatch.setattr(decode_ops.cuda_decode, "launch_args", stub("decode+merge"))  # one library call (the merge rotates `_rot` outputs back)
+    # one library call (the merge rotates `_rot` outputs back)
+    monkeypatch.setattr(decode_ops.cuda_decode, "launch_args", stub("decode+merge"))
     monkeypatch.setattr(decode_ops, "merge_splits", stub("merge"))
     monkeypatch.setattr(write_ops.triton_write, "launch_write", stub("write"))
     monkeypatch.setattr(write_ops.cuda_write, "launch_layer", stub("write"))
@@ -89,7 +88,8 @@ def test_decode_run_launches_decode_and_merge_only(name, launches, device):
 def test_write_launches_the_write_only(name, launches, device):
     desc = filled_cache(name, device, page_buffer=True, h=2).descriptor(0)
     k = torch.randn(3, 2, 64, dtype=torch.bfloat16, device=device)
-    w = WriteDesc(KvIoDesc(k, k.clone()), SlotMapping(torch.tensor([5, -1, 7], device=device)))  # vLLM's padding convention
+    slots = SlotMapping(torch.tensor([5, -1, 7], device=device))  # vLLM's padding convention
+    w = WriteDesc(KvIoDesc(k, k.clone()), slots)
     dispatch.write_kv(desc, w, check=False)
     launches.clear()
     with TorchOps() as mode:

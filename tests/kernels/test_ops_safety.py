@@ -19,8 +19,7 @@ from kvx_core.descriptors import BlockTable, CacheDesc, GatherDesc, KvIoDesc, Sc
 from kvx_core.enums import DType, Layout, ScaleGranularity
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format, hadamard, list_formats, rotate
-from kvx_core.ops import attention, checks, dispatch, reference
-from kvx_core.ops import triton as kernels
+from kvx_core.ops import attention, checks, dispatch, reference, triton as kernels
 
 INV, OOR, UNS = Status.INVALID_ARGUMENT, Status.OUT_OF_RANGE, Status.UNSUPPORTED
 NB, BS, H, D = 6, 4, 2, 64
@@ -43,7 +42,7 @@ def _cache(name: str, device: str = "cpu", page_buffer: bool = False, seed: int 
     return copy.deepcopy(_filled(name, device, page_buffer, seed))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _filled(name: str, device: str, page_buffer: bool, seed: int) -> PagedKVCache:
     c = PagedKVCache(name, num_layers=1, num_blocks=NB, block_size=BS, num_kv_heads=H, head_dim=D, device=device,
                      page_buffer=page_buffer, per_head_global_scale=True)
@@ -69,7 +68,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _assert_unchanged(c: PagedKVCache, snap: list[torch.Tensor]) -> None:
-    for before, now in zip(snap, _pools(c)):
+    for before, now in zip(snap, _pools(c), strict=True):
         assert _same_bytes(before, now), "a rejected call changed the cache"
 
 
@@ -213,7 +212,9 @@ def _v10_cache(dtype=torch.float8_e4m3fn) -> CacheDesc:
 
 
 def _v10_scales():
-    per_tensor = lambda v, dt=torch.float32: ScaleDesc.from_torch(torch.tensor([v], dtype=dt), ScaleGranularity.PER_TENSOR)
+    def per_tensor(v, dt=torch.float32):
+        return ScaleDesc.from_torch(torch.tensor([v], dtype=dt), ScaleGranularity.PER_TENSOR)
+
     return {
         **{bad: per_tensor(v) for bad, v in BAD_SCALES.items() if not bad.startswith("1e39")},
         "float16": per_tensor(0.5, torch.float16),
@@ -289,7 +290,7 @@ def test_write_with_inputs_that_require_grad(name, entry, kernel_device):
     slots = torch.tensor([5, 9, 2], device=kernel_device)
     _write(entry, c, k, v, slots)
     _write(entry, twin, k.detach(), v.detach(), slots)
-    for t, ref in zip(_pools(c), _pools(twin)):
+    for t, ref in zip(_pools(c), _pools(twin), strict=True):
         assert not t.requires_grad and t.grad_fn is None
         assert _same_bytes(t, ref)
 
@@ -537,7 +538,10 @@ def test_gather_launcher_checks_its_arguments(device):
     bt, lens = t([[0, 1], [4, 0]]), t([6, 3])
     args = (p.k_data, p.k_scales, p.v_data, p.v_scales)
     snap = _snapshot(c)
-    g = lambda *a, **k: kernels.gather_pools(*args, *a, c.format, p.k_global, p.v_global, **k)
+
+    def g(*a, **k):
+        return kernels.gather_pools(*args, *a, c.format, p.k_global, p.v_global, **k)
+
     _raises(INV, lambda: g(bt, lens, max_seq_len=2.5), match="max_seq_len")
     _raises(OOR, lambda: g(t([[0, 2**32 + 1], [4, 0]]), lens), match="outside")
     _raises(INV, lambda: g(bt, lens.float()), match="seq_lens")
@@ -587,8 +591,11 @@ def test_rot_write_and_gather_are_batch_invariant(name, h, d):
     """F9: the bytes written for a token, and the values gathered from the same bytes, do not depend on how
     many tokens share the call (a batch of 1 and of 8 differed by ~4e-7 with a matmul rotation)."""
     n_tok = 64
-    mk = lambda: PagedKVCache(name, num_layers=1, num_blocks=n_tok // BS, block_size=BS, num_kv_heads=h,
-                              head_dim=d, per_head_global_scale=False)
+
+    def mk():
+        return PagedKVCache(name, num_layers=1, num_blocks=n_tok // BS, block_size=BS, num_kv_heads=h, head_dim=d,
+                            per_head_global_scale=False)
+
     x = torch.randn(2, n_tok, h, d, generator=torch.Generator().manual_seed(7)) * 3
     whole = mk()
     whole.write(0, x[0], x[1], torch.arange(n_tok))
@@ -597,7 +604,7 @@ def test_rot_write_and_gather_are_batch_invariant(name, h, d):
         for i in range(0, n_tok, batch):
             j = min(i + batch, n_tok)
             part.write(0, x[0, i:j], x[1, i:j], torch.arange(i, j))
-        for a, b in zip(_pools(whole), _pools(part)):
+        for a, b in zip(_pools(whole), _pools(part), strict=True):
             assert _same_bytes(a, b), f"batch {batch}: written bytes differ"
     table = torch.arange(n_tok // BS)[None]
     fk, fv = whole.gather(0, table, torch.tensor([n_tok]))
@@ -616,7 +623,7 @@ def test_rot_kernel_paths_are_batch_invariant(name, kernel_device):
         dispatch.write_kv(c.descriptor(0), WriteDesc(KvIoDesc(x[0, i:i + 1], x[1, i:i + 1]),
                                                      SlotMapping(torch.tensor([i], device=dev))))
     reference.write_kv(ref.descriptor(0), WriteDesc(KvIoDesc(x[0], x[1]), SlotMapping(torch.arange(8, device=dev))))
-    for a, b in zip(_pools(c), _pools(ref)):
+    for a, b in zip(_pools(c), _pools(ref), strict=True):
         assert _same_bytes(a, b)
     table = BlockTable.packed(torch.tensor([[0, 1]], device=dev))
     full = dispatch.gather_kv(c.descriptor(0), GatherDesc(table, SeqLens(torch.tensor([8], device=dev)), 8))

@@ -148,8 +148,8 @@ def test_a_negligible_sink_changes_no_bit_and_an_overwhelming_one_takes_all_the_
         if sink < 0:
             assert torch.equal(o, o0) and torch.equal(lse, lse0) and torch.equal(p, p0) and torch.equal(pl, pl0)
         else:
-            for out, l in ((o, lse), (p, pl)):
-                assert bool((out == 0).all()) and bool((l.cpu() == torch.tensor(sink)).all())
+            for out, lse_t in ((o, lse), (p, pl)):
+                assert bool((out == 0).all()) and bool((lse_t.cpu() == torch.tensor(sink)).all())
 
 
 def test_merge_splits_against_the_definition(device):

@@ -16,7 +16,7 @@ from kvx_core.descriptors import BlockTable, SeqLens
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format, list_formats
 from kvx_core.ops import attention, dispatch
-from kvx_core.ops.decode import decode_pools, plan_decode, workspace_size
+from kvx_core.ops.decode import plan_decode, workspace_size
 
 from .helpers import filled_cache
 from .oracle import make_pools, make_table, ref_decode, with_sinks

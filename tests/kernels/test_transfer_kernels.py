@@ -13,8 +13,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from .. import interpret  # noqa: F401  (the fuzz subprocess imports this module, not the conftest)
-
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import list_formats
@@ -23,9 +21,9 @@ from kvx_core.transfer.host import export_to_host
 from kvx_core.transfer.kernels import kernel_path, use_kernels
 from kvx_core.transfer.rows import read_rows
 
+from .. import interpret  # noqa: F401  (the fuzz subprocess imports this module, not the conftest)
 from ..fuzz import mutate_bytes, mutate_json, run_capped
-from ..transfer import test_bundle as tb
-from ..transfer import test_engines as engines
+from ..transfer import test_bundle as tb, test_engines as engines
 from ..transfer.test_bundle import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged, small  # noqa: F401
 
 PATHS = ("torch", "triton")
@@ -162,7 +160,7 @@ def _import_both(blob, make_dst, dst_slots, **kw) -> list[PagedKVCache]:
 def _assert_same_pools(a: PagedKVCache, b: PagedKVCache) -> None:
     """Every pool byte equal, except the bits of a NaN in an unquantized payload: those are the device's own (torch
     on the CPU stores 0xFFFF for a BF16 NaN, a GPU 0x7FC0: tests/kernels/test_write_kernel.py's rule)."""
-    for x, y in zip(_snapshot(a), _snapshot(b)):
+    for x, y in zip(_snapshot(a), _snapshot(b), strict=True):
         if x.dtype in (torch.bfloat16, torch.float16, torch.float32):
             nan = torch.isnan(x)
             assert torch.equal(nan, torch.isnan(y)) and torch.equal(x[~nan].float().view(torch.int32),
@@ -201,14 +199,14 @@ def test_kernel_import_of_a_token_range_and_interleaved_v_scales():
     dsts = []
     for path in PATHS:
         caches = [interleaved(3, 8)[0] for _ in range(LAYERS)]
-        for c, pools in zip(caches, src.layers):
+        for c, pools in zip(caches, src.layers, strict=True):
             c.quant.k_global_scale.copy_(pools.k_global.expand(tb.HEADS))
             c.quant.v_global_scale.copy_(pools.v_global.expand(tb.HEADS))
         with _path(path):
             import_bundle(io.BytesIO(blob), caches, torch.tensor([17, 3, 8, 9, 10, 23, 0]), model=MODEL,
                           token_range=(5, 12))
         dsts.append(caches)
-    for a, b in zip(*dsts):
+    for a, b in zip(*dsts, strict=True):
         for x, y in ((a.k.tensor, b.k.tensor), (a.v.tensor, b.v.tensor), (a.quant.k_scales.tensor,
                      b.quant.k_scales.tensor), (a.quant.v_scales.tensor, b.quant.v_scales.tensor)):
             assert torch.equal(x, y)
@@ -357,7 +355,7 @@ def test_the_e4m3_decoder_keeps_the_sign_of_zero(fmt):
         if tf.uses_global_scale:
             rows[f"{w}_global"] = torch.tensor([0.5])
     got = decode_rows(f, rows, 32)
-    for x, (w, tf) in zip(got, (("k", f.k), ("v", f.v))):
+    for x, (w, tf) in zip(got, (("k", f.k), ("v", f.v)), strict=True):
         scales = rows.get(f"{w}_scales", torch.empty(16, 1, 0, dtype=torch.uint8))
         want = tf.decode(rows[f"{w}_data"], scales, rows.get(f"{w}_global"))
         nan = torch.isnan(want)

@@ -71,7 +71,7 @@ def test_window_never_reads_blocks_before_it(name, kernels, device, monkeypatch)
     decode_first = [n - 1 - WINDOW for n in LENS]
     qo = torch.tensor([0, *Q_LENS]).cumsum(0).to(torch.int32)
     qp = torch.randn(sum(Q_LENS), HKV * QH, D, generator=g).bfloat16().to(device)
-    prefill_first = [n - m - WINDOW for n, m in zip(LENS, Q_LENS)]
+    prefill_first = [n - m - WINDOW for n, m in zip(LENS, Q_LENS, strict=True)]
     after_first = [n - WINDOW for n in LENS]
     steps = [
         (decode_first, lambda t: dispatch.plan_decode(t, lens, max_seq_len=max(LENS), **geometry).run(q, desc)),
@@ -83,7 +83,7 @@ def test_window_never_reads_blocks_before_it(name, kernels, device, monkeypatch)
         honest = step(BlockTable.packed(bt.to(device)))
         got = step(BlockTable.packed(_poisoned(bt, first, poison).to(device)))
         assert any(f >= BS for f in first)  # some rows do have blocks before the window
-        for a, b in zip(got, honest):
+        for a, b in zip(got, honest, strict=True):
             assert not a.isnan().any()
             torch.testing.assert_close(a, b)
 
@@ -106,7 +106,7 @@ def test_queries_after_matches_the_oracle(window, kernels, device, monkeypatch):
                                    causal=False, queries_after=True, window=window).run(qp, desc)
     kv = reference.gather_kv(desc, GatherDesc(BlockTable.packed(bt.to(device)), lens, max(lens_list)))
     starts = [0, *torch.tensor(lens_list).cumsum(0).tolist()]
-    for b, (n, m) in enumerate(zip(lens_list, Q_LENS)):
+    for b, (n, m) in enumerate(zip(lens_list, Q_LENS, strict=True)):
         rows = slice(int(qo[b]), int(qo[b + 1]))
         want = windowed(qp[rows], kv.key[starts[b]:starts[b + 1]], kv.value[starts[b]:starts[b + 1]],
                         torch.arange(n, n + m), window, D ** -0.5)

@@ -69,7 +69,10 @@ def _check(name, device, x_dtype=torch.float32, t=9, h=2, d=64, bs=4, per_head=T
     gv = gv if fmt.v.uses_global_scale else None
     kd, ks = _pools(fmt.k, nb, h, bs, d, device)
     vd, vs = _pools(fmt.v, nb, h, bs, d, device)
-    dev = lambda g: None if g is None else g.to(device)
+
+    def dev(g):
+        return None if g is None else g.to(device)
+
     write_kv(k.to(device), v.to(device), slots.to(device), kd, ks, vd, vs, fmt, dev(gk), dev(gv), backend=backend)
     keep = slots >= 0
     blk, off = slots[keep] // bs, slots[keep] % bs
@@ -112,7 +115,10 @@ def test_fp8_rounding_every_boundary(fmt_name, mbits, device, backend):
     vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).float()
     vals = vals[torch.isfinite(vals)].unique()
     mids = (vals[1:] + vals[:-1]) / 2
-    ulp = lambda m, s: (m.view(torch.int32) + s).view(torch.float32)
+
+    def ulp(m, s):
+        return (m.view(torch.int32) + s).view(torch.float32)
+
     x = torch.cat([vals, mids, ulp(mids, 1), ulp(mids, -1), -mids, vals * 1.0000001])
     x = torch.cat([x, x.new_zeros((-x.numel()) % 64)]).view(-1, 1, 64)
     fmt = get_format(fmt_name)
@@ -246,9 +252,10 @@ def test_cuda_write_strided_input_int32_slots_odd_block_size(name):
         vd, vs = _pools(fmt.v, nb, h, bs, d, "cuda")
         ops_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, gk, gv, backend=be)
         out[be] = [x.view(torch.uint8).cpu() for x in (kd, ks, vd, vs) if x is not None]
-    assert all(torch.equal(a, b) for a, b in zip(out["cuda"], out["triton"]))
+    assert all(torch.equal(a, b) for a, b in zip(out["cuda"], out["triton"], strict=True))
     keep = slots >= 0
     blk, off = (slots[keep] // bs).long().cpu(), (slots[keep] % bs).long().cpu()
-    for tf, x, data, gs in ((fmt.k, k, out["cuda"][0], gk), (fmt.v, v, out["cuda"][-2 if fmt.v.scale_dim(d) else -1], gv)):
+    v_data = out["cuda"][-2 if fmt.v.scale_dim(d) else -1]
+    for tf, x, data, gs in ((fmt.k, k, out["cuda"][0], gk), (fmt.v, v, v_data, gv)):
         payload, _ = tf.encode(x[keep].float().cpu(), None if gs is None else gs.cpu())
         assert torch.equal(data[blk, :, off], payload.view(torch.uint8))

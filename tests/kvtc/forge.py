@@ -32,7 +32,8 @@ FIELDS = ("magic", "version", "flags", "calibration", "model", "num_layers", "nu
           "layers_per_group", "token_start", "token_count", "raw_head", "raw_tail", "dtype", "body_bytes",
           "raw_body_bytes")
 """The buffer header's fields in `HEADER` order (the codec's module doc)."""
-_WIDTHS = dict(zip(FIELDS, (0, 2, 2, 0, 0, 4, 4, 4, 4, 8, 8, 4, 4, 1, 8, 8)))  # bytes of each integer field
+# bytes of each integer field
+_WIDTHS = dict(zip(FIELDS, (0, 2, 2, 0, 0, 4, 4, 4, 4, 8, 8, 4, 4, 1, 8, 8), strict=True))
 
 
 def small_kv(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,7 +61,7 @@ def buffers() -> tuple[bytes, ...]:
 
 def fields(buf: bytes) -> dict:
     """The header fields of a buffer by name."""
-    return dict(zip(FIELDS, HEADER.unpack_from(buf)))
+    return dict(zip(FIELDS, HEADER.unpack_from(buf), strict=True))
 
 
 def seal(f: dict, body: bytes) -> bytes:

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kvx_core.errors import KvxError, Status
-from kvx_core.kvtc import calibrate, compress, decompress, load_calibration, read_header
-from kvx_core.kvtc import calibration as calib_mod
+from kvx_core.kvtc import calibrate, calibration as calib_mod, compress, decompress, load_calibration, read_header
 from kvx_core.kvtc.codec import HEADER, VERSION
 from kvx_core.kvtc.quant import KINDS, RangeKind, dequantize_range, quantize_range, range_bytes
 
@@ -46,7 +45,8 @@ def cal(bases):
 
 
 def _rel(a, b):
-    return float(sum(((x.float() - y.float()) ** 2).sum() for p, q in zip(a, b) for x, y in zip(p, q))
+    return float(sum(((x.float() - y.float()) ** 2).sum()
+                     for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
                  / sum((x.float() ** 2).sum() for p in a for x in p))
 
 
@@ -84,11 +84,12 @@ def _brute_force(segments, budget):
     """The least summed error over every kind per range (`segments`: (y, scale) ranges) within `budget`."""
     best = math.inf
     for combo in itertools.product(KINDS, repeat=len(segments)):
-        if sum(range_bytes(k, seg.shape[1]) for k, (seg, _) in zip(combo, segments)) > budget:
+        if sum(range_bytes(k, seg.shape[1]) for k, (seg, _) in zip(combo, segments, strict=True)) > budget:
             continue
         e = 0.0
-        for k, (seg, sc) in zip(combo, segments):
-            rec = dequantize_range(*quantize_range(seg, k, sc), k, seg.shape[1], sc) if k.bits else torch.zeros_like(seg)
+        for k, (seg, sc) in zip(combo, segments, strict=True):
+            rec = (dequantize_range(*quantize_range(seg, k, sc), k, seg.shape[1], sc) if k.bits
+                   else torch.zeros_like(seg))
             e += float(((rec - seg).double() ** 2).sum())
         best = min(best, e)
     return best
@@ -158,7 +159,7 @@ def test_round_trip_keeps_raw_tokens_exact_and_codes_the_rest(cal, bases):
     buf = compress(kv, cal, model={"name": "shim"}, token_start=2)
     hdr, out, _ = decompress(buf, cal, model={"name": "shim"})
     assert (hdr.token_start, hdr.token_count, hdr.raw_head, hdr.raw_tail) == (2, 100, 2, 16)  # sinks: positions < 4
-    for (k, v), (k2, v2) in zip(kv, out):
+    for (k, v), (k2, v2) in zip(kv, out, strict=True):
         for a, b in ((k, k2), (v, v2)):
             assert torch.equal(a[:2], b[:2]) and torch.equal(a[-16:], b[-16:])
     middle = [(k[2:-16], v[2:-16]) for k, v in kv]
@@ -167,7 +168,7 @@ def test_round_trip_keeps_raw_tokens_exact_and_codes_the_rest(cal, bases):
     d = compress(kv, cal, model={"name": "shim"}, token_start=2, deflate=True)
     assert len(d) < len(buf) and read_header(d).flags == 1
     _, out2, _ = decompress(d, cal)
-    assert all(torch.equal(a, b) for p, q in zip(out, out2) for a, b in zip(p, q))
+    assert all(torch.equal(a, b) for p, q in zip(out, out2, strict=True) for a, b in zip(p, q, strict=True))
 
 
 def test_all_raw_and_empty_sequences(cal, bases):
@@ -176,7 +177,7 @@ def test_all_raw_and_empty_sequences(cal, bases):
         hdr, out, _ = decompress(compress(kv, cal), cal)
         assert hdr.token_count == n
         if n <= 20:  # every token is a sink or recent
-            assert all(torch.equal(a, b) for p, q in zip(kv, out) for a, b in zip(p, q))
+            assert all(torch.equal(a, b) for p, q in zip(kv, out, strict=True) for a, b in zip(p, q, strict=True))
 
 
 def test_foreign_damaged_and_truncated_buffers_are_refused(cal, bases):
@@ -212,7 +213,7 @@ def test_version_2_checksum_is_xxh3_128_and_version_1_buffers_still_read(cal, ba
     v1 = buf[:4] + struct.pack("<H", 1) + buf[6:-16]
     v1 += hashlib.blake2b(v1, digest_size=16).digest()
     old, new = decompress(v1, cal), decompress(buf, cal)
-    assert all(torch.equal(a, b) for p, q in zip(old.kv, new.kv) for a, b in zip(p, q))
+    assert all(torch.equal(a, b) for p, q in zip(old.kv, new.kv, strict=True) for a, b in zip(p, q, strict=True))
 
 
 def test_bad_input_is_refused(cal, bases):
@@ -234,7 +235,7 @@ def test_rope_removal_matches_transformers_and_round_trips():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from kvx_core.kvtc.rope import rotate, rope_theta_of
+    from kvx_core.kvtc.rope import rope_theta_of, rotate
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
     k = torch.randn(1, 2, 37, 16, generator=torch.Generator().manual_seed(0))  # [B, H, T, D]
@@ -262,6 +263,7 @@ def test_rope_removal_codes_rotated_keys_better(bases):
                       sink_tokens=4, recent_tokens=16, rope_theta=theta)
         kv = roped(80, 11, start=100)
         hdr, out, _ = decompress(compress(kv, c, token_start=100), c)
-        assert all(torch.equal(a[-16:], b[-16:]) for p, q in zip(kv, out) for a, b in zip(p, q))
+        assert all(torch.equal(a[-16:], b[-16:])
+                   for p, q in zip(kv, out, strict=True) for a, b in zip(p, q, strict=True))
         err[theta] = _rel([(k[:-16], k[:-16]) for k, _ in kv], [(k[:-16], k[:-16]) for k, _ in out])
     assert err[10000.0] < 5e-3 < err[None]

@@ -51,7 +51,7 @@ def test_calibrate_compress_inspect(tiny, tmp_path, capsys):
     assert main(["kvtc", "compress", str(cal), str(bundle), str(out), "--deflate"]) == 0
     hdr, back, _ = decompress(out.read_bytes(), c, model=model)
     assert hdr.token_count == 40 and hdr.flags == 3  # DEFLATE, token ids carried
-    for (k, v), (k2, v2) in zip(kv, back):  # raw sinks and recent tokens exact
+    for (k, v), (k2, v2) in zip(kv, back, strict=True):  # raw sinks and recent tokens exact
         assert torch.equal(k[:4], k2[:4]) and torch.equal(v[-8:], v2[-8:])
     capsys.readouterr()
     assert main(["kvtc", "inspect", str(out), "--json"]) == 0

@@ -13,9 +13,9 @@ import torch
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status
 from kvx_core.kvtc import calibrate, decompress
-from kvx_core.transfer.kvtc_bundle import decode_bundle, encode_bundle
 from kvx_core.transfer import ModelFingerprint
 from kvx_core.transfer.handoff import export_bundle
+from kvx_core.transfer.kvtc_bundle import decode_bundle, encode_bundle
 from kvx_core.transfer.rows import read_rows
 from kvx_core.transfer.store import BundleStore
 
@@ -60,7 +60,8 @@ def _rows(c, slots):
 
 
 def _same(a, b):
-    return all(torch.equal(x[n].view(torch.uint8), y[n].view(torch.uint8)) for x, y in zip(a, b) for n in x)
+    return all(torch.equal(x[n].view(torch.uint8), y[n].view(torch.uint8))
+               for x, y in zip(a, b, strict=True) for n in x)
 
 
 @pytest.mark.parametrize("dst_fmt", ["bf16", "nvfp4", "int8"])
@@ -127,5 +128,5 @@ def test_kvtc_entries_are_refused_without_their_calibration_or_damaged(cal, tmp_
     with pytest.raises(KvxError, match="checksum"):
         BundleStore(tmp_path / "kv", kvtc=cal).get(_descs(dst), torch.arange(T), model=MODEL, token_ids=IDS)
     after = [t for p in dst.layers for t in (p.k_data, p.v_data, p.k_scales)]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert not list((tmp_path / "kv2").glob("*.kvx"))

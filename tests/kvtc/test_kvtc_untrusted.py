@@ -14,14 +14,24 @@ import pytest
 import torch
 
 from kvx_core.errors import KvxError, Status
-from kvx_core.kvtc import calibrate, compress, decompress, load_calibration, read_header
-from kvx_core.kvtc import calibration as calib_mod
+from kvx_core.kvtc import calibrate, calibration as calib_mod, compress, decompress, load_calibration, read_header
 from kvx_core.kvtc.codec import HEADER, MAX_BODY_BYTES, read_file
 from kvx_core.kvtc.layout import body_layout
 
 from ..fuzz import DEEP, run_capped
-from .forge import (MODEL, buffers, cal_parts, calibration, fields, forge, raw_body, seal, small_kv, with_raw_body,
-                    write_cal)
+from .forge import (
+    MODEL,
+    buffers,
+    cal_parts,
+    calibration,
+    fields,
+    forge,
+    raw_body,
+    seal,
+    small_kv,
+    with_raw_body,
+    write_cal,
+)
 
 
 def _refused(fn, status=Status.INVALID_ARGUMENT, words: str | None = None) -> KvxError:
@@ -67,7 +77,7 @@ def test_a_deflate_body_must_be_one_stream_of_the_declared_size():
     cases = {"one byte more": zlib.compress(raw + b"\0"), "one byte less": zlib.compress(raw[:-1]),
              "bytes after the stream": zlib.compress(raw) + b"tail", "cut stream": zlib.compress(raw)[:-6],
              "not DEFLATE": b"\x00" * 64}
-    for name, stored in cases.items():
+    for stored in cases.values():
         forged = seal({**f, "body_bytes": len(stored)}, stored)
         _refused(lambda: decompress(forged, calibration()), words="DEFLATE")
     assert decompress(seal({**f, "body_bytes": len(z := zlib.compress(raw, 9))}, z), calibration()).token_ids

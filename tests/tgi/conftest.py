@@ -16,8 +16,9 @@ os.environ.setdefault("REQUEST_LOGPROBS", "1")  # TGI drops prefill logprobs unl
 os.environ.setdefault("KVX_KV_CACHE_MEMORY", "256MiB")
 
 try:
-    import kvx_tgi  # noqa: F401
     import text_generation_server.pb.generate_pb2  # noqa: F401
+
+    import kvx_tgi  # noqa: F401
 except ImportError as e:  # outside .venv-tgi
     if os.environ.get("CI"):
         raise

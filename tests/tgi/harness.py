@@ -22,9 +22,7 @@ from pathlib import Path
 
 import grpc
 import torch
-
-from text_generation_server.pb import generate_pb2 as pb
-from text_generation_server.pb import generate_pb2_grpc as pb_grpc
+from text_generation_server.pb import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 
 from ..procs import HANG_S, hung
 from .checks import slots_of
@@ -40,9 +38,8 @@ class InProcessServer:
         from grpc import aio
         from text_generation_server.cache import Cache
         from text_generation_server.models import get_model_with_lora_adapters
-        from text_generation_server.server import TextGenerationService
-
         from text_generation_server.models.globals import set_adapter_to_index
+        from text_generation_server.server import TextGenerationService
 
         if torch.cuda.is_available():
             # TGI captures every CUDA graph of its process into one pool made at import; a test process serves

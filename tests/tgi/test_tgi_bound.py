@@ -15,9 +15,7 @@ from kvx_core.cache import PagedKVCache
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
 from kvx_core.formats import get_format
 from kvx_core.kv_calibration import LayerValues
-from kvx_core.ops import attention as kvx_attention
-from kvx_core.ops import decode as decode_ops
-from kvx_core.ops import dispatch, reference
+from kvx_core.ops import attention as kvx_attention, decode as decode_ops, dispatch, reference
 from kvx_tgi import attention, calibration, config
 from kvx_tgi.kv_cache import KVCache, KVScales
 

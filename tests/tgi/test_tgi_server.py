@@ -153,10 +153,11 @@ def test_bf16_batched_greedy_equals_transformers(smol_dir, tmp_path):
     n = 24
     ref = _hf_greedy(smol_dir, PROMPTS, n)
     with serving(smol_dir, "bf16", tmp_path) as (_, router):
-        reqs, seqs = zip(*(router.request(p, max_new_tokens=n, prompt_len=k) for p, (k, _, _) in zip(PROMPTS, ref)))
+        reqs, seqs = zip(*(router.request(p, max_new_tokens=n, prompt_len=k)
+                           for p, (k, _, _) in zip(PROMPTS, ref, strict=True)), strict=True)
         router.run_to_end(router.prefill(list(reqs)))
     compared = 0
-    for seq, (_, want, gaps) in zip(seqs, ref):
+    for seq, (_, want, gaps) in zip(seqs, ref, strict=True):
         stop = next((i for i, g in enumerate(gaps) if g < NEAR_TIE), n)
         assert seq.tokens[:stop] == want[:stop], f"{seq.text!r}: {seq.tokens} vs transformers {want}"
         compared += stop
@@ -221,9 +222,10 @@ def test_small_local_llama_batched(fmt, tiny_dir, tmp_path, monkeypatch):
     with serving(tiny_dir, fmt, tmp_path, spy, monkeypatch) as (srv, router):
         cap = parse_bytes(os.environ["KVX_KV_CACHE_MEMORY"])
         assert router.num_blocks == expected_blocks(get_format(fmt), cap, 2, BLOCK, 2, 64)
-        reqs, seqs = zip(*(router.request(p, max_new_tokens=n, prompt_len=32) for p, n in zip(PROMPTS, (5, 9, 7))))
+        reqs, seqs = zip(*(router.request(p, max_new_tokens=n, prompt_len=32)
+                           for p, n in zip(PROMPTS, (5, 9, 7), strict=True)), strict=True)
         router.run_to_end(router.prefill(list(reqs)))
-        for seq, n in zip(seqs, (5, 9, 7)):
+        for seq, n in zip(seqs, (5, 9, 7), strict=True):
             prompt = len(tok(seq.text, add_special_tokens=False).input_ids)
             assert len(seq.tokens) == n and seq.finished
             assert cache_mismatches(srv.model.kv_cache, spy, seq.blocks, prompt + n - 1,

@@ -77,8 +77,7 @@ def test_refusing_module_says_why():
     with pytest.raises(KvxError) as e:
         f(1, 2)
     assert e.value.status == Status.UNSUPPORTED and "some_kernels.fused_thing: not built here" in e.value.message
-    with pytest.raises(AttributeError):
-        mod.__wrapped__
+    assert not hasattr(mod, "__wrapped__")
 
 
 def test_reinstall_with_another_attention_is_refused(monkeypatch):

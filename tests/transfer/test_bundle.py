@@ -8,8 +8,7 @@ import struct
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status
@@ -59,7 +58,7 @@ def _snapshot(c: PagedKVCache) -> list[torch.Tensor]:
 
 
 def _unchanged(c: PagedKVCache, before: list[torch.Tensor]) -> bool:
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(_snapshot(c), before))
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(_snapshot(c), before, strict=True))
 
 
 @pytest.mark.parametrize("fmt", list_formats())
@@ -144,7 +143,8 @@ def _chunks(blob: bytes) -> tuple[bytes, list[bytes], bytes]:
     start = 16 + n + 8
     (size,) = struct.unpack("<Q", blob[start + 8:start + 16])
     step = 16 + size + 8
-    return blob[:start], [blob[start + i * step:start + (i + 1) * step] for i in range(LAYERS)], blob[start + LAYERS * step:]
+    chunks = [blob[start + i * step:start + (i + 1) * step] for i in range(LAYERS)]
+    return blob[:start], chunks, blob[start + LAYERS * step:]
 
 
 def test_reordered_duplicated_or_missing_chunks_are_refused(small):

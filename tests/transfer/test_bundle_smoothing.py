@@ -84,7 +84,7 @@ def _source(fmt: str, transform: Transform) -> tuple[PagedKVCache, torch.Tensor,
         k = torch.randn(TOKENS, HEADS, DIM, generator=g) * torch.logspace(-1.5, 0.5, DIM) + _center(99 + layer)
         c.write(layer, k, torch.randn(TOKENS, HEADS, DIM, generator=g) * 0.3, slots)
         written.append(k)
-    for layer, (k, (got, _)) in enumerate(zip(written, _reads(c, 4, 1))):
+    for layer, (k, (got, _)) in enumerate(zip(written, _reads(c, 4, 1), strict=True)):
         center = c.layers[layer].k_center
         if center is not None:  # closer to K than a read that forgot c
             assert float((got - k).abs().mean()) < float((got - center - k).abs().mean())
@@ -116,7 +116,7 @@ def test_same_transform_takes_the_rows_bit_for_bit(fmt, transform):
         seed is not None for seed in transform)
     shapes = {t["name"]: t["shape"] for t in header["tensors"] if not t["per_token"]}
     assert [n for n in shapes if n.startswith("k_") and n != "k_global"] == [
-        n for n, seed in zip(("k_smoothing", "k_center"), transform) if seed is not None]
+        n for n, seed in zip(("k_smoothing", "k_center"), transform, strict=True) if seed is not None]
     assert all(shapes[n] == [HEADS, DIM] for n in ("k_smoothing", "k_center") if n in shapes)
     dst = _empty(fmt, 8, transform)  # another block size, the same scales and transform
     dst_slots, _ = _slots(8, 3)
@@ -124,12 +124,13 @@ def test_same_transform_takes_the_rows_bit_for_bit(fmt, transform):
     for layer in range(LAYERS):
         a, b = read_rows(src.descriptor(layer), slots), read_rows(dst.descriptor(layer), dst_slots)
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-    for (ka, va), (kb, vb) in zip(_reads(src, 4, 1), _reads(dst, 8, 3)):
+    for (ka, va), (kb, vb) in zip(_reads(src, 4, 1), _reads(dst, 8, 3), strict=True):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("source, dest", [(s, d) for s in SOURCES for d in DESTINATIONS if SOURCES[s] != DESTINATIONS[d]])
+@pytest.mark.parametrize("source, dest",
+                         [(s, d) for s in SOURCES for d in DESTINATIONS if SOURCES[s] != DESTINATIONS[d]])
 def test_another_transform_stores_what_writing_the_reads_stores(fmt, source, dest):
     src, _, blob = _source(fmt, SOURCES[source])
     dst = _empty(fmt, 8, DESTINATIONS[dest])
@@ -156,7 +157,7 @@ def test_a_bf16_destination_holds_the_source_reads(transform):
     dst = _empty("bf16", 8, NONE)
     dst_slots, _ = _slots(8, 3)
     _import(blob, dst, dst_slots)
-    for (k, v), (kd, vd) in zip(_reads(src, 4, 1), _reads(dst, 8, 3)):
+    for (k, v), (kd, vd) in zip(_reads(src, 4, 1), _reads(dst, 8, 3), strict=True):
         assert torch.equal(k.bfloat16().float(), kd) and torch.equal(v.bfloat16().float(), vd)
 
 
@@ -228,7 +229,7 @@ def test_a_header_that_hides_a_key_vector_is_refused(flag):
         _import(blob, dst, _slots(8, 3)[0])
     assert e.value.status == Status.INVALID_ARGUMENT and "do not match" in str(e.value)
     after = [read_rows(dst.descriptor(i), _slots(8, 3)[0]) for i in range(LAYERS)]
-    assert all(torch.equal(a[n], b[n]) for a, b in zip(before, after) for n in a)
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(before, after, strict=True) for n in a)
 
 
 def test_shards_with_different_transforms_are_refused():

@@ -1,9 +1,9 @@
 """Bundles between engines' real cache layouts (CPU, the adapters' zero-copy descriptors over tensors allocated as
 each engine allocates them): vLLM (flash_attn NHD, flashinfer HND, the legacy x-packed paged cache, FP8 as
-uint8, and the KVX plugin's `kvx_*` pages), TGI (flashinfer, paged), TensorRT-LLM (the [blocks, layers, 2, H*T*D] primary pool), FlashInfer (HND) and
-KVX pages (NVFP4, INT4 rotated). Every ordered pair: the destination's gathered K/V equal what writing the
-source's gathered K/V into it gives (bit for bit), and the same format with the same scales moves bytes as they
-are."""
+uint8, and the KVX plugin's `kvx_*` pages), TGI (flashinfer, paged), TensorRT-LLM (the [blocks, layers, 2, H*T*D]
+primary pool), FlashInfer (HND) and KVX pages (NVFP4, INT4 rotated). Every ordered pair: the destination's gathered K/V
+equal what writing the source's gathered K/V into it gives (bit for bit), and the same format with the same scales moves
+bytes as they are."""
 from __future__ import annotations
 
 import importlib
@@ -19,9 +19,9 @@ from kvx_adapters import flashinfer, tgi, trtllm, vllm
 from kvx_core.cache import PagedKVCache
 from kvx_core.codec import format_of
 from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, SlotMapping, WriteDesc
+from kvx_core.formats import get_format
 from kvx_core.ops import reference
 from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
-from kvx_core.formats import get_format
 from kvx_core.transfer.rows import read_rows
 
 PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "kvx_vllm"

@@ -94,7 +94,8 @@ def test_host_path_is_the_stream_bundle_and_round_trips(fmt):
     before = [t.clone() for p in dst.layers for t in (p.k_data, p.v_data)]
     with pytest.raises(KvxError, match="checksum"):
         import_bundle(bad, _descs(dst), back, model=MODEL)
-    assert all(torch.equal(a, b) for a, b in zip(before, [t for p in dst.layers for t in (p.k_data, p.v_data)]))
+    after = [t for p in dst.layers for t in (p.k_data, p.v_data)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     import_bundle(host, _descs(dst), back, model=MODEL, token_ids=list(range(T)))
     for layer in range(LAYERS):
         a, b = read_rows(src.descriptor(layer), slots), read_rows(dst.descriptor(layer), back)

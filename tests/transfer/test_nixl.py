@@ -119,7 +119,8 @@ SENDER = textwrap.dedent("""
     from kvx_core.transfer.nixl import NixlPeer
     src, slots = _cache("k8v4", 16, 4, tokens=50)
     peer = NixlPeer("kvx-remote-sender", 1 << 20)
-    print("KVX_TICKET " + json.dumps(peer.publish(_descs(src), slots, model=MODEL, token_ids=list(range(50)))), flush=True)
+    ticket = peer.publish(_descs(src), slots, model=MODEL, token_ids=list(range(50)))
+    print("KVX_TICKET " + json.dumps(ticket), flush=True)
     sys.stdin.readline()  # keep the buffer alive until the receiver is done
 """)
 

@@ -60,7 +60,8 @@ def test_a_damaged_entry_is_refused_and_the_cache_untouched(tmp_path):
     with pytest.raises(KvxError, match="checksum") as e:
         store.get(_descs(dst), torch.arange(T), model=MODEL, token_ids=IDS)
     assert e.value.status == Status.INVALID_ARGUMENT
-    assert all(torch.equal(a, b) for a, b in zip(before, (t for p in dst.layers for t in (p.k_data, p.v_scales))))
+    after = [t for p in dst.layers for t in (p.k_data, p.v_scales)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def test_a_failed_put_leaves_no_file(tmp_path):
@@ -98,5 +99,6 @@ def test_header_and_partial_reload(tmp_path):
     dst = _cache()
     assert store.get(_descs(dst), torch.arange(10, 20), model=MODEL, token_ids=IDS, token_range=(10, 20))
     for layer in range(LAYERS):
-        a, b = read_rows(src.descriptor(layer), torch.arange(10, 20)), read_rows(dst.descriptor(layer), torch.arange(10, 20))
+        rows = torch.arange(10, 20)
+        a, b = read_rows(src.descriptor(layer), rows), read_rows(dst.descriptor(layer), rows)
         assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)

@@ -58,7 +58,7 @@ def _rows(c: PagedKVCache, n: int) -> list[dict]:
 
 
 def _same_rows(a: list[dict], b: list[dict]) -> bool:
-    return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b, strict=True))
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:

@@ -23,7 +23,7 @@ from kvx_core.transfer.store import MAX_MANIFEST_BYTES, BundleStore
 from kvx_core.transfer.tp import tp_head_range
 from tests.fuzz import DEEP, dumps_json, mutate_bytes, mutate_json, run_capped
 from tests.transfer.forge import build, split
-from tests.transfer.test_tensor_parallel import D, H, LAYERS, MODEL, SLOTS, T, _caches, _data, _same_heads
+from tests.transfer.test_tensor_parallel import LAYERS, MODEL, SLOTS, D, H, T, _caches, _data, _same_heads
 
 IDS = list(range(100, 100 + T))
 FMT = "nvfp4"  # per-head global scales: the slicing must carry them too
@@ -137,7 +137,7 @@ def _refused(store: BundleStore, data, heads=(0, H), *, by_header: bool = True) 
         with pytest.raises(KvxError):
             store.header(MODEL, IDS)
     after = [t for p in dst.layers for t in (p.k_data, p.v_data, p.k_scales, p.v_scales)]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert {p.name: p.read_bytes() for p in store.root.iterdir() if p.is_file()} == files
     return e.value
 
@@ -293,7 +293,7 @@ def shard_sets(rng: random.Random) -> None:
             shards[1].write_bytes(valid[shards[0]])
         if rng.random() < 0.5 and all(p.is_file() for p in shards):
             doc = json.loads(valid[manifest])
-            for s, p in zip(doc["shards"], shards):
+            for s, p in zip(doc["shards"], shards, strict=True):
                 s["bytes"] = p.stat().st_size
             manifest.write_text(json.dumps(doc))
     try:
@@ -308,7 +308,8 @@ def shard_sets(rng: random.Random) -> None:
         store.get(_descs(dst), SLOTS, model=MODEL, token_ids=IDS, kv_heads=heads)
     except Exception:
         after = [t for p in dst.layers for t in (p.k_data, p.v_data, p.k_scales, p.v_scales)]
-        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refused shard set changed the cache"
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), \
+            "a refused shard set changed the cache"
         raise
 
 

@@ -48,7 +48,7 @@ class TwoPools:
             offs.append(torch.stack([trtllm_offset(mem, self.layers_in[p], kv, sec) for kv in (0, 1)], dim=2))
         self.offsets = torch.stack(offs).flatten(1, 2)  # [num_pools, seqs * beams, 2, M]
         self.written = []
-        for layer, (p, li) in enumerate(self.mapping.tolist()):  # K/V of every token, by raw byte arithmetic
+        for p, li in self.mapping.tolist():  # K/V of every token, by raw byte arithmetic
             seq = torch.cat([torch.full((n * beams,), s) for s, n in enumerate(lens)])
             beam = torch.cat([torch.arange(beams).repeat_interleave(n) for n in lens])
             pos = torch.cat([torch.arange(n).repeat(beams) for n in lens])
@@ -79,9 +79,10 @@ def _gather(layer, lens: SeqLens, n: int):
 
 def test_every_layer_of_two_pools_gathers_the_engine_bytes():
     e = TwoPools()
-    layers = e.describe(pool_pointers=torch.tensor([[p.data_ptr(), h.data_ptr()] for p, h in zip(e.pools, e.hosts)]))
+    pointers = [[p.data_ptr(), h.data_ptr()] for p, h in zip(e.pools, e.hosts, strict=True)]
+    layers = e.describe(pool_pointers=torch.tensor(pointers))
     assert [(x.pool, x.layer_in_pool) for x in layers] == [tuple(r) for r in e.mapping.tolist()]
-    for layer, (x, (k, v)) in enumerate(zip(layers, e.written)):
+    for layer, (x, (k, v)) in enumerate(zip(layers, e.written, strict=True)):
         assert x.table.format == BlockTableFormat.KV_OFFSETS and x.table.beam_width == 2
         assert x.table.indices.data_ptr() == e.offsets[x.pool].data_ptr()  # TRT-LLM's table itself, zero copy
         bpb = T * e.heads[x.pool] * D * e.dtype.itemsize
@@ -111,7 +112,7 @@ def test_layers_come_bound_for_their_offsets_table(kernels_on_cpu, dtype, monkey
     s = torch.tensor([0.5, 2.0, 0.125]) if fp8 else torch.ones(3)
     layers = e.describe(kv_scale_quant_orig=s if fp8 else None)
     calls = spy_run_bound(monkeypatch)
-    for layer, (x, (k, v)) in enumerate(zip(layers, e.written)):
+    for layer, (x, (k, v)) in enumerate(zip(layers, e.written, strict=True)):
         assert x.bound is not None and x.bound.cache is x.cache and x.bound.table_format == BlockTableFormat.KV_OFFSETS
         h = e.heads[x.pool]
         plan = dispatch.plan_decode(x.table, e.seq_lens(), fmt=format_of(x.cache), num_qo_heads=2 * h, num_kv_heads=h,
@@ -161,7 +162,7 @@ def test_fp8_pools_take_the_per_layer_scale(dtype):
     e = TwoPools(dtype=dtype, secondary=False)
     s = torch.tensor([0.5, 2.0, 0.125])
     layers = e.describe(kv_scale_quant_orig=s, kv_scale_orig_quant=1 / s)
-    for layer, (x, (k, v)) in enumerate(zip(layers, e.written)):
+    for layer, (x, (k, v)) in enumerate(zip(layers, e.written, strict=True)):
         out = _gather(x, e.seq_lens(), max(e.lens))
         assert torch.equal(out.key, k.float() * s[layer]) and torch.equal(out.value, v.float() * s[layer])
 

@@ -83,7 +83,7 @@ def test_every_layer_gathers_the_decode_of_the_engine_codes(layout):
     e = Nvfp4Cache(interleaved=layout == "interleaved")
     layers = e.describe(v_scale_layout=layout, pool_pointers=torch.tensor(
         [[[e.data.data_ptr(), e.scales.data_ptr()], [0, 0]]]))
-    for layer, (x, (k, v)) in enumerate(zip(layers, e.oracle)):
+    for layer, (x, (k, v)) in enumerate(zip(layers, e.oracle, strict=True)):
         q = x.cache.quant
         assert bool(q.flags & QUANT_FLAG_V_SCALE_INTERLEAVE4) == (layout == "interleaved")
         bpb = H * e.t * D // 2  # zero copy, at the layer pointers of attentionOp.cpp

@@ -23,7 +23,7 @@ from .test_trtllm_cache import TwoPools
 from .test_trtllm_nvfp4 import Nvfp4Cache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _caches() -> dict[str, object]:
     return {"bf16": TwoPools(secondary=False), "fp8": TwoPools(dtype=torch.float8_e4m3fn, secondary=False),
             "nvfp4": Nvfp4Cache()}
@@ -37,7 +37,8 @@ def _kwargs(which: str) -> tuple[object, object, dict]:
                                        kv_scale_quant_orig=c.quant_orig)
     kw = dict(tokens_per_block=4, num_kv_heads=list(c.heads), head_dim=8, pool_mapping=c.mapping, beam_width=c.w)
     if which == "fp8":
-        kw.update(kv_scale_quant_orig=torch.tensor([0.5, 2.0, 0.125]), kv_scale_orig_quant=1 / torch.tensor([0.5, 2.0, 0.125]))
+        kw.update(kv_scale_quant_orig=torch.tensor([0.5, 2.0, 0.125]),
+                  kv_scale_orig_quant=1 / torch.tensor([0.5, 2.0, 0.125]))
     return c.pools, c.offsets, kw
 
 
@@ -77,7 +78,7 @@ def test_bad_arguments_are_refused(which, edit, words):
         describe_trtllm_cache(pools, offsets, **{**kw, **edit})
     assert e.value.status == Status.INVALID_ARGUMENT and words in e.value.message, e.value.message
     after = (pools if isinstance(pools, list) else [pools]) + [offsets]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing written
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # nothing written
 
 
 def test_offsets_that_are_no_tensor_are_refused():

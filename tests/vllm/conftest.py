@@ -50,8 +50,9 @@ def centered_model_dir(checkpoint, tmp_path_factory) -> Path:
 def config(checkpoint, request):
     """A VllmConfig of the checkpoint with the test module's `DTYPE` cache and `BS` blocks (the impl and builder unit
     tests build vLLM objects inside it)."""
-    import kvx_vllm
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    import kvx_vllm
 
     kvx_vllm.register()
     return VllmConfig(model_config=ModelConfig(model=checkpoint, dtype="bfloat16"),

@@ -37,14 +37,14 @@ def _check(device: str, fmt: str, case: str, softcap: float | None = None, sinks
     prefix_lens, q_lens = CASES[case]
     hkv, qh, d, bs = 2, 4, 64, 16
     g = torch.Generator().manual_seed(sum(prefix_lens) + len(fmt))
-    totals = [p + q for p, q in zip(prefix_lens, q_lens)]
+    totals = [p + q for p, q in zip(prefix_lens, q_lens, strict=True)]
     need = [math.ceil(t / bs) for t in totals]
     cache = PagedKVCache(fmt, num_layers=1, num_blocks=sum(need) + 1, block_size=bs, num_kv_heads=hkv, head_dim=d,
                          device=device)
     perm = torch.randperm(sum(need) + 1, generator=g)
     bt = torch.zeros(len(totals), max(need), dtype=torch.int32)
     slots, i = [], 0
-    for b, (n, t) in enumerate(zip(need, totals)):
+    for b, (n, t) in enumerate(zip(need, totals, strict=True)):
         bt[b, :n] = perm[i:i + n]
         i += n
         slots.append(bt[b, torch.arange(t) // bs].long() * bs + torch.arange(t) % bs)
@@ -52,8 +52,8 @@ def _check(device: str, fmt: str, case: str, softcap: float | None = None, sinks
     v = torch.randn(sum(totals), hkv, d, generator=g).to(torch.bfloat16)
     k[..., :2] *= 4.0
     cache.write(0, k.to(device), v.to(device), torch.cat(slots).to(device))  # vLLM writes the new tokens first
-    starts = torch.tensor([0, *totals]).cumsum(0)
-    new = torch.cat([torch.arange(s + p, s + t) for s, p, t in zip(starts.tolist(), prefix_lens, totals)])
+    starts = torch.tensor([0, *totals[:-1]]).cumsum(0).tolist()  # each sequence's first row
+    new = torch.cat([torch.arange(s + p, s + t) for s, p, t in zip(starts, prefix_lens, totals, strict=True)])
     q = torch.randn(sum(q_lens), hkv * qh, d, generator=g).to(torch.bfloat16)
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
 
@@ -68,7 +68,7 @@ def _check(device: str, fmt: str, case: str, softcap: float | None = None, sinks
     kd, vd = cache.gather(0, bt.to(device), torch.tensor(prefix_lens, dtype=torch.int32, device=device))
     pstart = torch.tensor([0, *prefix_lens]).cumsum(0).tolist()
     ref = torch.empty(q.shape, dtype=torch.float64)
-    for b, (p, n) in enumerate(zip(prefix_lens, q_lens)):
+    for b, (p, n) in enumerate(zip(prefix_lens, q_lens, strict=True)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         kk = torch.cat([kd[pstart[b]:pstart[b + 1]].cpu().double(), k[new][rows].double()])
         vv = torch.cat([vd[pstart[b]:pstart[b + 1]].cpu().double(), v[new][rows].double()])

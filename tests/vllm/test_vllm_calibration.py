@@ -74,7 +74,8 @@ def prompt_ids(checkpoint) -> list[int]:
 
     from kvx_demo.text import default_text, tokenize
 
-    return tokenize(AutoTokenizer.from_pretrained(checkpoint), default_text(), max_tokens=PROMPT[1])[PROMPT[0]:].tolist()
+    ids = tokenize(AutoTokenizer.from_pretrained(checkpoint), default_text(), max_tokens=PROMPT[1])
+    return ids[PROMPT[0]:].tolist()
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
@@ -121,7 +122,8 @@ def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: b
     out = []
     with torch.inference_mode():
         for a in range(0, len(ids), CHUNK):
-            out.append(model(input_ids=torch.tensor([ids[a:a + CHUNK]]), past_key_values=cache, use_cache=True).logits[0])
+            out.append(model(input_ids=torch.tensor([ids[a:a + CHUNK]]), past_key_values=cache,
+                             use_cache=True).logits[0])
         prefill[0] = False
         for t in generated[:-1]:
             out.append(model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0])
@@ -170,7 +172,8 @@ def test_logprobs_match_the_calibrated_oracle(run, prompt_ids):
 def _config(model: str, *, option: str | None = None, heads: int = 3, layers: int = 30, dtype: str = "kvx_nvfp4"):
     mc = SimpleNamespace(model=model, tokenizer=model, revision=None, get_num_layers=lambda _p: layers,
                          get_total_num_kv_heads=lambda: heads, get_head_size=lambda: 64)
-    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    return SimpleNamespace(model_config=mc,
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                            cache_config=SimpleNamespace(cache_dtype=dtype),
                            additional_config={"kvx": {"kv_calibration": option}} if option else None)
 

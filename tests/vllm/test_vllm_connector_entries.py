@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
 
 from kvx_core.cache import PagedKVCache

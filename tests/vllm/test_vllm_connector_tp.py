@@ -12,14 +12,13 @@ from unittest import mock
 
 import pytest
 import torch
-
 import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
 
 from kvx_core.transfer import export_bundle, import_bundle
 from kvx_core.transfer.store import BundleStore
 from kvx_core.transfer.tp import tp_head_range
 from kvx_vllm.connector import KvxConnector, KvxConnectorMetadata, Transfer
-from tests.transfer.test_tensor_parallel import H, LAYERS, MODEL, SLOTS, T, _caches, _data, _same_heads
+from tests.transfer.test_tensor_parallel import LAYERS, MODEL, SLOTS, H, T, _caches, _data, _same_heads
 
 pytestmark = [pytest.mark.vllm]
 
@@ -113,7 +112,7 @@ def test_a_damaged_shard_fails_the_load_on_every_rank(tmp_path, caplog):
     for state, cache in _consumers(store, data, 2):
         untouched = _caches(FMT, state.kv_heads, *_data(99)[:2], data[2], data[3])
         assert state._failed == {s // 8 for s in SLOTS.tolist()}
-        assert all(torch.equal(a, b) for p, q in zip(cache.layers, untouched.layers)
+        assert all(torch.equal(a, b) for p, q in zip(cache.layers, untouched.layers, strict=True)
                    for a, b in ((p.k_data, q.k_data), (p.v_data, q.v_data), (p.k_scales, q.k_scales)))
     assert caplog.text.count("checksum") == 2
 

@@ -102,16 +102,17 @@ def test_cuda_graph_decode_agrees_with_eager(runs, dtype):
     far as DRIFT_BOUND until the greedy paths split."""
     g, e = runs[dtype], runs[f"{dtype}_eager"]
     assert g["ppl"] == e["ppl"]
-    for gt, et, gl, el in zip(g["gen_tokens"], e["gen_tokens"], g["gen_logprobs"], e["gen_logprobs"]):
-        n = next((i for i, (a, b) in enumerate(zip(gt, et)) if a != b), len(gt))
+    for gt, et, gl, el in zip(g["gen_tokens"], e["gen_tokens"], g["gen_logprobs"], e["gen_logprobs"], strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(gt, et, strict=True)) if a != b), len(gt))
         assert n >= 2  # the first token comes from prefill, the second from the first decode step
-        assert max(abs(a - b) for a, b in zip(gl[:n], el[:n])) <= DRIFT_BOUND
+        assert max(abs(a - b) for a, b in zip(gl[:n], el[:n], strict=True)) <= DRIFT_BOUND
 
 
 @pytest.mark.parametrize("tag", [*DTYPES, "kvx_nvfp4_prefillcache"])
 def test_prefix_cache_reuse_is_exact(runs, tag):
-    """Reused blocks give the same logprobs as recomputed ones, bit for bit. Split prefill: the cold run's chunk ends where the cached prefix ends
-    (`vllm_gpu_run.py`), so both attend it through the pages; the cache route attends everything there."""
+    """Reused blocks give the same logprobs as recomputed ones, bit for bit. Split prefill: the cold run's chunk ends
+    where the cached prefix ends (`vllm_gpu_run.py`), so both attend it through the pages; the cache route attends
+    everything there."""
     p = runs[tag]["prefix"]
     assert p["warm_cached"] >= 1008 and p["cold_cached"] == 0
     assert p["warm"] == p["cold"] and p["warm_tokens"] == p["cold_tokens"]

@@ -89,7 +89,8 @@ def test_the_head_is_the_codecs_mxfp4_copy_and_the_embedding_stays_bf16(runs):
 def test_logprobs_match_the_mxfp4_oracle_only_with_the_option(runs, oracles, mode):
     mx, bf = _gaps(runs[mode], oracles)
     near, far = (mx, bf) if mode == "mxfp4" else (bf, mx)
-    print(f"{mode}: matching oracle max {max(near):.3f} mean {sum(near) / len(near):.3f}, other {sum(far) / len(far):.3f}")
+    print(f"{mode}: matching oracle max {max(near):.3f} mean {sum(near) / len(near):.3f}, "
+          f"other {sum(far) / len(far):.3f}")
     assert len(near) > 50
     assert max(near) <= MAX_BOUND and sum(near) / len(near) <= MEAN_BOUND, (max(near), sum(near) / len(near))
     assert sum(far) / len(far) >= APART_BOUND, sum(far) / len(far)

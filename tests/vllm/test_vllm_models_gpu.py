@@ -118,6 +118,6 @@ def test_ngram_speculation(results, model, dtype):
     m = r["spec_metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0 and m["vllm:spec_decode_num_accepted_tokens"] > 0, m
     assert any(int(rows) > 1 for rows in r["decode_plans_by_rows"]), r["decode_plans_by_rows"]
-    for got, want, top2 in zip(r["gen"], r["gen_base"], r["top2_base"]):
-        n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    for got, want, top2 in zip(r["gen"], r["gen_base"], r["top2_base"], strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
         assert n == len(want) or top2[n][0] - top2[n][1] < 1e-3, (n, got, want)

@@ -20,7 +20,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import vllm  # noqa: E402,F401  (missing vLLM is an error: scripts/setup_vllm_env.sh installs it)
 
 pytestmark = pytest.mark.vllm
@@ -130,7 +129,7 @@ def test_greedy_agreement_int8_vs_bf16(runs):
     """Greedy next tokens of BF16 and kvx_int8 at each of the 511 positions of the demo text (same
     context for both, so one early divergence does not count every later token as a disagreement)."""
     a, b = runs["auto"]["text_top1"], runs["kvx_int8"]["text_top1"]
-    agree = sum(x == y for x, y in zip(a, b)) / len(a)
+    agree = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
     assert len(a) == len(b) == 511 and agree >= 0.95, f"greedy agreement {agree:.3f}"
 
 
@@ -149,7 +148,8 @@ def test_prefix_cache_reuse_is_exact(runs, dtype):
 def test_rotated_end_to_end(runs, checkpoint, dtype):
     """`--additional-config '{"kvx": {"rotate": true}}'` end to end: generation, bit-identical prefix caching,
     and perplexity within the format's bound of BF16 (measured over the cache prefill route: nvfp4 18.90 vs 19.27
-    unrotated, int4 18.73 vs 19.88; that rotation beats no rotation is this model's behaviour, not a KVX guarantee, so not asserted)."""
+    unrotated, int4 18.73 vs 19.88; that rotation beats no rotation is this model's behaviour, not a KVX guarantee, so
+    not asserted)."""
     p = run([sys.executable, str(RUNNER), checkpoint, dtype, "--rotate"], env=ENV)
     m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
     assert p.returncode == 0 and m, (p.stdout + p.stderr)[-4000:]

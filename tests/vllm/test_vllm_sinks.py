@@ -89,7 +89,7 @@ def test_decode_and_split_prefill_steps_with_sinks(config):
     slots = torch.cat([bt[b, torch.arange(n) // BS].long() * BS + torch.arange(n) % BS for b, n in enumerate(lens)])
     k = torch.randn(len(slots), HKV, D, generator=g).bfloat16()
     v = torch.randn(len(slots), HKV, D, generator=g).bfloat16()
-    for (impl, layer), kv_cache in zip(layers, kv_caches):
+    for (impl, layer), kv_cache in zip(layers, kv_caches, strict=True):
         impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
     table, seq_lens = BlockTable.packed(bt), SeqLens(torch.tensor(lens, dtype=torch.int32))
     geometry = dict(fmt=layers[0][0].format, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS,
@@ -98,7 +98,7 @@ def test_decode_and_split_prefill_steps_with_sinks(config):
     # decode: one token per request, one plan for both layers
     q = torch.randn(len(lens), HQ, D, generator=g).bfloat16()
     meta = KvxMetadata(len(lens), plan_decode(table, seq_lens, max_seq_len=max(lens), **geometry))
-    for (impl, layer), kv_cache, s in zip(layers, kv_caches, sinks):
+    for (impl, layer), kv_cache, s in zip(layers, kv_caches, sinks, strict=True):
         out = torch.full((len(lens), HQ * D), float("nan"), dtype=torch.bfloat16)
         impl.forward(layer, q, None, None, kv_cache, meta, out)
         desc = impl.cache_desc(layer, kv_cache)
@@ -109,18 +109,19 @@ def test_decode_and_split_prefill_steps_with_sinks(config):
     # split prefill: the last q_len tokens of each request are new (attended unquantized), the rest cached
     q_lens = [5, 1, 20]
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-    new = torch.cat([torch.arange(s - m, s) for s, m in zip(torch.tensor(lens).cumsum(0).tolist(), q_lens)])
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    new = torch.cat([torch.arange(s - m, s) for s, m in zip(ends, q_lens, strict=True)])
     qp = torch.randn(sum(q_lens), HQ, D, generator=g).bfloat16()
-    prefix = SeqLens(torch.tensor([n - m for n, m in zip(lens, q_lens)], dtype=torch.int32))
+    prefix = SeqLens(torch.tensor([n - m for n, m in zip(lens, q_lens, strict=True)], dtype=torch.int32))
     split = SplitPrefill(plan_prefill(cu, table, prefix, causal=False, **geometry), cu, cu.tolist(), max(q_lens),
                          D ** -0.5, None)
-    for (impl, layer), kv_cache, s in zip(layers, kv_caches, sinks):
+    for (impl, layer), kv_cache, s in zip(layers, kv_caches, sinks, strict=True):
         out = torch.full((sum(q_lens), HQ * D), float("nan"), dtype=torch.bfloat16)
         impl.forward(layer, qp, k[new], v[new], kv_cache, KvxMetadata(sum(q_lens), split), out)
         gathered = reference.gather_kv(impl.cache_desc(layer, kv_cache), GatherDesc(table, prefix, max(lens)))
         ref = torch.empty(sum(q_lens), HQ, D, dtype=torch.float64)
-        starts = [0, *torch.tensor([n - m for n, m in zip(lens, q_lens)]).cumsum(0).tolist()]
-        for b, (n, m) in enumerate(zip(lens, q_lens)):
+        starts = [0, *torch.tensor([n - m for n, m in zip(lens, q_lens, strict=True)]).cumsum(0).tolist()]
+        for b, (n, m) in enumerate(zip(lens, q_lens, strict=True)):
             rows = slice(int(cu[b]), int(cu[b + 1]))
             kk = torch.cat([gathered.key[starts[b]:starts[b + 1]].double(), k[new][rows].double()])
             vv = torch.cat([gathered.value[starts[b]:starts[b + 1]].double(), v[new][rows].double()])

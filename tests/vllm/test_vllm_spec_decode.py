@@ -55,14 +55,15 @@ def test_verification_steps_run_as_multi_row_decodes(runs):
 
 def test_greedy_tokens_agree_with_and_without_speculation(runs):
     base, spec = runs
-    for i, (a, b) in enumerate(zip(base["tokens"], spec["tokens"])):
+    for i, (a, b) in enumerate(zip(base["tokens"], spec["tokens"], strict=True)):
         assert len(a) == len(b)
-        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         if pos is None:
             continue
         (t1, l1), (t2, l2) = base["top2"][i][pos]
         assert t1 == a[pos] and b[pos] == t2 and l1 - l2 <= NEAR_TIE, \
-            f"prompt {i}: greedy tokens differ at {pos} ({a[pos]} vs {b[pos]}), not a near tie: top-2 {base['top2'][i][pos]}"
+            f"prompt {i}: greedy tokens differ at {pos} ({a[pos]} vs {b[pos]}), not a near tie: " \
+            f"top-2 {base['top2'][i][pos]}"
 
 
 def test_the_builder_runs_uniform_steps_of_up_to_1_plus_k_tokens_as_decodes():

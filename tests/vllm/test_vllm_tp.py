@@ -1,8 +1,8 @@
 """Tensor parallelism in the KVX vLLM backend: each rank serves its own KV heads, the KV calibration file included.
 
 Fast tests: `kvx_core.transfer.tp.tp_head_range` against hand-made cases (against vLLM's own partition, its
-`QKVParallelLinear` loading a K projection whose rows name their head, in test_vllm_connector_tp.py), and what `calibration.layer_values` gives each rank (the rows of the whole file's vectors for that
-rank's heads) or refuses.
+`QKVParallelLinear` loading a K projection whose rows name their head, in test_vllm_connector_tp.py), and what
+`calibration.layer_values` gives each rank (the rows of the whole file's vectors for that rank's heads) or refuses.
 
 Slow tests: real vLLM CPU 0.32 runs (`vllm_tp_run.py`, one subprocess each, `mp` executor: one worker process per
 rank) of a tiny random Llama (hidden 256, 8 query / 4 KV heads, head_dim 32, 2 layers; prompt as token ids, no
@@ -227,7 +227,8 @@ def runs(tiny_model, calibrated_model) -> dict[tuple, dict]:
 @pytest.mark.slow
 def test_each_rank_serves_its_heads(runs, calibrated_model):
     """Every rank's layers hold KV_HEADS / TP heads; with the file, exactly the file's rows of that rank's heads
-    (`tp_head_range`, itself checked against vLLM's partition in test_vllm_connector_tp.py); without, no smoothing or centering."""
+    (`tp_head_range`, itself checked against vLLM's partition in test_vllm_connector_tp.py); without, no smoothing or
+    centering."""
     from kvx_core.kv_calibration import FILENAME, load_kv_calibration
 
 
@@ -273,7 +274,7 @@ def _gaps(a: dict, b: dict) -> dict[str, list[float]]:
         for pa, pb in zip(ra["prompt_logprobs"], rb["prompt_logprobs"], strict=True):
             if pa is not None:
                 add("prompt", pa, pb)
-        for j, ((ta, pa), (tb, pb)) in enumerate(zip(ra["generated"], rb["generated"])):
+        for j, ((ta, pa), (tb, pb)) in enumerate(zip(ra["generated"], rb["generated"], strict=True)):
             if j > 0:
                 add("decode", pa, pb)
             if ta != tb:

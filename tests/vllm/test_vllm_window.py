@@ -23,7 +23,6 @@ import torch
 
 from ..procs import run
 from .bounds import PPL_BOUND
-
 from .conftest import kvx_impl
 
 pytestmark = pytest.mark.vllm
@@ -161,10 +160,11 @@ def test_decode_and_split_prefill_honour_the_window(config, monkeypatch):
     k = torch.randn(len(slots), HKV, D, generator=g).bfloat16()
     v = torch.randn(len(slots), HKV, D, generator=g).bfloat16()
     k[-BS:], v[-BS:] = float("nan"), float("nan")
-    for impl, layer, cache in zip(impls, layers, caches):
+    for impl, layer, cache in zip(impls, layers, caches, strict=True):
         impl.do_kv_cache_update(layer, k, v, cache, slots)
-    honest = [reference.gather_kv(impl.cache_desc(layer, cache), GatherDesc(BlockTable.packed(bt), SeqLens(
-        torch.tensor(lens, dtype=torch.int32)), max(lens))) for impl, layer, cache in zip(impls, layers, caches)]
+    gd = GatherDesc(BlockTable.packed(bt), SeqLens(torch.tensor(lens, dtype=torch.int32)), max(lens))
+    honest = [reference.gather_kv(impl.cache_desc(layer, cache), gd)
+              for impl, layer, cache in zip(impls, layers, caches, strict=True)]
     starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
 
     def poisoned(first_keys):
@@ -178,7 +178,7 @@ def test_decode_and_split_prefill_honour_the_window(config, monkeypatch):
     table = poisoned([n - 1 - w for n in lens])
     assert (table == poison).any()
     meta = builder.build(0, _common(lens, [1] * len(lens), table))
-    for impl, layer, cache, kv in zip(impls, layers, caches, honest):
+    for impl, layer, cache, kv in zip(impls, layers, caches, honest, strict=True):
         out = torch.full((len(lens), HQ * D), float("nan"), dtype=torch.bfloat16)
         impl.forward(layer, q, None, None, cache, meta, out)
         for b, n in enumerate(lens):
@@ -189,17 +189,17 @@ def test_decode_and_split_prefill_honour_the_window(config, monkeypatch):
 
     # split prefill: the last q_len tokens of each request are new (exact K/V), the rest cached (pages)
     q_lens = [30, 1, 5, 20]
-    table = poisoned([n - m - w for n, m in zip(lens, q_lens)])
+    table = poisoned([n - m - w for n, m in zip(lens, q_lens, strict=True)])
     meta = builder.build(0, _common(lens, q_lens, table))
     assert isinstance(meta.plan, SplitPrefill) and meta.plan.window == w
     assert (table == poison).any()
-    new = torch.cat([torch.arange(s - m, s) for s, m in zip(starts[1:], q_lens)])
+    new = torch.cat([torch.arange(s - m, s) for s, m in zip(starts[1:], q_lens, strict=True)])
     qp = torch.randn(sum(q_lens), HQ, D, generator=g).bfloat16()
     cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
-    for impl, layer, cache, kv in zip(impls, layers, caches, honest):
+    for impl, layer, cache, kv in zip(impls, layers, caches, honest, strict=True):
         out = torch.full((sum(q_lens), HQ * D), float("nan"), dtype=torch.bfloat16)
         impl.forward(layer, qp, k[new], v[new], cache, meta, out)
-        for b, (n, m) in enumerate(zip(lens, q_lens)):
+        for b, (n, m) in enumerate(zip(lens, q_lens, strict=True)):
             rows = slice(cu[b], cu[b + 1])
             kk = torch.cat([kv.key[starts[b]:starts[b + 1] - m].double(), k[new][rows].double()])
             vv = torch.cat([kv.value[starts[b]:starts[b + 1] - m].double(), v[new][rows].double()])

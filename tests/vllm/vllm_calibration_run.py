@@ -4,10 +4,10 @@
 
 MODEL_DIR holds `kvx_kv_calibration.kvx` (found there, no option). One greedy request over the given prompt
 token ids, prefilled in chunks of `CHUNK` tokens (split prefill: each chunk over its own exact K/V plus the cached,
-calibrated prefix; cache prefill: everything over the pages) then decoded for `GEN` tokens, returns the prompt's top-5 log-probabilities at every position and
-each generated token with its log-probability. `LLM.apply_model` reports, per attention layer, how far the
-CacheDesc the backend built lies from the file's values for this format (key smoothing, key centering, K / V global
-scales).
+calibrated prefix; cache prefill: everything over the pages) then decoded for `GEN` tokens, returns the prompt's top-5
+log-probabilities at every position and each generated token with its log-probability. `LLM.apply_model` reports, per
+attention layer, how far the CacheDesc the backend built lies from the file's values for this format (key smoothing, key
+centering, K / V global scales).
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def inspect(model) -> list[dict]:
     """Per KVX attention layer: max |CacheDesc value - file value| of the smoothing, the centering (None: neither
     has one, inf: only one has) and the global scales."""
     import torch
+    from vllm.model_executor.models.utils import extract_layer_index
 
     from kvx_core.kv_calibration import FILENAME, load_kv_calibration
     from kvx_vllm.backend import KvxAttentionImpl
-    from vllm.model_executor.models.utils import extract_layer_index
 
     cal = load_kv_calibration(f"{_MODEL[0]}/{FILENAME}")
     out = []
@@ -64,7 +64,7 @@ def main(model_dir: str, cache_dtype: str, prefill: str, prompt_ids: list[int]) 
     return {"layers": llm.apply_model(inspect)[0],
             "prompt_logprobs": [None if lp is None else sorted((k, v.logprob) for k, v in lp.items())
                                 for lp in res.prompt_logprobs],
-            "generated": [[t, lp[t].logprob] for t, lp in zip(o.token_ids, o.logprobs)]}
+            "generated": [[t, lp[t].logprob] for t, lp in zip(o.token_ids, o.logprobs, strict=True)]}
 
 
 if __name__ == "__main__":

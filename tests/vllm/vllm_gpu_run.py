@@ -26,6 +26,11 @@ KV_BYTES = 2 << 30
 capacity compares formats exactly and runs sharing the GPU (the GPU suite beside them) size their caches alike."""
 
 
+def _logprobs(completion) -> list[float]:
+    """The log-probability of each generated token of a vLLM completion."""
+    return [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)]
+
+
 def main(ckpt: str, cache_dtype: str, eager: bool, prefill_cache: bool) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -42,19 +47,19 @@ def main(ckpt: str, cache_dtype: str, eager: bool, prefill_cache: bool) -> dict:
               enable_prefix_caching=True, seed=0,
               compilation_config=compilation, **extra)
     cc = llm.llm_engine.vllm_config.cache_config
-    out: dict = {"dtype": cache_dtype, "eager": eager, "prefill": "cache" if prefill_cache else "split", "startup_s": round(time.perf_counter() - t0, 1),
+    out: dict = {"dtype": cache_dtype, "eager": eager, "prefill": "cache" if prefill_cache else "split",
+                 "startup_s": round(time.perf_counter() - t0, 1),
                  "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size}
     ids = tokenize(AutoTokenizer.from_pretrained(ckpt), default_text(), max_tokens=20000).tolist()
     prompts = [ids[1000 * i:1000 * i + n] for i, n in enumerate(PROMPT_LENS)]
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=1)
     gens = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
     out["gen_tokens"] = [list(g.outputs[0].token_ids) for g in gens]
-    out["gen_logprobs"] = [[lp[t].logprob for t, lp in zip(g.outputs[0].token_ids, g.outputs[0].logprobs)]
-                           for g in gens]
+    out["gen_logprobs"] = [_logprobs(g.outputs[0]) for g in gens]
     scored_ids = ids[:PPL_TOKENS]
     scored = llm.generate([TokensPrompt(prompt_token_ids=scored_ids)],
                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-    out["prompt_logprobs"] = [lp[t].logprob for t, lp in zip(scored_ids[1:], scored.prompt_logprobs[1:])]
+    out["prompt_logprobs"] = [lp[t].logprob for t, lp in zip(scored_ids[1:], scored.prompt_logprobs[1:], strict=True)]
     out["ppl"] = math.exp(-sum(out["prompt_logprobs"]) / len(out["prompt_logprobs"]))
     prefix = ids[5000:6024]
     probe = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
@@ -64,8 +69,7 @@ def main(ckpt: str, cache_dtype: str, eager: bool, prefill_cache: bool) -> dict:
     cold = llm.generate([TokensPrompt(prompt_token_ids=prefix + ids[8000:8002])], probe, use_tqdm=False)[0]
     out["prefix"] = {"warm_cached": warm.num_cached_tokens, "cold_cached": cold.num_cached_tokens,
                      "warm_tokens": list(warm.outputs[0].token_ids), "cold_tokens": list(cold.outputs[0].token_ids),
-                     "warm": [lp[t].logprob for t, lp in zip(warm.outputs[0].token_ids, warm.outputs[0].logprobs)],
-                     "cold": [lp[t].logprob for t, lp in zip(cold.outputs[0].token_ids, cold.outputs[0].logprobs)]}
+                     "warm": _logprobs(warm.outputs[0]), "cold": _logprobs(cold.outputs[0])}
     out["total_s"] = round(time.perf_counter() - t0, 1)
     return out
 

@@ -1,4 +1,5 @@
-"""One vLLM instance (CPU, or CUDA on the GPU machine; SmolLM2-135M) with `--additional-config '{"kvx": {"lm_head": MODE}}'`; prints one JSON line.
+"""One vLLM instance (CPU, or CUDA on the GPU machine; SmolLM2-135M) with
+`--additional-config '{"kvx": {"lm_head": MODE}}'`; prints one JSON line.
 
     python tests/vllm/vllm_lm_head_run.py CKPT MODE     (MODE: mxfp4 or none)
 
@@ -18,9 +19,7 @@ PROMPTS = ["The lighthouse keeper wrote in his journal that the ship had", "def 
 def inspect(model) -> dict:
     import torch
 
-    from kvx_core.mxfp4_linear import quantize_mxfp4
-
-    from kvx_core.mxfp4_linear import mxfp4_linear
+    from kvx_core.mxfp4_linear import mxfp4_linear, quantize_mxfp4
 
     head, embed = model.lm_head, model.model.embed_tokens
     out = {"method": type(head.quant_method).__name__, "tied": head.weight is embed.weight,

@@ -67,9 +67,8 @@ class Oracle:
         self.plans = Counter()
 
     def install(self):
-        from kvx_vllm import backend
-
         from kvx_core.ops.attention import paged_decode
+        from kvx_vllm import backend
 
         orig = backend.KvxAttentionImpl.forward
         oracle = self
@@ -136,7 +135,8 @@ def run(model_dir: str, vocab: int, dtype: str, spec: bool, oracle: Oracle, *, t
     if score:
         res = llm.generate([{"prompt_token_ids": p} for p in scored],
                            SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False), use_tqdm=False)
-        out["logprobs"] = [[lp[t].logprob for t, lp in zip(p[1:], r.prompt_logprobs[1:])] for p, r in zip(scored, res)]
+        out["logprobs"] = [[lp[t].logprob for t, lp in zip(p[1:], r.prompt_logprobs[1:], strict=True)]
+                           for p, r in zip(scored, res, strict=True)]
         out["top1"] = [[next(k for k, v in lp.items() if v.rank == 1) for lp in r.prompt_logprobs[1:]] for r in res]
     params = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, detokenize=False,
                             **({} if spec else {"logprobs": 2}))
@@ -167,8 +167,8 @@ def compare(run: dict, base: dict) -> dict:
     ta = [x for row in run["top1"] for x in row]
     tb = [x for row in base["top1"] for x in row]
     return {"ppl": math.exp(-sum(a) / len(a)), "ppl_base": math.exp(-sum(b) / len(b)),
-            "mean_abs_dlogprob": sum(abs(x - y) for x, y in zip(a, b)) / len(a),
-            "top1_agree": sum(x == y for x, y in zip(ta, tb)) / len(ta)}
+            "mean_abs_dlogprob": sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a),
+            "top1_agree": sum(x == y for x, y in zip(ta, tb, strict=True)) / len(ta)}
 
 
 def speculative(model_dir: str, vocab: int, dtype: str, oracle: Oracle) -> dict:

@@ -10,9 +10,9 @@ stores the prompts' KV. `--prefix NAME`: prefix reuse: a prompt of the first 90%
 prompt (stored) plus new tokens, generated after dropping vLLM's prefix cache (its stored prefix loaded from STORE)
 and again computing everything locally. `--reload`: offload and reload: generate a new prompt (stored), drop vLLM's
 prefix cache, generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk
-of the store entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM 0.32 (that
-request is recomputed) and "fail" on 0.26 (it ends with finish_reason "error"; the connector refuses "recompute"
-there). `--kvtc CAL`: the connector's `kvtc` setting (store entries KVTC-coded with calibration CAL).
+of the store entry of the consumed set's last prompt (a faulty disk). The load-failure policy is "recompute" on vLLM
+0.32 (that request is recomputed) and "fail" on 0.26 (it ends with finish_reason "error"; the connector refuses
+"recompute" there). `--kvtc CAL`: the connector's `kvtc` setting (store entries KVTC-coded with calibration CAL).
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ PROMPTS = {name: [BASE * (3 + i) + f"Entry {k}{i}: the ship" for i in range(3)]
 RELOAD = BASE * 5 + "The last entry of the journal, kept in {}, reads:"
 NEW = " That night a storm broke, and the keeper wrote only one line:"
 GEN = 16
-PREFIX_BLOCK = 16  # the store's prefix-lookup block (the `store_prefix_block` setting), the same for every instance of a store
+# the store's prefix-lookup block (the `store_prefix_block` setting), the same for every instance of a store
+PREFIX_BLOCK = 16
 
 
 def _result(req) -> dict:

@@ -53,7 +53,8 @@ def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool, prefill: st
 
     out["prefix"] = prefix_reuse(llm, PREFIX_REPEAT)
     t1 = time.perf_counter()
-    out["timing"] = {"gen": round(t_gen - t0 - startup, 1), "ppl": round(t_ppl - t_gen, 1), "prefix": round(t1 - t_ppl, 1)}
+    out["timing"] = {"gen": round(t_gen - t0 - startup, 1), "ppl": round(t_ppl - t_gen, 1),
+                     "prefix": round(t1 - t_ppl, 1)}
     out["total_s"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -93,7 +94,7 @@ def preempt(ckpt: str, cache_dtype: str) -> dict:
                               use_tqdm=False)[0]
         n = len(r.prompt_token_ids)
         gaps.append([_rank1(lp).logprob - lp[t].logprob
-                     for t, lp in zip(ids[n:], scored.prompt_logprobs[n:])])
+                     for t, lp in zip(ids[n:], scored.prompt_logprobs[n:], strict=True)])
     cc = llm.llm_engine.vllm_config.cache_config
     return {"dtype": cache_dtype, "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
             "prompt_tokens": [len(r.prompt_token_ids) for r in together], "preemptions": preemptions,
@@ -121,7 +122,7 @@ def score_demo_text(llm, model: str, tokens: int):
     ids = tokenize(AutoTokenizer.from_pretrained(model), default_text(), max_tokens=tokens).tolist()
     scored = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
                           use_tqdm=False)[0]
-    nll = [-lp[t].logprob for t, lp in zip(ids[1:], scored.prompt_logprobs[1:])]
+    nll = [-lp[t].logprob for t, lp in zip(ids[1:], scored.prompt_logprobs[1:], strict=True)]
     return ids, scored, math.exp(sum(nll) / len(nll))
 
 
@@ -143,7 +144,7 @@ def prefix_reuse(llm, repeat: int) -> dict:
 def _logprobs(req) -> list[list]:
     """Per generated position: the sampled token and the top-5 (token, logprob) pairs."""
     o = req.outputs[0]
-    return [[t, sorted((k, v.logprob) for k, v in lp.items())] for t, lp in zip(o.token_ids, o.logprobs)]
+    return [[t, sorted((k, v.logprob) for k, v in lp.items())] for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, 
 
 
 def main(ckpt: str, cache_dtype: str, spec: bool) -> dict:
-    import kvx_vllm.backend as backend
     from vllm import LLM, SamplingParams
+
+    import kvx_vllm.backend as backend
 
     rows = Counter()
     plan = backend.plan_decode
@@ -39,7 +40,8 @@ def main(ckpt: str, cache_dtype: str, spec: bool) -> dict:
     llm = LLM(model=ckpt, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=1024, enforce_eager=True,
               max_num_seqs=4, max_num_batched_tokens=256, seed=0, disable_log_stats=False,
               distributed_executor_backend="uni", **extra)
-    params = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, **({} if spec else {"logprobs": 2}))
+    params = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True,
+                            **({} if spec else {"logprobs": 2}))
     # one request at a time: every verification step is then uniform (the n-gram speculator drafts 0..k tokens per
     # request, so batched requests rarely share a query length: such steps take the prefill route), and greedy
     # tokens do not depend on which requests share a step (vLLM CPU is not batch-invariant, README)

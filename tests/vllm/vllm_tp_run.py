@@ -58,7 +58,8 @@ def main(model_dir: str, cache_dtype: str, tp: int, prompts: list[list[int]], kv
     return {"ranks": sorted(llm.apply_model(by_name), key=lambda r: r["rank"]),
             "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             "requests": [{"prompt_logprobs": [_top(lp) for lp in r.prompt_logprobs],
-                          "generated": [[t, _top(lp)] for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]}
+                          "generated": [[t, _top(lp)] for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs,
+                                                                        strict=True)]}
                          for r in outs]}
 
 

@@ -45,7 +45,7 @@ def main(model: str, cache_dtype: str) -> dict:
     rescored = llm.generate([{"prompt_token_ids": full}], SamplingParams(max_tokens=1, prompt_logprobs=1),
                             use_tqdm=False)[0]
     out["greedy_gaps"] = [next(v for v in lp.values() if v.rank == 1).logprob - lp[t].logprob
-                          for t, lp in zip(full[40:], rescored.prompt_logprobs[40:])]
+                          for t, lp in zip(full[40:], rescored.prompt_logprobs[40:], strict=True)]
 
     out["prefix"] = prefix_reuse(llm, PREFIX_REPEAT)
     return out

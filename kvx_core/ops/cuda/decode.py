@@ -1,10 +1,11 @@
 """Launcher of the CUDA paged decode (`paged_decode_mma.cu`): which calls it serves, and the launch.
 
 It serves NVFP4 (f16/bf16 queries), MXFP4 16/32 (bf16 queries), INT4, INT8 and FP8 E4M3/E5M2 (f16/bf16)
-caches whose K and V use the same format, and k8v4 (FP8 E4M3 keys, NVFP4 values) (rotated variants too), head_dim 64/128/256, 1..16 query heads
-per KV head, block sizes that are multiples of 16, dense token rows aligned for word loads; 4 warps/CTA. Anything else goes to the
-Triton kernel (`supports` says why). The kernel writes per-split partial outputs and, in the same library call,
-merges them (the merge of `ops/triton/merge.py`, which serves the Triton decode, with attention sinks).
+caches whose K and V use the same format, and k8v4 (FP8 E4M3 keys, NVFP4 values) (rotated variants too), head_dim
+64/128/256, 1..16 query heads per KV head, block sizes that are multiples of 16, dense token rows aligned for word
+loads; 4 warps/CTA. Anything else goes to the Triton kernel (`supports` says why). The kernel writes per-split partial
+outputs and, in the same library call, merges them (the merge of `ops/triton/merge.py`, which serves the Triton decode,
+with attention sinks).
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def layer_args(fmt: CacheFormat, k_data, k_scales, v_data, v_scales, kg, vg,
     p.vg = vg.data_ptr() if vg is not None and kv.global_scale else None
     p.qs = q_smoothing.data_ptr() if q_smoothing is not None else None
     # group: the FP4 group size (the kernel reads it for NVFP4 / MXFP4 only)
-    codes = (int(kk.cuda_code), int(kv.cuda_code), kk.group or kv.group or 16, int(k_data.shape[3]) * (2 if kk.packed else 1))
+    codes = (int(kk.cuda_code), int(kv.cuda_code), kk.group or kv.group or 16,
+             int(k_data.shape[3]) * (2 if kk.packed else 1))
     return LayerArgs(p, codes, int(k_data.shape[1]), k_data.device, kernel_library(k_data.device).kvx_paged_decode)
 
 

@@ -133,7 +133,7 @@ def launch_layer(layer: LayerWrite, key: torch.Tensor, value: torch.Tensor, slot
     value = value if _x_ok(value) else value.contiguous()
     slots = slots.contiguous()
     p = WriteParams.from_buffer_copy(layer.params)
-    for side, x in zip(p.side, (key, value)):
+    for side, x in zip(p.side, (key, value), strict=True):
         side.x, side.x_st, side.x_sh = x.data_ptr(), x.stride(0), x.stride(1)
     p.slots, p.slots_64, p.tokens = slots.data_ptr(), int(slots.dtype == torch.int64), int(key.shape[0])
     err = launch_on_stream(layer.entry, layer.device.index, ctypes.byref(p), *layer.codes, _X_DTYPES[key.dtype],

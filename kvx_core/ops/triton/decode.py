@@ -89,7 +89,8 @@ def default_block_n(kk: KernelFormat, kv: KernelFormat, head_dim: int) -> int:
     if kk.storage in (torch.bfloat16, torch.float16) or kv.storage in (torch.bfloat16, torch.float16):
         return 64 if head_dim <= 128 else 32
     if kk.packed and kv.packed:
-        # H200, B=64 32k: 64 beat 128 by 9-10% on int4 and nvfp4 (benchmarks/results/decode_triton_splits_blockn_h200.jsonl)
+        # H200, B=64 32k: 64 beat 128 by 9-10% on int4 and nvfp4
+        # (benchmarks/results/decode_triton_splits_blockn_h200.jsonl)
         return 64
     # 8-bit payloads (H200 sweep winners: benchmarks/results/decode_triton_tile_sweep_h200.jsonl)
     return 128 if head_dim <= 128 else 64

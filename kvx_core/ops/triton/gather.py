@@ -14,10 +14,17 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
-from ..rotation import rotate
-from ..checks import (IO_DTYPES, check_block_ids, check_max_seq_len, check_no_alias, check_out_dtype, global_scale,
-                      require_type)
+from ..checks import (
+    IO_DTYPES,
+    check_block_ids,
+    check_max_seq_len,
+    check_no_alias,
+    check_out_dtype,
+    global_scale,
+    require_type,
+)
 from ..kernel_format import FormatCode, kernel_format
+from ..rotation import rotate
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
 from .quant import cast_exact, e2m1_value, e4m3_f32, f8_byte_f32, f16_bytes_f32
@@ -102,10 +109,11 @@ def _gather_kernel(
 
 
 @torch.no_grad()
-def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
-              block_table: torch.Tensor, seq_lens: torch.Tensor, fmt: CacheFormat | str, k_gs=None, v_gs=None, *,
-              max_seq_len: int | None = None, out_dtype: torch.dtype | None = None,
-              out: tuple[torch.Tensor, torch.Tensor] | None = None, block_t: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: torch.Tensor,
+                 v_scales: torch.Tensor | None, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 fmt: CacheFormat | str, k_gs=None, v_gs=None, *, max_seq_len: int | None = None,
+                 out_dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 block_t: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ragged `(K, V) [sum(min(seq_lens, max_seq_len)), H_kv, D]` in the model's domain.
 
     `out_dtype` defaults to the pool dtype for unquantized caches and FP32 otherwise (as the reference).
@@ -138,7 +146,8 @@ def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: to
     if bool((lens < 0).any()):
         raise KvxError(Status.INVALID_ARGUMENT, "sequence lengths must be >= 0")
     if bool((lens > block_table.shape[1] * bs).any()):
-        raise KvxError(Status.OUT_OF_RANGE, f"a sequence is longer than its block table row ({block_table.shape[1]} blocks)")
+        raise KvxError(Status.OUT_OF_RANGE,
+                       f"a sequence is longer than its block table row ({block_table.shape[1]} blocks)")
     check_block_ids(block_table, lens, bs, nb)
     cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=cu[1:])
@@ -147,16 +156,21 @@ def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: to
     check_out_dtype(out_dtype)
     dt = out_dtype or (kk.storage if kk.code == kv.code == FormatCode.PLAIN else torch.float32)
     if out is not None:
-        _check_out(out, total, hkv, d, out_dtype, {"K": k_data, "V": v_data, "K scales": k_scales, "V scales": v_scales})
+        _check_out(out, total, hkv, d, out_dtype,
+                   {"K": k_data, "V": v_data, "K scales": k_scales, "V scales": v_scales})
     direct = out is not None and not fmt.rotate and out[0].stride(2) == 1 and out[1].stride(2) == 1
     if direct:
         ko, vo = out
     else:
         dts = (out[0].dtype, out[1].dtype) if out is not None else (dt, dt)
-        ko, vo = (torch.empty(total, hkv, d, dtype=torch.float32 if fmt.rotate else x, device=k_data.device) for x in dts)
+        ko, vo = (torch.empty(total, hkv, d, dtype=torch.float32 if fmt.rotate else x, device=k_data.device)
+                  for x in dts)
     if total:
         dp = triton.next_power_of_2(d)
-        ngp = lambda k: triton.next_power_of_2(max(1, d // (k.group or 16)))
+
+        def ngp(k) -> int:
+            return triton.next_power_of_2(max(1, d // (k.group or 16)))
+
         _gather_kernel[(triton.cdiv(max_len, block_t), block_table.shape[0], 2 * hkv)](
             block_table, block_table.stride(0), seq_lens, cu, max_len, hkv,
             as_bytes(k_data), k_data.stride(0), k_data.stride(1), k_data.stride(2), *ks,
@@ -171,7 +185,8 @@ def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: to
             num_warps=4, enable_fp_fusion=False,
         )
     if fmt.rotate:
-        ko, vo = (rotate(x, out_dtype=o.dtype if out is not None else dt) for x, o in zip((ko, vo), out or (None, None)))
+        ko, vo = (rotate(x, out_dtype=o.dtype if out is not None else dt)
+                  for x, o in zip((ko, vo), out or (None, None), strict=True))
     if out is None or direct:
         return ko, vo
     out[0][:total].copy_(ko)
@@ -185,6 +200,7 @@ def _check_out(out, total: int, hkv: int, d: int, out_dtype: torch.dtype | None,
     ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
     if not ok or any(t.dim() != 3 or t.shape[0] < total or tuple(t.shape[1:]) != (hkv, d) or t.dtype not in IO_DTYPES
                      or (out_dtype is not None and t.dtype != out_dtype) or t.device != pools["K"].device for t in out):
-        raise KvxError(Status.INVALID_ARGUMENT, f"out must be two {out_dtype or 'bf16/fp16/fp32'} [>= {total}, {hkv}, {d}] "
-                       f"tensors on {pools['K'].device}")
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"out must be two {out_dtype or 'bf16/fp16/fp32'} [>= {total}, {hkv}, {d}] tensors on "
+                       f"{pools['K'].device}")
     check_no_alias({"out K": out[0], "out V": out[1]}, pools)

@@ -62,9 +62,10 @@ def check_out_tensor(name: str, t, shape, dtype, device) -> torch.Tensor:
     """A caller-provided output: a float tensor of `shape` (and `dtype` when given) on `device`, last dim contiguous."""
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.device != device \
             or (dtype is not None and t.dtype != dtype) or not t.is_floating_point() or t.stride(-1) != 1:
-        raise KvxError(Status.INVALID_ARGUMENT, f"{name} must be a {dtype or 'float'} {tuple(shape)} tensor on {device} "
-                       f"with a contiguous last dim, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__} "
-                       f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{name} must be a {dtype or 'float'} {tuple(shape)} tensor on {device} with a contiguous "
+                       f"last dim, got {got}")
     return t
 
 
@@ -124,13 +125,15 @@ def sm_count(device: torch.device) -> int:
 def check_pool(name: str, data: torch.Tensor, kf: KernelFormat, head_dim: int) -> None:
     """`data` is a `[num_blocks, H_kv, block_size, Dk]` pool of `kf`'s storage dtype with a contiguous last dim."""
     if data.dim() != 4:
-        raise KvxError(Status.INVALID_ARGUMENT, f"{name} pool must be [num_blocks, H_kv, block_size, Dk], got {tuple(data.shape)}")
+        raise KvxError(Status.INVALID_ARGUMENT,
+                       f"{name} pool must be [num_blocks, H_kv, block_size, Dk], got {tuple(data.shape)}")
     if data.dtype != kf.storage:
         raise KvxError(Status.INVALID_ARGUMENT, f"{name} pool dtype must be {kf.storage}, got {data.dtype}")
     dk = head_dim // 2 if kf.packed else head_dim
     if data.shape[3] != dk or data.stride(3) != 1:
         raise KvxError(Status.INVALID_ARGUMENT,
-                       f"{name} pool last dim must be {dk} and contiguous, got {data.shape[3]} (stride {data.stride(3)})")
+                       f"{name} pool last dim must be {dk} and contiguous, got {data.shape[3]} "
+                       f"(stride {data.stride(3)})")
 
 
 def scale_args(name, scales, data, kf: KernelFormat, tf, head_dim):

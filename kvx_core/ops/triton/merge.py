@@ -30,8 +30,8 @@ def _merge_kernel(
     """Merge the splits of one (sequence, query head): o = sum_s w_s o_s / sum_s w_s, w_s = 2**lse2_s; with
     HAS_SINKS, the head's sink `SINKS[hq]` joins as one more term exp(sink) of the denominator (`join_sink`).
 
-    Program (b, hq, j) owns output columns [j*DB, (j+1)*DB); splits are read SB at a time as one [SB, DB] tile (one memory latency
-    per SB splits, not per split), so small batches still spread the reduction over many SMs.
+    Program (b, hq, j) owns output columns [j*DB, (j+1)*DB); splits are read SB at a time as one [SB, DB] tile (one
+    memory latency per SB splits, not per split), so small batches still spread the reduction over many SMs.
     """
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)

@@ -6,8 +6,8 @@ weight tile is decoded in registers by the KV decode's own FP4 tile (`tiles.fp4_
 times the group's UE8M0 scale, exact in bf16), split into even (low nibble) and odd (high nibble) inputs, and meets
 the matching even / odd activation columns in two tensor-core dots with FP32 accumulation. With bf16 activations
 and scale bytes <= 128 (known from quantization) the tile skips FP32: E2M1 bits placed as bf16 e2m1 * 2**-126 and
-multiplied by 2**(scale - 1) in bf16x2 (`_bf16_tile`, ~2.75 instead of ~4.5 instructions per weight). The weight is read once
-per `BM` rows of x, so for M <= BM the kernel reads 4.25 bits per weight and little else. The products are exact;
+multiplied by 2**(scale - 1) in bf16x2 (`_bf16_tile`, ~2.75 instead of ~4.5 instructions per weight). The weight is read
+once per `BM` rows of x, so for M <= BM the kernel reads 4.25 bits per weight and little else. The products are exact;
 only the FP32 summation order differs from the torch reference (`kvx_core.mxfp4_linear`, which multiplies the
 decoded weight in x's dtype).
 """
@@ -92,8 +92,8 @@ def mxfp4_linear_triton(x: torch.Tensor, payload: torch.Tensor, scales: torch.Te
                         ) -> torch.Tensor:
     """`x [M, K]` (bf16 / fp16, unit stride in K) times the MXFP4 weight `payload [N, K/2]`, `scales [N, K/32]`
     (uint8, contiguous) -> `[M, N]` in x's dtype. `max_scale`: the largest scale byte when the caller knows it
-    (`Mxfp4Weight.max_scale`); <= 128 (|w| <= 12, every real lm_head) with bf16 x selects the decode without FP32. `tiles`: (BM, BN, BK, num_warps, num_stages) instead of `config(M)`
-    (the benchmark's sweep)."""
+    (`Mxfp4Weight.max_scale`); <= 128 (|w| <= 12, every real lm_head) with bf16 x selects the decode without FP32.
+    `tiles`: (BM, BN, BK, num_warps, num_stages) instead of `config(M)` (the benchmark's sweep)."""
     require(x.dim() == 2 and x.dtype in DTYPES and x.stride(1) == 1, Status.INVALID_ARGUMENT,
             f"MXFP4 linear kernel: x must be [M, K] bf16 / fp16 with unit stride in K, got {tuple(x.shape)} {x.dtype}")
     n, k = payload.shape[0], x.shape[1]

@@ -26,8 +26,8 @@ import triton.language as tl
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
-from ..rotation import rotate
 from ..kernel_format import kernel_format
+from ..rotation import rotate
 from .dequant import join_sink, lse_or_empty
 from .launch import as_bytes, check_device, check_layer, check_plan, dot_type, fp8_type, global_scale_arg, pool_geometry
 from .tiles import acc_init, head_factors, load_q, pv_tile, q_sums, qk_tile, softmax_step, store_rows, tile_slots

@@ -20,8 +20,24 @@ import triton
 import triton.language as tl
 
 from .dequant import (
-    F_FP8, F_INT4, F_INT8, F_MXFP4, F_NVFP4, TWO_POW_14, TWO_POW_24, e2m1_hi_f16_x4, e2m1_lo_f16_x4, e4m3_byte_f16,
-    e8m0_f32_x2p14, lse_or_empty, u4_hi_f16, u4_hi_f16_sub, u4_lo_f16, u4_lo_f16_sub, u8_code_f16, u8_f16_sub,
+    F_FP8,
+    F_INT4,
+    F_INT8,
+    F_MXFP4,
+    F_NVFP4,
+    TWO_POW_14,
+    TWO_POW_24,
+    e2m1_hi_f16_x4,
+    e2m1_lo_f16_x4,
+    e4m3_byte_f16,
+    e8m0_f32_x2p14,
+    lse_or_empty,
+    u4_hi_f16,
+    u4_hi_f16_sub,
+    u4_lo_f16,
+    u4_lo_f16_sub,
+    u8_code_f16,
+    u8_f16_sub,
 )
 from .quant import f16_bytes_f32
 

@@ -13,12 +13,12 @@ import triton
 import triton.language as tl
 
 from ...formats import CacheFormat
-from ..rotation import rotate_kv
 from ..checks import WriteArgs, check_write_args
 from ..kernel_format import kernel_format
+from ..rotation import rotate_kv
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
-from .quant import cast_exact, ceil_log2, e4m3_f32, e2m1_code, f32_to_f8_bits, floor_log2, is_finite, rint, to_f32
+from .quant import cast_exact, ceil_log2, e2m1_code, e4m3_f32, f32_to_f8_bits, floor_log2, is_finite, rint, to_f32
 
 F16_MAX = tl.constexpr(65504.0)
 F16_NAN_BITS = tl.constexpr(0x7E00)
@@ -97,7 +97,8 @@ def _encode_rows(X, s_xt, s_xh, SLOT, T, t0, h, PD, s_pb, s_ph, s_pt, SC, s_sb, 
         jm = (j < D // 2)[None, :]
         fin = tl.max(tl.where(jm & ~(is_finite(xa) & is_finite(xb)), 1, 0), axis=1) == 0
         mn = tl.minimum(tl.min(tl.where(jm, xa, float("inf")), axis=1), tl.min(tl.where(jm, xb, float("inf")), axis=1))
-        mx = tl.maximum(tl.max(tl.where(jm, xa, float("-inf")), axis=1), tl.max(tl.where(jm, xb, float("-inf")), axis=1))
+        mx = tl.maximum(tl.max(tl.where(jm, xa, float("-inf")), axis=1),
+                        tl.max(tl.where(jm, xb, float("-inf")), axis=1))
         sc_bits, mn_bits, s, m, usable = _int_params(mn, mx, fin, 15.0)
         qa = _int_code(xa, m, s, usable, 15.0)
         qb = _int_code(xb, m, s, usable, 15.0)

@@ -66,8 +66,9 @@ def install(format: str | None = None) -> config.RunConfig:
 
     if tgi_globals.ATTENTION != run.attention or tgi_globals.BLOCK_SIZE != run.block_size:
         raise KvxError(Status.INVALID_ARGUMENT,
-                       f"TGI was imported with ATTENTION={tgi_globals.ATTENTION} (BLOCK_SIZE {tgi_globals.BLOCK_SIZE}), "
-                       f"the environment now says ATTENTION={run.attention}: one process serves one ATTENTION")
+                       f"TGI was imported with ATTENTION={tgi_globals.ATTENTION} (BLOCK_SIZE "
+                       f"{tgi_globals.BLOCK_SIZE}), the environment now says ATTENTION={run.attention}: one process "
+                       "serves one ATTENTION")
     config.set_current(run)
     import text_generation_server.models as tgi_models  # the model files bind the KVX attention names now
 

@@ -114,7 +114,8 @@ def paged_attention(query: torch.Tensor, kv_cache: KVCache, kv_head_mapping: tor
     return out
 
 
-__all__ = ["SUPPORTS_WINDOWING", "KVCache", "KVScales", "attention", "get_kv_scales", "paged_attention"]  # + Seqlen (install)
+# + Seqlen (install)
+__all__ = ["SUPPORTS_WINDOWING", "KVCache", "KVScales", "attention", "get_kv_scales", "paged_attention"]
 
 
 def __getattr__(name: str):

@@ -41,6 +41,7 @@ from kvx_core.ops.dispatch import BoundLayer, bind, write_kv
 
 from . import calibration, config
 
+
 @dataclass
 class KVScales:
     """A layer's checkpoint KV scales: the fields TGI's model files and attention functions read
@@ -127,7 +128,8 @@ class KVCache:
         if self._scales == want:
             return
         require(self._scales is None, Status.INVALID_ARGUMENT,
-                f"this layer's KV scales changed from {self._scales} to {want} after K/V were written with the old ones")
+                f"this layer's KV scales changed from {self._scales} to {want} after K/V were written with the old "
+                "ones")
         self._scales = want
         if want == (1.0, 1.0):
             return
@@ -149,7 +151,8 @@ class KVCache:
         if self._calibrated:
             return
         if (values.k_global is not None or values.v_global is not None) and checkpoint != (1.0, 1.0):
-            log_once(logger.info, "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
+            log_once(logger.info,
+                     "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
         values.apply(self.cache, 0)
         self.desc = self.cache.descriptor(0)
         self._bind()

@@ -154,7 +154,7 @@ def _check_pointers(pool_pointers, pools: list[torch.Tensor], secondary: list[to
             f"kv_cache_pool_pointers must be {list(want_shape)} for these pools, got {tuple(ptr.shape)}"
             + (" (NVFP4 caches stack the block-scale pools' pointers: [num_pools, 2, 2])" if scale_pools is None
                else ""))
-    for p, (prim, sec) in enumerate(zip(pools, secondary)):
+    for p, (prim, sec) in enumerate(zip(pools, secondary, strict=True)):
         want = [prim.data_ptr(), 0 if sec is None else sec.data_ptr()]
         got = ptr[p].reshape(2, -1)[:, 0].tolist()
         if scale_pools is not None:
@@ -285,7 +285,7 @@ def _nvfp4_scale_pools(scale_pools, prim: list[torch.Tensor], sec: list[torch.Te
     require(len(sp) == len(prim), Status.INVALID_ARGUMENT,
             f"NVFP4 (uint8) pools need scale_pools, the block-scale pools: {len(sp)} given for {len(prim)} pools")
     out = []
-    for p, (data, s) in enumerate(zip(prim, sp)):
+    for p, (data, s) in enumerate(zip(prim, sp, strict=True)):
         require(isinstance(s, torch.Tensor) and s.dtype in (torch.uint8, torch.float8_e4m3fn), Status.INVALID_ARGUMENT,
                 f"scale pool {p} must be a uint8 / float8_e4m3fn tensor")
         want = (*data.shape[:3], data.shape[3] // (head_dim // 2) * (head_dim // 16))

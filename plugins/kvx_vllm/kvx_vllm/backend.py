@@ -12,9 +12,9 @@ per request (speculative decoding's verification, k <= num_speculative_tokens) t
 the split prefill of `prefill` (new tokens by FlashAttention, cached prefix by KVX, merged) unless the run
 asks for `{"kvx": {"prefill": "cache"}}`. Sliding-window layers (Mistral's `sliding_window`, Gemma 2/3 and
 gpt-oss `layer_types`): vLLM gives each KV cache group its own builder, so a window group plans its steps with
-its window (`window_of`) and frees the blocks that fall out of it (KVX never reads them, `ops.attention`). Attention sinks (gpt-oss: the impl's `sinks`, one logit per query head
-and layer) are checked once when the weights are loaded and given to each layer's run of the step's plan
-(`AttentionPlan.run`'s `sinks`, `SplitPrefill.run`).
+its window (`window_of`) and frees the blocks that fall out of it (KVX never reads them, `ops.attention`). Attention
+sinks (gpt-oss: the impl's `sinks`, one logit per query head and layer) are checked once when the weights are loaded and
+given to each layer's run of the step's plan (`AttentionPlan.run`'s `sinks`, `SplitPrefill.run`).
 """
 from __future__ import annotations
 
@@ -23,28 +23,35 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
 
+from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
 from kvx_core.calibration import amax_from_checkpoint, global_scale_for_amax
 from kvx_core.descriptors import CacheDesc, KvIoDesc, WriteDesc
 from kvx_core.formats import CacheFormat, get_format
 from kvx_core.ops import backends
 from kvx_core.ops.attention import check_sinks, sink_values
 from kvx_core.ops.dispatch import AttentionPlan, BoundLayer, bind, plan_decode, plan_prefill, write_kv
-from kvx_adapters.vllm import block_table_from_vllm, seq_lens_from_vllm, slot_mapping_from_vllm
-from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
-from vllm.logger import init_logger
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionLayer,
-                                       AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata, MultipleOf)
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .calibration import layer_values
 from .dtypes import KVX_CACHE_DTYPES, is_kvx_dtype
 from .options import check_config, options_of
 from .pages import PAGE_BLOCK_ALIGN, page_cache_desc, token_bytes
 from .prefill import SplitPrefill
-
 
 _run: dict[str, CacheFormat] = {}
 """The format of this process's run, recorded when its layers are built (inside vLLM's config context)
@@ -86,11 +93,11 @@ class KvxAttentionBackend(AttentionBackend):
         return "CUSTOM"
 
     @staticmethod
-    def get_impl_cls() -> type["KvxAttentionImpl"]:
+    def get_impl_cls() -> type[KvxAttentionImpl]:
         return KvxAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type["KvxMetadataBuilder"]:
+    def get_builder_cls() -> type[KvxMetadataBuilder]:
         return KvxMetadataBuilder
 
     @classmethod
@@ -296,7 +303,8 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
                     init_logger("vllm.plugins.kvx").info_once(
                         "KVX: the KV calibration file's global scales replace the checkpoint's k_scale / v_scale")
             if k is None and v is None and ckpt:
-                sd = {"layers.0.k_scale": layer._k_scale.detach().cpu(), "layers.0.v_scale": layer._v_scale.detach().cpu()}
+                sd = {"layers.0.k_scale": layer._k_scale.detach().cpu(),
+                      "layers.0.v_scale": layer._v_scale.detach().cpu()}
                 amax = amax_from_checkpoint(sd, 1)[0]
                 k, v = global_scale_for_amax(fmt.k, amax[0]), global_scale_for_amax(fmt.v, amax[1])
             elif k is None and v is None:

@@ -2,15 +2,15 @@
 format at startup, and each layer's key smoothing, key centering and global scales for the backend's `CacheDesc`.
 
 The file is `--additional-config '{"kvx": {"kv_calibration": PATH}}'`, else `<model dir>/kvx_kv_calibration.kvxcal`
-(or, without one, the older name `kvx_kv_calibration.kvx`) when the model is a local directory holding one. It is refused (ValueError at startup, before any K/V is written)
-when it is damaged, made for another model (fingerprint) or geometry, holds no scales for a run format that has a
-global scale, centers keys for a model with a logit soft cap (tanh is not shift invariant), or the run is
-pipeline-parallel (not verified: the file is checked against this stage's layers only). The vLLM-native
-fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`options.options_of`).
+(or, without one, the older name `kvx_kv_calibration.kvx`) when the model is a local directory holding one. It is
+refused (ValueError at startup, before any K/V is written) when it is damaged, made for another model (fingerprint) or
+geometry, holds no scales for a run format that has a global scale, centers keys for a model with a logit soft cap (tanh
+is not shift invariant), or the run is pipeline-parallel (not verified: the file is checked against this stage's layers
+only). The vLLM-native fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`options.options_of`).
 
 Tensor parallelism: the file is checked against the model's total KV heads, then each rank's layers take the rows
-of the heads that rank holds (`kvx_core.transfer.tp.tp_head_range`, vLLM's `QKVParallelLinear` partition: split when there are at least
-as many KV heads as ranks, else each head replicated on `tp_size / total` consecutive ranks).
+of the heads that rank holds (`kvx_core.transfer.tp.tp_head_range`, vLLM's `QKVParallelLinear` partition: split when
+there are at least as many KV heads as ranks, else each head replicated on `tp_size / total` consecutive ranks).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def run_calibration(vllm_config: Any) -> KvCalibration | None:
         _loaded[path] = cal
         init_logger("vllm.plugins.kvx").info(
             "KVX KV calibration %s: %s layers, key smoothing %s, key centering %s, %s scales for %s", path,
-            cal.num_layers, "alpha %s" % cal.alpha if cal.alpha else "off", "on" if cal.center is not None else "off",
+            cal.num_layers, f"alpha {cal.alpha}" if cal.alpha else "off", "on" if cal.center is not None else "off",
             cal.rule or "no", ", ".join(sorted(cal.scales)) or "-")
     return _loaded[path]
 

@@ -6,8 +6,9 @@
   `Attention.get_kv_cache_spec`, whose `FullAttentionSpec` counts `2 * head_size * dtype` bytes per token
   and head; `install_version_hooks` wraps it so `kvx_*` layers get a `KvxFullAttentionSpec` (a
   `FullAttentionSpec` whose page is `block_size * token_bytes`: the format's real bytes, so a 4-bit cache
-  holds ~3.5x the blocks; sliding-window layers likewise a `KvxSlidingWindowSpec`), and the backend's `get_kv_cache_shape` views each page as
-  `[num_blocks, 1, block_size, token_bytes]` bytes. Selection goes through `FLASH_ATTN`'s path.
+  holds ~3.5x the blocks; sliding-window layers likewise a `KvxSlidingWindowSpec`), and the backend's
+  `get_kv_cache_shape` views each page as `[num_blocks, 1, block_size, token_bytes]` bytes. Selection goes through
+  `FLASH_ATTN`'s path.
 Other minors are refused at load (0.27-0.31 require torch 2.13 and were not run; 0.33+ not verified).
 This module imports nothing from vLLM at module level (tests load it without vLLM).
 """

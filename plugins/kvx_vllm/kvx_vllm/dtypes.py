@@ -45,12 +45,11 @@ def format_name(cache_dtype: str, rotate: bool) -> str:
 
 def add_cache_dtypes() -> None:
     """Extend vLLM's `CacheDType` with the `kvx_*` names (idempotent)."""
-    from pydantic.dataclasses import rebuild_dataclass
-
     import vllm.config as config_pkg
     import vllm.config.cache as cache_mod
     import vllm.engine.arg_utils as arg_utils
     import vllm.v1.attention.selector as selector
+    from pydantic.dataclasses import rebuild_dataclass
     from vllm.utils import torch_utils
 
     old = cache_mod.CacheDType

@@ -22,7 +22,8 @@ def model_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
 
             p = try_to_load_from_cache(root, name, revision=mc.revision)
         if not isinstance(p, str) or not os.path.isfile(p):
-            raise ValueError(f"KVX: cannot find {name} of {root!r} locally; the model fingerprint (KV bundles, KV calibration) hashes "
-                             "the model's config.json and tokenizer.json (serve a local checkpoint directory)")
+            raise ValueError(f"KVX: cannot find {name} of {root!r} locally; the model fingerprint (KV bundles, KV "
+                             "calibration) hashes the model's config.json and tokenizer.json (serve a local "
+                             "checkpoint directory)")
         paths.append(p)
     return fingerprint_from_files(*paths)

@@ -123,7 +123,7 @@ class LayerCaches:
         tensors vLLM registered never move."""
         if self._descs is None:
             if self.kind == "kvx":
-                self._descs = [layer.impl.cache_desc(layer, kv) for layer, kv in zip(self.layers, self.kv)]
+                self._descs = [layer.impl.cache_desc(layer, kv) for layer, kv in zip(self.layers, self.kv, strict=True)]
             else:
                 from kvx_adapters.vllm import from_vllm_kv_cache, from_vllm_packed_kv_cache
 
@@ -164,7 +164,7 @@ class LayerCaches:
                   for _ in self.kv]
         import_bundle(src, staged, torch.arange(t), model=model, token_ids=token_ids, token_range=token_range,
                       kv_heads=kv_heads)
-        for kv, s in zip(self.kv, staged):  # every layer converted and checked: now store
+        for kv, s in zip(self.kv, staged, strict=True):  # every layer converted and checked: now store
             kc, vc = p.split(kv)
             p.write(kc, vc, s.k.tensor[0].transpose(0, 1), s.v.tensor[0].transpose(0, 1), slots)
 

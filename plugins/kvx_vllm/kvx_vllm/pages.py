@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvx_core.cache import page_regions, page_bytes
+from kvx_core.cache import page_bytes, page_regions
 from kvx_core.codec import quant_desc
 from kvx_core.descriptors import CacheDesc
 from kvx_core.enums import Layout
@@ -52,7 +52,7 @@ def page_cache_desc(kv_cache: torch.Tensor, fmt: CacheFormat, num_kv_heads: int,
     pages = kv_cache.as_strided((n, block_size * c), (kv_cache.stride(0), 1))
     views: list[torch.Tensor | None] = []
     for (off, size), tf, scales in zip(page_regions(fmt, block_size, num_kv_heads, head_dim),
-                                       (fmt.k, fmt.v, fmt.k, fmt.v), (False, False, True, True)):
+                                       (fmt.k, fmt.v, fmt.k, fmt.v), (False, False, True, True), strict=True):
         if size == 0:
             views.append(None)
             continue

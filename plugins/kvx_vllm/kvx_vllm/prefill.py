@@ -38,13 +38,14 @@ per request: the same math, for testing the route on small models.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
+from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
 from kvx_core.descriptors import CacheDesc
 from kvx_core.ops import attention
 from kvx_core.ops.dispatch import AttentionPlan
-from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
 
 def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_scale, softcap, window):
@@ -52,8 +53,9 @@ def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_
     layer's window as vLLM's FlashAttention backend passes it (`window_size = (window_left, 0)`)."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
-    out, lse = flash_attn_varlen_func(q=query.contiguous(), k=key, v=value, cu_seqlens_q=cu_seqlens, max_seqlen_q=max_query_len,
-                                      cu_seqlens_k=cu_seqlens, max_seqlen_k=max_query_len, softmax_scale=sm_scale,
+    out, lse = flash_attn_varlen_func(q=query.contiguous(), k=key, v=value, cu_seqlens_q=cu_seqlens,
+                                      max_seqlen_q=max_query_len, cu_seqlens_k=cu_seqlens,
+                                      max_seqlen_k=max_query_len, softmax_scale=sm_scale,
                                       causal=True, softcap=softcap or 0.0, return_softmax_lse=True,
                                       window_size=(-1, -1) if window is None else (window, 0),
                                       fa_version=get_flash_attn_version(head_size=query.shape[-1]))
@@ -64,11 +66,11 @@ def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_sca
     """The same attention with KVX's FP64 reference core, request by request (off CUDA)."""
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
-    for q0, q1 in zip(starts, starts[1:]):
+    for q0, q1 in pairwise(starts):
         if q1 > q0:
-            o, l = attention.attend(query[q0:q1], key[q0:q1], value[q0:q1], torch.arange(q1 - q0), sm_scale,
-                                    softcap, window, True)
-            out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), l.t().float()
+            o, lse_t = attention.attend(query[q0:q1], key[q0:q1], value[q0:q1], torch.arange(q1 - q0), sm_scale,
+                                        softcap, window, True)
+            out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), lse_t.t().float()
     return out, lse
 
 
