@@ -18,9 +18,9 @@ import argparse
 import decimal
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "results.md"
 
-MAX_INDEX_BYTES = 1 << 20
-"""index.yaml larger than this is refused before it is read (it is ~100 KiB for ~80 files)."""
+MAX_TEXT_BYTES = 1 << 20
+"""index.yaml or docs/results.md larger than this is refused before it is read (each is under 100 KiB)."""
 MAX_RESULT_BYTES = 16 << 20
 """A JSON-lines result file larger than this is refused before it is read (the largest is ~100 KiB)."""
 
@@ -157,7 +157,7 @@ def parse_index(text: str | bytes) -> Index:
 
 
 def load_index(results: Path) -> Index:
-    return parse_index(_read_capped(results / "index.yaml", MAX_INDEX_BYTES))
+    return parse_index(_read_capped(results / "index.yaml", MAX_TEXT_BYTES))
 
 
 def index_problems(index: Index, results: Path) -> list[str]:
@@ -257,7 +257,7 @@ def table_vllm_kv_dtypes_h200(results: Path) -> str:
     out = []
     for dtype in _first_seen(rows, "kv_cache_dtype", name):
         row = [dtype]
-        for value, ref, n in zip(cells(dtype), base, digits):
+        for value, ref, n in zip(cells(dtype), base, digits, strict=True):
             if value is None:
                 row.append("not run (1)")
             else:
@@ -297,14 +297,16 @@ def table_write_bandwidth_h100(results: Path) -> str:
 def table_transfer_bundle_h100(results: Path) -> str:
     """Bundle export / import GB/s per path against a pinned copy of the same bytes in the same run."""
     name = "transfer_bundle_h100.jsonl"
-    out = []
-    for r in read_jsonl(name, results):
+
+    def row(r: dict) -> list[str]:
         n = lambda key: _num(r, key, name)  # noqa: E731
         s = lambda key: _str(r, key, name)  # noqa: E731
-        out.append([f"{s('src')} -> {s('dst')}", s("path"), _fixed(n("bundle_bytes") / 1e6, 0) + " MB",
-                    _fixed(n("export_gbps"), 1), _fixed(n("import_gbps"), 1),
-                    f"{_fixed(n('copy_d2h_gbps'), 0)} / {_fixed(n('copy_h2d_gbps'), 0)}",
-                    f"{_fixed(n('export_x_copy'), 2)} / {_fixed(n('import_x_copy'), 2)}"])
+        return [f"{s('src')} -> {s('dst')}", s("path"), _fixed(n("bundle_bytes") / 1e6, 0) + " MB",
+                _fixed(n("export_gbps"), 1), _fixed(n("import_gbps"), 1),
+                f"{_fixed(n('copy_d2h_gbps'), 0)} / {_fixed(n('copy_h2d_gbps'), 0)}",
+                f"{_fixed(n('export_x_copy'), 2)} / {_fixed(n('import_x_copy'), 2)}"]
+
+    out = [row(r) for r in read_jsonl(name, results)]
     return _table(["bundle", "path", "bytes", "export GB/s", "import GB/s", "pinned copy D2H / H2D GB/s",
                    "export / import vs copy"], out)
 
@@ -312,6 +314,13 @@ def table_transfer_bundle_h100(results: Path) -> str:
 TGI_ORDER = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "k8v4", "k8v4_rot", "nvfp4", "nvfp4_rot", "int4",
              "int4_rot", "mxfp4", "mxfp4_rot", "mxfp4_floor", "mxfp4_32", "mxfp4_32_rot", "mxfp4_32_floor")
 """The TGI table's row order: by bytes per token, the rotated and floor variants after their format."""
+
+
+def _ppl_delta(r: dict, what: str) -> str:
+    """A TGI run's perplexity and its change vs the bf16 run's."""
+    p, ref = _num(r, "perplexity", what), _num(r, "bf16_perplexity", what)
+    delta = 100 * (p / ref - 1)
+    return f"{_fixed(p, 3)} ({'-' if delta < 0 else '+'}{_fixed(abs(delta), 1)}%)"
 
 
 def table_tgi_formats(results: Path) -> str:
@@ -324,15 +333,9 @@ def table_tgi_formats(results: Path) -> str:
         blocks, size = _num(cpu, "blocks", fmt), _num(cpu, "block_size", fmt)
         if _num(gpu, "blocks", fmt) != blocks:
             raise _bad(f"TGI {fmt}: {blocks:.0f} blocks on CPU, {gpu['blocks']} on the H100")
-
-        def ppl(r: dict) -> str:
-            p, ref = _num(r, "perplexity", fmt), _num(r, "bf16_perplexity", fmt)
-            delta = 100 * (p / ref - 1)
-            return f"{_fixed(p, 3)} ({'-' if delta < 0 else '+'}{_fixed(abs(delta), 1)}%)"
-
         out.append([f"`{fmt}`", _fixed(blocks, 0), _fixed(blocks * size, 0, commas=True),
                     _ratio(blocks / _num(bf16, "blocks", "bf16")),
-                    ppl(cpu), ppl(gpu)])
+                    _ppl_delta(cpu, fmt), _ppl_delta(gpu, fmt)])
     return _table(["`KVX_FORMAT`", "blocks", "tokens", "vs bf16", "perplexity, CPU (vs bf16)",
                    "perplexity, H100 (vs bf16)"], out)
 
@@ -371,10 +374,11 @@ def figure_decode_vs_context_h200(results: Path, dst: Path) -> None:
     name = "decode_vs_flashinfer_h200.jsonl"
     rows = [r for r in read_jsonl(name, results) if r.get("bench") == "decode"]
     for r in rows:
-        r.update(B=_num(r, "B", name), ctx=_num(r, "ctx", name), impl=_str(r, "impl", name), format=_str(r, "format", name))
+        r.update(B=_num(r, "B", name), ctx=_num(r, "ctx", name), impl=_str(r, "impl", name),
+                 format=_str(r, "format", name))
     batches = sorted({r["B"] for r in rows if len({x["ctx"] for x in rows if x["B"] == r["B"]}) > 1})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4.2), squeeze=False)
-    for ax, b in zip(axes[0], batches):
+    for ax, b in zip(axes[0], batches, strict=True):
         for impl, fmt in dict.fromkeys((r["impl"], r["format"]) for r in rows):
             pts = sorted((r["ctx"], _num(r, "ms", name)) for r in rows
                          if r["B"] == b and r["impl"] == impl and r["format"] == fmt)
@@ -454,7 +458,7 @@ def rendered(results: Path, doc: Path) -> dict[Path, str]:
     if problems:
         raise _bad("index.yaml does not match the results directory: " + "; ".join(problems))
     try:
-        text = _read_capped(doc, MAX_INDEX_BYTES).decode("utf-8")
+        text = _read_capped(doc, MAX_TEXT_BYTES).decode("utf-8")
     except UnicodeDecodeError:
         raise _bad(f"{doc} is not UTF-8") from None
     return {results / "README.md": render_readme(index), doc: render_doc(text, results)}
