@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from kvx_core import jsonsafe
-from kvx_core.errors import KvxError, Status
+from kvx_core.errors import KvxError, Status, int_value
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -196,12 +196,25 @@ def read_jsonl(name: str, results: Path) -> list[dict]:
             for n, line in enumerate(data.splitlines(), 1) if line.strip()]
 
 
-def _num(row: dict, key: str, what: str) -> float:
-    value = jsonsafe.finite_number(row.get(key))
+def _finite(raw: object, what: str) -> float:
+    """A JSON number within `MAX_FIELD` as a float."""
+    value = jsonsafe.finite_number(raw)
     if value is None:
-        raise _bad(f"{what}: {key} must be a finite number, got {row.get(key)!r}")
+        raise _bad(f"{what} must be a finite number, got {raw!r}")
     if abs(value) > MAX_FIELD:
-        raise KvxError(Status.OUT_OF_RANGE, f"{what}: {key} = {value!r} is beyond {MAX_FIELD:g}")
+        raise KvxError(Status.OUT_OF_RANGE, f"{what} = {value!r} is beyond {MAX_FIELD:g}")
+    return value
+
+
+def _num(row: dict, key: str, what: str) -> float:
+    return _finite(row.get(key), f"{what}: {key}")
+
+
+def _count(row: dict, key: str, what: str) -> int:
+    """An integer field (a float or a bool is refused, not truncated)."""
+    value = int_value(row.get(key))
+    if value is None or not 0 <= value <= MAX_FIELD:
+        raise _bad(f"{what}: {key} must be a non-negative integer, got {row.get(key)!r}")
     return value
 
 
@@ -212,7 +225,7 @@ def _str(row: dict, key: str, what: str) -> str:
     return value
 
 
-def _one(rows: list[dict], what: str, **match: str | int) -> dict:
+def _one(rows: list[dict], what: str, **match: str | int | dict) -> dict:
     """The one row of `rows` whose fields equal `match`, types included (`true` is no batch of 1; none or several
     rows: refused, naming `what`)."""
     found = [r for r in rows if all(type(r.get(k)) is type(v) and r.get(k) == v for k, v in match.items())]
@@ -340,7 +353,107 @@ def table_tgi_formats(results: Path) -> str:
                    "perplexity, H100 (vs bf16)"], out)
 
 
+DECODE_COLUMNS = (("bf16", "BF16"), ("fp8_e4m3", "FP8"), ("int8", "INT8"), ("int4", "INT4"), ("nvfp4", "NVFP4"),
+                  ("mxfp4", "MXFP4"), ("k8v4", "k8v4"))
+DECODE_SHAPES = ((64, 32768), (64, 8192), (1, 32768))
+"""The H100 decode table's shapes; the first is the headline (its KVX-format cells bold)."""
+DECODE_FILES = {"k8v4": "decode_k8v4_cuda_vs_triton_h100.jsonl"}
+"""Formats whose latest H100 run is not in decode_vs_flashinfer_h100.jsonl (k8v4: after its CUDA kernel)."""
+
+
+def table_decode_vs_flashinfer_h100(results: Path) -> str:
+    """KVX decode (`backend=auto`) over FlashInfer BF16 of the same run, with % of copy bandwidth; at B=1 the time."""
+    files = {name: read_jsonl(name, results)
+             for name in {"decode_vs_flashinfer_h100.jsonl", *DECODE_FILES.values()}}
+
+    def cell(fmt: str, b: int, ctx: int, bold: bool) -> str:
+        name = DECODE_FILES.get(fmt, "decode_vs_flashinfer_h100.jsonl")
+        r = _one(files[name], f"{name} {fmt} {b}x{ctx}", impl="kvx", format=fmt, B=b, ctx=ctx,
+                 variant={"backend": "auto"})
+        ratio = _ratio(_num(r, "ratio_vs_fi_bf16", name))
+        extra = _fixed(_num(r, "pct_copy_bw", name), 0) + "%"
+        if b == 1:
+            extra += f", {_fixed(1000 * _num(r, 'ms', name), 0)} us"
+        return f"{f'**{ratio}**' if bold else ratio} ({extra})"
+
+    rows = [[f"{b} x {ctx // 1024}k"] + [cell(fmt, b, ctx, i == 0 and fmt != "bf16") for fmt, _ in DECODE_COLUMNS]
+            for i, (b, ctx) in enumerate(DECODE_SHAPES)]
+    return _table(["B x ctx"] + [label for _, label in DECODE_COLUMNS], rows)
+
+
+KVTC_ROWS = ((8.0, 32768), (16.0, 32768), (32.0, 32768), (16.0, 4096))
+"""The KVTC throughput table's (target ratio, tokens): every ratio at 32k tokens, one at 4k (fixed costs)."""
+
+
+def table_kvtc_throughput_h100(results: Path) -> str:
+    """KVTC compress / decompress GB/s of BF16 K/V, end to end and on the device."""
+    name = "kvtc_throughput_h100.jsonl"
+    rows = read_jsonl(name, results)
+    out = []
+    for ratio, tokens in KVTC_ROWS:
+        r = _one(rows, name, target_ratio=ratio, tokens=tokens)
+        n = lambda key, r=r: _fixed(_num(r, key, name), 1)  # noqa: E731
+        out.append([_fixed(ratio, 0) + "x", str(tokens), n("ratio_vs_bf16") + "x",
+                    f"{n('compress_gbps')} / {n('device_compress_gbps')}",
+                    f"{n('decompress_gbps')} / {n('device_decompress_gbps')}"])
+    return _table(["target ratio", "tokens", "buffer vs BF16", "compress GB/s end to end / on the device",
+                   "decompress GB/s end to end / on the device"], out)
+
+
+def table_lm_head_accuracy_smollm2(results: Path) -> str:
+    """SmolLM2's head in BF16 vs MXFP4, per text: KL, top-1 agreement, perplexity."""
+    name = "lm_head_mxfp4_accuracy_smollm2_cpu.jsonl"
+
+    def row(r: dict) -> list[str]:
+        n = lambda key: _num(r, key, name)  # noqa: E731
+        return [_str(r, "text", name).replace("_", "-"), _fixed(n("kl_mean"), 2),
+                _fixed(100 * n("top1_agreement"), 1) + "%",
+                f"{_fixed(n('ppl_bf16_head'), 2)} -> {_fixed(n('ppl_mxfp4_head'), 2)} "
+                f"(+{_fixed(n('ppl_delta_pct'), 0)}%)"]
+
+    return _table(["text", "KL(BF16 head || MXFP4 head)", "top-1 agreement", "perplexity BF16 head -> MXFP4 head"],
+                  [row(r) for r in read_jsonl(name, results)])
+
+
+LM_HEAD_M = (1, 4, 16, 32, 64)
+"""The rows (tokens per GEMM) of the lm_head GEMM table (the file also has M = 2, 8)."""
+
+
+def table_lm_head_mxfp4_h100(results: Path) -> str:
+    """The MXFP4 lm_head GEMM (KVX, Marlin) vs BF16, gpt-oss's head and its TP=2 shard, in us."""
+    name = "lm_head_mxfp4_h100.jsonl"
+    rows = read_jsonl(name, results)
+    out = []
+    for m in LM_HEAD_M:
+        full, shard = (_one(rows, f"{name} M={m}", m=m, shape=s) for s in ("gpt-oss head", "gpt-oss head TP=2 shard"))
+        us = lambda r, key: _num(r, key, name)  # noqa: E731
+        out.append([str(m)] + [_fixed(us(full, k), 1) for k in ("bf16_us", "mxfp4_us", "marlin_us")]
+                   + [_ratio(us(full, "bf16_us") / us(full, "marlin_us")), _ratio(us(full, "speedup_vs_marlin")),
+                      " / ".join(_fixed(us(shard, k), 1) for k in ("bf16_us", "mxfp4_us", "marlin_us"))])
+    return _table(["M", "201088 x 2880: BF16 us", "KVX MXFP4 us", "Marlin MXFP4 us", "Marlin vs BF16", "KVX vs Marlin",
+                   "TP=2 shard: BF16 / KVX / Marlin us"], out)
+
+
+def table_vllm_lm_head_mxfp4_h100(results: Path) -> str:
+    """vLLM's time per output token with the BF16 and the MXFP4 head, and the spread of all their runs."""
+    name = "vllm_lm_head_mxfp4_h100.jsonl"
+    rows = [r for r in read_jsonl(name, results) if r.get("metric") == "decode"]
+    out = []
+    for batch in dict.fromkeys(_count(r, "batch", name) for r in rows):
+        pair = [_one(rows, f"{name} batch {batch}", batch=batch, lm_head=head) for head in ("none", "mxfp4")]
+        runs = [_finite(v, f"{name}: tpot_ms_runs") for r in pair
+                for v in _list(r.get("tpot_ms_runs"), f"{name}: tpot_ms_runs")]
+        out.append([str(batch)] + [_fixed(_num(r, "tpot_ms", name), 2) for r in pair]
+                   + [f"{_fixed(min(runs), 1)}-{_fixed(max(runs), 1)}"])
+    return _table(["batch", "BF16 head ms / token", "MXFP4 head (Marlin) ms / token", "runs spread"], out)
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
+    "kvtc_throughput_h100": table_kvtc_throughput_h100,
+    "lm_head_accuracy_smollm2": table_lm_head_accuracy_smollm2,
+    "lm_head_mxfp4_h100": table_lm_head_mxfp4_h100,
+    "vllm_lm_head_mxfp4_h100": table_vllm_lm_head_mxfp4_h100,
+    "decode_vs_flashinfer_h100": table_decode_vs_flashinfer_h100,
     "vllm_kv_dtypes_h200": table_vllm_kv_dtypes_h200,
     "write_bandwidth_h100": table_write_bandwidth_h100,
     "transfer_bundle_h100": table_transfer_bundle_h100,

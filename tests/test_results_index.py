@@ -246,6 +246,17 @@ def test_a_huge_number_is_refused(copy):
     assert e.value.status == Status.OUT_OF_RANGE and "export_x_copy" in e.value.message
 
 
+def test_a_fractional_batch_is_refused_not_truncated(copy):
+    """`"batch": 1.5` must not become batch 1 (`int()` would truncate it)."""
+    results, _ = copy
+    path = results / "vllm_lm_head_mxfp4_h100.jsonl"
+    rows = _rows("vllm_lm_head_mxfp4_h100.jsonl")
+    rows[1]["batch"] = 1.5
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(KvxError, match="batch must be a non-negative integer"):
+        rr.table_vllm_lm_head_mxfp4_h100(results)
+
+
 def test_a_forged_boolean_batch_is_not_batch_1(copy):
     """`"batch": true` equals 1 in Python: the row must not be taken as the B=1 run."""
     results, _ = copy
@@ -274,7 +285,17 @@ def fuzz_index_tree(rng: random.Random) -> None:
 TABLE_FILES = {"vllm_kv_dtypes_h200": ["vllm_kv_dtypes_h200.jsonl"],
                "write_bandwidth_h100": ["write_bandwidth_h100.jsonl"],
                "transfer_bundle_h100": ["transfer_bundle_h100.jsonl"],
-               "tgi_formats": ["tgi_formats_cpu.jsonl", "tgi_formats_h100.jsonl"]}
+               "tgi_formats": ["tgi_formats_cpu.jsonl", "tgi_formats_h100.jsonl"],
+               "decode_vs_flashinfer_h100": ["decode_vs_flashinfer_h100.jsonl",
+                                             "decode_k8v4_cuda_vs_triton_h100.jsonl"],
+               "kvtc_throughput_h100": ["kvtc_throughput_h100.jsonl"],
+               "lm_head_accuracy_smollm2": ["lm_head_mxfp4_accuracy_smollm2_cpu.jsonl"],
+               "lm_head_mxfp4_h100": ["lm_head_mxfp4_h100.jsonl"],
+               "vllm_lm_head_mxfp4_h100": ["vllm_lm_head_mxfp4_h100.jsonl"]}
+
+
+def test_fuzz_covers_every_table():
+    assert set(TABLE_FILES) == set(rr.TABLES)
 
 
 def fuzz_tables(rng: random.Random) -> None:
@@ -303,4 +324,4 @@ def test_fuzz_index_tree():
 
 
 def test_fuzz_tables():
-    run_capped("tests.test_results_index:fuzz_tables", cases=400)
+    run_capped("tests.test_results_index:fuzz_tables", cases=600)
