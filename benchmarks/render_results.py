@@ -234,11 +234,11 @@ def _one(rows: list[dict], what: str, **match: str | int | dict) -> dict:
     return found[0]
 
 
-def _fixed(x: float, digits: int, *, commas: bool = False) -> str:
+def _fixed(x: float, digits: int, *, commas: bool = False, signed: bool = False) -> str:
     """`x` with `digits` decimals, a half rounded up as a reader of the file would (0.0605 -> 0.061; formatting
-    the float rounds its binary value, 0.06049..., down), thousands separated by commas if asked."""
+    the float rounds its binary value, 0.06049..., down), thousands separated by commas and a sign if asked."""
     q = decimal.Decimal(repr(x)).quantize(decimal.Decimal(1).scaleb(-digits), rounding=decimal.ROUND_HALF_UP)
-    return format(q, "," if commas else "f")
+    return format(q, ("+" if signed else "") + ("," if commas else "f"))
 
 
 def _ratio(x: float) -> str:
@@ -332,8 +332,7 @@ TGI_ORDER = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "k8v4", "k8v4_rot",
 def _ppl_delta(r: dict, what: str) -> str:
     """A TGI run's perplexity and its change vs the bf16 run's."""
     p, ref = _num(r, "perplexity", what), _num(r, "bf16_perplexity", what)
-    delta = 100 * (p / ref - 1)
-    return f"{_fixed(p, 3)} ({'-' if delta < 0 else '+'}{_fixed(abs(delta), 1)}%)"
+    return f"{_fixed(p, 3)} ({_fixed(100 * (p / ref - 1), 1, signed=True)}%)"
 
 
 def table_tgi_formats(results: Path) -> str:
@@ -415,6 +414,51 @@ def table_lm_head_accuracy_smollm2(results: Path) -> str:
                   [row(r) for r in read_jsonl(name, results)])
 
 
+def _kvtc_label(r: dict, what: str) -> str:
+    """A KVTC configuration as the table names it: the target, then what differs from the default (groups of 6
+    layers, ranges of 16, RoPE removed from keys, separate K / V budgets)."""
+    target = _fixed(_num(r, "target_ratio", what), 0) + "x"
+    layers, ranges = _count(r, "layers_per_group", what), _count(r, "range_size", what)
+    joint, rope_removed = r.get("joint", False), r.get("rope_removed")
+    if not isinstance(joint, bool) or not isinstance(rope_removed, bool):
+        raise _bad(f"{what}: joint / rope_removed must be true or false")
+    if not rope_removed:
+        return f"{target}, RoPE kept"
+    if (layers, ranges) == (30, 32):
+        return f"{target}, 30 layers in one group, `--joint`" if joint else \
+            f"{target}, one group of all 30 layers, ranges of 32"
+    if (layers, ranges) != (6, 16):
+        raise _bad(f"{what}: no table label for {layers} layers per group, ranges of {ranges}")
+    return f"{target}, K and V sharing one budget (`--joint`)" if joint else target
+
+
+def table_kvtc_smollm2(results: Path) -> str:
+    """KVTC ratio vs accuracy per configuration, in the file's order; the DEFLATE row of a run gives its second
+    whole-prompt ratio."""
+    name = "kvtc_smollm2_cpu.jsonl"
+    rows = read_jsonl(name, results)
+    texts = {}
+    for r in rows:
+        for text in ("demo_text", "second_text"):
+            if not isinstance(r.get(text), dict):
+                raise _bad(f"{name}: {text} must be an object")
+        if not isinstance(r.get("deflate"), bool):
+            raise _bad(f"{name}: deflate must be true or false")
+        texts.setdefault(_kvtc_label(r, name), {})[r["deflate"]] = r
+    out = []
+    for label, runs in texts.items():
+        if False not in runs:
+            raise _bad(f"{name}: {label} has only a DEFLATE row")
+        demo, second = runs[False]["demo_text"], runs[False]["second_text"]
+        whole = [_fixed(_num(runs[d]["demo_text"], "ratio_vs_bf16", name), 1) + "x" for d in (False, True) if d in runs]
+        pct = lambda t: _fixed(_num(t, "ppl_delta_pct", name), 1, signed=True) + "%"  # noqa: E731
+        top1 = lambda t: _fixed(100 * _num(t, "top1_agreement", name), 1) + "%"  # noqa: E731
+        out.append([label, _fixed(_num(demo, "coded_ratio_vs_bf16", name), 1) + "x", ", ".join(whole),
+                    f"{pct(demo)} / {pct(second)}", f"{top1(demo)} / {top1(second)}"])
+    return _table(["target", "coded tokens vs BF16", "whole 768-token prompt, + DEFLATE",
+                   "ppl delta demo / second text", "top-1 agreement demo / second"], out)
+
+
 LM_HEAD_M = (1, 4, 16, 32, 64)
 """The rows (tokens per GEMM) of the lm_head GEMM table (the file also has M = 2, 8)."""
 
@@ -449,6 +493,7 @@ def table_vllm_lm_head_mxfp4_h100(results: Path) -> str:
 
 
 TABLES: dict[str, Callable[[Path], str]] = {
+    "kvtc_smollm2": table_kvtc_smollm2,
     "kvtc_throughput_h100": table_kvtc_throughput_h100,
     "lm_head_accuracy_smollm2": table_lm_head_accuracy_smollm2,
     "lm_head_mxfp4_h100": table_lm_head_mxfp4_h100,

@@ -291,7 +291,8 @@ TABLE_FILES = {"vllm_kv_dtypes_h200": ["vllm_kv_dtypes_h200.jsonl"],
                "kvtc_throughput_h100": ["kvtc_throughput_h100.jsonl"],
                "lm_head_accuracy_smollm2": ["lm_head_mxfp4_accuracy_smollm2_cpu.jsonl"],
                "lm_head_mxfp4_h100": ["lm_head_mxfp4_h100.jsonl"],
-               "vllm_lm_head_mxfp4_h100": ["vllm_lm_head_mxfp4_h100.jsonl"]}
+               "vllm_lm_head_mxfp4_h100": ["vllm_lm_head_mxfp4_h100.jsonl"],
+               "kvtc_smollm2": ["kvtc_smollm2_cpu.jsonl"]}
 
 
 def test_fuzz_covers_every_table():
