@@ -160,9 +160,10 @@ def load_index(results: Path) -> Index:
     return parse_index(_read_capped(results / "index.yaml", MAX_TEXT_BYTES))
 
 
-def index_problems(index: Index, results: Path) -> list[str]:
-    """Files of `results` without an entry and entries naming no file (an empty list when they match)."""
-    present = {p.name for p in results.iterdir() if p.is_file()} - NOT_INDEXED
+def index_problems(index: Index, results: Path, drawing: frozenset[str] = frozenset()) -> list[str]:
+    """Files of `results` (and the figures about to be drawn there) without an entry, and entries naming no file
+    (an empty list when they match)."""
+    present = ({p.name for p in results.iterdir() if p.is_file()} | drawing) - NOT_INDEXED
     listed = {e.file for e in index.entries()}
     return ([f"{name}: in {results.name}/ but not in index.yaml" for name in sorted(present - listed)]
             + [f"{name}: in index.yaml but not in {results.name}/" for name in sorted(listed - present)])
@@ -414,6 +415,25 @@ def table_lm_head_accuracy_smollm2(results: Path) -> str:
                   [row(r) for r in read_jsonl(name, results)])
 
 
+GLOBAL_SCALE_ROWS = (("1.0 (default)", "none"), ("`--calibrate amax`", "amax"), ("`--calibrate mse`", "mse (NVFP4"),
+                     ("`--calibrate mse --calibration-text` (another text)", "mse, calibrated on the second text"))
+"""The global-scale table's rows: label, and how the rows' `scale_rule` starts (the file also holds the dropped
+quarter-octave FP8 search, not in the table)."""
+GLOBAL_SCALE_FORMATS = ("fp8_e4m3", "k8v4", "nvfp4", "nvfp4_rot")
+
+
+def table_demo_global_scales_smollm2(results: Path) -> str:
+    """`kvx demo` perplexity delta vs the BF16 cache per global-scale rule and format."""
+    name = "demo_global_scales_smollm2_cpu.jsonl"
+    rows = read_jsonl(name, results)
+    out = []
+    for label, rule in GLOBAL_SCALE_ROWS:
+        picked = [r for r in rows if _str(r, "scale_rule", name).startswith(rule)]
+        out.append([label] + [_fixed(_num(_one(picked, f"{name} {rule}", format=f), "ppl_delta_pct", name), 2,
+                                     signed=True) + "%" for f in GLOBAL_SCALE_FORMATS])
+    return _table(["scales", *GLOBAL_SCALE_FORMATS], out)
+
+
 def _kvtc_label(r: dict, what: str) -> str:
     """A KVTC configuration as the table names it: the target, then what differs from the default (groups of 6
     layers, ranges of 16, RoPE removed from keys, separate K / V budgets)."""
@@ -493,6 +513,7 @@ def table_vllm_lm_head_mxfp4_h100(results: Path) -> str:
 
 
 TABLES: dict[str, Callable[[Path], str]] = {
+    "demo_global_scales_smollm2": table_demo_global_scales_smollm2,
     "kvtc_smollm2": table_kvtc_smollm2,
     "kvtc_throughput_h100": table_kvtc_throughput_h100,
     "lm_head_accuracy_smollm2": table_lm_head_accuracy_smollm2,
@@ -553,6 +574,28 @@ def figure_decode_vs_context_h200(results: Path, dst: Path) -> None:
     plt.close(fig)
 
 
+def figure_vllm_decode_vs_context_h200(results: Path, dst: Path) -> None:
+    """vLLM decode tok/s at B=64 vs context per KV dtype, KVX's (solid) against vLLM's own (dashed)."""
+    import matplotlib.pyplot as plt
+
+    name = "vllm_kv_dtypes_h200.jsonl"
+    rows = [r for r in read_jsonl(name, results) if r.get("metric") == "decode" and r.get("batch") == 64
+            and "skipped" not in r]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for dtype in _first_seen(rows, "kv_cache_dtype", name):
+        pts = sorted((_num(r, "ctx", name), _num(r, "tok_s", name)) for r in rows if r["kv_cache_dtype"] == dtype)
+        ax.plot([c for c, _ in pts], [s for _, s in pts], marker="o", ms=4,
+                ls="-" if dtype.startswith("kvx_") else "--",
+                label=dtype + (" (one context: 32k not run)" if len(pts) == 1 else ""))
+    ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode tok/s, B = 64 (higher is faster)")
+    ax.set_title(f"vLLM 0.26 KV dtypes, H200, Llama-8B geometry, 8 layers\n({name})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+
+
 def figure_capacity_vs_accuracy(results: Path, dst: Path) -> None:
     """Tokens per byte of cache vs perplexity increase per format: the demo (SmolLM2, 8 x 1024 tokens) and TGI."""
     import matplotlib.pyplot as plt
@@ -590,6 +633,7 @@ def figure_capacity_vs_accuracy(results: Path, dst: Path) -> None:
 
 FIGURES: dict[str, Callable[[Path, Path], None]] = {
     "decode_vs_context_h200.png": figure_decode_vs_context_h200,
+    "vllm_decode_vs_context_h200.png": figure_vllm_decode_vs_context_h200,
     "capacity_vs_accuracy.png": figure_capacity_vs_accuracy,
 }
 """The figures `--figures` renders into benchmarks/results/, by file name (each listed in index.yaml)."""
@@ -609,10 +653,11 @@ def render_figures(results: Path) -> list[Path]:
 
 # ---- command line ---------------------------------------------------------------------------------------------------
 
-def rendered(results: Path, doc: Path) -> dict[Path, str]:
-    """Each rendered text file's path and the text it should hold (nothing is written)."""
+def rendered(results: Path, doc: Path, drawing: frozenset[str] = frozenset()) -> dict[Path, str]:
+    """Each rendered text file's path and the text it should hold (nothing is written); `drawing`: the figures
+    this run draws."""
     index = load_index(results)
-    problems = index_problems(index, results)
+    problems = index_problems(index, results, drawing)
     if problems:
         raise _bad("index.yaml does not match the results directory: " + "; ".join(problems))
     try:
@@ -628,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figures", action="store_true", help="also render the PNG figures (needs matplotlib)")
     args = ap.parse_args(argv)
     try:
-        texts = rendered(RESULTS, DOC)
+        texts = rendered(RESULTS, DOC, frozenset(FIGURES) if args.figures else frozenset())
         stale = [p for p, text in texts.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
         if args.check:
             for p in stale:

@@ -77,7 +77,7 @@ def test_figures_are_listed_in_the_index():
 def test_figures_render(tmp_path):
     pytest.importorskip("matplotlib")
     for name in ("decode_vs_flashinfer_h200.jsonl", "demo_default_cpu.jsonl", "tgi_formats_cpu.jsonl",
-                 "tgi_formats_h100.jsonl"):
+                 "tgi_formats_h100.jsonl", "vllm_kv_dtypes_h200.jsonl"):
         shutil.copy(RESULTS / name, tmp_path / name)
     for path in rr.render_figures(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -234,6 +234,26 @@ def test_cli_refusal_exits_2_with_one_line_and_writes_nothing(copy, capsys, dama
     assert _snapshot(results / "README.md", doc) == before
 
 
+def test_cli_figures_draws_nothing_when_the_index_is_refused(copy, capsys):
+    pytest.importorskip("matplotlib")
+    results, _ = copy
+    for name in rr.FIGURES:
+        (results / name).unlink()
+    (results / "new_run.jsonl").write_text("{}\n")
+    assert rr.main(["--figures"]) == 2
+    assert "new_run.jsonl" in capsys.readouterr().err
+    assert not [name for name in rr.FIGURES if (results / name).exists()]
+
+
+def test_cli_figures_draws_the_figures_the_index_lists(copy):
+    pytest.importorskip("matplotlib")
+    results, _ = copy
+    for name in rr.FIGURES:
+        (results / name).unlink()
+    assert rr.main(["--figures"]) == 0
+    assert all((results / name).read_bytes()[:4] == b"\x89PNG" for name in rr.FIGURES)
+
+
 def test_a_huge_number_is_refused(copy):
     """Found by the fuzzer: 1e308 in a field made the half-up rounding raise decimal.InvalidOperation."""
     results, _ = copy
@@ -292,7 +312,8 @@ TABLE_FILES = {"vllm_kv_dtypes_h200": ["vllm_kv_dtypes_h200.jsonl"],
                "lm_head_accuracy_smollm2": ["lm_head_mxfp4_accuracy_smollm2_cpu.jsonl"],
                "lm_head_mxfp4_h100": ["lm_head_mxfp4_h100.jsonl"],
                "vllm_lm_head_mxfp4_h100": ["vllm_lm_head_mxfp4_h100.jsonl"],
-               "kvtc_smollm2": ["kvtc_smollm2_cpu.jsonl"]}
+               "kvtc_smollm2": ["kvtc_smollm2_cpu.jsonl"],
+               "demo_global_scales_smollm2": ["demo_global_scales_smollm2_cpu.jsonl"]}
 
 
 def test_fuzz_covers_every_table():
