@@ -73,6 +73,12 @@ def _bad(message: str) -> KvxError:
     return KvxError(Status.INVALID_ARGUMENT, message)
 
 
+def _show(value: object) -> str:
+    """`repr(value)` cut to a length an error line can carry (a forged value may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """`yaml.safe_load` that also refuses a mapping key given twice (safe_load silently keeps the last one)."""
 
@@ -81,7 +87,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, str) or key in seen:
-                raise _bad(f"index.yaml line {key_node.start_mark.line + 1}: key {key!r} "
+                raise _bad(f"index.yaml line {key_node.start_mark.line + 1}: key {_show(key)} "
                            + ("is given twice" if key in seen else "is not a string"))
             seen.add(key)
         return super().construct_mapping(node, deep)
@@ -111,8 +117,8 @@ def _mapping(value: object, keys: tuple[str, ...], what: str) -> dict:
 def _text(value: object, what: str, *, one_line: bool = True) -> str:
     """`value` as a non-empty string (a table cell holds no line break)."""
     if not isinstance(value, str) or not value.strip():
-        raise _bad(f"{what} must be a non-empty string, got {value!r}")
-    if one_line and "\n" in value:
+        raise _bad(f"{what} must be a non-empty string, got {_show(value)}")
+    if one_line and ("\n" in value or "\r" in value):
         raise _bad(f"{what} must be one line (it is a table cell)")
     return value
 
@@ -137,8 +143,8 @@ def parse_index(text: str | bytes) -> Index:
         s = _mapping(s, ("title", "entries"), f"section {i}")
         title = _text(s["title"], f"section {i} title")
         entries = []
-        for j, e in enumerate(_list(s["entries"], f"section {title!r} entries")):
-            where = f"section {title!r} entry {j}"
+        for j, e in enumerate(_list(s["entries"], f"section {_show(title)} entries")):
+            where = f"section {_show(title)} entry {j}"
             e = _mapping(e, ENTRY_KEYS, where)
             sup = e["superseded_by"]
             entries.append(Entry(*(_text(e[k], f"{where} {k}") for k in ENTRY_KEYS[:5]),
@@ -148,11 +154,11 @@ def parse_index(text: str | bytes) -> Index:
     names = [e.file for e in index.entries()]
     for e in index.entries():
         if "/" in e.file or e.file in NOT_INDEXED:
-            raise _bad(f"index entry {e.file!r}: not a result file name")
+            raise _bad(f"index entry {_show(e.file)}: not a result file name")
         if names.count(e.file) > 1:
-            raise _bad(f"index entry {e.file!r} is given more than once")
+            raise _bad(f"index entry {_show(e.file)} is given more than once")
         if e.superseded_by is not None and (e.superseded_by == e.file or e.superseded_by not in names):
-            raise _bad(f"index entry {e.file!r}: superseded_by {e.superseded_by!r} names no other entry")
+            raise _bad(f"index entry {_show(e.file)}: superseded_by {_show(e.superseded_by)} names no other entry")
     return index
 
 
@@ -201,9 +207,9 @@ def _finite(raw: object, what: str) -> float:
     """A JSON number within `MAX_FIELD` as a float."""
     value = jsonsafe.finite_number(raw)
     if value is None:
-        raise _bad(f"{what} must be a finite number, got {raw!r}")
+        raise _bad(f"{what} must be a finite number, got {_show(raw)}")
     if abs(value) > MAX_FIELD:
-        raise KvxError(Status.OUT_OF_RANGE, f"{what} = {value!r} is beyond {MAX_FIELD:g}")
+        raise KvxError(Status.OUT_OF_RANGE, f"{what} = {_show(value)} is beyond {MAX_FIELD:g}")
     return value
 
 
@@ -215,14 +221,14 @@ def _count(row: dict, key: str, what: str) -> int:
     """An integer field (a float or a bool is refused, not truncated)."""
     value = int_value(row.get(key))
     if value is None or not 0 <= value <= MAX_FIELD:
-        raise _bad(f"{what}: {key} must be a non-negative integer, got {row.get(key)!r}")
+        raise _bad(f"{what}: {key} must be a non-negative integer, got {_show(row.get(key))}")
     return value
 
 
 def _str(row: dict, key: str, what: str) -> str:
     value = row.get(key)
     if not isinstance(value, str):
-        raise _bad(f"{what}: {key} must be a string, got {value!r}")
+        raise _bad(f"{what}: {key} must be a string, got {_show(value)}")
     return value
 
 
@@ -538,7 +544,7 @@ def render_doc(text: str, results: Path) -> str:
 
     def table(m: re.Match) -> str:
         if m.group(2) not in TABLES:
-            raise _bad(f"docs/results.md: no table renderer named {m.group(2)!r} (known: {sorted(TABLES)})")
+            raise _bad(f"docs/results.md: no table renderer named {_show(m.group(2))} (known: {sorted(TABLES)})")
         return m.group(1) + TABLES[m.group(2)](results) + m.group(4)
 
     return MARKED.sub(table, text)

@@ -138,6 +138,7 @@ def test_a_valid_index_parses():
     (_doc(_entry("a.jsonl", what=True)), "what must be a non-empty string"),
     (_doc(_entry("a.jsonl", commit="")), "commit must be a non-empty string"),
     (_doc(_entry("a.jsonl", what="two\nlines")), "must be one line"),
+    (_doc(_entry("a.jsonl", what="carriage\rreturn")), "must be one line"),
     (_doc(_entry("a.jsonl", extra=1)), "unknown keys ['extra']"),
     (_doc({k: v for k, v in _entry("a.jsonl").items() if k != "superseded_by"}), "missing keys ['superseded_by']"),
     (_doc(_entry("a.jsonl", superseded_by="gone.jsonl")), "names no other entry"),
@@ -152,6 +153,12 @@ def test_a_valid_index_parses():
 ])
 def test_bad_index_is_refused(doc, needle):
     _refused(yaml.safe_dump(doc), needle)
+
+
+def test_a_huge_forged_value_gives_a_short_message():
+    with pytest.raises(KvxError) as e:
+        rr.parse_index(yaml.safe_dump(_doc(_entry("a.jsonl", gpu=["x" * 100_000]))))
+    assert len(e.value.message) < 300 and "..." in e.value.message
 
 
 def test_a_key_given_twice_is_refused():
