@@ -8,7 +8,8 @@ Slow tests: real vLLM CPU 0.32 runs (`vllm_tp_run.py`, one subprocess each, `mp`
 rank) of a tiny random Llama (hidden 256, 8 query / 4 KV heads, head_dim 32, 2 layers; prompt as token ids, no
 tokenizer) at TP=1 and TP=2 for kvx_nvfp4, kvx_int4 and kvx_int8 (`TP_DTYPES`), for kvx_nvfp4 with a calibration
 file (per-head key smoothing, centering and global scales, every head's values distinct, so a rank bound to another
-rank's rows shows) and for kvx_nvfp4 with the MXFP4 lm_head option (each rank quantizes its vocabulary shard); 10 runs, ~25 s each here:
+rank's rows shows) and for kvx_nvfp4 with the MXFP4 lm_head option (each rank quantizes its vocabulary
+shard); 10 runs, ~25 s each here:
 - every rank's layers hold 2 KV heads and exactly its heads' rows of the file;
 - TP=2 holds twice the KV blocks of TP=1 in the same per-worker KV space (each rank stores half the heads);
 - prompt log-probabilities (top-5 at every position, teacher-forced: chunked prefill over the pages) and the greedy
