@@ -220,3 +220,39 @@ def test_a_ticket_without_an_integer_seq_is_refused():
         with pytest.raises(KvxError, match="seq") as e:
             receiver.fetch({**ticket, "seq": seq})
         assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_a_lookup_ticket_finds_its_bundle_through_the_directory_until_its_slot_is_reused():
+    """A lookup ticket handed out before the publish (as vLLM's scheduler does): refused while nothing is published
+    under its seq, read bit for bit once it is, refused again after its slot took another bundle; a directory entry
+    that the sender's memory forges (size 0, a negative address, more than the receiving buffer) is refused before
+    the bundle READ, with nothing written."""
+    sender, receiver = NixlPeer("kvx-send9", 1 << 20, slots=1), NixlPeer("kvx-recv9", 1 << 20)
+    ticket = sender.lookup_ticket(5)
+    assert json.loads(json.dumps(ticket)) == ticket
+    dst, _ = _cache("int8", 16, 4, seed=3, tokens=12)
+    before = _snapshot(dst)
+    with pytest.raises(KvxError, match="not published") as e:
+        receiver.fetch(ticket)
+    assert e.value.status == Status.INVALID_ARGUMENT
+    a, slots = _cache("int8", 16, 4, tokens=20)
+    direct = sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)), seq=5)
+    assert torch.equal(receiver.fetch(ticket), sender.buf[:direct["nbytes"]])
+    good = sender.directory.clone()
+    for entry, status in (([6, direct["addr"], 0], Status.INVALID_ARGUMENT),
+                          ([6, -1, direct["nbytes"]], Status.INVALID_ARGUMENT),
+                          ([6, direct["addr"], 2 << 20], Status.OUT_OF_RANGE)):
+        sender.directory[0] = torch.tensor(entry)
+        with pytest.raises(KvxError) as e:
+            receiver.receive(ticket, _descs(dst), torch.arange(20), model=MODEL, token_ids=list(range(20)))
+        assert e.value.status == status
+    sender.directory.copy_(good)
+    sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))  # seq 6 takes the only slot
+    with pytest.raises(KvxError, match="not published"):
+        receiver.receive(ticket, _descs(dst), torch.arange(20), model=MODEL, token_ids=list(range(20)))
+    assert _unchanged(dst, before)
+    for forged in ({**ticket, "slots": 0}, {**ticket, "slots": 4097}, {**ticket, "directory": -1},
+                   {**ticket, "directory": 1.0}, {k: v for k, v in ticket.items() if k != "slots"}):
+        with pytest.raises(KvxError, match="ticket") as e:
+            receiver.fetch(forged)
+        assert e.value.status == Status.INVALID_ARGUMENT
