@@ -261,7 +261,7 @@ def fuzz_target(rng: random.Random) -> None:
     for name, r in values.items():
         kind = config.BY_NAME[name].kind
         ok = {"bool": isinstance(r.value, bool), "bytes": type(r.value) is int and 0 < r.value <= config.MAX_BYTES,
-              }.get(kind, isinstance(r.value, str) and r.value != "") or r.value is None and kind != "bool"
+              "count": type(r.value) is int and 0 < r.value <= config.MAX_BYTES}.get(kind, isinstance(r.value, str) and r.value != "") or r.value is None and kind != "bool"
         assert ok, (name, r)
 
 
