@@ -26,7 +26,7 @@ from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
 from kvx_core.transfer.rows import read_rows  # noqa: E402
 
 from ..procs import communicate  # noqa: E402
-from .test_bundle import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
+from .caches import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
 
 UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
