@@ -65,7 +65,7 @@ def _rank(store: BundleStore, tp: int, rank: int, cache, meta: KvxConnectorMetad
 
 def _matched(store: BundleStore) -> tuple[int, bool]:
     """What the consumer's scheduler (one process) answers for a new request of IDS."""
-    sched = SimpleNamespace(consumer=True, store=store, model=MODEL, _loads={})
+    sched = SimpleNamespace(consumer=True, nixl=None, store=store, model=MODEL, _loads={})
     request = SimpleNamespace(request_id="r1", prompt_token_ids=IDS, sampling_params=None)
     return KvxConnector.get_num_new_matched_tokens(sched, request, 0)
 
