@@ -25,6 +25,7 @@ from kvx_core.transfer import import_bundle  # noqa: E402
 from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
 from kvx_core.transfer.rows import read_rows  # noqa: E402
 
+from ..fuzz import run_capped  # noqa: E402
 from ..procs import communicate  # noqa: E402
 from .caches import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
 
@@ -256,3 +257,9 @@ def test_a_lookup_ticket_finds_its_bundle_through_the_directory_until_its_slot_i
         with pytest.raises(KvxError, match="ticket") as e:
             receiver.fetch(forged)
         assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_fuzz_lookup_ticket_directory():
+    """The slot directory a lookup ticket reads is the sender's memory: forged entries are refused with KvxError
+    (nothing written) under the memory cap, never a crash or a read outside what the sender registered."""
+    run_capped("tests.transfer.nixl_fuzz:directory_entries", cases=300, env=UCX)
