@@ -117,7 +117,7 @@ def test_a_refused_publish_keeps_the_published_bundle_and_forged_tickets_are_ref
 SENDER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
-    from tests.transfer.test_bundle import MODEL, _cache, _descs
+    from tests.transfer.caches import MODEL, _cache, _descs
     from kvx_core.transfer.nixl import NixlPeer
     src, slots = _cache("k8v4", 16, 4, tokens=50)
     peer = NixlPeer("kvx-remote-sender", 1 << 20)
