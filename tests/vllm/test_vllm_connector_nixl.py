@@ -11,6 +11,7 @@ import logging
 import os
 import uuid
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from kvx_vllm.connector import KvxConnector  # noqa: E402
 from tests.fuzz import DEEP  # noqa: E402
 from tests.transfer.caches import MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
 from tests.transfer.test_nixl import UCX, _rows_equal, _same_scales, _wait_released  # noqa: E402
+from tests.vllm.test_vllm_connector_tp import _config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -214,3 +216,44 @@ def test_a_producer_with_every_slot_held_publishes_nothing_and_keeps_the_held_bu
 def test_nixl_startup_refusals(opts, tp, reason):
     with pytest.raises(ValueError, match=reason):
         KvxConnector._check_nixl(opts, tp)
+
+
+def test_the_connector_starts_with_transport_nixl(checkpoint, tmp_path):
+    """From vLLM's config: the scheduler opens no store; a kv_both worker opens its sender (slots as set) and
+    receiver peers, and its handshake metadata gives the scheduler the sender's agent and slot directory."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvx_vllm import connector
+
+    nixl = {"transport": "nixl", "nixl_buffer": "1MiB", "nixl_slots": 3, "nixl_hold_s": 5}
+    sched = KvxConnector(_config(checkpoint, None, 1, **nixl), KVConnectorRole.SCHEDULER)
+    worker = KvxConnector(_config(checkpoint, None, 1, **nixl), KVConnectorRole.WORKER)
+    with mock.patch.object(connector, "LayerCaches"):
+        worker.register_kv_caches({})
+    assert sched.store is None and worker._sender.directory.shape[0] == 3 and worker._receiver is not None
+    sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
+    assert sched._directory["agent"] == worker._sender.name and "seq" not in sched._directory
+
+
+@pytest.mark.parametrize("kvx, store, refused", [
+    ({"transport": "nixl"}, "kv", "takes no store"), ({"transport": "rdma"}, None, "transport must be one of"),
+    ({"transport": "nixl", "nixl_slots": 0}, None, "nixl_slots must be"),
+    ({"transport": "nixl", "nixl_buffer": "1.5GiB"}, None, "nixl_buffer must be"),
+    ({"transport": "nixl", "nixl_hold_s": 1.5}, None, "nixl_hold_s must be")])
+def test_bad_nixl_settings_are_refused_at_startup(checkpoint, tmp_path, kvx, store, refused):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(ValueError, match=refused):
+        KvxConnector(_config(checkpoint, store and tmp_path / store, 1, **kvx), KVConnectorRole.SCHEDULER)
+    assert not (tmp_path / "kv").exists()
+
+
+def test_more_slots_than_a_peer_takes_are_refused_when_the_worker_starts(checkpoint):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvx_vllm import connector
+
+    worker = KvxConnector(_config(checkpoint, None, 1, transport="nixl", nixl_buffer="1MiB", nixl_slots=5000),
+                          KVConnectorRole.WORKER)
+    with mock.patch.object(connector, "LayerCaches"), pytest.raises(ValueError, match="slots must be"):
+        worker.register_kv_caches({})

@@ -119,10 +119,12 @@ def test_a_damaged_shard_fails_the_load_on_every_rank(tmp_path, caplog):
 
 
 def _config(checkpoint: str, store, tp: int, pp: int = 1, **kvx) -> SimpleNamespace:
-    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`; the store in
-    the deprecated `kv_connector_extra_config` spelling (still read), `kvx`: `--additional-config` kvx settings."""
+    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`; the store (None:
+    none) in the deprecated `kv_connector_extra_config` spelling (still read), `kvx`: `--additional-config` kvx
+    settings."""
     from vllm.config import KVTransferConfig
 
+    extra = {} if store is None else {"kvx_store": str(store)}
     return SimpleNamespace(
         model_config=SimpleNamespace(model=checkpoint, tokenizer=None, revision=None),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
@@ -130,7 +132,7 @@ def _config(checkpoint: str, store, tp: int, pp: int = 1, **kvx) -> SimpleNamesp
         compilation_config=SimpleNamespace(static_forward_context={}),
         additional_config={"kvx": kvx},
         kv_transfer_config=KVTransferConfig(kv_connector="KvxConnector", kv_role="kv_both",
-                                            kv_connector_extra_config={"kvx_store": str(store)}))
+                                            kv_connector_extra_config=extra))
 
 
 @pytest.mark.parametrize("tp, pp, refused", [(2, 1, "3 KV heads do not split over 2"), (1, 2, "pipeline")])
