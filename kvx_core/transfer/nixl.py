@@ -1,18 +1,26 @@
 """KV bundles over NIXL (NVIDIA's inference transfer library; UCX underneath): the network transport.
 
-A `NixlPeer` owns one NIXL agent and one registered host buffer. The sending peer `publish`es a sequence: it
-exports the bundle into its buffer (`host.export_to_host`) and returns a `ticket`, a small JSON-safe dict that the
-application passes to the receiver out of band (an HTTP response, vLLM's `kv_transfer_params`):
+A `NixlPeer` owns one NIXL agent and one registered host buffer, cut into `slots` equal slots. The sending peer
+`publish`es a sequence: it exports the bundle into a free slot (`host.export_to_host`) and returns a `ticket`, a
+small JSON-safe dict that the application passes to the receiver out of band (an HTTP response, vLLM's
+`kv_transfer_params`):
 
     {"agent": name, "nbytes": bundle bytes, "addr": the bundle's address in the sender's buffer,
-     "metadata": base64 of the sender agent's NIXL metadata}
+     "seq": the publish's number, "metadata": base64 of the sender agent's NIXL metadata}
 
-The receiving peer `fetch`es by a one-sided NIXL READ of the remote buffer into its own and imports it with every
-check of `import_bundle`: the bundle's checksums cover the network, a stale or overwritten remote buffer is refused
-(other tokens / checksum), and nothing is written unless all passes. One buffer per peer: a ticket is valid until
-that peer's next `publish`. A ticket is outside input: `parse_ticket` checks every field's type and range (a
-JSON ticket strictly: no NaN / Infinity) before anything is allocated or sent, and the remote buffer travels as
-plain numbers (NIXL's own serialized descriptor lists are pickles: never loaded from a ticket).
+The receiving peer `fetch`es by a one-sided NIXL READ of the remote slot into its own buffer (which notifies the
+sender "kvx-read <seq>" when it completes) and imports it with every check of `import_bundle`: the bundle's
+checksums cover the network, a stale or overwritten remote slot is refused (other tokens / checksum), and nothing
+is written unless all passes.
+
+Slot lifetime: a published bundle holds its slot until its reader's READ completes (the notification) or `hold_s`
+seconds pass, whichever is first; a publish takes the free slot published longest ago, and is refused
+(OUT_OF_RANGE) while every slot is held. A ticket is thus valid until its slot is reused: a reader coming later
+gets another bundle, which the import refuses. The defaults (one slot, `hold_s` 0) reuse the one slot at the next
+publish. A ticket is outside input: `parse_ticket` checks every field's type and range (a JSON ticket strictly: no
+NaN / Infinity) before anything is allocated or sent, and the remote buffer travels as plain numbers (NIXL's own
+serialized descriptor lists are pickles: never loaded from a ticket). A notification is outside input too: only
+"kvx-read <seq>" of a bundle a slot holds releases it.
 
 Needs `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` (`scripts/setup_env.sh` installs it; --no-deps because
 its declared dependencies pull CUDA builds). Without RDMA hardware UCX runs over
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,43 +52,63 @@ MAX_AGENT_NAME = 256
 """A ticket's agent name longer than this is refused."""
 
 
+MAX_SLOTS = 4096
+"""A peer's slot count, and a directory ticket's, above this is refused (the directory READ is 24 bytes a slot)."""
+_ENTRY = 3  # a directory entry: seq + 1 (0: empty), the bundle's address, its size (int64 each)
+
+
 @dataclass(frozen=True)
 class Ticket:
-    """A checked ticket: the sender agent's name and NIXL metadata, and its bundle's address and size."""
+    """A checked ticket: the sender agent's name and NIXL metadata, the bundle's seq, and either its address and size
+    (`nbytes`, `addr`) or where the sender's slot directory is (`directory`, `slots`: the bundle is looked up by
+    seq)."""
 
     agent: str
-    nbytes: int
-    addr: int
+    seq: int
     metadata: bytes
+    nbytes: int | None = None
+    addr: int | None = None
+    directory: int | None = None
+    slots: int | None = None
 
 
 def _bad_ticket(what: str) -> KvxError:
-    return KvxError(Status.INVALID_ARGUMENT, f"not a KVX NIXL ticket: {what} (a ticket is {{agent, nbytes, addr, "
-                                             f"metadata}} as NixlPeer.publish returns it)")
+    return KvxError(Status.INVALID_ARGUMENT, f"not a KVX NIXL ticket: {what} (a ticket is {{agent, seq, metadata}} "
+                                             "with {nbytes, addr} or {directory, slots}, as NixlPeer.publish or "
+                                             "NixlPeer.lookup_ticket returns it)")
+
+
+def _int_field(ticket: dict, key: str, low: int, high: int) -> int:
+    v = ticket.get(key)
+    if not is_int(v) or not low <= v < high:
+        raise _bad_ticket(f"{key} must be an integer in [{low}, {high}), got {short(v)}")
+    return v
 
 
 def parse_ticket(ticket: dict | str | bytes) -> Ticket:
     """The `Ticket` of a ticket dict (or its JSON text, parsed strictly); KvxError INVALID_ARGUMENT naming the field
-    that is missing, of another type or out of range: `agent` a name of 1 to `MAX_AGENT_NAME` characters, `nbytes`
-    an integer in [1, 2**63), `addr` an integer in [0, 2**64), `metadata` base64 of at most `MAX_METADATA_CHARS`."""
+    that is missing, of another type or out of range: `agent` a name of 1 to `MAX_AGENT_NAME` characters, `seq` an
+    integer in [0, 2**63), `metadata` base64 of at most `MAX_METADATA_CHARS`; then `nbytes` in [1, 2**63) and `addr`
+    in [0, 2**64), or (a ticket without `nbytes`) `directory` in [0, 2**64) and `slots` in [1, `MAX_SLOTS`]."""
     if isinstance(ticket, (str, bytes, bytearray)):
         ticket = loads_object(ticket, "KVX NIXL ticket")
     if not isinstance(ticket, dict):
         raise _bad_ticket(f"a {type(ticket).__name__}, not an object")
-    agent, nbytes, addr, meta = (ticket.get(k) for k in ("agent", "nbytes", "addr", "metadata"))
+    agent, meta = ticket.get("agent"), ticket.get("metadata")
     if not isinstance(agent, str) or not 0 < len(agent) <= MAX_AGENT_NAME:
         raise _bad_ticket(f"agent must be a name of 1 to {MAX_AGENT_NAME} characters, got {short(agent)}")
-    if not is_int(nbytes) or not 0 < nbytes < 2**63:
-        raise _bad_ticket(f"nbytes must be an integer in [1, 2**63), got {short(nbytes)}")
-    if not is_int(addr) or not 0 <= addr < 2**64:
-        raise _bad_ticket(f"addr must be an integer in [0, 2**64), got {short(addr)}")
+    seq = _int_field(ticket, "seq", 0, 2**63)
     if not isinstance(meta, str) or not 0 < len(meta) <= MAX_METADATA_CHARS:
         raise _bad_ticket(f"metadata must be base64 text of 1 to {MAX_METADATA_CHARS} characters, got {short(meta)}")
     try:
         raw = base64.b64decode(meta, validate=True)
     except (binascii.Error, ValueError):
         raise _bad_ticket("metadata is not base64") from None
-    return Ticket(agent, nbytes, addr, raw)
+    if "nbytes" not in ticket and "directory" in ticket:
+        return Ticket(agent, seq, raw, directory=_int_field(ticket, "directory", 0, 2**64),
+                      slots=_int_field(ticket, "slots", 1, MAX_SLOTS + 1))
+    return Ticket(agent, seq, raw, nbytes=_int_field(ticket, "nbytes", 1, 2**63),
+                  addr=_int_field(ticket, "addr", 0, 2**64))
 
 
 def _agent_class():
@@ -91,32 +120,108 @@ def _agent_class():
     return nixl_agent, nixl_agent_config
 
 
+_READ_NOTIF = re.compile(rb"kvx-read ([0-9]{1,19})")
+"""The notification a reader's READ sends its sender when it completes: the `seq` of the bundle read."""
+
+
 class NixlPeer:
     """One NIXL agent named `name` with a registered host buffer of `capacity` bytes (pinned when CUDA is
-    available, so GPU caches export and import through it at copy speed)."""
+    available, so GPU caches export and import through it at copy speed) in `slots` equal slots, each holding a
+    published bundle until its reader has read it or `hold_s` seconds have passed, and a registered slot directory
+    (per slot: seq + 1, address, size) through which a `lookup_ticket` finds its bundle."""
 
-    def __init__(self, name: str, capacity: int):
-        require(isinstance(capacity, int) and capacity > 0, Status.INVALID_ARGUMENT,
+    def __init__(self, name: str, capacity: int, *, slots: int = 1, hold_s: float = 0.0):
+        require(is_int(capacity) and capacity > 0, Status.INVALID_ARGUMENT,
                 f"NixlPeer capacity must be a positive byte count, got {capacity!r}")
+        require(is_int(slots) and 0 < slots <= min(capacity, MAX_SLOTS), Status.INVALID_ARGUMENT,
+                f"NixlPeer slots must be an integer in [1, {MAX_SLOTS}] and at most capacity, got {slots!r}")
+        require(isinstance(hold_s, (int, float)) and 0 <= hold_s < float("inf"), Status.INVALID_ARGUMENT,
+                f"NixlPeer hold_s must be a finite number of seconds >= 0, got {hold_s!r}")
         agent, config = _agent_class()
         self.name = name
         self.agent = agent(name, config(backends=["UCX"]))
         require("UCX" in self.agent.backends, Status.UNSUPPORTED, "NIXL has no UCX backend on this machine")
-        self.buf = torch.zeros(capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        self.agent.register_memory([self.buf])
+        pin = torch.cuda.is_available()
+        self.buf = torch.zeros(capacity, dtype=torch.uint8, pin_memory=pin)
+        self.directory = torch.zeros(slots, _ENTRY, dtype=torch.int64, pin_memory=pin)
+        self.agent.register_memory([self.buf, self.directory])
+        self.slot_bytes, self.hold_s = capacity // slots, float(hold_s)
+        self._seq = [-1] * slots  # the seq of the bundle each slot holds (-1: none yet)
+        self._until = [0.0] * slots  # time.monotonic() until which each slot is held for its reader
+        self._published = 0
         self._remotes: dict[bytes, str] = {}
 
     def publish(self, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
-                token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None) -> dict:
-        """Export a sequence into this peer's buffer; the returned ticket lets another peer fetch it."""
-        bundle = export_to_host(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads, out=self.buf)
-        return {"agent": self.name, "nbytes": bundle.numel(), "addr": bundle.data_ptr(),
-                "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode()}
+                token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
+                seq: int | None = None) -> dict:
+        """Export a sequence into a free slot under `seq` (default: this peer's next number; a caller handing out
+        `lookup_ticket`s before publishing gives its own); the returned ticket lets another peer fetch it.
+        OUT_OF_RANGE, with every slot unchanged, while all slots are held or when the bundle does not fit a slot."""
+        require(seq is None or (is_int(seq) and 0 <= seq < 2**63 - 1), Status.INVALID_ARGUMENT,
+                f"NixlPeer.publish: seq must be an integer in [0, 2**63 - 1), got {seq!r}")
+        i = self._free_slot()
+        out = self.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+        bundle = export_to_host(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads, out=out)
+        if seq is None:
+            seq = self._published
+        self._published = max(self._published, seq + 1)
+        self._seq[i], self._until[i] = seq, time.monotonic() + self.hold_s
+        self.directory[i] = torch.tensor([seq + 1, bundle.data_ptr(), bundle.numel()])
+        return {"agent": self.name, "nbytes": bundle.numel(), "addr": bundle.data_ptr(), "seq": seq,
+                "metadata": self._metadata()}
+
+    def lookup_ticket(self, seq: int) -> dict:
+        """A ticket of the bundle this peer publishes (or will) under `seq`: the reader finds it in the directory."""
+        return {"agent": self.name, "seq": seq, "directory": self.directory.data_ptr(),
+                "slots": self.directory.shape[0], "metadata": self._metadata()}
+
+    def _metadata(self) -> str:
+        return base64.b64encode(self.agent.get_agent_metadata()).decode()
+
+    def held_slots(self) -> int:
+        """How many slots hold a bundle not yet read whose hold time has not passed."""
+        self._collect_reads()
+        now = time.monotonic()
+        return sum(until > now for until in self._until)
+
+    def _free_slot(self) -> int:
+        """The free slot published longest ago (a stale ticket's bundle is kept as long as possible)."""
+        self._collect_reads()
+        now = time.monotonic()
+        free = [i for i, until in enumerate(self._until) if until <= now]
+        require(bool(free), Status.OUT_OF_RANGE,
+                f"all {len(self._until)} slots of NIXL peer {self.name!r} hold bundles not read yet (the first is "
+                f"released in {min(self._until) - now:.1f} s, or when a reader's READ completes): raise its slots "
+                "or buffer, or lower its hold time")
+        return min(free, key=lambda i: self._seq[i])
+
+    def _collect_reads(self) -> None:
+        """Release the slots whose bundles' READs completed ("kvx-read <seq>" notifications; others ignored)."""
+        for messages in self.agent.get_new_notifs().values():
+            for message in messages:
+                m = _READ_NOTIF.fullmatch(message) if isinstance(message, bytes) else None
+                if m and int(m.group(1)) in self._seq:
+                    self._until[self._seq.index(int(m.group(1)))] = 0.0
 
     def fetch(self, ticket: dict | str | bytes, timeout_s: float = TIMEOUT_S) -> torch.Tensor:
-        """READ the bundle a ticket names into this peer's buffer; returns the bytes (a view of the buffer)."""
+        """READ the bundle a ticket names (a lookup ticket: first the sender's directory, then the slot holding its
+        seq) into this peer's buffer; returns the bytes (a view of the buffer)."""
         t = parse_ticket(ticket)
-        n = t.nbytes
+        if t.directory is not None:
+            entries = self._read(t, t.directory, t.slots * _ENTRY * 8, b"", timeout_s).view(torch.int64).view(-1, 3)
+            found = [e for e in entries.tolist() if e[0] == t.seq + 1]
+            require(bool(found), Status.INVALID_ARGUMENT,
+                    f"the bundle of NIXL ticket seq {t.seq} is not published by {short(t.agent)} (not yet, failed, "
+                    "or its slot was reused): compute the prompt")
+            _, addr, n = found[0]  # the sender's memory says so: checked like a ticket's fields
+            if not (0 <= addr and 0 < n):
+                raise _bad_ticket(f"the directory of {short(t.agent)} gives address {addr}, size {n}")
+            t = Ticket(t.agent, t.seq, t.metadata, nbytes=n, addr=addr)
+        return self._read(t, t.addr, t.nbytes, b"kvx-read %d" % t.seq, timeout_s)
+
+    def _read(self, t: Ticket, addr: int, n: int, notif: bytes, timeout_s: float) -> torch.Tensor:
+        """One NIXL READ of `n` bytes at the sender's `addr` into the start of this peer's buffer (`notif`: the
+        notification the sender gets when it completes)."""
         require(n <= self.buf.numel(), Status.OUT_OF_RANGE,
                 f"the bundle has {n} bytes; this peer's buffer holds {self.buf.numel()}")
         local = self.buf[:n]
@@ -128,8 +233,8 @@ class NixlPeer:
             require(name == t.agent, Status.INVALID_ARGUMENT,
                     f"not a KVX NIXL ticket: agent {short(t.agent)}, its metadata names {short(name)}")
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs([local]),
-                                                self.agent.get_xfer_descs([(t.addr, n, 0)], "DRAM"),
-                                                self._remotes[t.metadata])
+                                                self.agent.get_xfer_descs([(addr, n, 0)], "DRAM"), name,
+                                                notif_msg=notif)
         except KvxError:
             raise
         except Exception as e:  # noqa: BLE001 - NIXL's own errors (nixlMismatchError, ...) for a forged ticket

@@ -260,8 +260,9 @@ def fuzz_target(rng: random.Random) -> None:
         values = config.effective(config.vllm_given(additional, extra), environ)
     for name, r in values.items():
         kind = config.BY_NAME[name].kind
-        ok = {"bool": isinstance(r.value, bool), "bytes": type(r.value) is int and 0 < r.value <= config.MAX_BYTES,
-              }.get(kind, isinstance(r.value, str) and r.value != "") or r.value is None and kind != "bool"
+        positive = type(r.value) is int and 0 < r.value <= config.MAX_BYTES
+        typed = {"bool": isinstance(r.value, bool), "bytes": positive, "count": positive}
+        ok = typed.get(kind, isinstance(r.value, str) and r.value != "") or r.value is None and kind != "bool"
         assert ok, (name, r)
 
 

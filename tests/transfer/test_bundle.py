@@ -13,36 +13,11 @@ from hypothesis import given, settings, strategies as st
 from kvx_core.cache import PagedKVCache
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import list_formats
-from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
+from kvx_core.transfer import export_bundle, import_bundle
 from kvx_core.transfer.bundle import BundleReader
 from kvx_core.transfer.rows import read_rows
 
-LAYERS, HEADS, DIM = 2, 2, 32
-MODEL = ModelFingerprint("LlamaForCausalLM", LAYERS, HEADS, DIM, {"rope_theta": 10000.0}, "c" * 64, "t" * 64)
-
-
-def _cache(fmt: str, block_size: int, num_blocks: int, page_buffer: bool = False, seed: int = 0,
-           tokens: int = 0) -> tuple[PagedKVCache, torch.Tensor]:
-    """A cache with `tokens` random K/V written into randomly chosen blocks, in order -> (cache, slots); the
-    sequence's block table is `slots[::block_size] // block_size`."""
-    c = PagedKVCache(fmt, num_layers=LAYERS, num_blocks=num_blocks, block_size=block_size, num_kv_heads=HEADS,
-                     head_dim=DIM, per_head_global_scale=True, page_buffer=page_buffer)
-    g = torch.Generator().manual_seed(seed)
-    blocks = torch.randperm(num_blocks, generator=g)
-    pos = torch.arange(tokens)
-    slots = blocks[pos // block_size] * block_size + pos % block_size
-    for layer in range(LAYERS):
-        if c.layers[layer].k_global is not None:
-            c.set_global_scales(layer, torch.rand(HEADS, generator=g) * 0.01 + 0.002,
-                                torch.rand(HEADS, generator=g) * 0.01 + 0.002)
-        if tokens:
-            k = torch.randn(tokens, HEADS, DIM, generator=g) * 0.3
-            c.write(layer, k, torch.randn(tokens, HEADS, DIM, generator=g) * 0.3, slots)
-    return c, slots
-
-
-def _descs(c: PagedKVCache):
-    return [c.descriptor(i) for i in range(LAYERS)]
+from .caches import DIM, HEADS, LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: F401
 
 
 def _bundle(fmt: str = "int8", tokens: int = 5, **kw) -> tuple[bytes, PagedKVCache, torch.Tensor]:
@@ -52,13 +27,6 @@ def _bundle(fmt: str = "int8", tokens: int = 5, **kw) -> tuple[bytes, PagedKVCac
     return buf.getvalue(), src, slots
 
 
-def _snapshot(c: PagedKVCache) -> list[torch.Tensor]:
-    return [t.clone() for p in c.layers for t in (p.k_data, p.v_data, p.k_scales, p.v_scales, p.k_global, p.v_global)
-            if t is not None]
-
-
-def _unchanged(c: PagedKVCache, before: list[torch.Tensor]) -> bool:
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(_snapshot(c), before, strict=True))
 
 
 @pytest.mark.parametrize("fmt", list_formats())

@@ -19,7 +19,7 @@ from kvx_core.errors import KvxError, Status
 from kvx_core.transfer import BundleReader, convert_bundle, export_bundle, import_bundle
 from kvx_core.transfer.bundle import MAX_TOKENS
 from kvx_core.transfer.host import export_to_host
-from kvx_core.transfer.nixl import MAX_METADATA_CHARS, parse_ticket
+from kvx_core.transfer.nixl import MAX_METADATA_CHARS, MAX_SLOTS, parse_ticket
 from kvx_core.transfer.store import MARKER, BundleStore
 from tests.fuzz import DEEP, run_capped
 
@@ -349,21 +349,27 @@ def test_import_takes_bytes_and_refuses_what_is_no_bundle(transformed):
 
 
 # ------------------------------------------------------------------ NIXL tickets
-TICKET = {"agent": "kvx-send", "nbytes": 4096, "addr": 140_000_000_000,
+TICKET = {"agent": "kvx-send", "nbytes": 4096, "addr": 140_000_000_000, "seq": 3,
+          "metadata": base64.b64encode(b"nixl agent metadata").decode()}
+LOOKUP = {"agent": "kvx-send", "seq": 3, "directory": 140_000_000_000, "slots": 8,
           "metadata": base64.b64encode(b"nixl agent metadata").decode()}
 
 
 def test_a_ticket_parses_from_a_dict_or_its_json():
     for t in (TICKET, json.dumps(TICKET), json.dumps(TICKET).encode()):
         p = parse_ticket(t)
-        assert (p.agent, p.nbytes, p.addr, p.metadata) == ("kvx-send", 4096, 140_000_000_000, b"nixl agent metadata")
+        assert (p.agent, p.nbytes, p.addr, p.seq, p.metadata) == ("kvx-send", 4096, 140_000_000_000, 3,
+                                                                  b"nixl agent metadata")
+    p = parse_ticket(json.dumps(LOOKUP))
+    assert (p.directory, p.slots, p.nbytes, p.addr) == (140_000_000_000, 8, None, None)
 
 
 @pytest.mark.parametrize("field, value", [
     ("nbytes", math.inf), ("nbytes", math.nan), ("nbytes", 1.5), ("nbytes", "4096"), ("nbytes", True), ("nbytes", 0),
     ("nbytes", -1), ("nbytes", 2**63), ("addr", -1), ("addr", 2**64), ("addr", 4096.0), ("agent", ""), ("agent", 7),
     ("agent", "x" * 1000), ("metadata", "!!not base64!!"), ("metadata", ""), ("metadata", None),
-    ("metadata", "A" * (MAX_METADATA_CHARS + 4)), ("descs", "gASV"), ("addr", None)])
+    ("metadata", "A" * (MAX_METADATA_CHARS + 4)), ("descs", "gASV"), ("addr", None), ("seq", None), ("seq", -1),
+    ("seq", 2**63), ("seq", 3.0), ("seq", False)])
 def test_every_ticket_field_is_checked(field, value):
     """A ticket field missing, of another type or out of range: INVALID_ARGUMENT naming it (the pickled NIXL
     descriptor list of older tickets is never read: `addr` is required)."""
@@ -375,6 +381,20 @@ def test_every_ticket_field_is_checked(field, value):
     assert e.value.status == Status.INVALID_ARGUMENT
     with pytest.raises(KvxError, match="ticket"):
         parse_ticket(json.dumps(bad, allow_nan=True))
+
+
+@pytest.mark.parametrize("field, value", [("directory", -1), ("directory", 2**64), ("directory", 1.0),
+                                          ("directory", None), ("slots", 0), ("slots", MAX_SLOTS + 1),
+                                          ("slots", "8"), ("slots", None), ("seq", None), ("metadata", None)])
+def test_every_lookup_ticket_field_is_checked(field, value):
+    """A lookup ticket (its bundle found by seq in the sender's directory) with a field missing, of another type or
+    out of range: INVALID_ARGUMENT naming it, before any READ (slots capped: the directory READ is sized by it)."""
+    bad = {**LOOKUP, field: value}
+    if value is None:
+        bad.pop(field)
+    with pytest.raises(KvxError, match="ticket") as e:
+        parse_ticket(bad)
+    assert e.value.status == Status.INVALID_ARGUMENT
 
 
 @pytest.mark.parametrize("text", ['{"agent": "a", "nbytes": Infinity, "addr": 0, "metadata": "AA=="}',

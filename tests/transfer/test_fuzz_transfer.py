@@ -24,7 +24,7 @@ from tests.fuzz import dumps_json, mutate_bytes, mutate_json, run_capped
 
 from .forge import build, split
 from .test_bundle import MODEL, _cache, _descs, _snapshot, _Trickle, _unchanged
-from .test_forged import IDS, TICKET, _transformed
+from .test_forged import IDS, LOOKUP, TICKET, _transformed
 
 EXTREME_FLOATS = [0.0, -0.0, -1.0, math.nan, math.inf, -math.inf, 3.4e38, 1e-45]
 
@@ -115,9 +115,10 @@ def store_entries(rng: random.Random) -> None:
 
 
 def nixl_tickets(rng: random.Random) -> None:
-    t = mutate_json(TICKET, rng)
+    t = mutate_json(TICKET if rng.random() < 0.5 else LOOKUP, rng)
     p = parse_ticket(dumps_json(t) if rng.random() < 0.5 else t)
-    assert type(p.nbytes) is int and type(p.addr) is int and isinstance(p.metadata, bytes)
+    assert type(p.seq) is int and isinstance(p.metadata, bytes)
+    assert (type(p.nbytes) is int and type(p.addr) is int) or (type(p.directory) is int and type(p.slots) is int)
 
 
 def test_fuzz_bundle_readers():

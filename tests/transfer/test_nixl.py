@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -24,8 +25,9 @@ from kvx_core.transfer import import_bundle  # noqa: E402
 from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
 from kvx_core.transfer.rows import read_rows  # noqa: E402
 
+from ..fuzz import run_capped  # noqa: E402
 from ..procs import communicate  # noqa: E402
-from .test_bundle import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
+from .caches import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
 
 UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
@@ -115,7 +117,7 @@ def test_a_refused_publish_keeps_the_published_bundle_and_forged_tickets_are_ref
 SENDER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
-    from tests.transfer.test_bundle import MODEL, _cache, _descs
+    from tests.transfer.caches import MODEL, _cache, _descs
     from kvx_core.transfer.nixl import NixlPeer
     src, slots = _cache("k8v4", 16, 4, tokens=50)
     peer = NixlPeer("kvx-remote-sender", 1 << 20)
@@ -144,3 +146,121 @@ def test_handoff_between_two_processes_over_tcp_loopback():
     finally:
         communicate(p, "the NIXL sender process", "done\n")
     assert p.returncode == 0
+
+
+def _wait_released(peer: NixlPeer, held: int) -> None:
+    """Poll until the peer has taken its readers' notifications (they arrive asynchronously over UCX; the deadline
+    only bounds a hang)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if peer.held_slots() == held:
+            return
+    raise AssertionError(f"{peer.held_slots()} slots held, expected {held}")
+
+
+def test_slots_are_held_until_read_and_a_recycled_slot_is_refused():
+    """Two slots held for an hour: a third publish is refused with both bundles unchanged; the receiver's READ of the
+    first releases its slot (its notification), the next publish reuses it, and the first ticket then names another
+    bundle of as many bytes in that slot: refused (other tokens), nothing written; the second ticket stays valid."""
+    sender, receiver = NixlPeer("kvx-send5", 1 << 20, slots=2, hold_s=3600), NixlPeer("kvx-recv5", 1 << 20)
+    a, slots = _cache("int8", 16, 4, tokens=20)
+    first = sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(100, 120)))
+    second = sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(300, 320)))
+    assert first["addr"] != second["addr"] and sender.held_slots() == 2
+    published = sender.buf.clone()
+    with pytest.raises(KvxError, match="slots") as e:
+        sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(200, 220)))
+    assert e.value.status == Status.OUT_OF_RANGE and torch.equal(sender.buf, published)
+    dst, _ = _cache("int8", 16, 4, seed=3, tokens=12)
+    before = _snapshot(dst)
+    assert torch.equal(receiver.fetch(first), published[:first["nbytes"]])
+    _wait_released(sender, 1)
+    third = sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(200, 220)))
+    assert third["addr"] == first["addr"] and third["seq"] > second["seq"]
+    with pytest.raises(KvxError, match="other tokens"):
+        receiver.receive(first, _descs(dst), torch.arange(20), model=MODEL, token_ids=list(range(100, 120)))
+    assert _unchanged(dst, before)
+    receiver.receive(second, _descs(dst), torch.arange(20), model=MODEL, token_ids=list(range(300, 320)))
+    assert _rows_equal(a, slots, dst, torch.arange(20))
+
+
+def test_a_held_slot_is_released_by_its_hold_time_and_forged_notifications_release_nothing():
+    """hold_s 0 releases at once (one slot, reused by each publish); a notification that is not "kvx-read <seq>" of
+    a held bundle releases nothing (sent before the real one of the other slot, which UCX delivers after them)."""
+    a, slots = _cache("int8", 16, 4, tokens=20)
+    quick = NixlPeer("kvx-send6", 1 << 20, slots=1)
+    t1 = quick.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))
+    t2 = quick.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))
+    assert t1["addr"] == t2["addr"] and quick.held_slots() == 0
+    held = NixlPeer("kvx-send7", 1 << 20, slots=2, hold_s=3600)
+    first = held.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))
+    held.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))
+    other = NixlPeer("kvx-notifier", 4096)
+    other.agent.add_remote_agent(held.agent.get_agent_metadata())
+    for message in (b"kvx-read 7", b"kvx-read 0 ", b"kvx-read -0", b"hello", b"kvx-read 99999999999999999999"):
+        other.agent.send_notif("kvx-send7", message)
+    other.agent.send_notif("kvx-send7", b"kvx-read 1")
+    _wait_released(held, 1)
+    assert held.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))["addr"] != first["addr"]
+    with pytest.raises(KvxError, match="slots"):  # seq 0's slot is still held
+        held.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))
+    assert torch.equal(NixlPeer("kvx-recv7", 1 << 20).fetch(first), held.buf[:first["nbytes"]])
+
+
+@pytest.mark.parametrize("slots, hold_s", [(0, 0.0), (2.0, 0.0), (1, -1.0), (1, float("nan")), (1, float("inf"))])
+def test_bad_slot_settings_are_refused(slots, hold_s):
+    with pytest.raises(KvxError) as e:
+        NixlPeer("kvx-bad", 1 << 20, slots=slots, hold_s=hold_s)
+    assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_a_ticket_without_an_integer_seq_is_refused():
+    a, slots = _cache("int8", 16, 4, tokens=20)
+    sender, receiver = NixlPeer("kvx-send8", 1 << 20), NixlPeer("kvx-recv8", 1 << 20)
+    ticket = sender.publish(_descs(a), slots, model=MODEL)
+    for seq in (None, -1, 2**63, 1.0, "0", True):
+        with pytest.raises(KvxError, match="seq") as e:
+            receiver.fetch({**ticket, "seq": seq})
+        assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_a_lookup_ticket_finds_its_bundle_through_the_directory_until_its_slot_is_reused():
+    """A lookup ticket handed out before the publish (as vLLM's scheduler does): refused while nothing is published
+    under its seq, read bit for bit once it is, refused again after its slot took another bundle; a directory entry
+    that the sender's memory forges (size 0, a negative address, more than the receiving buffer) is refused before
+    the bundle READ, with nothing written."""
+    sender, receiver = NixlPeer("kvx-send9", 1 << 20, slots=1), NixlPeer("kvx-recv9", 1 << 20)
+    ticket = sender.lookup_ticket(5)
+    assert json.loads(json.dumps(ticket)) == ticket
+    dst, _ = _cache("int8", 16, 4, seed=3, tokens=12)
+    before = _snapshot(dst)
+    with pytest.raises(KvxError, match="not published") as e:
+        receiver.fetch(ticket)
+    assert e.value.status == Status.INVALID_ARGUMENT
+    a, slots = _cache("int8", 16, 4, tokens=20)
+    direct = sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)), seq=5)
+    assert torch.equal(receiver.fetch(ticket), sender.buf[:direct["nbytes"]])
+    good = sender.directory.clone()
+    for entry, status in (([6, direct["addr"], 0], Status.INVALID_ARGUMENT),
+                          ([6, -1, direct["nbytes"]], Status.INVALID_ARGUMENT),
+                          ([6, direct["addr"], 2 << 20], Status.OUT_OF_RANGE)):
+        sender.directory[0] = torch.tensor(entry)
+        with pytest.raises(KvxError) as e:
+            receiver.receive(ticket, _descs(dst), torch.arange(20), model=MODEL, token_ids=list(range(20)))
+        assert e.value.status == status
+    sender.directory.copy_(good)
+    sender.publish(_descs(a), slots, model=MODEL, token_ids=list(range(20)))  # seq 6 takes the only slot
+    with pytest.raises(KvxError, match="not published"):
+        receiver.receive(ticket, _descs(dst), torch.arange(20), model=MODEL, token_ids=list(range(20)))
+    assert _unchanged(dst, before)
+    for forged in ({**ticket, "slots": 0}, {**ticket, "slots": 4097}, {**ticket, "directory": -1},
+                   {**ticket, "directory": 1.0}, {k: v for k, v in ticket.items() if k != "slots"}):
+        with pytest.raises(KvxError, match="ticket") as e:
+            receiver.fetch(forged)
+        assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_fuzz_lookup_ticket_directory():
+    """The slot directory a lookup ticket reads is the sender's memory: forged entries are refused with KvxError
+    (nothing written) under the memory cap, never a crash or a read outside what the sender registered."""
+    run_capped("tests.transfer.nixl_fuzz:directory_entries", cases=300, env=UCX)

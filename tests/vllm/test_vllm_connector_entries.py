@@ -42,8 +42,8 @@ def _state(tmp_path, forgery: str) -> SimpleNamespace:
     dst = PagedKVCache("nvfp4", num_layers=2, num_blocks=2, block_size=16, num_kv_heads=2, head_dim=32)
     caches = SimpleNamespace(load=lambda f, slots, **kw: import_bundle(f, [dst.descriptor(i) for i in range(2)],
                                                                          slots, **kw), dst=dst)
-    return SimpleNamespace(consumer=True, store=store, model=MODEL, _loads={}, block_size=16, _caches=caches,
-                           _failed=set(), _get_connector_metadata=lambda: loads)
+    return SimpleNamespace(consumer=True, nixl=None, store=store, model=MODEL, _loads={}, block_size=16,
+                           _caches=caches, _failed=set(), _get_connector_metadata=lambda: loads)
 
 
 @pytest.mark.parametrize("forgery", ["nan", "deep", "directory", "kvtc garbage"])
@@ -74,8 +74,9 @@ def test_a_stored_prefix_is_reported_and_loaded_from_its_entry(tmp_path):
     prompt = stored[:21] + [1, 2, 3]
     dst = PagedKVCache("nvfp4", num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=32)
     meta = KvxConnectorMetadata()
-    state = SimpleNamespace(consumer=True, producer=False, store=store, model=MODEL, _loads={}, block_size=16,
-                            _prompts={"r1": prompt}, _blocks={"r1": [2, 3]}, _failed=set(), kv_heads=(0, 2),
+    state = SimpleNamespace(consumer=True, producer=False, nixl=None, store=store, model=MODEL, _loads={},
+                            block_size=16, _prompts={"r1": prompt}, _blocks={"r1": [2, 3]}, _failed=set(),
+                            kv_heads=(0, 2),
                             _caches=SimpleNamespace(load=lambda f, slots, **kw: import_bundle(
                                 f, [dst.descriptor(i) for i in range(2)], slots, **kw)),
                             _get_connector_metadata=lambda: meta)

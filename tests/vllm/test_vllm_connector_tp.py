@@ -64,7 +64,7 @@ def _rank(store: BundleStore, tp: int, rank: int, cache, meta: KvxConnectorMetad
 
 def _matched(store: BundleStore) -> tuple[int, bool]:
     """What the consumer's scheduler (one process) answers for a new request of IDS."""
-    sched = SimpleNamespace(consumer=True, store=store, model=MODEL, _loads={})
+    sched = SimpleNamespace(consumer=True, nixl=None, store=store, model=MODEL, _loads={})
     request = SimpleNamespace(request_id="r1", prompt_token_ids=IDS, sampling_params=None)
     return KvxConnector.get_num_new_matched_tokens(sched, request, 0)
 
@@ -118,10 +118,12 @@ def test_a_damaged_shard_fails_the_load_on_every_rank(tmp_path, caplog):
 
 
 def _config(checkpoint: str, store, tp: int, pp: int = 1, **kvx) -> SimpleNamespace:
-    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`; the store in
-    the deprecated `kv_connector_extra_config` spelling (still read), `kvx`: `--additional-config` kvx settings."""
+    """The parts of a VllmConfig the connector reads, for SmolLM2 (3 KV heads) at TP `tp`, PP `pp`; the store (None:
+    none) in the deprecated `kv_connector_extra_config` spelling (still read), `kvx`: `--additional-config` kvx
+    settings."""
     from vllm.config import KVTransferConfig
 
+    extra = {} if store is None else {"kvx_store": str(store)}
     return SimpleNamespace(
         model_config=SimpleNamespace(model=checkpoint, tokenizer=None, revision=None),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
@@ -129,7 +131,7 @@ def _config(checkpoint: str, store, tp: int, pp: int = 1, **kvx) -> SimpleNamesp
         compilation_config=SimpleNamespace(static_forward_context={}),
         additional_config={"kvx": kvx},
         kv_transfer_config=KVTransferConfig(kv_connector="KvxConnector", kv_role="kv_both",
-                                            kv_connector_extra_config={"kvx_store": str(store)}))
+                                            kv_connector_extra_config=extra))
 
 
 @pytest.mark.parametrize("tp, pp, refused", [(2, 1, "3 KV heads do not split over 2"), (1, 2, "pipeline")])

@@ -21,6 +21,17 @@ same host; `/dev/shm` for memory speed, a disk path to keep KV across restarts).
 (least recently used entries evicted; an entry evicted between the scheduler's lookup and the load is a failed load
 like a damaged one).
 
+NIXL transport (`transport: "nixl"`, `kvx_core.transfer.nixl`; across hosts, no store): a producer publishes the
+prompt of each request whose `kv_transfer_params` has `"do_remote_decode": true` (vLLM's P/D proxies set it) into a
+slot of its worker's NIXL buffer at the end of the step that completes the prompt, and `request_finished` returns
+`{"kvx_ticket": ...}` as the request's `kv_transfer_params`; the proxy passes them to the consumer's request. The
+ticket is a lookup ticket (the scheduler mints it before the worker exports, from the worker's agent and slot
+directory, which the worker hands the scheduler at startup: vLLM's handshake metadata). The consumer's scheduler
+parses it strictly (a bad ticket is a logged miss) and loads all but the prompt's last token; its worker READs the
+bundle and imports it with every check, all or nothing; a failure (refused ticket, bundle gone, its slot reused,
+damaged) is a failed load as above. A slot is held until the consumer's READ completes or `nixl_hold_s` passes;
+with every one of `nixl_slots` held the prompt is not published (logged) and its consumer fails the load. TP=1 only.
+
 Tensor parallelism: each worker rank exports and imports the KV heads vLLM gives it (`kvx_core.transfer.tp`: split
 when the model has at least as many KV heads as ranks, replicated otherwise). A TP=M producer's entry is a shard set
 (`BundleStore.write_shard`: one bundle per distinct head range, written by the first rank holding it, and a manifest
@@ -32,16 +43,23 @@ nothing written on any (vLLM unions the ranks' failed blocks). Pipeline parallel
 from __future__ import annotations
 
 import contextlib
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from vllm.logger import init_logger
 
 from kvx_core.errors import KvxError
 from kvx_core.transfer import BundleStore
 from kvx_core.transfer.kvtc_bundle import calibration_for
+from kvx_core.transfer.nixl import NixlPeer, parse_ticket
 from kvx_core.transfer.tp import tp_head_range
 
 from .fingerprint import model_fingerprint
@@ -68,12 +86,22 @@ class Transfer:
     token_ids: list[int]
     slots: list[int]
     token_range: tuple[int, int] | None = None
+    ticket: dict | str | None = None  # a load over NIXL: the consumer request's ticket
+    seq: int | None = None  # a save over NIXL: the seq its ticket looks the bundle up by
 
 
 @dataclass
 class KvxConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class KvxNixlHandshake(KVConnectorHandshakeMetadata):
+    """A producer worker's NIXL agent and slot directory: a lookup ticket but its seq (worker -> scheduler at
+    startup)."""
+
+    ticket: dict
 
 
 class KvxConnector(KVConnectorBase_V1):
@@ -98,7 +126,10 @@ class KvxConnector(KVConnectorBase_V1):
                              "refused (damaged) bundle its scheduler decoded from the unloaded blocks instead of "
                              'recomputing them (H100 run); use "fail" (the default), or vLLM 0.32')
         opts = options_of(vllm_config)
-        if not opts.store:
+        self.nixl = opts if opts.transport == "nixl" else None
+        if self.nixl is not None:
+            self._check_nixl(opts, par.tensor_parallel_size)
+        elif not opts.store:
             raise ValueError('KVX connector: set the store directory, e.g. --additional-config \'{"kvx": {"store": '
                              '"/dev/shm/kvx"}}\' or KVX_STORE=/dev/shm/kvx')
         self.model = model_fingerprint(vllm_config)
@@ -109,8 +140,9 @@ class KvxConnector(KVConnectorBase_V1):
             raise ValueError(f"KVX connector: {e}") from None
         kvtc = opts.kvtc  # a `kvx kvtc calibrate` file: KVTC-coded entries
         try:
-            self.store = BundleStore(opts.store, kvtc=calibration_for(kvtc, self.model) if kvtc else None,
-                                     prefix_block=opts.store_prefix_block, max_bytes=opts.store_max_bytes)
+            self.store = None if self.nixl else BundleStore(
+                opts.store, kvtc=calibration_for(kvtc, self.model) if kvtc else None,
+                prefix_block=opts.store_prefix_block, max_bytes=opts.store_max_bytes)
         except KvxError as e:
             raise ValueError(f"KVX connector: {e}") from None
         self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
@@ -119,17 +151,40 @@ class KvxConnector(KVConnectorBase_V1):
         # scheduler side
         self._blocks: dict[str, list[int]] = {}
         self._prompts: dict[str, list[int]] = {}
-        self._loads: dict[str, tuple[int, int, list[int]]] = {}
+        self._loads: dict[str, tuple[int, int, list[int], dict | str | None]] = {}
+        self._publish: set[str] = set()  # NIXL: requests whose prompts are to be published
+        self._tickets: dict[str, dict] = {}  # NIXL: the tickets of the prompts published for these requests
+        self._directory: dict | None = None  # NIXL: the producer worker's lookup ticket but its seq (handshake)
+        self._seq = 0
         # worker side
+        self._sender: NixlPeer | None = None
+        self._receiver: NixlPeer | None = None
         self._caches: LayerCaches | None = None
         self.tp_rank = 0
         self.kv_heads = (0, self.model.num_kv_heads)
         self._failed: set[int] = set()
 
+    @staticmethod
+    def _check_nixl(opts: Any, tp_size: int) -> None:
+        """The NIXL transport's startup refusals (ValueError, as vLLM's config checks raise)."""
+        if opts.store or opts.kvtc:
+            raise ValueError('KVX connector: transport "nixl" takes no store (nor kvtc, a store coding); unset '
+                             'them, or use transport "store"')
+        if tp_size > 1:
+            raise ValueError('KVX connector: transport "nixl" serves --tensor-parallel-size 1 only for now; use '
+                             'transport "store" for tensor-parallel instances')
+        try:
+            import nixl._api  # noqa: F401
+        except ImportError:
+            raise ValueError('KVX connector: transport "nixl" needs NIXL: pip install --no-deps nixl==1.5.1 '
+                             "nixl-cu12==1.5.1") from None
+
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens of the longest stored prefix of the prompt beyond the `num_computed_tokens` held locally, up to
-        the prompt's last token."""
+        """Tokens of the longest stored prefix of the prompt (NIXL: of the ticketed prompt) beyond the
+        `num_computed_tokens` held locally, up to the prompt's last token."""
+        if self.nixl is not None:
+            return self._match_ticket(request, num_computed_tokens)
         params = getattr(request, "sampling_params", None)
         if not self.consumer or getattr(params, "skip_reading_prefix_cache", None):  # 0.26 asks us, 0.32 does not
             return 0, False
@@ -143,7 +198,29 @@ class KvxConnector(KVConnectorBase_V1):
         stop = min(matched, len(ids) - 1)
         if entry is None or stop <= num_computed_tokens:
             return 0, False
-        self._loads[request.request_id] = (num_computed_tokens, stop, entry)
+        self._loads[request.request_id] = (num_computed_tokens, stop, entry, None)
+        return stop - num_computed_tokens, False
+
+    def _match_ticket(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """NIXL: a producer notes the requests to publish; a consumer loads the prompt of a request carrying a
+        ticket (checked here: a bad one is a logged miss) but its last token."""
+        rid, params = request.request_id, getattr(request, "kv_transfer_params", None)
+        params = params if isinstance(params, dict) else {}
+        if self.producer and params.get("do_remote_decode") is True:
+            self._publish.add(rid)
+        ticket = params.get("kvx_ticket")
+        if not self.consumer or ticket is None:
+            return 0, False
+        try:
+            parse_ticket(ticket)
+        except KvxError as e:
+            logger.warning("KVX connector: request %s: its kvx_ticket is refused (%s); computing the prompt", rid, e)
+            return 0, False
+        ids = list(request.prompt_token_ids or [])
+        stop = len(ids) - 1
+        if stop <= num_computed_tokens:
+            return 0, False
+        self._loads[rid] = (num_computed_tokens, stop, ids, ticket)
         return stop - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -151,8 +228,10 @@ class KvxConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             self._loads.pop(rid, None)
         elif rid in self._loads:
-            start, _, entry = self._loads[rid]
-            self._loads[rid] = (start, start + num_external_tokens, entry)
+            start, _, entry, ticket = self._loads[rid]
+            self._loads[rid] = (start, start + num_external_tokens, entry, ticket)
+            if ticket is not None:  # loaded once: a preempted request recomputes rather than reads a stale slot
+                request.kv_transfer_params.pop("kvx_ticket", None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads (requests admitted with bundled tokens) and saves (prompts completed in this step)."""
@@ -179,23 +258,43 @@ class KvxConnector(KVConnectorBase_V1):
         if prompt is None:
             return
         if rid in self._loads:
-            a, b, entry = self._loads.pop(rid)
-            meta.loads.append(Transfer(rid, entry, self._slots(rid, a, b), (a, b)))
-        if (self.producer and computed < len(prompt) <= computed + scheduled
-                and (self.model, prompt) not in self.store):
-            meta.saves.append(Transfer(rid, prompt, self._slots(rid, 0, len(prompt))))
+            a, b, entry, ticket = self._loads.pop(rid)
+            meta.loads.append(Transfer(rid, entry, self._slots(rid, a, b), (a, b), ticket=ticket))
+        if not (self.producer and computed < len(prompt) <= computed + scheduled):
+            return
+        if self.nixl is None:
+            if (self.model, prompt) not in self.store:
+                meta.saves.append(Transfer(rid, prompt, self._slots(rid, 0, len(prompt))))
+        elif rid in self._publish:
+            if self._directory is None:
+                logger.error("KVX connector: request %s: no NIXL worker handshake reached the scheduler; its prompt "
+                             "is not published", rid)
+                return
+            self._seq += 1
+            self._tickets[rid] = {**self._directory, "seq": self._seq}
+            meta.saves.append(Transfer(rid, prompt, self._slots(rid, 0, len(prompt)), seq=self._seq))
 
     def _slots(self, rid: str, start: int, stop: int) -> list[int]:
         blocks, b = self._blocks[rid], self.block_size
         return [blocks[t // b] * b + t % b for t in range(start, stop)]
 
     def _forget(self, rid: str) -> None:
-        for d in (self._blocks, self._prompts, self._loads):
+        for d in (self._blocks, self._prompts, self._loads, self._tickets):
             d.pop(rid, None)
+        self._publish.discard(rid)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves complete inside the step that computes the prompt (its blocks may go); a published prompt's ticket
+        becomes the request's `kv_transfer_params` (`{"kvx_ticket": ...}`)."""
+        ticket = self._tickets.pop(request.request_id, None)
         self._forget(request.request_id)
-        return False, None  # saves complete inside the step that computes the prompt
+        return False, None if ticket is None else {"kvx_ticket": ticket}
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """NIXL: the producer worker's agent and slot directory, from which the scheduler mints tickets."""
+        handshake = metadata.get(0)
+        if isinstance(handshake, KvxNixlHandshake):
+            self._directory = handshake.ticket
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -207,6 +306,22 @@ class KvxConnector(KVConnectorBase_V1):
             self.kv_heads = tp_head_range(self.model.num_kv_heads, self.tp_size, self.tp_rank)
         layers = self._vllm_config.compilation_config.static_forward_context
         self._caches = LayerCaches(kv_caches, layers, self.cache_dtype)
+        if self.nixl is not None:
+            name = f"kvx-{uuid.uuid4().hex}"
+            try:
+                if self.producer:
+                    self._sender = NixlPeer(name + "-send", self.nixl.nixl_buffer, slots=self.nixl.nixl_slots,
+                                            hold_s=self.nixl.nixl_hold_s)
+                if self.consumer:
+                    self._receiver = NixlPeer(name + "-recv", self.nixl.nixl_buffer)
+            except KvxError as e:
+                raise ValueError(f"KVX connector: {e}") from None
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """NIXL producer: this worker's agent and slot directory, for the scheduler's tickets."""
+        if self._sender is None:
+            return None
+        return KvxNixlHandshake({k: v for k, v in self._sender.lookup_ticket(0).items() if k != "seq"})
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load this step's bundled tokens (this rank's KV heads, from every shard of the entry) into the cache
@@ -215,6 +330,11 @@ class KvxConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvxConnectorMetadata) and self._caches is not None
         for t in meta.loads:
             try:  # opening is reading outside bytes too (a KVTC entry decodes, an entry may be forged or unreadable)
+                if t.ticket is not None:  # NIXL: READ, then import with every check
+                    self._caches.load(self._receiver.fetch(t.ticket), torch.tensor(t.slots, dtype=torch.int64),
+                                      model=self.model, token_ids=t.token_ids, token_range=t.token_range,
+                                      kv_heads=self.kv_heads)
+                    continue
                 shards = self.store.open_shards(self.model, t.token_ids)
                 if shards is None:
                     raise FileNotFoundError("its store entry is gone")
@@ -236,12 +356,18 @@ class KvxConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Export each prompt completed in this step into the store: this rank's KV heads as its shard (atomically;
-        a failure is logged, the set then stays incomplete and the consumer computes the prompt itself)."""
+        a failure is logged, the set then stays incomplete and the consumer computes the prompt itself); NIXL:
+        publish it under its ticket's seq (a failure, e.g. every slot held, is logged: its consumer's load fails)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata) and self._caches is not None
         for t in meta.saves:
             slots = torch.tensor(t.slots, dtype=torch.int64)
             try:
+                if t.seq is not None:
+                    caches, at = self._caches.export_source(slots)
+                    self._sender.publish(caches, at, model=self.model, token_ids=t.token_ids,
+                                         kv_heads=self.kv_heads, seq=t.seq)
+                    continue
                 self.store.write_shard(self.model, t.token_ids, self.tp_size, self.tp_rank,
                                        lambda f, slots=slots, ids=t.token_ids: self._caches.export(
                                            f, slots, model=self.model, token_ids=ids, kv_heads=self.kv_heads))

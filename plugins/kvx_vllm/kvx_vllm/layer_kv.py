@@ -132,21 +132,26 @@ class LayerCaches:
                                else from_vllm_kv_cache(kv, backend=self.kind, cache_dtype=dtype) for kv in self.kv]
         return self._descs
 
-    def export(self, out: BinaryIO, slots: torch.Tensor, *, model: ModelFingerprint, token_ids: Sequence[int],
-               kv_heads: tuple[int, int] | None = None) -> dict:
-        """Write the bundle of the tokens at `slots` (sequence order); `kv_heads`: the model's KV heads this cache
-        holds (a tensor-parallel rank's), default all."""
+    def export_source(self, slots: torch.Tensor) -> tuple[list[CacheDesc], torch.Tensor]:
+        """The caches and slots to export the tokens at `slots` (sequence order) from: the cache itself, or for vLLM
+        CPU's packed cache, dense copies of those tokens."""
         if self.kind != "cpu":
-            return export_bundle(out, self.descs(), slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
+            return self.descs(), slots
         p, staged = self.packing(), []
         for kv in self.kv:
             kc, vc = p.split(kv)
             k, v = p.read(kc, p.k_where, slots), p.read(vc, p.v_where, slots)
             staged.append(_dense(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
-        return export_bundle(out, staged, torch.arange(slots.numel()), model=model, token_ids=token_ids,
-                             kv_heads=kv_heads)
+        return staged, torch.arange(slots.numel())
 
-    def load(self, src: BinaryIO | Sequence[BinaryIO], slots: torch.Tensor, *, model: ModelFingerprint,
+    def export(self, out: BinaryIO, slots: torch.Tensor, *, model: ModelFingerprint, token_ids: Sequence[int],
+               kv_heads: tuple[int, int] | None = None) -> dict:
+        """Write the bundle of the tokens at `slots` (sequence order); `kv_heads`: the model's KV heads this cache
+        holds (a tensor-parallel rank's), default all."""
+        caches, at = self.export_source(slots)
+        return export_bundle(out, caches, at, model=model, token_ids=token_ids, kv_heads=kv_heads)
+
+    def load(self, src: BinaryIO | Sequence[BinaryIO] | torch.Tensor, slots: torch.Tensor, *, model: ModelFingerprint,
              token_ids: Sequence[int], token_range: tuple[int, int], kv_heads: tuple[int, int] | None = None) -> None:
         """Store the bundled tokens `token_range` at `slots`, converted into this cache, from a bundle or the
         shards of a tensor-parallel producer (`kv_heads`: the model's KV heads this cache holds); all or nothing."""

@@ -13,6 +13,8 @@ Options under the "kvx" key of vLLM's `additional_config`:
   what it refuses.
 - `kv_calibration` (a path, default unset): the KV-cache calibration file to serve with (`calibration`); without
   it, `<model dir>/kvx_kv_calibration.kvxcal` (or the older `.kvx` name) when that exists. `kvx_*` cache dtypes only.
+- `transport` ("store" or "nixl"), `nixl_buffer`, `nixl_slots`, `nixl_hold_s`: how the KV connector hands KV over
+  (`connector`).
 - `store`, `kvtc` (paths): the KV connector's bundle store and KVTC calibration (`connector`); their older
   `kv_connector_extra_config` spellings `kvx_store` / `kvx_kvtc` are read with a DeprecationWarning.
 Each option is a setting of `kvx_core.config` (types, defaults, and the `KVX_<NAME>` environment variable that
@@ -56,6 +58,10 @@ class KvxOptions:
     kvtc: str | None = None
     store_prefix_block: int | None = None
     store_max_bytes: int | None = None
+    transport: str = "store"
+    nixl_buffer: int = 1 << 30
+    nixl_slots: int = 8
+    nixl_hold_s: int = 60
 
 
 def options_of(vllm_config: Any) -> KvxOptions:
