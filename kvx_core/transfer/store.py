@@ -480,13 +480,9 @@ class BundleStore:
     def _read_link(self, link: str) -> str | None:
         """The entry key a prefix link names, None when there is no link; KvxError for a file that is not a key."""
         path = self._link_path(link)
-        try:
-            with path.open("rb") as f:
-                raw = f.read(LINK_BYTES + 1)
-        except FileNotFoundError:
+        raw = _read_head(path, LINK_BYTES)
+        if raw is None:
             return None
-        except OSError as e:
-            raise _failed(path, "read", e) from None
         require(_is_key(raw), Status.INVALID_ARGUMENT,
                 f"bundle store link {path}: must hold an entry key ({LINK_BYTES} lowercase hex characters)")
         return raw.decode()
@@ -555,16 +551,22 @@ class BundleStore:
                 self._unlink(path)
 
 
-def _read_capped(path: Path, cap: int, what: str) -> bytes | None:
-    """A small store file's bytes (None when absent), refused past `cap` after reading one byte more."""
+def _read_head(path: Path, cap: int) -> bytes | None:
+    """At most `cap + 1` bytes of a small store file (one more than it may hold, so a caller sees it is larger),
+    None when absent."""
     try:
         with path.open("rb") as f:
-            raw = f.read(cap + 1)
+            return f.read(cap + 1)
     except FileNotFoundError:
         return None
     except OSError as e:
         raise _failed(path, "read", e) from None
-    require(len(raw) <= cap, Status.INVALID_ARGUMENT, f"{what}: larger than {cap} bytes")
+
+
+def _read_capped(path: Path, cap: int, what: str) -> bytes | None:
+    """A small store file's bytes (None when absent), refused past `cap`."""
+    raw = _read_head(path, cap)
+    require(raw is None or len(raw) <= cap, Status.INVALID_ARGUMENT, f"{what}: larger than {cap} bytes")
     return raw
 
 

@@ -298,7 +298,7 @@ def test_write_with_inputs_that_require_grad(name, entry, kernel_device):
 @pytest.mark.parametrize("gather_kv", [reference.gather_kv, dispatch.gather_kv], ids=["reference", "dispatch"])
 def test_gather_into_an_out_that_requires_grad(gather_kv, kernel_device):
     c, dev = _cache("int8", kernel_device), kernel_device
-    gd = GatherDesc(BlockTable.packed(torch.tensor([[0, 1]], device=dev)), SeqLens(torch.tensor([6], device=dev)), 6)
+    gd = _gd(BlockTable.packed(torch.tensor([[0, 1]], device=dev)), (6,), 6, dev)
     out = KvIoDesc(torch.zeros(6, H, D, device=dev, requires_grad=True),
                    torch.zeros(6, H, D, device=dev, requires_grad=True))
     got = gather_kv(c.descriptor(0), gd, out)
@@ -427,9 +427,9 @@ def test_dispatch_wide_block_ids_gpu(name):
 
 
 # ----------------------------------------------------------------------------- F8: gather arguments
-def _gd(table=None, lens=(6, 3), max_seq_len=8) -> GatherDesc:
-    table = BlockTable.packed(torch.tensor([[0, 1], [4, 0]])) if table is None else table
-    return GatherDesc(table, SeqLens(torch.tensor(lens)), max_seq_len)
+def _gd(table=None, lens=(6, 3), max_seq_len=8, device="cpu") -> GatherDesc:
+    table = BlockTable.packed(torch.tensor([[0, 1], [4, 0]], device=device)) if table is None else table
+    return GatherDesc(table, SeqLens(torch.tensor(lens, device=device)), max_seq_len)
 
 
 def _ragged(indices: torch.Tensor) -> BlockTable:
@@ -514,19 +514,17 @@ def test_gather_accepts_numpy_ints_and_non_contiguous_tables(gather_kv, kernel_d
     dev = kernel_device
     c = _cache("mxfp4", dev)
     desc = c.descriptor(0)
-    table = BlockTable.packed(torch.tensor([[0, 1], [4, 0]], device=dev))
-    gd = lambda t=table, lens=(6, 3), m=8: GatherDesc(t, SeqLens(torch.tensor(lens, device=dev)), m)  # noqa: E731
-    ref = reference.gather_kv(desc, gd())
-    got = gather_kv(desc, gd(m=np.int64(8)))
+    ref = reference.gather_kv(desc, _gd(device=dev))
+    got = gather_kv(desc, _gd(max_seq_len=np.int64(8), device=dev))
     assert torch.equal(got.key, ref.key) and torch.equal(got.value, ref.value)
     wide = torch.tensor([[0, 9, 1, 9], [4, 9, 0, 9]], device=dev)[:, ::2]  # non-contiguous [2, 2]
     assert not wide.is_contiguous()
-    got = gather_kv(desc, gd(BlockTable.packed(wide)))
+    got = gather_kv(desc, _gd(BlockTable.packed(wide), device=dev))
     assert torch.equal(got.key, ref.key) and torch.equal(got.value, ref.value)
     got = gather_kv(desc, GatherDesc(BlockTable.packed(wide), SeqLens(torch.tensor([6, 0, 3, 0], device=dev)[::2]), 8))
     assert torch.equal(got.key, ref.key) and torch.equal(got.value, ref.value)
     out = KvIoDesc(torch.zeros(9, H, 2 * D, device=dev)[:, :, ::2], torch.zeros(9, H, D, device=dev))  # strided
-    got = gather_kv(desc, gd(), out)
+    got = gather_kv(desc, _gd(device=dev), out)
     assert torch.equal(got.key, ref.key) and torch.equal(got.value, ref.value)
 
 
@@ -626,8 +624,8 @@ def test_rot_kernel_paths_are_batch_invariant(name, kernel_device):
     for a, b in zip(_pools(c), _pools(ref), strict=True):
         assert _same_bytes(a, b)
     table = BlockTable.packed(torch.tensor([[0, 1]], device=dev))
-    full = dispatch.gather_kv(c.descriptor(0), GatherDesc(table, SeqLens(torch.tensor([8], device=dev)), 8))
-    one = dispatch.gather_kv(c.descriptor(0), GatherDesc(table, SeqLens(torch.tensor([1], device=dev)), 8))
+    full = dispatch.gather_kv(c.descriptor(0), _gd(table, (8,), 8, dev))
+    one = dispatch.gather_kv(c.descriptor(0), _gd(table, (1,), 8, dev))
     assert torch.equal(one.key, full.key[:1]) and torch.equal(one.value, full.value[:1])
 
 
