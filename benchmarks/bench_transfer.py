@@ -1,13 +1,14 @@
 """KV bundle export / import throughput against a raw copy of the same bytes, in the same run.
 
     python benchmarks/bench_transfer.py [--device cuda] [--tokens 8192] [--layers 8] [--path old|new|both]
-                                        [--out FILE.jsonl]
+                                        [--pairs SRC:DST,...] [--out FILE.jsonl]
 
 A cache of `--layers` x `--tokens` tokens (8 KV heads x 128) on `--device`; export writes the bundle into host
 memory, import reads it back into a second cache on the device, by two paths: "stream" (`export_bundle` into an
 io.BytesIO, `import_bundle` from one: what files and pipes use) and "host" (`export_to_host` into a reused pinned
-buffer, `import_bundle` from that buffer: pipelined copies, checksums in threads). Cases: the same format both ways
-(rows move as stored: bf16, nvfp4) and bf16 -> nvfp4 (decode + re-encode on import). The baseline is a copy of the
+buffer, `import_bundle` from that buffer: pipelined copies, checksums in threads). Cases (`--pairs`, source:destination
+format): by default each cache format to itself (rows move as stored) and bf16 -> each quantized format (a BF16
+prefill instance handing KV to a quantized decode instance: decode + re-encode on import). The baseline is a copy of the
 bundle's bytes between the device and pinned host memory: device -> host for export, host -> device for import.
 GB/s count the bundle's bytes; `x_copy` = bundle GB/s / copy GB/s; `export_ms` / `import_ms` the per-request
 latency. `--path`: "old" moves rows with torch (`kernel_path("torch")`: gathers, index_put, the torch conversion),
@@ -27,6 +28,8 @@ from functools import partial
 import torch
 
 from kvx_core.cache import PagedKVCache
+from kvx_core.errors import KvxError
+from kvx_core.formats import get_format
 from kvx_core.transfer import ModelFingerprint, export_bundle, import_bundle
 from kvx_core.transfer.host import export_to_host
 from kvx_core.transfer.kernels import kernel_path
@@ -54,6 +57,10 @@ def _best(fn, device: str, runs: int) -> float:
 
 
 KERNEL_PATHS = {"old": "torch", "new": "triton"}
+FORMATS = ("bf16", "fp8_e4m3", "int8", "k8v4", "int4", "nvfp4", "mxfp4")
+"""The cache formats the engines serve (vLLM's kvx dtypes, fp8, bf16); the `_rot` and `_floor` variants move the
+same bytes."""
+PAIRS = ",".join([f"{f}:{f}" for f in FORMATS] + [f"bf16:{f}" for f in FORMATS[1:]])
 
 
 def _cache(fmt: str, a) -> PagedKVCache:
@@ -80,8 +87,16 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="also time the stream path (slow on GPU caches)")
     ap.add_argument("--path", default="both", choices=("old", "new", "both"),
                     help="torch row moves (old), the transfer kernels (new), or both in one run")
+    ap.add_argument("--pairs", default=PAIRS, help="comma-separated SRC:DST cache formats (default: every format to "
+                    "itself and bf16 to every quantized one)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    try:
+        pairs = [tuple(p.split(":")) for p in a.pairs.split(",")]
+        for src_fmt, dst_fmt in pairs:
+            get_format(src_fmt), get_format(dst_fmt)
+    except (ValueError, KvxError) as e:
+        ap.error(f"--pairs {a.pairs!r}: {e}")
     model = ModelFingerprint("bench", a.layers, 8, 128, {}, "0" * 64, "0" * 64)
     slots = torch.arange(a.tokens)
     env = {**env_info(), "bench": "transfer", "device": a.device, "layers": a.layers, "tokens": a.tokens}
@@ -90,7 +105,7 @@ def main() -> None:
         print("bench_transfer: the transfer kernels need CUDA; timing the torch path only", file=sys.stderr)
         kernels = ("old",)
     g = torch.Generator().manual_seed(0)
-    for src_fmt, dst_fmt in (("bf16", "bf16"), ("nvfp4", "nvfp4"), ("bf16", "nvfp4")):
+    for src_fmt, dst_fmt in pairs:
         src, dst = _cache(src_fmt, a), _cache(dst_fmt, a)
         for layer in range(a.layers):
             kv = torch.randn(2, a.tokens, 8, 128, generator=g).to(a.device)

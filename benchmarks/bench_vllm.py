@@ -2,6 +2,7 @@
 
     python benchmarks/bench_vllm.py --out benchmarks/results/vllm_kv_dtypes_h200.jsonl
     python benchmarks/bench_vllm.py --dtypes auto,kvx_nvfp4 --out /tmp/x.jsonl      # a subset
+    python benchmarks/bench_vllm.py --tp 2 --dtypes auto,fp8,kvx_nvfp4 --cases b64_8k,b64_32k   # 2 GPUs, TP=2
 
 Model (`--model`, `model_geometries.MODELS`): by default a random-weight Llama of 8B geometry cut to 8 layers
 (hidden 4096, MLP 14336, GQA 32/8, head_dim 128, vocab 32000, bf16; `load_format="dummy"`, no tokenizer), so the
@@ -96,13 +97,14 @@ def _long_batch(llm, long, kv_tokens: int, steps: int, predicted_s: float, long_
 
 
 def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill_s: float,
-            cases: tuple[str, ...] = CASES, model: str = DEFAULT) -> None:
-    """Everything for one dtype in this process (the capacity, then `cases`)."""
+            cases: tuple[str, ...] = CASES, model: str = DEFAULT, tp: int = 1) -> None:
+    """Everything for one dtype in this process (the capacity, then `cases`); `tp` GPUs in tensor parallel."""
     import vllm
     from common import emit, env_info
     from vllm import LLM
 
-    base = {**env_info(), "bench": "vllm", "vllm": vllm.__version__, "model": model, "kv_cache_dtype": dtype}
+    base = {**env_info(), "bench": "vllm", "vllm": vllm.__version__, "model": model, "kv_cache_dtype": dtype,
+            "tensor_parallel_size": tp}
     vocab = MODELS[model]["vocab_size"]
     with tempfile.TemporaryDirectory() as model_dir:
         write_config(model, model_dir)
@@ -110,7 +112,7 @@ def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill
         llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   kv_cache_dtype=dtype, max_model_len=CTX_LONG + max(steps, steps_b1) + 16, block_size=16,
                   gpu_memory_utilization=0.85, enable_prefix_caching=True, max_num_seqs=BATCH,
-                  max_num_batched_tokens=16384, seed=0,
+                  max_num_batched_tokens=16384, seed=0, tensor_parallel_size=tp,
                   compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                       "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]})
         cc = llm.llm_engine.vllm_config.cache_config
@@ -147,7 +149,9 @@ def summarize(path: str) -> str:
         lines = f.read().splitlines()
     for line in lines:
         r = json.loads(line)
-        d = rows.setdefault((r.get("model", DEFAULT), r["kv_cache_dtype"]), {})
+        model = r.get("model", DEFAULT) + (f" TP={r['tensor_parallel_size']}" if r.get("tensor_parallel_size", 1) > 1
+                                           else "")
+        d = rows.setdefault((model, r["kv_cache_dtype"]), {})
         if r["metric"] == "decode":
             key = f"decode_b{r['batch']}_{r['ctx'] // 1024}k"
             d[key] = r.get("tok_s", "skipped")
@@ -186,6 +190,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)} "
                     "(the capacity line is always written)")
     ap.add_argument("--model", default=DEFAULT, choices=list(MODELS), help="model geometry (random weights)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per dtype process)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run this dtype here
     a = ap.parse_args()
     if a.summarize:
@@ -195,13 +200,13 @@ def main() -> None:
         cases = tuple(a.cases.split(","))
         if not set(cases) <= set(CASES):
             ap.error(f"--cases: unknown {sorted(set(cases) - set(CASES))}; choose from {', '.join(CASES)}")
-        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s, cases, a.model)
+        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s, cases, a.model, a.tp)
         return
     from common import run_per_process
 
     run_per_process(os.path.abspath(__file__), a.dtypes.split(","),
                     ["--steps", str(a.steps), "--steps-b1", str(a.steps_b1), "--long-prefill-s", str(a.long_prefill_s),
-                     "--cases", a.cases, "--model", a.model],
+                     "--cases", a.cases, "--model", a.model, "--tp", str(a.tp)],
                     a.out, a.timeout_s)
 
 if __name__ == "__main__":

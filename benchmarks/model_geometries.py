@@ -19,6 +19,12 @@ MODELS: dict[str, dict] = {
                      "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000,
                      "max_position_embeddings": 65536, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
                      "hidden_act": "silu", "tie_word_embeddings": False},
+    # Llama 3 70B, 4 of 80 layers: GQA 64/8, hidden 8192 (the tensor-parallel runs: 8 KV heads over 2-8 ranks)
+    "llama3-70b-4l": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+                      "intermediate_size": 28672, "num_hidden_layers": 4, "num_attention_heads": 64,
+                      "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                      "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                      "hidden_act": "silu", "tie_word_embeddings": False},
     # gpt-oss-20b, 4 of 24 layers: learned sinks, 128-token windows on even layers, MoE (BF16 experts here:
     # no MXFP4 weights are loaded with dummy weights), head_dim 64, 64 query / 8 KV heads
     "gpt-oss-20b-4l": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,

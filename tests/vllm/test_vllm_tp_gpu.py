@@ -1,0 +1,140 @@
+"""Tensor parallelism on GPUs (vLLM 0.26, two GPUs of one host): the KVX backend at TP=2 against TP=1 on a Llama 3 8B
+and a Llama 3 70B geometry, random weights, CUDA graphs on.
+
+The same runner as the CPU test (`vllm_tp_run.py`, `mp` executor: one worker process per rank, prompts as token ids)
+with `KVX_TP_RUN_GRAPHS=1` (decode in full CUDA graphs, as bench_vllm.py serves). The models: the geometries of
+`benchmarks/model_geometries.py` cut to 2 layers with a 32000-token vocabulary (what TP splits, the query / KV heads,
+hidden and MLP widths, are the models'; the vocabulary only sizes the embedding and the head, and a 128k one would
+add 4 GB of random weights to write and load per run), HF-initialized with `realistic_weights` (N(0, 0.02)
+matrices, identity norms) and saved as a checkpoint, so both TP sizes load the same weights (vLLM's dummy loader
+would draw each rank's shard on its own).
+
+Runs (dtype, TP): 8B: kvx_nvfp4, kvx_int4, kvx_int8 at TP=1 and TP=2 (the dtypes of test_vllm_tp.py's TP_DTYPES,
+for the same reason: TP changes each rank's heads and page count, not the page codec); 70B: kvx_nvfp4 at TP=1 and 2,
+kvx_int4 at TP=1 (its control). TP=1 runs go two at a time, one per GPU.
+
+Asserted: every rank serves KV_HEADS / 2 heads; TP=2 holds at least 1.9x the blocks of TP=1 (each rank stores half the
+heads in a GPU of its own, and holds half the weights; the 0.1 leaves room for the all-reduce buffers TP adds); the
+prompt (chunked prefill over the pages) and decode log-probabilities of TP=2 within TP_BOUND of TP=1 and much closer
+to it than to the TP=1 run of another 4-bit dtype (the control; test_vllm_tp.py's `_gaps` / `_summary`).
+
+Skipped with the reason on fewer than two GPUs. `KVX_VLLM_TP_GPU_RESULTS=FILE` records the runs (the results file
+in benchmarks/results/); run alone, not under xdist (docs/guide/testing.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..procs import communicate
+from .test_vllm_tp import CONTROL_RATIO, TP_BOUND, _gaps, _summary
+
+pytestmark = [pytest.mark.vllm, pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("vllm_tp_run.py")
+LAYERS, VOCAB, KV_HEADS = 2, 32000, 8
+GEOMETRIES = {"llama3-8b": "llama3-8b-8l", "llama3-70b": "llama3-70b-4l"}
+RUNS = {"llama3-8b": [(d, tp) for d in ("kvx_nvfp4", "kvx_int4", "kvx_int8") for tp in (1, 2)],
+        "llama3-70b": [("kvx_nvfp4", 1), ("kvx_int4", 1), ("kvx_nvfp4", 2)]}
+CONTROL = {"kvx_nvfp4": "kvx_int4", "kvx_int4": "kvx_nvfp4", "kvx_int8": "kvx_int4"}
+"""The TP=1 run a TP=2 run must lie much farther from: another 4-bit dtype (int8's own quantization noise is close
+to the BF16 reordering TP brings, so an int8 control would not separate them)."""
+BLOCK_RATIO = 1.9
+
+
+def _prompts() -> list[list[int]]:
+    ids = torch.randint(0, VOCAB, (160,), generator=torch.Generator().manual_seed(1)).tolist()
+    return [ids, ids[20:120], ids[40:100], ids[5:150]]
+
+
+def _checkpoint(geometry: str, d: Path) -> Path:
+    """The geometry's checkpoint (2 layers, VOCAB tokens, `realistic_weights`), made on the CPU: this process never
+    touches CUDA, so vLLM's memory profiling sees free GPUs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from model_geometries import realistic_weights, write_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    write_config(GEOMETRIES[geometry], str(d), num_hidden_layers=LAYERS, vocab_size=VOCAB)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), torch_dtype=torch.bfloat16)
+    realistic_weights(model, seed=0)
+    model.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def _start(model: Path, dtype: str, tp: int, gpus: str) -> subprocess.Popen:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "KVX_TP_RUN_GRAPHS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                        if os.environ.get("PYTHONPATH") else []))}
+    return subprocess.Popen([sys.executable, str(RUNNER), str(model), dtype, str(tp), json.dumps(_prompts())],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _result(proc: subprocess.Popen, what: str) -> dict:
+    out, _ = communicate(proc, what)
+    m = re.search(r"^KVX_RESULT (.*)$", out, re.M)
+    assert proc.returncode == 0 and m, f"{what} failed:\n{out[-4000:]}"
+    return json.loads(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[tuple, dict]:
+    """(geometry, dtype, TP size) -> the run's result."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallelism needs two GPUs of one host; this machine has {torch.cuda.device_count()}")
+    out = {}
+    for geometry, runs_of in RUNS.items():
+        model = _checkpoint(geometry, tmp_path_factory.mktemp(geometry))
+        single = [r for r in runs_of if r[1] == 1]
+        for i in range(0, len(single), 2):  # TP=1 runs two at a time, one per GPU
+            procs = [(r, _start(model, r[0], 1, str(g))) for g, r in enumerate(single[i:i + 2])]
+            for (dtype, tp), proc in procs:
+                out[geometry, dtype, tp] = _result(proc, f"{geometry} {dtype} TP={tp}")
+        for dtype, tp in runs_of:
+            if tp == 2:
+                out[geometry, dtype, tp] = _result(_start(model, dtype, 2, "0,1"), f"{geometry} {dtype} TP=2")
+    if os.environ.get("KVX_VLLM_TP_GPU_RESULTS"):
+        summary = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+                   "layers": LAYERS, "vocab": VOCAB, "runs": {"/".join(map(str, k)): v for k, v in out.items()}}
+        Path(os.environ["KVX_VLLM_TP_GPU_RESULTS"]).write_text(json.dumps(summary))
+    return out
+
+
+def test_each_rank_serves_half_the_heads_in_cuda_graphs(runs):
+    for (geometry, dtype, tp), r in runs.items():
+        assert r["cuda_graphs"], (geometry, dtype, tp)
+        assert [rank["rank"] for rank in r["ranks"]] == list(range(tp))
+        for rank in r["ranks"]:
+            assert [layer["num_kv_heads"] for layer in rank["layers"]] == [KV_HEADS // tp] * LAYERS, \
+                (geometry, dtype, tp, rank)
+
+
+def test_tp2_holds_about_twice_the_blocks(runs):
+    for (geometry, dtype, tp), r in runs.items():
+        if tp == 2:
+            one, two = runs[geometry, dtype, 1]["num_blocks"], r["num_blocks"]
+            print(geometry, dtype, "blocks TP=1", one, "TP=2", two, f"{two / one:.3f}x")
+            assert two >= BLOCK_RATIO * one, (geometry, dtype, one, two)
+
+
+def test_tp2_logprobs_match_tp1(runs):
+    """TP=2 within TP_BOUND of TP=1 (prompt and decode), and much closer to it than to the control."""
+    for (geometry, dtype, tp), r in runs.items():
+        if tp != 2:
+            continue
+        near = _gaps(r, runs[geometry, dtype, 1])
+        far = _gaps(r, runs[geometry, CONTROL[dtype], 1])
+        print(geometry, dtype, {k: _summary(v) for k, v in near.items()}, "control",
+              {k: _summary(v) for k, v in far.items()})
+        assert len(near["decode"]) >= 10, (geometry, dtype)
+        for what, (mean_bound, max_bound) in TP_BOUND.items():
+            n, mean, worst = _summary(near[what])
+            assert mean <= mean_bound and worst <= max_bound, (geometry, dtype, what, mean, worst)
+        assert _summary(near["prompt"])[1] <= CONTROL_RATIO * _summary(far["prompt"])[1], (geometry, dtype)
