@@ -52,6 +52,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -72,6 +73,10 @@ from .schema import token_bytes, token_list
 from .tp import shard_ranges, tp_head_range, writes_shard
 
 MARKER = "kvx_bundle_store.json"
+_MARKER_TEMP = re.compile(r"\.tmp-[a-z0-9_]{8}\.json")
+"""The name `tempfile.mkstemp(prefix=".tmp-", suffix=".json")` gives the marker while another process creates the
+store: the ranks and the scheduler of one vLLM instance open the same new store at once, so a directory holding
+only that file is a store being created, not a foreign directory."""
 MAX_MARKER_BYTES = 1 << 12
 """The marker is ~50 bytes of JSON; a larger one is refused after reading one byte past this."""
 PREFIX_BLOCK = 256
@@ -107,7 +112,8 @@ class BundleStore:
         marker = self.root / MARKER
         if self.root.exists():
             require(self.root.is_dir(), Status.INVALID_ARGUMENT, f"bundle store {self.root}: not a directory")
-            require(marker.is_file() or not any(self.root.iterdir()), Status.INVALID_ARGUMENT,
+            require(marker.is_file() or all(_MARKER_TEMP.fullmatch(p.name) for p in self.root.iterdir()),
+                    Status.INVALID_ARGUMENT,
                     f"bundle store {self.root}: a non-empty directory KVX did not create (no {MARKER}); "
                     "give a new or empty directory")
         try:

@@ -88,6 +88,25 @@ def test_a_foreign_directory_is_never_taken_over(tmp_path):
     assert (empty / MARKER).is_file()
 
 
+def test_a_store_being_created_by_another_process_is_opened(tmp_path):
+    """Ranks of one engine open a new store at once: one may see the directory holding only the other's marker in
+    flight (`.tmp-XXXXXXXX.json`, before its rename). That is a store being created, opened; a look-alike name of
+    another shape, or beside a user's file, is still a foreign directory."""
+    creating = tmp_path / "creating"
+    creating.mkdir()
+    (creating / ".tmp-ab12_x9z.json").write_bytes(b"{")
+    BundleStore(creating)
+    assert (creating / MARKER).is_file()
+    for names in ([".tmp-ab12_x9z.json", "a.jpg"], [".tmp-abc.json"], [".tmp-ab12_x9z.kvx"]):
+        d = tmp_path / f"foreign{len(names)}{names[0][-4:]}"
+        d.mkdir()
+        for n in names:
+            (d / n).write_bytes(b"x")
+        with pytest.raises(KvxError, match="did not create"):
+            BundleStore(d)
+        assert sorted(p.name for p in d.iterdir()) == sorted(names)
+
+
 def test_header_and_partial_reload(tmp_path):
     """`header` reads an entry's checked header without its chunks; `get(token_range=...)` reloads a slice."""
     src = _cache(fill=True)
