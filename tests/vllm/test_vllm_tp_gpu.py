@@ -18,6 +18,9 @@ heads in a GPU of its own, and holds half the weights; the 0.1 leaves room for t
 prompt (chunked prefill over the pages) and decode log-probabilities of TP=2 within TP_BOUND of TP=1 and much closer
 to it than to the TP=1 run of another 4-bit dtype (the control; test_vllm_tp.py's `_gaps` / `_summary`).
 
+The connector across TP sizes and dtypes (test_vllm_connector_tp_engine.py's handoff and checks, on GPUs): the 8B
+model served `auto` at TP=2 (GPUs 0 and 1) hands each prompt's KV to a `kvx_nvfp4` instance at TP=1 (GPU 0).
+
 Skipped with the reason on fewer than two GPUs. `KVX_VLLM_TP_GPU_RESULTS=FILE` records the runs (the results file
 in benchmarks/results/); run alone, not under xdist (docs/guide/testing.md).
 """
@@ -34,6 +37,7 @@ import pytest
 import torch
 
 from ..procs import communicate
+from .test_vllm_connector_tp_engine import check_handoff, handoff, write_tokenizer
 from .test_vllm_tp import CONTROL_RATIO, TP_BOUND, _gaps, _summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
@@ -48,6 +52,11 @@ CONTROL = {"kvx_nvfp4": "kvx_int4", "kvx_int4": "kvx_nvfp4", "kvx_int8": "kvx_in
 """The TP=1 run a TP=2 run must lie much farther from: another 4-bit dtype (int8's own quantization noise is close
 to the BF16 reordering TP brings, so an int8 control would not separate them)."""
 BLOCK_RATIO = 1.9
+GPU_ENV = {**os.environ, "KVX_TP_RUN_GRAPHS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                                        else []))}
+"""The runs' environment: CUDA graphs, and the repository root on the path (the runner hands its per-rank probe to
+vLLM's workers by module name)."""
 
 
 def _prompts() -> list[list[int]]:
@@ -66,15 +75,14 @@ def _checkpoint(geometry: str, d: Path) -> Path:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), torch_dtype=torch.bfloat16)
     realistic_weights(model, seed=0)
     model.save_pretrained(d, safe_serialization=True)
+    write_tokenizer(d, VOCAB)  # hashed by the connector's model fingerprint
     return d
 
 
 def _start(model: Path, dtype: str, tp: int, gpus: str) -> subprocess.Popen:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "KVX_TP_RUN_GRAPHS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]]
-                                                        if os.environ.get("PYTHONPATH") else []))}
     return subprocess.Popen([sys.executable, str(RUNNER), str(model), dtype, str(tp), json.dumps(_prompts())],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env={**GPU_ENV, "CUDA_VISIBLE_DEVICES": gpus}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _result(proc: subprocess.Popen, what: str) -> dict:
@@ -85,13 +93,18 @@ def _result(proc: subprocess.Popen, what: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[tuple, dict]:
-    """(geometry, dtype, TP size) -> the run's result."""
+def models(tmp_path_factory) -> dict[str, Path]:
     if torch.cuda.device_count() < 2:
         pytest.skip(f"tensor parallelism needs two GPUs of one host; this machine has {torch.cuda.device_count()}")
+    return {g: _checkpoint(g, tmp_path_factory.mktemp(g)) for g in GEOMETRIES}
+
+
+@pytest.fixture(scope="module")
+def runs(models) -> dict[tuple, dict]:
+    """(geometry, dtype, TP size) -> the run's result."""
     out = {}
     for geometry, runs_of in RUNS.items():
-        model = _checkpoint(geometry, tmp_path_factory.mktemp(geometry))
+        model = models[geometry]
         single = [r for r in runs_of if r[1] == 1]
         for i in range(0, len(single), 2):  # TP=1 runs two at a time, one per GPU
             procs = [(r, _start(model, r[0], 1, str(g))) for g, r in enumerate(single[i:i + 2])]
@@ -138,3 +151,13 @@ def test_tp2_logprobs_match_tp1(runs):
             n, mean, worst = _summary(near[what])
             assert mean <= mean_bound and worst <= max_bound, (geometry, dtype, what, mean, worst)
         assert _summary(near["prompt"])[1] <= CONTROL_RATIO * _summary(far["prompt"])[1], (geometry, dtype)
+
+
+def test_tp2_auto_hands_off_to_tp1_nvfp4_on_another_gpu_set(models, tmp_path):
+    store = tmp_path / "store"
+    r = handoff(models["llama3-8b"], store, ("auto", 2), ("kvx_nvfp4", 1), VOCAB, GPU_ENV, gpus=("0,1", "0"))
+    rows = check_handoff(r, store, VOCAB)
+    print("handoff TP=2 auto -> TP=1 kvx_nvfp4", rows)
+    if os.environ.get("KVX_VLLM_TP_GPU_RESULTS"):
+        path = Path(os.environ["KVX_VLLM_TP_GPU_RESULTS"]).with_suffix(".handoff.json")
+        path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows, "runs": r}))

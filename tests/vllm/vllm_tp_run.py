@@ -11,6 +11,11 @@ CacheDesc holds (the calibration's values where MODEL_DIR has a file), so the te
 rows of that rank's heads. KVX_OPTIONS_JSON: the run's `--additional-config` "kvx" options (e.g. {"lm_head": "mxfp4"}).
 `KVX_TP_RUN_GRAPHS=1` (the GPU runs): the decode steps replay full CUDA graphs (`FULL_DECODE_ONLY`, no torch.compile,
 as benchmarks/bench_vllm.py serves), instead of eager mode.
+`KVX_TP_RUN_KV={"role": ROLE, "store": DIR}`: the instance runs `KvxConnector` on the store DIR (prefix caching on, no
+prompt log-probabilities: vLLM computes those only for prompts it prefills itself). A `kv_producer` prefills every
+prompt (one output token), which stores its KV; a `kv_consumer` takes each prompt alone to its first output token with
+the KV loaded from the store, then computing the prompt itself (`skip_reading_prefix_cache`): wall times, cached
+tokens and the first token's top-20 log-probabilities of both.
 """
 from __future__ import annotations
 
@@ -44,6 +49,41 @@ def _top(lp: dict | None) -> list | None:
     return None if lp is None else sorted([k, v.logprob] for k, v in lp.items())
 
 
+def _inspected(llm, graphs: bool) -> dict:
+    """Each rank's `inspect` (after the first step: the backend binds its layers' caches then), the KV blocks."""
+    from tests.vllm.vllm_tp_run import inspect as by_name  # pickled by module name: workers import it
+
+    return {"ranks": sorted(llm.apply_model(by_name), key=lambda r: r["rank"]), "cuda_graphs": graphs,
+            "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
+
+
+def _handoff(llm, prompts: list[list[int]], role: str) -> dict:
+    """The producer's prompt lengths, or per prompt the consumer's handed-over and local first token."""
+    import time
+
+    from vllm import SamplingParams
+
+    if role == "kv_producer":
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+        return {"produced": [len(r.prompt_token_ids) for r in outs]}
+    # warm up (kernels, graphs, the first step's allocations) on a prompt the store does not hold
+    llm.generate([{"prompt_token_ids": list(range(1, 33))}], SamplingParams(max_tokens=2, detokenize=False),
+                 use_tqdm=False)
+    rows = []
+    for ids in prompts:
+        row = {}
+        for how, extra in (("handoff", {}), ("local", {"skip_reading_prefix_cache": True})):
+            t0 = time.perf_counter()
+            r = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20,
+                                                                         detokenize=False, **extra),
+                             use_tqdm=False)[0]
+            row[how] = {"seconds": round(time.perf_counter() - t0, 4), "prompt_tokens": len(ids),
+                        "cached": r.num_cached_tokens, "first": _top(r.outputs[0].logprobs[0])}
+        rows.append(row)
+    return {"consumed": rows}
+
+
 def main(model_dir: str, cache_dtype: str, tp: int, prompts: list[list[int]], kvx: dict) -> dict:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships `inspect` to the workers by pickle
     from vllm import LLM, SamplingParams
@@ -51,21 +91,28 @@ def main(model_dir: str, cache_dtype: str, tp: int, prompts: list[list[int]], kv
     graphs = os.environ.get("KVX_TP_RUN_GRAPHS") == "1"
     mode = ({"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                     "cudagraph_capture_sizes": [1, 2, 4]}} if graphs else {"enforce_eager": True})
+    kv = json.loads(os.environ.get("KVX_TP_RUN_KV", "null"))
+    if kv:
+        import vllm
+
+        policy = "fail" if vllm.__version__.startswith("0.26") else "recompute"  # as vllm_pd_run.py
+        mode.update(kv_transfer_config={"kv_connector": "KvxConnector", "kv_role": kv["role"],
+                                        "kv_load_failure_policy": policy})
+        kvx = {**kvx, "store": kv["store"]}
     llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=256, **mode,
-              max_num_seqs=len(prompts), max_num_batched_tokens=64, enable_prefix_caching=False, seed=0,
+              max_num_seqs=len(prompts), max_num_batched_tokens=64, enable_prefix_caching=bool(kv), seed=0,
               skip_tokenizer_init=True, tensor_parallel_size=tp, distributed_executor_backend="mp",
               additional_config={"kvx": kvx})
+    if kv:
+        return {**_handoff(llm, prompts, kv["role"]), **_inspected(llm, graphs)}
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                         SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True, prompt_logprobs=5, logprobs=5,
                                        detokenize=False), use_tqdm=False)
-    from tests.vllm.vllm_tp_run import inspect as by_name  # pickled by module name: workers import it
-
-    return {"ranks": sorted(llm.apply_model(by_name), key=lambda r: r["rank"]), "cuda_graphs": graphs,
-            "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-            "requests": [{"prompt_logprobs": [_top(lp) for lp in r.prompt_logprobs],
-                          "generated": [[t, _top(lp)] for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs,
-                                                                        strict=True)]}
-                         for r in outs]}
+    requests = [{"prompt_logprobs": [_top(lp) for lp in r.prompt_logprobs],
+                 "generated": [[t, _top(lp)] for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs,
+                                                               strict=True)]}
+                for r in outs]
+    return {**_inspected(llm, graphs), "requests": requests}
 
 
 if __name__ == "__main__":
