@@ -93,26 +93,33 @@ def _result(proc: subprocess.Popen, what: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
+def model(tmp_path_factory):
+    """geometry -> its checkpoint, made on first use (a test run alone makes only what it serves)."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"tensor parallelism needs two GPUs of one host; this machine has {torch.cuda.device_count()}")
-    return {g: _checkpoint(g, tmp_path_factory.mktemp(g)) for g in GEOMETRIES}
+    made: dict[str, Path] = {}
+
+    def get(geometry: str) -> Path:
+        if geometry not in made:
+            made[geometry] = _checkpoint(geometry, tmp_path_factory.mktemp(geometry))
+        return made[geometry]
+    return get
 
 
 @pytest.fixture(scope="module")
-def runs(models) -> dict[tuple, dict]:
+def runs(model) -> dict[tuple, dict]:
     """(geometry, dtype, TP size) -> the run's result."""
     out = {}
     for geometry, runs_of in RUNS.items():
-        model = models[geometry]
+        path = model(geometry)
         single = [r for r in runs_of if r[1] == 1]
         for i in range(0, len(single), 2):  # TP=1 runs two at a time, one per GPU
-            procs = [(r, _start(model, r[0], 1, str(g))) for g, r in enumerate(single[i:i + 2])]
+            procs = [(r, _start(path, r[0], 1, str(g))) for g, r in enumerate(single[i:i + 2])]
             for (dtype, tp), proc in procs:
                 out[geometry, dtype, tp] = _result(proc, f"{geometry} {dtype} TP={tp}")
         for dtype, tp in runs_of:
             if tp == 2:
-                out[geometry, dtype, tp] = _result(_start(model, dtype, 2, "0,1"), f"{geometry} {dtype} TP=2")
+                out[geometry, dtype, tp] = _result(_start(path, dtype, 2, "0,1"), f"{geometry} {dtype} TP=2")
     if os.environ.get("KVX_VLLM_TP_GPU_RESULTS"):
         summary = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
                    "layers": LAYERS, "vocab": VOCAB, "runs": {"/".join(map(str, k)): v for k, v in out.items()}}
@@ -153,9 +160,9 @@ def test_tp2_logprobs_match_tp1(runs):
         assert _summary(near["prompt"])[1] <= CONTROL_RATIO * _summary(far["prompt"])[1], (geometry, dtype)
 
 
-def test_tp2_auto_hands_off_to_tp1_nvfp4_on_another_gpu_set(models, tmp_path):
+def test_tp2_auto_hands_off_to_tp1_nvfp4_on_another_gpu_set(model, tmp_path):
     store = tmp_path / "store"
-    r = handoff(models["llama3-8b"], store, ("auto", 2), ("kvx_nvfp4", 1), VOCAB, GPU_ENV, gpus=("0,1", "0"))
+    r = handoff(model("llama3-8b"), store, ("auto", 2), ("kvx_nvfp4", 1), VOCAB, GPU_ENV, gpus=("0,1", "0"))
     rows = check_handoff(r, store, VOCAB)
     print("handoff TP=2 auto -> TP=1 kvx_nvfp4", rows)
     if os.environ.get("KVX_VLLM_TP_GPU_RESULTS"):
