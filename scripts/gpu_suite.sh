@@ -19,7 +19,7 @@ workers=14
 if [ "${1:-}" = "-n" ]; then workers=$2; shift 2; fi
 [ $# -gt 0 ] || set -- tests --ignore=tests/vllm --ignore=tests/tgi
 python3 -c "import torch; from kvx_core.ops.cuda import library; library(torch.device('cuda'))"
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 dist=(-n "$workers")
 if [ "${gpus:-0}" -gt 1 ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
     dist=(--dist load)
