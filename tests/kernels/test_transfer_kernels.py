@@ -1,5 +1,6 @@
-"""The transfer kernels (`kvx_core.transfer.kernels`, `ops.triton.rows`, `ops.triton.convert`), run under the Triton
-interpreter off CUDA: an export through the kernels is the torch export byte for byte (every format, ragged slots,
+"""The transfer kernels (`kvx_core.transfer.kernels`, `ops.triton.rows`, `ops.triton.convert`), on CUDA caches on a
+CUDA machine and under the Triton interpreter elsewhere: an export through the kernels is the torch export byte for
+byte (every format, ragged slots,
 block sizes, page-buffer pools, interleaved V scales, key vectors), an import through them stores what the torch
 import stores, and a refused export or import changes nothing on either path. The oracle of each comparison is the
 torch path (itself tested against the formats' definitions in tests/transfer)."""
@@ -27,6 +28,18 @@ from ..transfer import test_bundle as tb, test_engines as engines
 from ..transfer.test_bundle import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged, small  # noqa: F401
 
 PATHS = ("torch", "triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+cpu_only = pytest.mark.skipif(DEVICE == "cuda", reason="builds its caches on the CPU (TRT-LLM's interleaved scales, "
+                              "key vectors, engine layouts, the fuzz child): the Triton interpreter's case; on CUDA "
+                              "the tests above cover the same kernels")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_device(monkeypatch):
+    """`_cache`'s pools on DEVICE: the kernels run on CUDA pools on a CUDA machine (a CUDA host does not interpret)."""
+    from ..transfer import caches
+
+    monkeypatch.setattr(caches, "DEVICE", DEVICE)
 
 
 @contextmanager
@@ -101,6 +114,7 @@ def test_kernel_export_is_the_torch_export_byte_for_byte(fmt, page_buffer, launc
     assert launches == ["gather"] * 2 * LAYERS
 
 
+@cpu_only
 def test_kernel_export_of_interleaved_v_scales_and_hnd_pools():
     """TRT-LLM's NVFP4 pools: HND, V scales interleaved by 4 tokens (`scale_layout`)."""
     from ..cache.test_scale_layout import _cache as interleaved
@@ -114,6 +128,7 @@ def test_kernel_export_of_interleaved_v_scales_and_hnd_pools():
     assert _same_bytes(_exports(caches, slots))
 
 
+@cpu_only
 @pytest.mark.parametrize("fmt", ["nvfp4", "int4_rot"])
 def test_kernel_export_carries_the_key_vectors(fmt):
     from ..transfer.test_bundle_smoothing import _source
@@ -177,7 +192,7 @@ def test_kernel_import_of_the_same_format_stores_the_rows(fmt, launches):
 
     def dst():
         c = PagedKVCache(fmt, num_layers=LAYERS, num_blocks=12, block_size=4, num_kv_heads=tb.HEADS,
-                         head_dim=tb.DIM, per_head_global_scale=True, page_buffer=True)
+                         head_dim=tb.DIM, per_head_global_scale=True, page_buffer=True, device=DEVICE)
         for layer in range(LAYERS):
             if src.layers[layer].k_global is not None:
                 c.set_global_scales(layer, src.layers[layer].k_global, src.layers[layer].v_global)
@@ -192,6 +207,7 @@ def test_kernel_import_of_the_same_format_stores_the_rows(fmt, launches):
         assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
 
 
+@cpu_only
 def test_kernel_import_of_a_token_range_and_interleaved_v_scales():
     from ..cache.test_scale_layout import _cache as interleaved
 
@@ -234,6 +250,7 @@ test_conversion_equals_writing_the_dequantized_kv = tb.test_conversion_equals_wr
 ENGINES = sorted(engines.ENGINES)
 
 
+@cpu_only
 @pytest.mark.parametrize("src_name", ENGINES)
 def test_kernel_export_from_engine_layouts_is_the_torch_export(src_name):
     """vLLM NHD / HND / x-packed (HND_PACKED) / FP8 / plugin pages, TGI, TensorRT-LLM's primary pool, FlashInfer,
@@ -244,6 +261,7 @@ def test_kernel_export_from_engine_layouts_is_the_torch_export(src_name):
     assert _same_bytes(_exports(caches, slots, model=engines.MODEL))
 
 
+@cpu_only
 @pytest.mark.parametrize("src_name", ENGINES)
 def test_kernel_handoff_between_engine_layouts(src_name):
     """tests/transfer/test_engines.py's handoff on the kernel path, each layout into itself and the next one (the
@@ -254,6 +272,7 @@ def test_kernel_handoff_between_engine_layouts(src_name):
             engines.test_handoff_between_engine_layouts(src_name, dst_name)
 
 
+@cpu_only
 @pytest.mark.slow
 @pytest.mark.parametrize("src_name", ENGINES)
 def test_kernel_handoff_between_every_pair_of_engine_layouts(src_name):
@@ -345,7 +364,7 @@ def test_the_e4m3_decoder_keeps_the_sign_of_zero(fmt):
     from kvx_core.ops.triton.convert import decode_rows
 
     f = get_format(fmt)
-    every = torch.arange(256, dtype=torch.uint8)
+    every = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     rows = {}
     for w, tf in (("k", f.k), ("v", f.v)):
         rows[f"{w}_data"] = every.reshape(16, 1, 16).repeat(1, 1, 2 if tf.payload_dim(32) == 32 else 1)
@@ -353,10 +372,10 @@ def test_the_e4m3_decoder_keeps_the_sign_of_zero(fmt):
         if tf.scale_dim(32):
             rows[f"{w}_scales"] = every.reshape(128, 1, 2)[:16]
         if tf.uses_global_scale:
-            rows[f"{w}_global"] = torch.tensor([0.5])
+            rows[f"{w}_global"] = torch.tensor([0.5], device=DEVICE)
     got = decode_rows(f, rows, 32)
     for x, (w, tf) in zip(got, (("k", f.k), ("v", f.v)), strict=True):
-        scales = rows.get(f"{w}_scales", torch.empty(16, 1, 0, dtype=torch.uint8))
+        scales = rows.get(f"{w}_scales", torch.empty(16, 1, 0, dtype=torch.uint8, device=DEVICE))
         want = tf.decode(rows[f"{w}_data"], scales, rows.get(f"{w}_global"))
         nan = torch.isnan(want)
         assert torch.equal(nan, torch.isnan(x)) and torch.equal(x[~nan].view(torch.int32), want[~nan].view(torch.int32))
@@ -457,5 +476,6 @@ def kernel_imports(rng: random.Random) -> None:
                              else torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
+@cpu_only
 def test_fuzz_kernel_imports():
     run_capped("tests.kernels.test_transfer_kernels:kernel_imports", cases=100)

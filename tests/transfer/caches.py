@@ -8,6 +8,9 @@ from kvx_core.cache import PagedKVCache
 from kvx_core.transfer import ModelFingerprint
 
 LAYERS, HEADS, DIM = 2, 2, 32
+DEVICE = "cpu"
+"""Where `_cache` puts its pools: the transfer kernel tests set it to "cuda" on a CUDA machine (their kernels run
+there; off CUDA, on the CPU under the Triton interpreter)."""
 MODEL = ModelFingerprint("LlamaForCausalLM", LAYERS, HEADS, DIM, {"rope_theta": 10000.0}, "c" * 64, "t" * 64)
 
 
@@ -16,18 +19,19 @@ def _cache(fmt: str, block_size: int, num_blocks: int, page_buffer: bool = False
     """A cache with `tokens` random K/V written into randomly chosen blocks, in order -> (cache, slots); the
     sequence's block table is `slots[::block_size] // block_size`."""
     c = PagedKVCache(fmt, num_layers=LAYERS, num_blocks=num_blocks, block_size=block_size, num_kv_heads=HEADS,
-                     head_dim=DIM, per_head_global_scale=True, page_buffer=page_buffer)
+                     head_dim=DIM, per_head_global_scale=True, page_buffer=page_buffer, device=DEVICE)
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randperm(num_blocks, generator=g)
     pos = torch.arange(tokens)
     slots = blocks[pos // block_size] * block_size + pos % block_size
     for layer in range(LAYERS):
         if c.layers[layer].k_global is not None:
-            c.set_global_scales(layer, torch.rand(HEADS, generator=g) * 0.01 + 0.002,
-                                torch.rand(HEADS, generator=g) * 0.01 + 0.002)
+            c.set_global_scales(layer, (torch.rand(HEADS, generator=g) * 0.01 + 0.002).to(DEVICE),
+                                (torch.rand(HEADS, generator=g) * 0.01 + 0.002).to(DEVICE))
         if tokens:
             k = torch.randn(tokens, HEADS, DIM, generator=g) * 0.3
-            c.write(layer, k, torch.randn(tokens, HEADS, DIM, generator=g) * 0.3, slots)
+            v = torch.randn(tokens, HEADS, DIM, generator=g) * 0.3
+            c.write(layer, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
     return c, slots
 
 

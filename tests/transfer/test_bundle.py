@@ -59,10 +59,11 @@ def test_conversion_equals_writing_the_dequantized_kv(src_fmt, dst_fmt):
     oracle, _ = _cache(dst_fmt, 8, 6, seed=3)
     dst_slots = torch.arange(40, 19, -1)
     import_bundle(io.BytesIO(blob), _descs(dst), dst_slots, model=MODEL)
-    table = (slots[::16] // 16).to(torch.int32).view(1, -1)
+    dev = src.layers[0].k_data.device  # the kernel tests run these caches on CUDA
+    table = (slots[::16] // 16).to(torch.int32).view(1, -1).to(dev)
     for layer in range(LAYERS):
-        k, v = src.gather(layer, table, torch.tensor([21], dtype=torch.int32))
-        oracle.write(layer, k, v, dst_slots)
+        k, v = src.gather(layer, table, torch.tensor([21], dtype=torch.int32, device=dev))
+        oracle.write(layer, k, v, dst_slots.to(dev))
         a, b = read_rows(dst.descriptor(layer), dst_slots), read_rows(oracle.descriptor(layer), dst_slots)
         for name in a:
             assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), (src_fmt, dst_fmt, name)
