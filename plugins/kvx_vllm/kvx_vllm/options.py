@@ -105,9 +105,9 @@ def refusals(vllm_config: Any) -> list[str]:
                    "layers of their own through the backend, not tested)")
     cp = context_parallel(par)
     if cp is not None:
-        out.append(f"context parallelism ({cp}): each rank would hold every N-th token of a sequence's KV, and the "
-                   "KVX kernels neither return the log-sum-exp vLLM merges the ranks' partial attention with nor "
-                   "plan attention over interleaved tokens")
+        out.append(f"context parallelism ({cp}): each rank would hold every N-th token of a sequence's KV and vLLM "
+                   "would merge the ranks' partial attention by log-sum-exp; the KVX backend serves neither (it "
+                   "attends each sequence over its consecutive tokens and hands vLLM no log-sum-exp)")
     model = vllm_config.model_config
     if model is not None and model.use_mla:
         out.append("MLA models: KVX formats are defined for K/V heads, not MLA latents")

@@ -5,9 +5,10 @@ the KVX backend and the `KvxConnector` refuse.
   tensor-parallel group (`tp_rank`), which under data parallelism differs from its global rank.
 - Context parallelism (`--decode-context-parallel-size` / `--prefill-context-parallel-size`, vLLM 0.26 and 0.32):
   each rank's cache holds only every N-th token of the sequence (interleaved by `cp_kv_cache_interleave_size`) and
-  the ranks' partial attentions are merged by their log-sum-exp. The KVX kernels return no log-sum-exp for decode
-  and plan attention over whole sequences of consecutive tokens, and the connector exports and imports a
-  request's consecutive tokens block by block: both refuse it (`context_parallel`).
+  the ranks' partial attentions are merged by their log-sum-exp. The KVX backend attends each sequence over its
+  consecutive tokens and hands vLLM no log-sum-exp (it declares neither `supports_dcp` nor `supports_pcp`), and
+  the connector exports and imports a request's consecutive tokens block by block: both refuse it
+  (`context_parallel`).
 - Pipeline parallelism: each stage's backend serves its own layers (nothing in it spans layers); refused by the
   connector (a bundle holds every layer) and with a KV calibration file (`calibration`).
 - Data parallelism: vLLM runs the DP ranks of a dense model as independent engines whose configs say DP=1
