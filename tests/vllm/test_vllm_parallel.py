@@ -1,8 +1,8 @@
 """vLLM's parallelism in the KVX plugin, on vLLM's own `ParallelConfig` (no engine run): the worker's tensor-parallel
 rank that the calibration and the `KvxConnector` share (`kvx_vllm.parallel.tp_rank`: the rank in the TP group, also
 under data parallelism, whose global rank differs), context parallelism refused by the backend and the connector
-(whatever the cache dtype and role, with no store created), and data parallelism started. Pipeline parallelism's
-refusals: tests/vllm/test_vllm_connector_tp.py (connector) and tests/vllm/test_vllm_tp.py (calibration file)."""
+and pipeline parallelism refused by the connector (whatever the cache dtype and role, with no store created), data
+parallelism started. Pipeline parallelism with a calibration file: tests/vllm/test_vllm_tp.py."""
 from __future__ import annotations
 
 import re
@@ -81,12 +81,15 @@ CONTEXT_PARALLEL = [(dict(tensor_parallel_size=2, decode_context_parallel_size=2
                     (dict(prefill_context_parallel_size=2), "--prefill-context-parallel-size 2")]
 
 
-@pytest.mark.parametrize("parallel, flags", CONTEXT_PARALLEL)
+@pytest.mark.parametrize("parallel, refused", [
+    *((p, f"KVX connector: context parallelism ({flags}) is not served") for p, flags in CONTEXT_PARALLEL),
+    (dict(pipeline_parallel_size=2), "KVX connector: pipeline parallelism is not served yet (a bundle holds every")])
 @pytest.mark.parametrize("dtype", ["auto", "kvx_nvfp4"])
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
-def test_the_connector_refuses_context_parallelism(checkpoint, tmp_path, parallel, flags, dtype, role):
-    """Each rank's cache would hold every N-th token: the connector (which saves and loads consecutive tokens) refuses
-    it whatever the cache dtype (vLLM's own caches too) before it creates its store."""
+def test_the_connector_refuses_context_and_pipeline_parallelism(checkpoint, tmp_path, parallel, refused, dtype, role):
+    """Context parallelism (each rank's cache would hold every N-th token, and the connector saves and loads
+    consecutive tokens) and pipeline parallelism (a bundle holds every layer) are refused whatever the cache dtype
+    (vLLM's own caches too) and role, before the store is created."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvx_vllm.connector import KvxConnector
@@ -94,7 +97,7 @@ def test_the_connector_refuses_context_parallelism(checkpoint, tmp_path, paralle
     cfg = connector_config(checkpoint, tmp_path / "kv", 1)
     cfg.parallel_config = ParallelConfig(**parallel)
     cfg.cache_config.cache_dtype = dtype
-    with pytest.raises(ValueError, match=re.escape(f"KVX connector: context parallelism ({flags}) is not served")):
+    with pytest.raises(ValueError, match=re.escape(refused)):
         KvxConnector(cfg, getattr(KVConnectorRole, role))
     assert not (tmp_path / "kv").exists()
 
