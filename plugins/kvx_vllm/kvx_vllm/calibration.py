@@ -9,8 +9,9 @@ is not shift invariant), or the run is pipeline-parallel (not verified: the file
 only). The vLLM-native fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`options.options_of`).
 
 Tensor parallelism: the file is checked against the model's total KV heads, then each rank's layers take the rows
-of the heads that rank holds (`kvx_core.transfer.tp.tp_head_range`, vLLM's `QKVParallelLinear` partition: split when
-there are at least as many KV heads as ranks, else each head replicated on `tp_size / total` consecutive ranks).
+of the heads that rank (its rank in its tensor-parallel group, `parallel.tp_rank`) holds
+(`kvx_core.transfer.tp.tp_head_range`, vLLM's `QKVParallelLinear` partition: split when there are at least as many
+KV heads as ranks, else each head replicated on `tp_size / total` consecutive ranks).
 """
 from __future__ import annotations
 
