@@ -12,23 +12,13 @@ import torch
 from kvx_cli.main import main
 from kvx_core.kv_calibration import FILENAME, from_samples, load_kv_calibration
 
-from .tiny_llama import save_tiny_llama
+from .tiny_llama import text_fixture, tiny_llama_fixture
 
 TEXT = "The lighthouse keeper counted the ships that passed in the night, one by one. " * 8
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    pytest.importorskip("transformers")
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-cal"), hidden_size=64, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256)
-
-
-@pytest.fixture
-def text(tmp_path):
-    p = tmp_path / "cal.txt"
-    p.write_text(TEXT)
-    return p
+tiny = tiny_llama_fixture()
+text = text_fixture(TEXT)
 
 
 def test_text_source_writes_next_to_the_model(tiny, text, tmp_path, capsys):

@@ -4,6 +4,7 @@
 """
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -110,11 +111,11 @@ def test_format_names():
             format_name(bad, False)
 
 
-def _run_config(kv_transfer_config, speculative_config=None):
+def _run_config(kv_transfer_config, speculative_config=None, **parallel):
     return SimpleNamespace(
         additional_config=None, kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
         cache_config=SimpleNamespace(kv_cache_dtype_skip_layers=None, cache_dtype="kvx_nvfp4"),
-        parallel_config=SimpleNamespace(), model_config=None)
+        parallel_config=SimpleNamespace(**parallel), model_config=None)
 
 
 @pytest.mark.parametrize("transfer", [{"kv_connector": "KvxConnector"},
@@ -142,6 +143,29 @@ def test_other_speculators_are_refused_with_the_reason(method):
     and what is verified."""
     with pytest.raises(ValueError, match=f"speculative decoding with method {method!r}.*'ngram'"):
         options.check_config(_run_config(None, SimpleNamespace(method=method, num_speculative_tokens=2)))
+
+
+@pytest.mark.parametrize("parallel, flags", [
+    ({"decode_context_parallel_size": 2}, "--decode-context-parallel-size 2"),
+    ({"prefill_context_parallel_size": 4, "decode_context_parallel_size": 1}, "--prefill-context-parallel-size 4"),
+    ({"decode_context_parallel_size": 2, "prefill_context_parallel_size": 2},
+     "--decode-context-parallel-size 2 --prefill-context-parallel-size 2"),
+])
+def test_context_parallelism_is_refused_naming_the_setting(parallel, flags):
+    """Decode / prefill context parallelism shards a sequence's KV along its tokens across ranks: refused at startup
+    with the flags the run set and why (the real field names are checked on vLLM's ParallelConfig in
+    tests/vllm/test_vllm_parallel.py)."""
+    with pytest.raises(ValueError, match=re.escape(f"context parallelism ({flags}): each rank would hold")):
+        options.check_config(_run_config(None, tensor_parallel_size=2, **parallel))
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                      {"data_parallel_size": 2, "data_parallel_rank": 1},
+                                      {"decode_context_parallel_size": 1, "prefill_context_parallel_size": 1}])
+def test_tensor_pipeline_and_data_parallelism_are_not_refused(parallel):
+    """The backend serves each rank's own layers and heads: tensor parallelism (verified), pipeline and data
+    parallelism (untested, compat_matrix.yaml) start."""
+    assert options.check_config(_run_config(None, **parallel)) == "nvfp4"
 
 
 def _env_clean(monkeypatch):

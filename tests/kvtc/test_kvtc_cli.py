@@ -14,15 +14,9 @@ from kvx_core.cache import PagedKVCache
 from kvx_core.kvtc import decompress, load_calibration
 from kvx_core.transfer import export_bundle, fingerprint_from_files, import_bundle
 
-from ..tiny_llama import save_tiny_llama
+from ..tiny_llama import tiny_llama_fixture
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Llama (2 layers, 2 KV heads x 16)."""
-    pytest.importorskip("transformers")
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-kvtc"), hidden_size=64, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256)
+tiny = tiny_llama_fixture()  # 2 layers, 2 KV heads x 16
 
 
 def test_calibrate_compress_inspect(tiny, tmp_path, capsys):

@@ -16,24 +16,14 @@ from kvx_core.cache import PagedKVCache
 from kvx_core.transfer import checkpoint_fingerprint, import_bundle
 from kvx_core.transfer.rows import read_rows
 
-from ..tiny_llama import save_tiny_llama
+from ..tiny_llama import text_fixture, tiny_llama_fixture
 
 TEXT = "A quiet harbour at dawn: nets drying on the stones, gulls arguing over the tide line. " * 4
 TOKENS = 96
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    pytest.importorskip("transformers")
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-export"), hidden_size=64, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256)
-
-
-@pytest.fixture
-def text(tmp_path):
-    p = tmp_path / "prompt.txt"
-    p.write_text(TEXT)
-    return p
+tiny = tiny_llama_fixture()
+text = text_fixture(TEXT)
 
 
 def _reference(model_dir, fmt: str) -> tuple[PagedKVCache, torch.Tensor, list[int]]:

@@ -9,8 +9,9 @@ is not shift invariant), or the run is pipeline-parallel (not verified: the file
 only). The vLLM-native fp8 cache never reads it: naming it with a non-`kvx_*` dtype is refused (`options.options_of`).
 
 Tensor parallelism: the file is checked against the model's total KV heads, then each rank's layers take the rows
-of the heads that rank holds (`kvx_core.transfer.tp.tp_head_range`, vLLM's `QKVParallelLinear` partition: split when
-there are at least as many KV heads as ranks, else each head replicated on `tp_size / total` consecutive ranks).
+of the heads that rank (its rank in its tensor-parallel group, `parallel.tp_rank`) holds
+(`kvx_core.transfer.tp.tp_head_range`, vLLM's `QKVParallelLinear` partition: split when there are at least as many
+KV heads as ranks, else each head replicated on `tp_size / total` consecutive ranks).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kvx_core.kv_calibration import KvCalibration, LayerValues, default_file, fi
 from kvx_core.transfer.tp import tp_head_range
 
 from .options import options_of
+from .parallel import tp_rank as worker_tp_rank
 
 _loaded: dict[str, KvCalibration] = {}
 """Files loaded in this process, by path (every layer's impl and the connector ask; the file is read once)."""
@@ -39,16 +41,6 @@ def calibration_path(vllm_config: Any) -> str | None:
             raise ValueError(f'KVX: --additional-config kvx "kv_calibration" {path!r}: no such file')
         return path
     return default_file(vllm_config.model_config.model)
-
-
-def _tp_rank(vllm_config: Any) -> int:
-    """This process's tensor-parallel rank (0 without tensor parallelism; vLLM's worker has set up its groups
-    before it builds the model's layers)."""
-    if vllm_config.parallel_config.tensor_parallel_size == 1:
-        return 0
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank()
 
 
 def run_calibration(vllm_config: Any) -> KvCalibration | None:
@@ -99,7 +91,7 @@ def layer_values(vllm_config: Any, fmt: CacheFormat, num_kv_heads: int, softcap:
                          f"model caps its attention logits (soft cap {softcap}); tanh is not shift invariant, so "
                          "attention over centered keys would change: recalibrate without --center-keys")
     tp = vllm_config.parallel_config.tensor_parallel_size
-    rank = _tp_rank(vllm_config) if tp_rank is None else tp_rank
+    rank = worker_tp_rank(vllm_config) if tp_rank is None else tp_rank
     try:
         heads = tp_head_range(cal.num_kv_heads, tp, rank)
         require(heads[1] - heads[0] == num_kv_heads, Status.INCOMPATIBLE,

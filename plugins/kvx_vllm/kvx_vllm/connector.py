@@ -38,7 +38,8 @@ when the model has at least as many KV heads as ranks, replicated otherwise). A 
 published by whichever rank completes the set), so the scheduler (one process) sees an entry only once every shard
 is there; a TP=N consumer rank (N may differ from M) imports its heads from the shards through the bundle resharding.
 Every rank reads every shard of the set, so one missing or damaged shard fails the load on every rank alike, with
-nothing written on any (vLLM unions the ranks' failed blocks). Pipeline parallelism is refused at startup.
+nothing written on any (vLLM unions the ranks' failed blocks). Pipeline and context parallelism are refused at startup
+(`parallel`); data-parallel ranks are engines of their own, each with its connector (untested).
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ from kvx_core.transfer.tp import tp_head_range
 from .fingerprint import model_fingerprint
 from .layer_kv import LayerCaches
 from .options import options_of
+from .parallel import context_parallel, tp_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,6 +116,11 @@ class KvxConnector(KVConnectorBase_V1):
         if par.pipeline_parallel_size > 1:
             raise ValueError("KVX connector: pipeline parallelism is not served yet (a bundle holds every layer); run "
                              "with --pipeline-parallel-size 1")
+        cp = context_parallel(par)
+        if cp is not None:
+            raise ValueError(f"KVX connector: context parallelism ({cp}) is not served: each rank's cache would hold "
+                             "every N-th token of a request, and the connector saves and loads a request's "
+                             "consecutive tokens block by block; run with context-parallel sizes 1")
         try:
             import xxhash  # noqa: F401  (bundle checksums; a missing package must fail at startup, not per request)
         except ImportError:
@@ -299,11 +306,8 @@ class KvxConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """This worker's caches, and its tensor-parallel rank and KV-head range."""
-        if self.tp_size > 1:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            self.tp_rank = get_tensor_model_parallel_rank()
-            self.kv_heads = tp_head_range(self.model.num_kv_heads, self.tp_size, self.tp_rank)
+        self.tp_rank = tp_rank(self._vllm_config)
+        self.kv_heads = tp_head_range(self.model.num_kv_heads, self.tp_size, self.tp_rank)
         layers = self._vllm_config.compilation_config.static_forward_context
         self._caches = LayerCaches(kv_caches, layers, self.cache_dtype)
         if self.nixl is not None:

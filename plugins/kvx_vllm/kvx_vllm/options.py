@@ -35,6 +35,7 @@ from kvx_core import config
 from kvx_core.errors import KvxError
 
 from .dtypes import format_name, is_kvx_dtype
+from .parallel import context_parallel
 
 _KNOWN = {s.name for s in config.SETTINGS if s.vllm}
 LM_HEAD_FORMATS = config.BY_NAME["lm_head"].choices
@@ -102,8 +103,11 @@ def refusals(vllm_config: Any) -> list[str]:
         out.append(f"speculative decoding with method {getattr(spec, 'method', None)!r}: verified with KVX pages for "
                    f"{', '.join(map(repr, SPECULATORS))} only (draft models and EAGLE-style drafters run attention "
                    "layers of their own through the backend, not tested)")
-    if getattr(par, "decode_context_parallel_size", 1) > 1 or getattr(par, "prefill_context_parallel_size", 1) > 1:
-        out.append("context parallelism (DCP/PCP): the KVX kernels do not merge partial attention across ranks")
+    cp = context_parallel(par)
+    if cp is not None:
+        out.append(f"context parallelism ({cp}): each rank would hold every N-th token of a sequence's KV and vLLM "
+                   "would merge the ranks' partial attention by log-sum-exp; the KVX backend serves neither (it "
+                   "attends each sequence over its consecutive tokens and hands vLLM no log-sum-exp)")
     model = vllm_config.model_config
     if model is not None and model.use_mla:
         out.append("MLA models: KVX formats are defined for K/V heads, not MLA latents")
