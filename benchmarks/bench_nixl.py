@@ -12,7 +12,7 @@ consumer (caches on `cuda:<second of --devices>`, its own peer in the same memor
 the NIXL READ alone (`read_gbps`, `read_ms`) and READ + every bundle check + import (`import_gbps`, `request_ms`:
 the per-request latency), then checks that the imported rows equal the producer's bit for bit (`imported_xxh64`,
 exit 1 otherwise). GB/s count the bundle's bytes. The baseline, in the same run: a copy of as many bytes from the
-producer GPU to the consumer GPU (`tensor.to`, synchronized, best of runs: `d2d_gbps`); `read_x_d2d` and
+producer GPU to the consumer GPU (`copy_` into a tensor there, both GPUs synchronized, best of runs: `d2d_gbps`); `read_x_d2d` and
 `import_x_d2d` are the ratios (the issue's target: `read_x_d2d` >= 0.7 for device memory).
 
 UCX picks its transports (cuda_ipc between GPUs, cuda_copy, shared memory, TCP) unless `--ucx-tls` sets UCX_TLS for
@@ -115,7 +115,8 @@ def d2d_seconds(a, n: int) -> float | None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return None
     x = torch.empty(n, dtype=torch.uint8, device=_device(a, 0)).random_(0, 255)
-    return _best(partial(x.to, _device(a, 1)), "cuda", a.runs)
+    y = torch.empty(n, dtype=torch.uint8, device=_device(a, 1))
+    return _best(partial(y.copy_, x), "cuda", a.runs)
 
 
 def consumer(a, env: dict) -> None:
