@@ -12,8 +12,8 @@ consumer (caches on `cuda:<second of --devices>`, its own peer in the same memor
 the NIXL READ alone (`read_gbps`, `read_ms`) and READ + every bundle check + import (`import_gbps`, `request_ms`:
 the per-request latency), then checks that the imported rows equal the producer's bit for bit (`imported_xxh64`,
 exit 1 otherwise). GB/s count the bundle's bytes. The baseline, in the same run: a copy of as many bytes from the
-producer GPU to the consumer GPU (`copy_` into a tensor there, both GPUs synchronized, best of runs: `d2d_gbps`); `read_x_d2d` and
-`import_x_d2d` are the ratios (the issue's target: `read_x_d2d` >= 0.7 for device memory).
+producer GPU to the consumer GPU (`copy_` into a tensor there, both GPUs synchronized, best of runs: `d2d_gbps`);
+`read_x_d2d` and `import_x_d2d` are the ratios (the issue's target: `read_x_d2d` >= 0.7 for device memory).
 
 UCX picks its transports (cuda_ipc between GPUs, cuda_copy, shared memory, TCP) unless `--ucx-tls` sets UCX_TLS for
 both processes; NIXL's Python API does not say which ones a transfer used, `--ucx-proto-info` sets UCX_PROTO_INFO=y
@@ -40,7 +40,7 @@ from kvx_core.transfer.rows import read_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_transfer import _best, _cache, _filled, _sync  # noqa: E402
+from bench_transfer import _best, _cache, _filled  # noqa: E402
 from common import emit, env_info  # noqa: E402
 
 LINE = "KVX_BENCH "

@@ -86,8 +86,8 @@ class Ticket:
 
 def _bad_ticket(what: str) -> KvxError:
     return KvxError(Status.INVALID_ARGUMENT, f"not a KVX NIXL ticket: {what} (a ticket is {{agent, seq, metadata}} "
-                                             "with {nbytes, addr} or {directory, slots}, and memory, as NixlPeer.publish or "
-                                             "NixlPeer.lookup_ticket returns it)")
+                                             "with {nbytes, addr} or {directory, slots}, and memory, as "
+                                             "NixlPeer.publish or NixlPeer.lookup_ticket returns it)")
 
 
 def _int_field(ticket: dict, key: str, low: int, high: int) -> int:
