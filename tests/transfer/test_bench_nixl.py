@@ -56,6 +56,7 @@ def test_host_memory_between_two_processes_imports_bit_for_bit(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 def test_device_memory_from_cuda0_to_cuda1_imports_bit_for_bit(tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")

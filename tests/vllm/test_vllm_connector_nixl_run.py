@@ -95,6 +95,7 @@ def _check_stale(nixl_pd: dict) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 def test_nixl_handoff_between_two_gpus_in_device_memory(checkpoint):
     """The producer on GPU 0 and the consumer on GPU 1 (CUDA_VISIBLE_DEVICES 0,1 and 1,0: vLLM takes the first, the
     other stays visible for CUDA IPC), NIXL buffers in GPU memory
