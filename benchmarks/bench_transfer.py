@@ -40,8 +40,10 @@ from common import emit, env_info  # noqa: E402
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    """Wait for every GPU (a copy between two devices runs on both)."""
+    if device.startswith("cuda"):
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
 def _best(fn, device: str, runs: int) -> float:
@@ -68,6 +70,14 @@ def _cache(fmt: str, a) -> PagedKVCache:
     return PagedKVCache(fmt, num_layers=a.layers, num_blocks=blocks, block_size=16, num_kv_heads=8, head_dim=128,
                         device=a.device)
 
+
+def _filled(fmt: str, a, g: torch.Generator) -> PagedKVCache:
+    """A `_cache` holding random K/V for tokens 0 .. a.tokens - 1 at slots 0 .. a.tokens - 1, every layer."""
+    c, slots = _cache(fmt, a), torch.arange(a.tokens, device=a.device)
+    for layer in range(a.layers):
+        kv = torch.randn(2, a.tokens, 8, 128, generator=g).to(a.device)
+        c.write(layer, kv[0], kv[1], slots)
+    return c
 
 
 def _paths(srcs, dsts, slots, model, blob: bytes, pinned: torch.Tensor) -> dict:
@@ -106,10 +116,7 @@ def main() -> None:
         kernels = ("old",)
     g = torch.Generator().manual_seed(0)
     for src_fmt, dst_fmt in pairs:
-        src, dst = _cache(src_fmt, a), _cache(dst_fmt, a)
-        for layer in range(a.layers):
-            kv = torch.randn(2, a.tokens, 8, 128, generator=g).to(a.device)
-            src.write(layer, kv[0], kv[1], slots.to(a.device))
+        src, dst = _filled(src_fmt, a, g), _cache(dst_fmt, a)
         srcs = [src.descriptor(i) for i in range(a.layers)]
         dsts = [dst.descriptor(i) for i in range(a.layers)]
         pinned = export_to_host(srcs, slots, model=model)  # reused: a transport's registered buffer

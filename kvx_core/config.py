@@ -98,7 +98,7 @@ SETTINGS: tuple[Setting, ...] = (
             "ticket in its `kv_transfer_params`; the consumer READs it: across hosts). `nixl` takes no `store`.",
             choices=("store", "nixl"), vllm=True),
     Setting("nixl_buffer", "bytes", 1 << 30, ("vllm",),
-            "The NIXL transport's registered host buffer per worker (a producer's is cut into `nixl_slots` slots, "
+            "The NIXL transport's registered buffer per worker (a producer's is cut into `nixl_slots` slots, "
             "each holding one prompt's bundle; a consumer reads one bundle at a time into its own).", vllm=True),
     Setting("nixl_slots", "count", 8, ("vllm",),
             "Prompts a NIXL producer keeps published at once; a prompt finding every slot held is not published "
@@ -106,6 +106,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("nixl_hold_s", "count", 60, ("vllm",),
             "Seconds a NIXL producer keeps a published prompt for its consumer; the consumer's READ releases it "
             "sooner. A ticket read after its slot was reused is refused by the bundle checks.", vllm=True),
+    Setting("nixl_memory", "choice", "host", ("vllm",),
+            "Where the NIXL transport's buffers are: `host` (pinned host memory) or `device` (the GPU memory of the "
+            "worker's caches, `nixl_buffer` bytes beyond vLLM's `gpu_memory_utilization`: lower it to make room; "
+            "bundles then move GPU to GPU). `device` is refused without CUDA.", choices=("host", "device"),
+            vllm=True),
     Setting("role", "choice", "both", ("trtllm",),
             "What the TensorRT-LLM connector does: `both`, `producer` (exports only) or `consumer` (imports only). "
             "vLLM takes its own `kv_role`.", choices=("both", "producer", "consumer")),

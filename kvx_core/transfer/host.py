@@ -6,6 +6,8 @@ header), so each layer's chunk is gathered on the device, copied asynchronously 
 and checksummed by a thread pool while the next layers copy; import checks every chunk's head and checksum in the
 pool while the payloads copy to the device, and nothing is stored until all of them (and the trailer) passed. The
 bytes are exactly those of `export_bundle`; the buffer can back a file, shared memory or a NIXL registration.
+A bundle may also be imported from a CUDA device's memory (where a NIXL READ into GPU memory lands it): its payloads
+are checksummed on the GPU and only the header, chunk heads, checksums, tail segments and trailer go to the host.
 """
 from __future__ import annotations
 
@@ -82,10 +84,13 @@ def bundle_size(header: dict) -> tuple[int, int, int]:
     return first, payload, bundle_bytes(first, payload, layers)
 
 
-def _host_bytes(buf: torch.Tensor, what: str) -> None:
-    require(isinstance(buf, torch.Tensor) and buf.device.type == "cpu" and buf.dtype == torch.uint8
+def _host_bytes(buf: torch.Tensor, what: str, cuda_ok: bool = False) -> None:
+    """A contiguous 1-D uint8 tensor in host memory (or, when `cuda_ok`, a CUDA device's)."""
+    where = ("cpu", "cuda") if cuda_ok else ("cpu",)
+    require(isinstance(buf, torch.Tensor) and buf.device.type in where and buf.dtype == torch.uint8
             and buf.dim() == 1 and buf.is_contiguous(), Status.INVALID_ARGUMENT,
-            f"{what} must be a contiguous 1-D uint8 CPU tensor (pinned for GPU speed)")
+            f"{what} must be a contiguous 1-D uint8 {' or '.join(w.upper() for w in where)} tensor"
+            f"{'' if cuda_ok else ' (pinned for GPU speed)'}")
 
 
 def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
@@ -161,32 +166,39 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
 
 
 class _View:
-    """A read-only stream over a uint8 buffer (for `BundleReader`'s header checks)."""
+    """A read-only stream over a uint8 tensor (for `BundleReader`'s header checks); of a CUDA tensor, only the bytes
+    read are copied to the host."""
 
-    def __init__(self, mem):
-        self.mem, self.pos = mem, 0
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.pos = buf, 0
+        self.mem = buf.numpy() if buf.device.type == "cpu" else None
+
+    def _bytes(self, a: int, b: int) -> np.ndarray:
+        return self.mem[a:b] if self.mem is not None else self.buf[a:b].cpu().numpy()
 
     def readinto(self, b) -> int:
-        n = min(len(b), len(self.mem) - self.pos)
-        b[:n] = self.mem[self.pos:self.pos + n]
+        n = min(len(b), self.buf.numel() - self.pos)
+        b[:n] = self._bytes(self.pos, self.pos + n)
         self.pos += n
         return n
 
     def read(self, n: int = -1) -> bytes:
-        end = len(self.mem) if n < 0 else min(len(self.mem), self.pos + n)
-        out = bytes(self.mem[self.pos:end])
+        end = self.buf.numel() if n < 0 else min(self.buf.numel(), self.pos + n)
+        out = bytes(self._bytes(self.pos, end))
         self.pos = end
         return out
 
 
 class HostBundle:
-    """A bundle in host memory, read like a `BundleReader` (`header`, `tokens`, `specs`, `read_all`): the header is
-    checked at once, `read_all(device)` verifies every chunk and the trailer and returns the layers on `device`."""
+    """A bundle in host memory (or a CUDA device's), read like a `BundleReader` (`header`, `tokens`, `specs`,
+    `read_all`): the header is checked at once, `read_all(device)` verifies every chunk and the trailer and returns
+    the layers on `device`."""
 
     def __init__(self, buf: torch.Tensor):
-        _host_bytes(buf, "a host bundle")
-        self.buf, self.mem = buf, buf.numpy()
-        reader = BundleReader(_View(memoryview(self.mem)), size=buf.numel())  # the buffer's length checked there
+        _host_bytes(buf, "a bundle buffer", cuda_ok=True)
+        view = _View(buf)
+        self.buf, self.mem = buf, view.mem
+        reader = BundleReader(view, size=buf.numel())  # the buffer's length checked there
         self.header, self.version, self.seed = reader.header, reader.version, reader.seed
         self.num_layers, self.tokens, self.specs = reader.num_layers, reader.tokens, reader.specs
         self.segment, self.format = reader.segment, reader.format
@@ -197,6 +209,10 @@ class HostBundle:
         GPU, small checksum segments are verified there after the copy; otherwise in the host thread pool."""
         device = torch.device("cpu" if device is None else device)
         cuda = device.type == "cuda"
+        if self.mem is None:
+            require(cuda, Status.INVALID_ARGUMENT, "a bundle in CUDA memory imports into CUDA caches only (copy it to "
+                                                   "the host first)")
+            return self._read_all_cuda(device)
         m, n = self.mem, self.size
         on_gpu = cuda and n and self.segment <= GPU_HASH_MAX_SEGMENT
         stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
@@ -226,3 +242,37 @@ class HostBundle:
                   for i in range(self.num_layers)]
         check_layers(layers, self.format)  # one host sync for the bundle
         return layers
+
+    def _read_all_cuda(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """`read_all` of a bundle in CUDA memory: each payload is copied (device to device) to an aligned staging
+        chunk on `device` and its whole segments hashed there; the chunk heads, checksums, tail segments and trailer
+        come to the host in one copy and are checked there."""
+        n, layers, buf = self.size, self.num_layers, self.buf
+        whole = n // self.segment * self.segment
+        at = [chunk_at(self.first, n, i) for i in range(layers)]
+        pieces = ([(a, a + 16) for a in at] + [(a + 16 + n, a + 24 + n) for a in at]
+                  + [(a + 16 + whole, a + 16 + n) for a in at if whole < n] + [(self.total - 24, self.total)])
+        small = torch.cat([buf[a:b] for a, b in pieces]).cpu().numpy()
+        ends = np.cumsum([0] + [b - a for a, b in pieces]).tolist()
+
+        def piece(k: int) -> bytes:
+            return bytes(small[ends[k]:ends[k + 1]])
+
+        for i in range(layers):
+            check_chunk_head(piece(i), i, n)
+        stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
+        staged = torch.empty(layers * stride, dtype=torch.uint8, device=device)
+        gpu = []
+        for i, a in enumerate(at):
+            if n:
+                dst = staged[i * stride:i * stride + n]
+                dst.copy_(buf[a + 16:a + 16 + n])
+                gpu.append(gpu_segment_digests(dst, self.segment, self.seed))
+        digests = torch.stack(gpu).cpu().numpy().view(np.uint64).tolist() if gpu else [[] for _ in at]
+        tails = [[segment_digest(piece(2 * layers + i), self.seed)] if whole < n else [] for i in range(layers)]
+        sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in digests[i]] + tails[i], self.seed),
+                                piece(layers + i)) for i in range(layers)]
+        check_trailer(piece(len(pieces) - 1), layers, self.total - 24, sums, self.seed)
+        out = [split_payload(staged[i * stride:i * stride + n], self.specs, self.tokens) for i in range(layers)]
+        check_layers(out, self.format)  # one host sync for the bundle
+        return out

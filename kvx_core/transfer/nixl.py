@@ -1,12 +1,18 @@
 """KV bundles over NIXL (NVIDIA's inference transfer library; UCX underneath): the network transport.
 
-A `NixlPeer` owns one NIXL agent and one registered host buffer, cut into `slots` equal slots. The sending peer
-`publish`es a sequence: it exports the bundle into a free slot (`host.export_to_host`) and returns a `ticket`, a
-small JSON-safe dict that the application passes to the receiver out of band (an HTTP response, vLLM's
-`kv_transfer_params`):
+A `NixlPeer` owns one NIXL agent and one registered buffer, cut into `slots` equal slots, in host memory
+(`memory="host"`: NIXL "DRAM", pinned when CUDA is available) or in a GPU's (`memory="device"`: NIXL "VRAM" on
+`device`; UCX moves it GPU to GPU over NVLink / PCIe by cuda_ipc, or cuda_copy). The sending peer `publish`es a
+sequence: it exports the bundle into a free slot (`host.export_to_host`; into device memory through a pinned staging
+buffer of one slot, then one copy to the GPU) and returns a `ticket`, a small JSON-safe dict that the application
+passes to the receiver out of band (an HTTP response, vLLM's `kv_transfer_params`):
 
     {"agent": name, "nbytes": bundle bytes, "addr": the bundle's address in the sender's buffer,
-     "seq": the publish's number, "metadata": base64 of the sender agent's NIXL metadata}
+     "seq": the publish's number, "metadata": base64 of the sender agent's NIXL metadata,
+     "memory": "host" | "device", "device": the sender's CUDA device index (device memory only)}
+
+A receiver READs into its own buffer, host or device memory as it was built, whatever the sender's; a bundle in
+device memory is checked and imported on the GPU (`host.HostBundle`).
 
 The receiving peer `fetch`es by a one-sided NIXL READ of the remote slot into its own buffer (which notifies the
 sender "kvx-read <seq>" when it completes) and imports it with every check of `import_bundle`: the bundle's
@@ -54,6 +60,10 @@ MAX_AGENT_NAME = 256
 
 MAX_SLOTS = 4096
 """A peer's slot count, and a directory ticket's, above this is refused (the directory READ is 24 bytes a slot)."""
+MEMORY = ("host", "device")
+"""Where a peer's buffer is: host memory (NIXL "DRAM") or a CUDA device's (NIXL "VRAM")."""
+MAX_DEVICE = 1 << 10
+"""A ticket's CUDA device index at or above this is refused."""
 _ENTRY = 3  # a directory entry: seq + 1 (0: empty), the bundle's address, its size (int64 each)
 
 
@@ -70,12 +80,14 @@ class Ticket:
     addr: int | None = None
     directory: int | None = None
     slots: int | None = None
+    memory: str = "host"
+    device: int = 0
 
 
 def _bad_ticket(what: str) -> KvxError:
     return KvxError(Status.INVALID_ARGUMENT, f"not a KVX NIXL ticket: {what} (a ticket is {{agent, seq, metadata}} "
-                                             "with {nbytes, addr} or {directory, slots}, as NixlPeer.publish or "
-                                             "NixlPeer.lookup_ticket returns it)")
+                                             "with {nbytes, addr} or {directory, slots}, and memory, as "
+                                             "NixlPeer.publish or NixlPeer.lookup_ticket returns it)")
 
 
 def _int_field(ticket: dict, key: str, low: int, high: int) -> int:
@@ -89,7 +101,9 @@ def parse_ticket(ticket: dict | str | bytes) -> Ticket:
     """The `Ticket` of a ticket dict (or its JSON text, parsed strictly); KvxError INVALID_ARGUMENT naming the field
     that is missing, of another type or out of range: `agent` a name of 1 to `MAX_AGENT_NAME` characters, `seq` an
     integer in [0, 2**63), `metadata` base64 of at most `MAX_METADATA_CHARS`; then `nbytes` in [1, 2**63) and `addr`
-    in [0, 2**64), or (a ticket without `nbytes`) `directory` in [0, 2**64) and `slots` in [1, `MAX_SLOTS`]."""
+    in [0, 2**64), or (a ticket without `nbytes`) `directory` in [0, 2**64) and `slots` in [1, `MAX_SLOTS`];
+    `memory` (where the sender's bundle is) "host" (also when absent: tickets of older senders) or "device" with
+    `device` an integer in [0, `MAX_DEVICE`) (a host ticket has no `device`)."""
     if isinstance(ticket, (str, bytes, bytearray)):
         ticket = loads_object(ticket, "KVX NIXL ticket")
     if not isinstance(ticket, dict):
@@ -104,11 +118,17 @@ def parse_ticket(ticket: dict | str | bytes) -> Ticket:
         raw = base64.b64decode(meta, validate=True)
     except (binascii.Error, ValueError):
         raise _bad_ticket("metadata is not base64") from None
+    memory = ticket.get("memory", "host")
+    if memory not in MEMORY:  # `in` a tuple of str: an unhashable or non-str value is simply not in it
+        raise _bad_ticket(f"memory must be one of {', '.join(MEMORY)}, got {short(memory)}")
+    if memory == "host" and "device" in ticket:
+        raise _bad_ticket("a host-memory ticket has no device")
+    where = {"memory": memory, "device": _int_field(ticket, "device", 0, MAX_DEVICE) if memory == "device" else 0}
     if "nbytes" not in ticket and "directory" in ticket:
         return Ticket(agent, seq, raw, directory=_int_field(ticket, "directory", 0, 2**64),
-                      slots=_int_field(ticket, "slots", 1, MAX_SLOTS + 1))
+                      slots=_int_field(ticket, "slots", 1, MAX_SLOTS + 1), **where)
     return Ticket(agent, seq, raw, nbytes=_int_field(ticket, "nbytes", 1, 2**63),
-                  addr=_int_field(ticket, "addr", 0, 2**64))
+                  addr=_int_field(ticket, "addr", 0, 2**64), **where)
 
 
 def _agent_class():
@@ -120,31 +140,52 @@ def _agent_class():
     return nixl_agent, nixl_agent_config
 
 
+def _buffer_device(memory: str, device: int | None) -> torch.device:
+    """The torch device of a peer's buffer, checked before anything is allocated or registered."""
+    require(isinstance(memory, str) and memory in MEMORY, Status.INVALID_ARGUMENT,
+            f"NixlPeer memory must be one of {', '.join(MEMORY)}, got {memory!r}")
+    if memory == "host":
+        require(device is None, Status.INVALID_ARGUMENT, "NixlPeer: a device is given for memory 'device' only")
+        return torch.device("cpu")
+    require(torch.cuda.is_available(), Status.UNSUPPORTED,
+            "NixlPeer memory 'device' registers GPU memory, and this platform has no CUDA device "
+            "(torch.cuda.is_available() is False): use memory 'host'")
+    count = torch.cuda.device_count()
+    require(device is None or (is_int(device) and 0 <= device < count), Status.INVALID_ARGUMENT,
+            f"NixlPeer device must be a CUDA device index in [0, {count}), got {device!r}")
+    return torch.device("cuda", torch.cuda.current_device() if device is None else device)
+
+
 _READ_NOTIF = re.compile(rb"kvx-read ([0-9]{1,19})")
 """The notification a reader's READ sends its sender when it completes: the `seq` of the bundle read."""
 
 
 class NixlPeer:
-    """One NIXL agent named `name` with a registered host buffer of `capacity` bytes (pinned when CUDA is
-    available, so GPU caches export and import through it at copy speed) in `slots` equal slots, each holding a
-    published bundle until its reader has read it or `hold_s` seconds have passed, and a registered slot directory
-    (per slot: seq + 1, address, size) through which a `lookup_ticket` finds its bundle."""
+    """One NIXL agent named `name` with a registered buffer of `capacity` bytes in `slots` equal slots, each holding
+    a published bundle until its reader has read it or `hold_s` seconds have passed, and a registered slot directory
+    in host memory (per slot: seq + 1, address, size) through which a `lookup_ticket` finds its bundle. `memory`
+    "host": the buffer is host memory (pinned when CUDA is available, so GPU caches export and import through it at
+    copy speed); "device": GPU memory of CUDA device `device` (default: the current one), UNSUPPORTED without CUDA."""
 
-    def __init__(self, name: str, capacity: int, *, slots: int = 1, hold_s: float = 0.0):
+    def __init__(self, name: str, capacity: int, *, slots: int = 1, hold_s: float = 0.0, memory: str = "host",
+                 device: int | None = None):
         require(is_int(capacity) and capacity > 0, Status.INVALID_ARGUMENT,
                 f"NixlPeer capacity must be a positive byte count, got {capacity!r}")
         require(is_int(slots) and 0 < slots <= min(capacity, MAX_SLOTS), Status.INVALID_ARGUMENT,
                 f"NixlPeer slots must be an integer in [1, {MAX_SLOTS}] and at most capacity, got {slots!r}")
         require(isinstance(hold_s, (int, float)) and 0 <= hold_s < float("inf"), Status.INVALID_ARGUMENT,
                 f"NixlPeer hold_s must be a finite number of seconds >= 0, got {hold_s!r}")
+        where = _buffer_device(memory, device)
         agent, config = _agent_class()
-        self.name = name
+        self.name, self.memory = name, memory
         self.agent = agent(name, config(backends=["UCX"]))
         require("UCX" in self.agent.backends, Status.UNSUPPORTED, "NIXL has no UCX backend on this machine")
         pin = torch.cuda.is_available()
-        self.buf = torch.zeros(capacity, dtype=torch.uint8, pin_memory=pin)
+        self.buf = torch.zeros(capacity, dtype=torch.uint8, device=where, pin_memory=pin and where.type == "cpu")
         self.directory = torch.zeros(slots, _ENTRY, dtype=torch.int64, pin_memory=pin)
-        self.agent.register_memory([self.buf, self.directory])
+        self.agent.register_memory(self.buf)  # one call per memory kind (NIXL takes a list of one kind)
+        self.agent.register_memory(self.directory)
+        self._stage: torch.Tensor | None = None  # device memory: the pinned host slot bundles are exported into
         self.slot_bytes, self.hold_s = capacity // slots, float(hold_s)
         self._seq = [-1] * slots  # the seq of the bundle each slot holds (-1: none yet)
         self._until = [0.0] * slots  # time.monotonic() until which each slot is held for its reader
@@ -161,19 +202,33 @@ class NixlPeer:
                 f"NixlPeer.publish: seq must be an integer in [0, 2**63 - 1), got {seq!r}")
         i = self._free_slot()
         out = self.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]
-        bundle = export_to_host(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads, out=out)
+        if self.memory == "host":
+            bundle = export_to_host(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads, out=out)
+        else:  # every check passes in the export, before the slot changes; the copy returns once it landed
+            if self._stage is None:
+                self._stage = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            staged = export_to_host(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,
+                                    out=self._stage)
+            bundle = out[:staged.numel()]
+            bundle.copy_(staged)
         if seq is None:
             seq = self._published
         self._published = max(self._published, seq + 1)
         self._seq[i], self._until[i] = seq, time.monotonic() + self.hold_s
         self.directory[i] = torch.tensor([seq + 1, bundle.data_ptr(), bundle.numel()])
         return {"agent": self.name, "nbytes": bundle.numel(), "addr": bundle.data_ptr(), "seq": seq,
-                "metadata": self._metadata()}
+                "metadata": self._metadata(), **self._where()}
 
     def lookup_ticket(self, seq: int) -> dict:
         """A ticket of the bundle this peer publishes (or will) under `seq`: the reader finds it in the directory."""
         return {"agent": self.name, "seq": seq, "directory": self.directory.data_ptr(),
-                "slots": self.directory.shape[0], "metadata": self._metadata()}
+                "slots": self.directory.shape[0], "metadata": self._metadata(), **self._where()}
+
+    def _where(self) -> dict:
+        """The ticket fields saying where this peer's bundles are."""
+        if self.memory == "host":
+            return {"memory": "host"}
+        return {"memory": "device", "device": self.buf.device.index}
 
     def _metadata(self) -> str:
         return base64.b64encode(self.agent.get_agent_metadata()).decode()
@@ -208,7 +263,8 @@ class NixlPeer:
         seq) into this peer's buffer; returns the bytes (a view of the buffer)."""
         t = parse_ticket(ticket)
         if t.directory is not None:
-            entries = self._read(t, t.directory, t.slots * _ENTRY * 8, b"", timeout_s).view(torch.int64).view(-1, 3)
+            entries = self._read(t, t.directory, t.slots * _ENTRY * 8, ("DRAM", 0), b"",
+                                 timeout_s).view(torch.int64).view(-1, 3)
             found = [e for e in entries.tolist() if e[0] == t.seq + 1]
             require(bool(found), Status.INVALID_ARGUMENT,
                     f"the bundle of NIXL ticket seq {t.seq} is not published by {short(t.agent)} (not yet, failed, "
@@ -216,12 +272,14 @@ class NixlPeer:
             _, addr, n = found[0]  # the sender's memory says so: checked like a ticket's fields
             if not (0 <= addr and 0 < n):
                 raise _bad_ticket(f"the directory of {short(t.agent)} gives address {addr}, size {n}")
-            t = Ticket(t.agent, t.seq, t.metadata, nbytes=n, addr=addr)
-        return self._read(t, t.addr, t.nbytes, b"kvx-read %d" % t.seq, timeout_s)
+            t = Ticket(t.agent, t.seq, t.metadata, nbytes=n, addr=addr, memory=t.memory, device=t.device)
+        where = ("VRAM", t.device) if t.memory == "device" else ("DRAM", 0)
+        return self._read(t, t.addr, t.nbytes, where, b"kvx-read %d" % t.seq, timeout_s)
 
-    def _read(self, t: Ticket, addr: int, n: int, notif: bytes, timeout_s: float) -> torch.Tensor:
-        """One NIXL READ of `n` bytes at the sender's `addr` into the start of this peer's buffer (`notif`: the
-        notification the sender gets when it completes)."""
+    def _read(self, t: Ticket, addr: int, n: int, where: tuple[str, int], notif: bytes,
+              timeout_s: float) -> torch.Tensor:
+        """One NIXL READ of `n` bytes at the sender's `addr` in its memory `where` (NIXL memory type, device) into
+        the start of this peer's buffer (`notif`: the notification the sender gets when it completes)."""
         require(n <= self.buf.numel(), Status.OUT_OF_RANGE,
                 f"the bundle has {n} bytes; this peer's buffer holds {self.buf.numel()}")
         local = self.buf[:n]
@@ -233,7 +291,7 @@ class NixlPeer:
             require(name == t.agent, Status.INVALID_ARGUMENT,
                     f"not a KVX NIXL ticket: agent {short(t.agent)}, its metadata names {short(name)}")
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs([local]),
-                                                self.agent.get_xfer_descs([(addr, n, 0)], "DRAM"), name,
+                                                self.agent.get_xfer_descs([(addr, n, where[1])], where[0]), name,
                                                 notif_msg=notif)
         except KvxError:
             raise

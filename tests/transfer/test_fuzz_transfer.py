@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 from kvx_core.transfer import BundleReader, convert_bundle, import_bundle
-from kvx_core.transfer.nixl import parse_ticket
+from kvx_core.transfer.nixl import MAX_DEVICE, parse_ticket
 from kvx_core.transfer.store import BundleStore
 from tests.fuzz import dumps_json, mutate_bytes, mutate_json, run_capped
 
@@ -115,10 +115,14 @@ def store_entries(rng: random.Random) -> None:
 
 
 def nixl_tickets(rng: random.Random) -> None:
-    t = mutate_json(TICKET if rng.random() < 0.5 else LOOKUP, rng)
+    """Host and device-memory tickets (direct and lookup) mutated: parsed into checked fields or refused."""
+    seed = rng.choice([TICKET, LOOKUP, {**TICKET, "memory": "host"}, {**LOOKUP, "memory": "device", "device": 1}])
+    t = mutate_json(seed, rng)
     p = parse_ticket(dumps_json(t) if rng.random() < 0.5 else t)
     assert type(p.seq) is int and isinstance(p.metadata, bytes)
     assert (type(p.nbytes) is int and type(p.addr) is int) or (type(p.directory) is int and type(p.slots) is int)
+    assert (p.memory, p.device) == ("host", 0) or (p.memory == "device" and type(p.device) is int
+                                                   and 0 <= p.device < MAX_DEVICE)
 
 
 def test_fuzz_bundle_readers():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import sys
 
 import pytest
 import torch
@@ -76,3 +78,48 @@ def test_every_flipped_byte_truncation_and_extension_is_refused_untouched():
             import_bundle(bad, _descs(dst), torch.arange(3), model=MODEL)
         assert e.value.status in (Status.INVALID_ARGUMENT, Status.UNSUPPORTED, Status.INCOMPATIBLE)
     assert _unchanged(dst, before)
+
+
+def cuda_path_checks() -> None:
+    """`HostBundle`'s CUDA-memory reader run on a CPU buffer (TRITON_INTERPRET=1: the GPU hash interpreted): the
+    header through the copying view, the layers equal the host reader's, and a flipped byte in a GPU-hashed segment,
+    a host-hashed tail, a chunk head, a checksum or the trailer is refused."""
+    import kvx_core.transfer.host as host
+    from kvx_core.transfer.bundle import BundleReader, chunk_at
+
+    host.SEGMENT_BYTES = host.GPU_SEGMENT_BYTES  # 64 KiB segments, as bundles exported from CUDA caches have
+    src, slots = _cache("bf16", 16, 32, tokens=300)  # 76800 payload bytes a layer: one whole segment and a tail
+    buf = export_to_host(_descs(src), slots, model=MODEL)
+    view = host._View(buf)
+    view.mem = None  # copies what is read, as from a CUDA tensor
+    assert BundleReader(view, size=buf.numel()).header == HostBundle(buf).header
+
+    def as_cuda(b: torch.Tensor) -> HostBundle:
+        bundle = HostBundle(b)
+        bundle.mem = None  # read as a bundle in CUDA memory
+        return bundle
+
+    want, got = HostBundle(buf).read_all(), as_cuda(buf)._read_all_cuda(torch.device("cpu"))
+    assert all(torch.equal(w[n].view(torch.uint8), g[n].view(torch.uint8)) for w, g in zip(want, got, strict=True)
+               for n in w)
+    with pytest.raises(KvxError, match="CUDA caches") as e:
+        as_cuda(buf).read_all("cpu")
+    assert e.value.status == Status.INVALID_ARGUMENT
+    b = HostBundle(buf)
+    at = chunk_at(b.first, b.size, 1)
+    for i in (at + 16 + 100, at + 16 + 70000, at + 3, at + 16 + b.size + 2, b.total - 3):
+        bad = buf.clone()
+        bad[i] ^= 1
+        with pytest.raises(KvxError) as e:
+            as_cuda(bad)._read_all_cuda(torch.device("cpu"))
+        assert e.value.status == Status.INVALID_ARGUMENT, i
+
+
+def test_a_bundle_in_cuda_memory_is_read_with_every_check():
+    from ..procs import run
+
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from tests.transfer.test_host import cuda_path_checks; " \
+           "cuda_path_checks()"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = run([sys.executable, "-c", code, root], env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]

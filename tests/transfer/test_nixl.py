@@ -264,3 +264,74 @@ def test_fuzz_lookup_ticket_directory():
     """The slot directory a lookup ticket reads is the sender's memory: forged entries are refused with KvxError
     (nothing written) under the memory cap, never a crash or a read outside what the sender registered."""
     run_capped("tests.transfer.nixl_fuzz:directory_entries", cases=300, env=UCX)
+
+
+def test_device_memory_is_refused_without_cuda_and_bad_memory_settings_are_refused():
+    """A peer in GPU memory on a CPU-only platform is UNSUPPORTED with a message naming the fix; an unknown memory
+    kind, or a device for host memory, is INVALID_ARGUMENT; nothing is created."""
+    if torch.cuda.is_available():
+        pytest.skip("this platform has CUDA: device memory is served (the gpu tests)")
+    with pytest.raises(KvxError, match="no CUDA device.*memory 'host'") as e:
+        NixlPeer("kvx-dev", 1 << 20, memory="device")
+    assert e.value.status == Status.UNSUPPORTED
+    for kwargs in ({"memory": "gpu"}, {"memory": None}, {"memory": "HOST"}, {"memory": "host", "device": 0}):
+        with pytest.raises(KvxError, match="NixlPeer") as e:
+            NixlPeer("kvx-dev", 1 << 20, **kwargs)
+        assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_a_tickets_memory_and_device_are_parsed_strictly():
+    """Tickets say where the sender's bundle is: host tickets (and those of older senders, without `memory`) read
+    the bundle; an unknown memory kind, a device ticket without an integer device index in range, or a host
+    ticket with a device is refused before any transfer."""
+    from kvx_core.transfer.nixl import MAX_DEVICE, parse_ticket  # noqa: PLC0415
+
+    a, slots = _cache("int8", 16, 4, tokens=20)
+    sender, receiver = NixlPeer("kvx-send10", 1 << 20), NixlPeer("kvx-recv10", 1 << 20)
+    ticket = sender.publish(_descs(a), slots, model=MODEL)
+    assert ticket["memory"] == "host" and sender.lookup_ticket(3)["memory"] == "host"
+    older = {k: v for k, v in ticket.items() if k != "memory"}
+    assert torch.equal(receiver.fetch(older), sender.buf[:ticket["nbytes"]])
+    t = parse_ticket({**ticket, "memory": "device", "device": 3})
+    assert (t.memory, t.device) == ("device", 3)
+    for forged in ({**ticket, "memory": "gpu"}, {**ticket, "memory": ["host"]}, {**ticket, "memory": None},
+                   {**ticket, "memory": "device"}, {**ticket, "memory": "device", "device": -1},
+                   {**ticket, "memory": "device", "device": MAX_DEVICE}, {**ticket, "memory": "device", "device": 1.0},
+                   {**ticket, "memory": "device", "device": True}, {**ticket, "memory": "device", "device": "0"},
+                   {**ticket, "device": 0}):
+        with pytest.raises(KvxError, match="ticket") as e:
+            receiver.fetch(forged)
+        assert e.value.status == Status.INVALID_ARGUMENT
+
+
+@pytest.mark.gpu
+def test_device_memory_peers_hand_a_bundle_over_bit_for_bit(monkeypatch):
+    """Both peers in GPU memory (the last GPU receives): a direct and a lookup ticket are read into VRAM and
+    imported with every check into a CUDA cache, the rows equal the source's; a damaged bundle is refused there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for k in UCX:  # UCX's own transport choice: TCP alone does not move GPU memory
+        monkeypatch.delenv(k)
+    from kvx_core.cache import PagedKVCache  # noqa: PLC0415
+
+    last = torch.cuda.device_count() - 1
+    src, slots = _cache("nvfp4", 16, 4, tokens=40)
+    sender = NixlPeer("kvx-send-gpu", 1 << 20, slots=2, memory="device")
+    receiver = NixlPeer("kvx-recv-gpu", 1 << 20, memory="device", device=last)
+    ids = list(range(40))
+    ticket = sender.publish(_descs(src), slots, model=MODEL, token_ids=ids, seq=7)
+    assert (ticket["memory"], ticket["device"]) == ("device", torch.cuda.current_device())
+    assert torch.equal(receiver.fetch(sender.lookup_ticket(7)).cpu(), receiver.fetch(ticket).cpu())
+    dst = PagedKVCache("nvfp4", num_layers=LAYERS, num_blocks=8, block_size=8, num_kv_heads=src.num_kv_heads,
+                       head_dim=src.head_dim, per_head_global_scale=True, device=f"cuda:{last}")
+    _same_scales(dst, src)
+    back = torch.arange(63, 23, -1)
+    receiver.receive(ticket, _descs(dst), back.to(dst.device), model=MODEL, token_ids=ids)
+    for i in range(LAYERS):
+        x, y = read_rows(src.descriptor(i), slots), read_rows(dst.descriptor(i), back.to(dst.device))
+        assert all(torch.equal(x[n].view(torch.uint8), y[n].cpu().view(torch.uint8)) for n in x)
+    before = _snapshot(dst)
+    sender.buf[ticket["addr"] - sender.buf.data_ptr() + ticket["nbytes"] // 2] ^= 1
+    with pytest.raises(KvxError, match="checksum"):
+        receiver.receive(ticket, _descs(dst), back.to(dst.device), model=MODEL, token_ids=ids)
+    assert _unchanged(dst, before)

@@ -63,7 +63,7 @@ def _connector(cache, block_size: int, *, producer: bool, consumer: bool, slots:
                hold_s: int = 3600) -> KvxConnector:
     """A connector of transport nixl in the state its `__init__` and `register_kv_caches` leave (TP=1)."""
     c = KvxConnector.__new__(KvxConnector)
-    c.nixl = SimpleNamespace(nixl_buffer=1 << 20, nixl_slots=slots, nixl_hold_s=hold_s)
+    c.nixl = SimpleNamespace(nixl_buffer=1 << 20, nixl_slots=slots, nixl_hold_s=hold_s, nixl_memory="host")
     c.store, c.model, c.block_size, c.kv_heads = None, MODEL, block_size, (0, MODEL.num_kv_heads)
     c.producer, c.consumer = producer, consumer
     c._blocks, c._prompts, c._loads, c._publish, c._tickets, c._directory, c._seq = {}, {}, {}, set(), {}, None, 0
@@ -239,13 +239,25 @@ def test_the_connector_starts_with_transport_nixl(checkpoint, tmp_path):
     ({"transport": "nixl"}, "kv", "takes no store"), ({"transport": "rdma"}, None, "transport must be one of"),
     ({"transport": "nixl", "nixl_slots": 0}, None, "nixl_slots must be"),
     ({"transport": "nixl", "nixl_buffer": "1.5GiB"}, None, "nixl_buffer must be"),
-    ({"transport": "nixl", "nixl_hold_s": 1.5}, None, "nixl_hold_s must be")])
+    ({"transport": "nixl", "nixl_hold_s": 1.5}, None, "nixl_hold_s must be"),
+    ({"transport": "nixl", "nixl_memory": "gpu"}, None, "nixl_memory must be one of")])
 def test_bad_nixl_settings_are_refused_at_startup(checkpoint, tmp_path, kvx, store, refused):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     with pytest.raises(ValueError, match=refused):
         KvxConnector(_config(checkpoint, store and tmp_path / store, 1, **kvx), KVConnectorRole.SCHEDULER)
     assert not (tmp_path / "kv").exists()
+
+
+def test_device_memory_is_refused_at_startup_without_cuda(checkpoint, tmp_path):
+    """nixl_memory "device" on a CPU-only platform: refused when the connector is built, naming the fix."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    if torch.cuda.is_available():
+        pytest.skip("this platform has CUDA: device memory is served")
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match='no CUDA device; use nixl_memory "host"'):
+            KvxConnector(_config(checkpoint, None, 1, transport="nixl", nixl_memory="device"), role)
 
 
 def test_more_slots_than_a_peer_takes_are_refused_when_the_worker_starts(checkpoint):

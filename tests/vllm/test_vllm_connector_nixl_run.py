@@ -32,8 +32,8 @@ RUNNER = Path(__file__).with_name("vllm_nixl_run.py")
 NIXL_ENV = {**ENV, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
-def _start(checkpoint: str, dtype: str, block: int, role: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(RUNNER), checkpoint, dtype, str(block), role], env=NIXL_ENV,
+def _start(checkpoint: str, dtype: str, block: int, role: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(RUNNER), checkpoint, dtype, str(block), role], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -46,10 +46,10 @@ def _line(p: subprocess.Popen, tag: str, log: list[str]) -> str:
     raise AssertionError(f"no {tag} line:\n{''.join(log)[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def nixl_pd(checkpoint) -> dict:
-    producer = _start(checkpoint, "kvx_int8", 128, "producer")
-    consumer = _start(checkpoint, "auto", 32, "consumer")  # starts up while the producer prefills
+def _handoff(checkpoint: str, producer_env: dict, consumer_env: dict) -> dict:
+    """Producer kvx_int8 block 128 and consumer auto block 32 at once; the tickets passed as a proxy does."""
+    producer = _start(checkpoint, "kvx_int8", 128, "producer", producer_env)
+    consumer = _start(checkpoint, "auto", 32, "consumer", consumer_env)  # starts up while the producer prefills
     plog, clog = [], []
     try:
         params = _line(producer, "KVX_PARAMS", plog)
@@ -63,7 +63,16 @@ def nixl_pd(checkpoint) -> dict:
     return {"params": json.loads(params), **result, "log": "".join(clog)}
 
 
+@pytest.fixture(scope="module")
+def nixl_pd(checkpoint) -> dict:
+    return _handoff(checkpoint, NIXL_ENV, NIXL_ENV)
+
+
 def test_nixl_handoff_decodes_like_a_single_instance(nixl_pd):
+    _check_handoff(nixl_pd)
+
+
+def _check_handoff(nixl_pd: dict) -> None:
     params = nixl_pd["params"]
     assert len(params) == 3 and all(set(p) == {"kvx_ticket"} and "directory" in p["kvx_ticket"] for p in params)
     assert len({p["kvx_ticket"]["seq"] for p in params}) == 3
@@ -76,6 +85,32 @@ def test_nixl_handoff_decodes_like_a_single_instance(nixl_pd):
 
 
 def test_a_stale_ticket_is_a_failed_load_recomputed(nixl_pd):
+    _check_stale(nixl_pd)
+
+
+def _check_stale(nixl_pd: dict) -> None:
     assert "not published" in nixl_pd["log"] and "bundled tokens failed, nothing written" in nixl_pd["log"]
     agree, first, mean = _agreement(nixl_pd["stale"], nixl_pd["local"][-1])
     assert agree >= 1 and first <= FIRST_BOUND["auto"] and mean <= MEAN_BOUND["auto"], (agree, first, mean)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_nixl_handoff_between_two_gpus_in_device_memory(checkpoint):
+    """The producer on GPU 0 and the consumer on GPU 1 (CUDA_VISIBLE_DEVICES 0,1 and 1,0: vLLM takes the first, the
+    other stays visible for CUDA IPC), NIXL buffers in GPU memory
+    (nixl_memory "device"), UCX's own transports (cuda_ipc): the handoff decodes like the consumer's own computation
+    and a stale ticket is a failed load, recomputed (the bundle checks run on the consumer's GPU)."""
+    import torch
+
+    from kvx_vllm.compat import vllm_version
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    if vllm_version() == (0, 26):
+        pytest.skip('the runner\'s kv_load_failure_policy "recompute" is refused on vLLM 0.26: needs a CUDA vLLM 0.32')
+    env = {k: v for k, v in ENV.items() if not k.startswith("UCX_")} | {"KVX_NIXL_MEMORY": "device"}
+    pd = _handoff(checkpoint, env | {"CUDA_VISIBLE_DEVICES": "0,1"}, env | {"CUDA_VISIBLE_DEVICES": "1,0"})
+    assert all(p["kvx_ticket"]["memory"] == "device" for p in pd["params"])
+    _check_handoff(pd)
+    _check_stale(pd)

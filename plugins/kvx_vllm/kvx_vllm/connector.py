@@ -31,6 +31,8 @@ parses it strictly (a bad ticket is a logged miss) and loads all but the prompt'
 bundle and imports it with every check, all or nothing; a failure (refused ticket, bundle gone, its slot reused,
 damaged) is a failed load as above. A slot is held until the consumer's READ completes or `nixl_hold_s` passes;
 with every one of `nixl_slots` held the prompt is not published (logged) and its consumer fails the load. TP=1 only.
+`nixl_memory: device` puts both workers' NIXL buffers in the GPU memory of their caches (UCX then moves bundles GPU
+to GPU), default `host` (pinned host memory); refused at startup without CUDA.
 
 Tensor parallelism: each worker rank exports and imports the KV heads vLLM gives it (`kvx_core.transfer.tp`: split
 when the model has at least as many KV heads as ranks, replicated otherwise). A TP=M producer's entry is a shard set
@@ -185,6 +187,9 @@ class KvxConnector(KVConnectorBase_V1):
         except ImportError:
             raise ValueError('KVX connector: transport "nixl" needs NIXL: pip install --no-deps nixl==1.5.1 '
                              "nixl-cu12==1.5.1") from None
+        if opts.nixl_memory == "device" and not torch.cuda.is_available():
+            raise ValueError('KVX connector: nixl_memory "device" puts the NIXL buffers in GPU memory, and this '
+                             'platform has no CUDA device; use nixl_memory "host"')
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -312,12 +317,15 @@ class KvxConnector(KVConnectorBase_V1):
         self._caches = LayerCaches(kv_caches, layers, self.cache_dtype)
         if self.nixl is not None:
             name = f"kvx-{uuid.uuid4().hex}"
+            memory = self.nixl.nixl_memory  # device: the GPU holding this worker's caches
+            where = {"memory": memory, "device": next(iter(kv_caches.values())).device.index
+                     if memory == "device" else None}
             try:
                 if self.producer:
                     self._sender = NixlPeer(name + "-send", self.nixl.nixl_buffer, slots=self.nixl.nixl_slots,
-                                            hold_s=self.nixl.nixl_hold_s)
+                                            hold_s=self.nixl.nixl_hold_s, **where)
                 if self.consumer:
-                    self._receiver = NixlPeer(name + "-recv", self.nixl.nixl_buffer)
+                    self._receiver = NixlPeer(name + "-recv", self.nixl.nixl_buffer, **where)
             except KvxError as e:
                 raise ValueError(f"KVX connector: {e}") from None
 

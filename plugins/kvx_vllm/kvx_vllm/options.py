@@ -13,7 +13,8 @@ Options under the "kvx" key of vLLM's `additional_config`:
   what it refuses.
 - `kv_calibration` (a path, default unset): the KV-cache calibration file to serve with (`calibration`); without
   it, `<model dir>/kvx_kv_calibration.kvxcal` (or the older `.kvx` name) when that exists. `kvx_*` cache dtypes only.
-- `transport` ("store" or "nixl"), `nixl_buffer`, `nixl_slots`, `nixl_hold_s`: how the KV connector hands KV over
+- `transport` ("store" or "nixl"), `nixl_buffer`, `nixl_slots`, `nixl_hold_s`, `nixl_memory` ("host" or
+  "device"): how the KV connector hands KV over
   (`connector`).
 - `store`, `kvtc` (paths): the KV connector's bundle store and KVTC calibration (`connector`); their older
   `kv_connector_extra_config` spellings `kvx_store` / `kvx_kvtc` are read with a DeprecationWarning.
@@ -63,6 +64,7 @@ class KvxOptions:
     nixl_buffer: int = 1 << 30
     nixl_slots: int = 8
     nixl_hold_s: int = 60
+    nixl_memory: str = "host"
 
 
 def options_of(vllm_config: Any) -> KvxOptions:
