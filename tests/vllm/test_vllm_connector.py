@@ -49,16 +49,20 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLL
 FIRST_BOUND = {"auto": 0.3, "kvx_nvfp4": 1.0}
 MEAN_BOUND = {"auto": 0.1, "kvx_nvfp4": 0.35}
 INSTANCES = {"A": ("kvx_int8", 128, "kv_producer", ["--produce", "a"]),
-             "B": ("auto", 32, "kv_both", ["--consume", "a", "--produce", "b", "--prefix", "b", "--reload"]),
-             "C": ("kvx_nvfp4", 128, "kv_both", ["--consume", "b", "--reload", "--damage"])}
+             "B": ("auto", 32, "kv_both", ["--consume", "a", "--produce", "b,c", "--prefix", "b", "--reload"]),
+             "C": ("kvx_nvfp4", 128, "kv_both", ["--consume", "b", "--ttft", "c", "--reload", "--damage"])}
+PD_GPUS = [g for g in os.environ.get("KVX_PD_GPUS", "").split(",") if g]
+"""`KVX_PD_GPUS=0,1` (a machine with two GPUs): instance k runs on GPU PD_GPUS[k % n] (A and C on 0, B on 1), so
+every handoff crosses GPUs: B's `auto` prefill on one GPU is decoded by C in kvx_nvfp4 on the other."""
 
 
 def _instances(checkpoint: str, store: Path, instances: dict, *extra_args: str) -> dict[str, dict]:
     """Run `instances` in turn on `store` (`vllm_pd_run.py` processes); their results and logs by name."""
     out = {}
-    for name, (dtype, block, role, extra) in instances.items():
+    for k, (name, (dtype, block, role, extra)) in enumerate(instances.items()):
+        env = {**ENV, "CUDA_VISIBLE_DEVICES": PD_GPUS[k % len(PD_GPUS)]} if PD_GPUS else ENV
         p = run([sys.executable, str(RUNNER), checkpoint, dtype, str(block), str(store), role, *extra, *extra_args],
-                env=ENV)
+                env=env)
         m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
         assert p.returncode == 0 and m, f"instance {name} ({dtype}) failed:\n{(p.stdout + p.stderr)[-4000:]}"
         out[name] = {**json.loads(m.group(1)), "log": p.stdout + p.stderr}
@@ -157,13 +161,26 @@ def test_prefix_reuse_loads_the_shared_blocks_and_decodes_like_a_single_instance
 
 
 def test_store_holds_one_bundle_per_prompt(pd):
-    """A saved 3 prompts, B 3 + its prefix-reuse prompt + its reload prompt, C only its reload prompt (its consumed
-    set was already stored); every entry has its prefix links."""
+    """A saved 3 prompts, B 6 (sets b and c) + its prefix-reuse prompt + its reload prompt, C only its reload prompt
+    (its consumed and timed sets were already stored); every entry has its prefix links."""
     files = pd["store_files"]
     assert "kvx_bundle_store.json" in files and not [f for f in files if f.startswith(".tmp-")]
-    assert len([f for f in files if f.endswith(".kvx")]) == 3 + 5 + 1
+    assert len([f for f in files if f.endswith(".kvx")]) == 3 + 8 + 1
     assert len([f for f in files if f.endswith(".kvxp")]) > 0
-    assert pd["A"]["produced"] == [h["prompt_tokens"] for h in pd["B"]["consumed"]["handoff"]]
+    assert pd["A"]["produced"]["a"] == [h["prompt_tokens"] for h in pd["B"]["consumed"]["handoff"]]
+
+
+def test_first_token_after_a_handoff(pd):
+    """C (kvx_nvfp4) times each prompt of B's set c alone to its first output token: loaded from the store (auto ->
+    kvx_nvfp4), all but the last prompt token come from it; computed locally, none. The times are recorded
+    (`KVX_VLLM_PD_RESULTS`), not asserted: timing never decides a test."""
+    rows = pd["C"]["ttft"]
+    assert [r["handoff"]["prompt_tokens"] for r in rows] == pd["B"]["produced"]["c"]
+    for r in rows:
+        h, loc = r["handoff"], r["local"]
+        assert h["cached"] == h["prompt_tokens"] - 1 and loc["cached"] == 0, r
+        print(f"{h['prompt_tokens']} prompt tokens: first token {h['seconds'] * 1e3:.1f} ms handed over, "
+              f"{loc['seconds'] * 1e3:.1f} ms computed")
 
 
 KVTC_INSTANCES = {"D": ("auto", 32, "kv_producer", ["--produce", "c"]),
@@ -193,7 +210,7 @@ def test_kvtc_coded_handoff_decodes_like_a_single_instance(kvtc_pd):
     decodes within KVTC's noise of its own full computation (bounds ~2x the measured gaps, see KVTC_*_BOUND; the
     greedy tokens may part after a few positions, KVTC being lossy)."""
     assert kvtc_pd["entries"] == [b"KVTC"] * 3
-    assert kvtc_pd["D"]["produced"] == [h["prompt_tokens"] for h in kvtc_pd["E"]["consumed"]["handoff"]]
+    assert kvtc_pd["D"]["produced"]["c"] == [h["prompt_tokens"] for h in kvtc_pd["E"]["consumed"]["handoff"]]
     for h, loc in zip(kvtc_pd["E"]["consumed"]["handoff"], kvtc_pd["E"]["consumed"]["local"], strict=True):
         assert h["cached"] == h["prompt_tokens"] - 1 and loc["cached"] == 0
         _, first, mean = _agreement(h, loc)
@@ -225,7 +242,7 @@ def test_transformed_handoff_carries_the_key_vectors_and_decodes_like_a_single_i
         assert all({"name": name, "dtype": "float32", "per_token": False,
                     "shape": [h["cache"]["num_kv_heads"], h["cache"]["head_dim"]]} in h["tensors"] for h in headers)
     g = smoothed_pd["G"]
-    assert smoothed_pd["F"]["produced"] == [h["prompt_tokens"] for h in g["consumed"]["handoff"]]
+    assert smoothed_pd["F"]["produced"]["a"] == [h["prompt_tokens"] for h in g["consumed"]["handoff"]]
     for h, loc in zip(g["consumed"]["handoff"], g["consumed"]["local"], strict=True):
         assert h["cached"] == h["prompt_tokens"] - 1 and loc["cached"] == 0
         agree, first, mean = _agreement(h, loc)

@@ -1,12 +1,14 @@
 """One vLLM instance (CPU, SmolLM2-135M) of a prefill/decode handoff through `KvxConnector`; prints one JSON line.
 
-    python tests/vllm/vllm_pd_run.py CKPT CACHE_DTYPE BLOCK_SIZE STORE ROLE [--consume NAME] [--produce NAME]
-                                     [--prefix NAME] [--reload] [--damage] [--kvtc CAL]
+    python tests/vllm/vllm_pd_run.py CKPT CACHE_DTYPE BLOCK_SIZE STORE ROLE [--consume NAME] [--produce NAMES]
+                                     [--prefix NAME] [--ttft NAME] [--reload] [--damage] [--kvtc CAL]
 
 ROLE is vLLM's kv_role. `--consume NAME`: generate the prompt set NAME with the prompts' KV loaded from STORE (the
 disaggregated decode), then again computing everything locally (`skip_reading_prefix_cache`: the single-instance
-reference with this instance's cache dtype). `--produce NAME`: compute the prompt set NAME (one output token), which
-stores the prompts' KV. `--prefix NAME`: prefix reuse: a prompt of the first 90% of the tokens of set NAME's last
+reference with this instance's cache dtype). `--produce NAMES`: compute the prompt sets NAMES (comma-separated; one
+output token each), which stores the prompts' KV. `--ttft NAME`: per prompt of set NAME, alone, the wall time to its
+first output token with its KV loaded from STORE, then computing it locally (after `--consume`: kernels warm).
+`--prefix NAME`: prefix reuse: a prompt of the first 90% of the tokens of set NAME's last
 prompt (stored) plus new tokens, generated after dropping vLLM's prefix cache (its stored prefix loaded from STORE)
 and again computing everything locally. `--reload`: offload and reload: generate a new prompt (stored), drop vLLM's
 prefix cache, generate it again (loaded from STORE). `--damage`: before consuming, flip one byte in the last chunk
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 BASE = ("In a quiet harbour town, the lighthouse keeper kept a journal of every ship that passed. "
         "Each entry noted the weather, the colour of the sails and the name painted on the hull. ")
@@ -66,8 +69,25 @@ def _prefix(llm, prompt: str, greedy: dict) -> dict:
             "hit": _result(hit), "local": _result(local)}
 
 
+def _ttft(llm, prompts: list[str]) -> list[dict]:
+    """Per prompt, alone: seconds to the first output token with the KV handed over, then computed locally."""
+    from vllm import SamplingParams
+
+    out = []
+    for prompt in prompts:
+        row = {}
+        for how, extra in (("handoff", {}), ("local", {"skip_reading_prefix_cache": True})):
+            t0 = time.perf_counter()
+            r = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, **extra),
+                             use_tqdm=False)[0]
+            row[how] = {"seconds": round(time.perf_counter() - t0, 4), **_result(r)}
+        out.append(row)
+    return out
+
+
 def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str | None, produce: str | None,
-         reload: bool, damage: bool, kvtc: str | None = None, prefix: str | None = None) -> dict:
+         reload: bool, damage: bool, kvtc: str | None = None, prefix: str | None = None,
+         ttft: str | None = None) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -89,9 +109,13 @@ def main(ckpt: str, dtype: str, block: int, store: str, role: str, consume: str 
         local = llm.generate(PROMPTS[consume], SamplingParams(**greedy, skip_reading_prefix_cache=True),
                              use_tqdm=False)
         out["consumed"] = {"handoff": [_result(r) for r in handed], "local": [_result(r) for r in local]}
+    if ttft:
+        out["ttft"] = _ttft(llm, PROMPTS[ttft])
     if produce:
-        done = llm.generate(PROMPTS[produce], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        out["produced"] = [len(r.prompt_token_ids) for r in done]
+        out["produced"] = {}
+        for name in produce.split(","):
+            done = llm.generate(PROMPTS[name], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            out["produced"][name] = [len(r.prompt_token_ids) for r in done]
     if prefix:
         out["prefix"] = _prefix(llm, PROMPTS[prefix][-1], greedy)
     if reload:
@@ -110,5 +134,5 @@ if __name__ == "__main__":
         return args[args.index(name) + 1] if name in args else None
 
     res = main(args[0], args[1], int(args[2]), args[3], args[4], opt("--consume"), opt("--produce"),
-               "--reload" in args, "--damage" in args, opt("--kvtc"), opt("--prefix"))
+               "--reload" in args, "--damage" in args, opt("--kvtc"), opt("--prefix"), opt("--ttft"))
     print("KVX_RESULT " + json.dumps(res), flush=True)
