@@ -31,6 +31,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,8 +86,10 @@ def _start(model: Path, dtype: str, tp: int, gpus: str) -> subprocess.Popen:
 
 
 def _result(proc: subprocess.Popen, what: str) -> dict:
+    start = time.monotonic()
     out, _ = communicate(proc, what)
     m = re.search(r"^KVX_RESULT (.*)$", out, re.M)
+    print(f"{what}: exit {proc.returncode} after {time.monotonic() - start:.0f} s", flush=True)  # a cut run's trace
     assert proc.returncode == 0 and m, f"{what} failed:\n{out[-4000:]}"
     return json.loads(m.group(1))
 
