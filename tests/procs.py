@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HANG_S = 1800
@@ -40,6 +41,17 @@ def run(cmd: list, *, timeout: float = HANG_S, **kwargs) -> subprocess.Completed
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(hung(_name(cmd), time.monotonic() - start, e.stdout, e.stderr)) from None
+
+
+JOBS = 2
+"""Subprocesses `run_many` runs at once: CI's 2 cores. A vLLM CPU run spends a large part of its time in
+single-threaded work (imports, engine start-up, Python between steps) that a second run's compute overlaps."""
+
+
+def run_many(cmds: list[list], *, jobs: int = JOBS, **kwargs) -> list[subprocess.CompletedProcess]:
+    """`run(cmd, **kwargs)` for independent commands, at most `jobs` at a time; the results in `cmds`' order."""
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(lambda cmd: run(cmd, **kwargs), cmds))
 
 
 def wait(proc: subprocess.Popen, what: str, log: Path | None = None, timeout: float = HANG_S) -> int:

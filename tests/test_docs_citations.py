@@ -7,13 +7,14 @@ file and line, so a moved or renumbered section cannot leave a dangling referenc
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections import Counter
 from pathlib import Path
 
-#: Source trees whose citations must resolve, and the file types scanned in them.
-SCANNED_DIRS = ("kvx_core", "kvx_adapters", "kvx_cli", "plugins", "benchmarks")
+from tests.sources import package_dirs
+
+#: Source trees whose citations must resolve besides the packages' (tests/sources.py), and the file types scanned.
+SCANNED_DIRS = ("benchmarks",)
 SCANNED_SUFFIXES = (".py", ".h", ".cu", ".cuh")
 C_SUFFIXES = (".h", ".cu", ".cuh")
 SKIPPED_PARTS = {"__pycache__", "build", "dist"}
@@ -37,11 +38,6 @@ def repo_root() -> Path:
     raise AssertionError(f"no repository root above {__file__}")
 
 
-PACKAGES = ("kvx_core", "kvx_adapters", "kvx_cli", "kvx_vllm", "kvx_tgi", "kvx_trtllm")
-"""Packages scanned where the checkout does not hold them (the wheel stage runs these tests from a copy without
-the packages: their installed copies are scanned instead)."""
-
-
 def _tree(top: Path) -> list[Path]:
     return [path for path in sorted(top.rglob("*"))
             if path.is_file() and path.suffix in SCANNED_SUFFIXES
@@ -50,13 +46,7 @@ def _tree(top: Path) -> list[Path]:
 
 
 def scanned_files(root: Path) -> list[Path]:
-    files = [f for top in SCANNED_DIRS if (root / top).is_dir() for f in _tree(root / top)]
-    have = {p.name for f in files for p in f.parents}
-    for name in PACKAGES:
-        spec = None if name in have else importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
-            files += _tree(Path(next(iter(spec.submodule_search_locations))))
-    return files
+    return [f for top in (*(root / d for d in SCANNED_DIRS), *package_dirs(root).values()) for f in _tree(top)]
 
 
 def citations(path: Path) -> list[tuple[int, str]]:

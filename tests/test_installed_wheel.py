@@ -9,6 +9,7 @@ for sm_90a, the library loads without a GPU or toolkit and its parameter structs
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,23 +18,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.sources import PACKAGES
+
 pytestmark = pytest.mark.skipif(os.environ.get("KVX_INSTALLED_WHEEL") != "1",
                                 reason="checks an installed wheel: run by scripts/test_wheels.sh")
 
 
 def test_packages_come_from_installed_wheels():
-    """Each package sits beside its wheel's .dist-info (site-packages or a pip --target folder), outside the
-    checkout the tests run from."""
-    import kvx_adapters
-    import kvx_cli
-    import kvx_core
-    import kvx_trtllm
-
+    """Each package (all of tests/sources.py's) sits beside its wheel's .dist-info (site-packages or a pip --target
+    folder), outside the checkout the tests run from: the suite checks the installed code, which CI runs it against
+    instead of the source tree (scripts/run_tests.sh)."""
     checkout = Path(__file__).resolve().parents[1]
-    for mod, dist in ((kvx_core, "kvx"), (kvx_adapters, "kvx"), (kvx_cli, "kvx"), (kvx_trtllm, "kvx_trtllm")):
-        where = Path(mod.__file__).resolve().parents[1]
-        assert checkout not in where.parents and where != checkout, f"{mod.__name__} from the checkout {where}"
-        assert list(where.glob(f"{dist}-*.dist-info")), f"{mod.__name__} at {where}: no {dist} .dist-info beside it"
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.submodule_search_locations, f"{name} is not installed"
+        where = Path(next(iter(spec.submodule_search_locations))).resolve().parent
+        assert checkout not in where.parents and where != checkout, f"{name} from the checkout {where}"
+        dist = name if name in ("kvx_vllm", "kvx_tgi", "kvx_trtllm") else "kvx"
+        assert list(where.glob(f"{dist}-*.dist-info")), f"{name} at {where}: no {dist} .dist-info beside it"
 
 
 def test_wheel_ships_sources_and_a_prebuilt_library_built_from_them():

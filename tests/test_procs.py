@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from .procs import HANG_S, communicate, run, wait
+from .procs import HANG_S, JOBS, communicate, run, run_many, wait
 
 SLOW = "import time; print('started', flush=True); time.sleep(60)"
 
@@ -37,3 +37,22 @@ def test_communicate_and_wait_kill_the_process_and_show_its_output(tmp_path):
     with pytest.raises(AssertionError, match=r"the server: still running after \d+ s[\s\S]*started"):
         wait(p, "the server", log, timeout=1)
     assert p.wait() != 0
+
+
+# each waits (up to 60 s) for the other's file: passes only if the two run at the same time
+MEET = ("import pathlib, sys, time; d = pathlib.Path(sys.argv[1]); (d / sys.argv[2]).touch(); end = time.time() + 60\n"
+        "while not (d / sys.argv[3]).exists() and time.time() < end: time.sleep(0.05)\n"
+        "print(sys.argv[2], (d / sys.argv[3]).exists())")
+
+
+def test_run_many_runs_two_at_once_and_keeps_the_order(tmp_path):
+    assert JOBS == 2
+    out = run_many([[sys.executable, "-c", MEET, str(tmp_path), a, b] for a, b in (("a", "b"), ("b", "a"))])
+    assert [p.stdout for p in out] == ["a True\n", "b True\n"]
+    failed = run_many([[sys.executable, "-c", "raise SystemExit(3)"], [sys.executable, "-c", "print(1)"]])
+    assert [p.returncode for p in failed] == [3, 0]  # a failed run comes back to its caller's check
+
+
+def test_run_many_fails_like_run_on_a_hang():
+    with pytest.raises(AssertionError, match="still running after"):
+        run_many([[sys.executable, "-c", "print(1)"], [sys.executable, "-c", SLOW]], timeout=1)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ..procs import run as run_subprocess
+from .runs import results
 from .test_vllm_plugin import ENV  # the same offline-run environment
 
 pytestmark = pytest.mark.vllm
@@ -78,15 +77,18 @@ def prompt_ids(checkpoint) -> list[int]:
     return ids[PROMPT[0]:].tolist()
 
 
+@pytest.fixture(scope="module")
+def runs(request, prompt_ids) -> dict[str, dict]:
+    """Every RUNS run (`results`: independent processes, two at a time), by run id."""
+    dirs = {rid: request.getfixturevalue(fixture) for rid, (_, fixture) in RUNS.items()}
+    out = results({rid: [sys.executable, str(RUNNER), str(dirs[rid]), "kvx_nvfp4", prefill, json.dumps(prompt_ids)]
+                   for rid, (prefill, _) in RUNS.items()}, ENV)
+    return {rid: {**r, "prefill": RUNS[rid][0], "id": rid, "model_dir": dirs[rid]} for rid, r in out.items()}
+
+
 @pytest.fixture(scope="module", params=list(RUNS))
-def run(request, prompt_ids) -> dict:
-    prefill, fixture = RUNS[request.param]
-    model_dir = request.getfixturevalue(fixture)
-    p = run_subprocess([sys.executable, str(RUNNER), str(model_dir), "kvx_nvfp4", prefill, json.dumps(prompt_ids)],
-                       env=ENV)
-    m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-    assert p.returncode == 0 and m, f"calibrated vLLM run failed:\n{(p.stdout + p.stderr)[-4000:]}"
-    return {**json.loads(m.group(1)), "prefill": prefill, "id": request.param, "model_dir": model_dir}
+def run(request, runs) -> dict:
+    return runs[request.param]
 
 
 def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: bool = True,

@@ -11,15 +11,13 @@ mean 1.02 against the MXFP4 one. Bounds: max 0.65, mean 0.15 for the matching or
 """
 from __future__ import annotations
 
-import json
-import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ..procs import run
+from .runs import results
 from .test_vllm_plugin import ENV  # the same offline-run environment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -32,13 +30,7 @@ MARLIN_BOUND = 0.01
 
 @pytest.fixture(scope="module")
 def runs(checkpoint) -> dict[str, dict]:
-    out = {}
-    for mode in ("mxfp4", "none"):
-        p = run([sys.executable, str(RUNNER), checkpoint, mode], env=ENV)
-        m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-        assert p.returncode == 0 and m, f"lm_head {mode} failed:\n{(p.stdout + p.stderr)[-4000:]}"
-        out[mode] = json.loads(m.group(1))
-    return out
+    return results({mode: [sys.executable, str(RUNNER), checkpoint, mode] for mode in ("mxfp4", "none")}, ENV)
 
 
 @pytest.fixture(scope="module")

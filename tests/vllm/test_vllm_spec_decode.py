@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from ..procs import run
+from .runs import results
 
 pytestmark = pytest.mark.vllm
 
@@ -30,16 +29,11 @@ ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLL
 NEAR_TIE = 0.1  # nats between the baseline's two best tokens
 
 
-def _run(checkpoint: str, *flags: str) -> dict:
-    p = run([sys.executable, str(RUNNER), checkpoint, "kvx_nvfp4", *flags], env=ENV)
-    m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-    assert p.returncode == 0 and m, f"vLLM run {flags} failed:\n{(p.stdout + p.stderr)[-4000:]}"
-    return json.loads(m.group(1))
-
-
 @pytest.fixture(scope="module")
 def runs(checkpoint) -> tuple[dict, dict]:
-    return _run(checkpoint), _run(checkpoint, "--spec")
+    out = results({flags: [sys.executable, str(RUNNER), checkpoint, "kvx_nvfp4", *flags.split()]
+                   for flags in ("", "--spec")}, ENV)
+    return out[""], out["--spec"]
 
 
 def test_verification_steps_run_as_multi_row_decodes(runs):

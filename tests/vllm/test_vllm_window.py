@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,9 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ..procs import run
 from .bounds import PPL_BOUND
 from .conftest import kvx_impl
+from .runs import results
 
 pytestmark = pytest.mark.vllm
 
@@ -229,13 +228,8 @@ def window_model_dir(checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def window_runs(window_model_dir) -> dict[str, dict]:
-    out = {}
-    for dtype in ("auto", "kvx_int8", "kvx_nvfp4"):
-        p = run([sys.executable, str(RUNNER), str(window_model_dir), dtype], env=ENV)
-        m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-        assert p.returncode == 0 and m, f"vLLM window run with {dtype} failed:\n{(p.stdout + p.stderr)[-4000:]}"
-        out[dtype] = json.loads(m.group(1))
-    return out
+    return results({dtype: [sys.executable, str(RUNNER), str(window_model_dir), dtype]
+                    for dtype in ("auto", "kvx_int8", "kvx_nvfp4")}, ENV)
 
 
 GREEDY_GAP_NATS = 0.5
