@@ -89,7 +89,13 @@ def _exports(caches, slots, model=MODEL, **kw) -> dict[str, tuple[bytes, bytes]]
 
 
 def _same_bytes(exports: dict[str, tuple[bytes, bytes]]) -> bool:
-    return len({b for pair in exports.values() for b in pair}) == 1
+    """Both paths write the same stream bundle and the same host bundle. Off CUDA those two are one; from CUDA caches
+    the host export declares 64 KiB checksum segments (hashed on the GPU) where the stream declares 8 MiB."""
+    pairs = set(exports.values())
+    if len(pairs) != 1:
+        return False
+    ((stream, host),) = pairs
+    return DEVICE == "cuda" or stream == host
 
 
 def test_the_kernels_serve_cuda_and_the_override():
@@ -199,6 +205,7 @@ def test_kernel_import_of_the_same_format_stores_the_rows(fmt, launches):
         return c
 
     dst_slots = torch.randperm(48, generator=torch.Generator().manual_seed(5))[:19]
+    launches.clear()  # on CUDA the bundle's export above ran the gather kernel
     torch_dst, kernel_dst = _import_both(blob, dst, dst_slots)
     assert launches == ["scatter"] * LAYERS
     _assert_same_pools(kernel_dst, torch_dst)

@@ -348,7 +348,7 @@ def test_token_range_stores_only_those_tokens_bit_identically(small):
     import_bundle(io.BytesIO(blob), _descs(dst), torch.arange(40, 59), model=MODEL, token_range=(18, 37))
     for layer in range(LAYERS):
         a, b = read_rows(src.descriptor(layer), slots[18:37]), read_rows(dst.descriptor(layer), torch.arange(40, 59))
-        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+        assert all(torch.equal(a[n].view(torch.uint8).cpu(), b[n].view(torch.uint8).cpu()) for n in a)
         rest = read_rows(dst.descriptor(layer), torch.arange(40))
         empty = read_rows(PagedKVCache("nvfp4", num_layers=1, num_blocks=4, block_size=16, num_kv_heads=HEADS,
                                        head_dim=DIM).descriptor(0), torch.arange(40))
