@@ -103,3 +103,22 @@ def test_kvx_classes_implement_what_the_check_assumes():
         assert issubclass(cls, _resolve(target)) and not inspect.isabstract(cls)
         for name in names:
             assert any(name in vars(c) for c in cls.__mro__[:cls.__mro__.index(_resolve(target))]), (cls, name)
+
+
+def test_adaptive_verification_is_refused_by_vllms_validator():
+    """KVX plans each step from the host query lengths, so vLLM's own backend validation (0.28+) refuses it for
+    adaptive verification (drafts trimmed on the device) and accepts it otherwise."""
+    import torch
+    from vllm.platforms.interface import DeviceCapability
+
+    from kvx_vllm.backend import KvxAttentionBackend
+
+    def reasons(adaptive: bool) -> list[str]:
+        return KvxAttentionBackend.validate_configuration(
+            head_size=64, dtype=torch.bfloat16, kv_cache_dtype="kvx_int8", block_size=16, use_mla=False,
+            has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+            device_capability=DeviceCapability(9, 0), attn_type="decoder", use_adaptive_verification=adaptive)
+
+    assert not KvxAttentionBackend.supports_device_cpu_query_lens_mismatch()
+    assert any("query lens mismatch" in r for r in reasons(True))
+    assert not any("query lens mismatch" in r for r in reasons(False))
