@@ -79,19 +79,20 @@ class LiveFacts:
             return False if kind in ("symbol", "literal") else None
         if kind == "symbol":
             return True
-        if kind == "params":
+        if kind in ("params", "returns"):
             try:
-                names = list(inspect.signature(obj).parameters)
+                sig = inspect.signature(obj)
             except (TypeError, ValueError):
                 return None
+            if kind == "returns":
+                ann = sig.return_annotation
+                return None if ann is inspect.Signature.empty else str(ann).replace(" ", "").replace("typing.", "")
+            names = list(sig.parameters)
             return names[1:] if names and names[0] in ("self", "cls") else names
         if kind == "fields":
             return sorted(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else None
         if kind == "members":
             return sorted(obj.__members__) if hasattr(obj, "__members__") else None
-        if kind == "returns":
-            ann = inspect.signature(obj).return_annotation
-            return None if ann is inspect.Signature.empty else str(ann).replace(" ", "").replace("typing.", "")
         if kind == "literal":
             return typing.get_origin(obj) is typing.Literal
         if kind == "abstract":
