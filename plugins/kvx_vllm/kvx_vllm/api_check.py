@@ -337,12 +337,13 @@ def _mode(modes: dict[str, tuple[Check, ...]], facts: Facts, what: str) -> tuple
 
 def run_checks(facts: Facts) -> ApiReport:
     """Every check against `facts`: the detected page and dtype modes and the failing checks by name."""
-    failed = [c.name for c in STRUCTURAL if not _holds(c, facts)]
+    holds = {c: _holds(c, facts) for c in STRUCTURAL}
     page_mode, bad_page = _mode(PAGE_MODES, facts, "page model")
     dtype_mode, bad_dtype = _mode(DTYPE_MODES, facts, "cache-dtype path")
-    passed = [c for c in STRUCTURAL if c.name not in failed]
+    passed = [c for c, ok in holds.items() if ok]
     passed += list(PAGE_MODES.get(page_mode or "", ())) + list(DTYPE_MODES.get(dtype_mode or "", ()))
-    return ApiReport(page_mode, dtype_mode, tuple(passed), tuple(failed + bad_page + bad_dtype))
+    failed = [c.name for c, ok in holds.items() if not ok] + bad_page + bad_dtype
+    return ApiReport(page_mode, dtype_mode, tuple(passed), tuple(failed))
 
 
 def all_queries() -> list[Query]:
