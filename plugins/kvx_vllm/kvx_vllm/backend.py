@@ -1,4 +1,4 @@
-"""The KVX attention backend for vLLM (0.26 GPU, 0.32 CPU; see `compat`): page geometry, metadata builder,
+"""The KVX attention backend for vLLM (0.26-0.33; see `compat`): page geometry, metadata builder,
 cache write, attention.
 
 Writes go through `kvx_core.ops.dispatch.write_kv` (quantize into the page's data and scale regions at
@@ -110,14 +110,21 @@ class KvxAttentionBackend(AttentionBackend):
         """Attention sinks (gpt-oss): every KVX attention path joins them (`kvx_core.ops.attention`)."""
         return True
 
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        """vLLM 0.28+: no. The builder plans each step from the host copy of the query lengths
+        (`query_start_loc_cpu`, `max_query_len`), so adaptive verification, which trims drafts on the device, is
+        refused by vLLM's `validate_configuration` instead of running a stale plan."""
+        return False
+
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
         return [MultipleOf(PAGE_BLOCK_ALIGN)]
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        """vLLM 0.32: one head slot per page, so every layout keeps a page contiguous; prefer vLLM CPU's
-        default."""
+        """vLLM 0.29+ (layout page model): one head slot per page, so every layout keeps a page contiguous;
+        prefer vLLM CPU's default."""
         from vllm.v1.kv_cache_interface import KVCacheLayout
 
         return (KVCacheLayout.LBHNC,)
@@ -125,14 +132,14 @@ class KvxAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        """vLLM 0.26: each layer's pages as `[num_blocks, 1, block_size, token_bytes]` bytes (the page the
+        """vLLM 0.26-0.28: each layer's pages as `[num_blocks, 1, block_size, token_bytes]` bytes (the page the
         `KvxFullAttentionSpec` of `compat` sized; vLLM passes "auto" as the dtype of specs it does not
         know as quantized, so the format is the run's)."""
         return (num_blocks, 1, block_size, token_bytes(_run_format(), num_kv_heads, head_size))
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """vLLM 0.32: one head slot of `num_kv_heads * bytes_per_token_head` bytes per token, so a block is
+        """vLLM 0.28+: one head slot of `num_kv_heads * bytes_per_token_head` bytes per token, so a block is
         one page."""
         if spec.state_content_bytes is not None:
             return spec

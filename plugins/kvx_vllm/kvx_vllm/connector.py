@@ -128,12 +128,9 @@ class KvxConnector(KVConnectorBase_V1):
         except ImportError:
             raise ValueError("KVX connector: needs the xxhash package (pip install kvx-vllm pulls kvx[transfer])") \
                 from None
-        from .compat import vllm_version
+        from .compat import check_failure_policy, check_vllm_version
 
-        if vllm_version() == (0, 26) and getattr(cfg, "kv_load_failure_policy", "fail") == "recompute":
-            raise ValueError('KVX connector: kv_load_failure_policy "recompute" is refused on vLLM 0.26: after a '
-                             "refused (damaged) bundle its scheduler decoded from the unloaded blocks instead of "
-                             'recomputing them (H100 run); use "fail" (the default), or vLLM 0.32')
+        check_failure_policy(getattr(cfg, "kv_load_failure_policy", "fail"), check_vllm_version())
         opts = options_of(vllm_config)
         self.nixl = opts if opts.transport == "nixl" else None
         if self.nixl is not None:

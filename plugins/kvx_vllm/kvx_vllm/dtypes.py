@@ -1,6 +1,10 @@
-"""The `kvx_*` cache dtypes and the patch that makes vLLM accept them.
+"""The `kvx_*` cache dtypes and how vLLM learns them (`add_cache_dtypes`, by the mode `api_check` detected).
 
-vLLM 0.32 has no cache-dtype registry (RFC #51751): `--kv-cache-dtype` choices, pydantic validation
+"registry" (vLLM 0.33): each name is registered with `vllm.config.cache.register_kv_cache_dtype`, whose handler
+stores it as `torch.uint8` and reports `KVQuantMode.NONE` (not `CUSTOM`, which 0.33 defines with the value of
+`OCTAVE_K3V4`, so it would be read as that mode).
+
+"literal" (vLLM 0.26-0.32, no cache-dtype registry, RFC #51751): `--kv-cache-dtype` choices, pydantic validation
 of `CacheConfig.cache_dtype` and the selector's assert all read the `CacheDType` Literal in
 `vllm/config/cache.py`. `add_cache_dtypes` extends that Literal everywhere it was copied (the config
 field, `vllm.v1.attention.selector`, `EngineArgs`), rebuilds the pydantic dataclasses that embed it,
@@ -43,8 +47,38 @@ def format_name(cache_dtype: str, rotate: bool) -> str:
     return name
 
 
-def add_cache_dtypes() -> None:
-    """Extend vLLM's `CacheDType` with the `kvx_*` names (idempotent)."""
+def add_cache_dtypes(mode: str) -> None:
+    """Make vLLM accept the `kvx_*` names (idempotent): through its registry or by widening the Literal."""
+    if mode == "registry":
+        _register_cache_dtypes()
+    elif mode == "literal":
+        _widen_cache_dtype_literal()
+    else:
+        raise ValueError(f"KVX: unknown cache-dtype mode {mode!r}")
+
+
+def _register_cache_dtypes() -> None:
+    import vllm.config.cache as cache_mod
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    for name in KVX_CACHE_DTYPES:
+        if cache_mod.is_known_kv_cache_dtype(name):
+            continue
+
+        class KvxCacheDType:
+            """A KVX cache dtype: bytes (pages of data and scales); vLLM's quantized kernels must not touch it."""
+
+            def torch_dtype(self) -> torch.dtype:
+                return torch.uint8
+
+            def quant_mode(self) -> KVQuantMode:
+                return KVQuantMode.NONE
+
+        KvxCacheDType.name = name
+        cache_mod.register_kv_cache_dtype(name)(KvxCacheDType)
+
+
+def _widen_cache_dtype_literal() -> None:
     import vllm.config as config_pkg
     import vllm.config.cache as cache_mod
     import vllm.engine.arg_utils as arg_utils

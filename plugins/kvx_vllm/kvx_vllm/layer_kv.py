@@ -98,6 +98,12 @@ class CpuPacking:
         return cache[blk, where[0][off], where[1][off], where[2][off]]
 
 
+def layer_isa(layer: Any) -> str:
+    """The ISA of a vLLM CPU attention layer's cache writer: `layer.isa` from vLLM 0.29 (set by the CPU metadata
+    builder), else its impl's (0.26-0.28 set it there only)."""
+    return getattr(layer, "isa", None) or layer.impl.isa
+
+
 class LayerCaches:
     """The KV caches of one vLLM worker's attention layers, in layer order, for export and import."""
 
@@ -115,7 +121,7 @@ class LayerCaches:
     def packing(self) -> CpuPacking:
         if self._packing is None:
             n, h, b, c = self.kv[0].shape
-            self._packing = CpuPacking(self.layers[0].isa, self.kv[0].dtype, h, b, c // 2)
+            self._packing = CpuPacking(layer_isa(self.layers[0]), self.kv[0].dtype, h, b, c // 2)
         return self._packing
 
     def descs(self) -> list[CacheDesc]:
