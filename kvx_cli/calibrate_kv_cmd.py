@@ -42,17 +42,14 @@ from .args import bounded_int
 from .demo_cmd import MAX_TEXT_BYTES, MAX_WINDOW_LEN, _alpha, _read_text
 from .filekind import expect_kind
 from .progress import Progress
+from .recipe import DEFAULT_ALPHA, RECIPE, SCALE_RULE
 
 SOURCES = ("auto", "checkpoint", "text")
 _SCALE_KEY = re.compile(r"(?:^|\.)layers\.\d+\..*\b[kv]_scale$")
-DEFAULT_ALPHA = 0.25
 DEFAULT_TOKENS = 2048
 DEFAULT_WINDOW_LEN = 1024
 MAX_TOKENS = 1 << 16
 """--tokens' upper bound: the K/V of every calibration token are kept in FP32 (SmolLM2: 46 KB a token)."""
-RECIPE = ("key centering + key smoothing ALPHA 0.25 + MSE scales: the best measured for fp8_e4m3, k8v4, int8, "
-          "nvfp4_rot, int4_rot (benchmarks/results/demo_key_centering_smollm2_cpu.jsonl, docs/results.md "
-          "\"Calibration\")")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -166,7 +163,7 @@ def _from_text(source: Path, a: argparse.Namespace, text: str | None, windows: t
     fit = Progress("calibrate-kv: fitting scales, format x layer", len(formats) * shape["num_layers"], enabled=enabled)
     sample = {"tokens": a.tokens, "windows": count, "window_len": length,
               "text": str(a.text) if a.text is not None else TEXT_NAME}
-    return from_samples(obs, formats, rule=a.rule or "mse", alpha=alpha, model=model, center=center, sample=sample,
+    return from_samples(obs, formats, rule=a.rule or SCALE_RULE, alpha=alpha, model=model, center=center, sample=sample,
                         progress=fit.step)
 
 

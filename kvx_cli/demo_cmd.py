@@ -25,6 +25,7 @@ from kvx_core.formats import CacheFormat, get_format, list_formats
 from kvx_demo.text import TEXT_NAME
 
 from .args import bounded_int
+from .recipe import DEFAULT_ALPHA, RECIPE, SCALE_RULE
 
 # Upper bounds of the numeric options: beyond them a run cannot be meant (and would exhaust memory).
 MAX_WINDOWS = 1 << 20
@@ -75,6 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="per-channel key centering for the quantized formats (keys stored minus c, their mean on "
                         "the calibration window; read back plus c; attention is shift invariant); with "
                         "--smooth-keys, s is fitted on the centered keys")
+    p.add_argument("--recipe", action="store_true",
+                   help=f"the measured calibration recipe of `kvx calibrate-kv`: {RECIPE}; the same as "
+                        f"--center-keys --smooth-keys {DEFAULT_ALPHA} --calibrate {SCALE_RULE} (refused with those)")
     p.add_argument("--calibration-text", type=Path,
                    help="with --calibrate, --smooth-keys or --center-keys: calibrate on the first window of this "
                         "UTF-8 text file instead of the window after the evaluated ones (a text the evaluation does "
@@ -229,6 +233,7 @@ def run(a: argparse.Namespace) -> int:
 
     --model is only read; without it KVX's own checkpoint is built once (ensure_local_checkpoint).
     """
+    _apply_recipe(a)
     fmts = _formats(a.formats)
     text = _read_text(a.text)
     require(a.calibration_text is None or _calibrating(a), Status.INVALID_ARGUMENT,
@@ -267,6 +272,7 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
           f"{shape['num_kv_heads']} KV heads, head_dim {shape['head_dim']} (loaded in {loaded.load_seconds:.1f} s); "
           f"{a.windows} windows x {a.window_len} tokens, chunk {min(a.chunk_size, a.window_len)}, "
           f"block size {a.block_size}", flush=True)
+    print(_calibration_line(a), flush=True)
     obs = observe_kv(loaded.model, cal_windows, shape, a.block_size) if calibrating else None
     layers = range(shape["num_layers"])
     smooth, center = key_transform(obs, a.smooth_keys, a.center_keys) if calibrating else (None, None)
@@ -312,6 +318,25 @@ def _score(a: argparse.Namespace, loaded: Any, fmts: list[CacheFormat], text: st
         rows.append(row)
         print(_fmt_row(row), flush=True)
     return rows
+
+
+def _apply_recipe(a: argparse.Namespace) -> None:
+    """`--recipe`: the recipe's three settings; refused beside any of them (which one would win is not obvious)."""
+    if not a.recipe:
+        return
+    require(not _calibrating(a), Status.INVALID_ARGUMENT,
+            "--recipe sets --center-keys, --smooth-keys and --calibrate itself; give either --recipe or those options")
+    a.center_keys, a.smooth_keys, a.calibrate = True, DEFAULT_ALPHA, SCALE_RULE
+
+
+def _calibration_line(a: argparse.Namespace) -> str:
+    """What the quantized formats' caches were calibrated with, printed above the table."""
+    if not _calibrating(a):
+        return "calibration: none (global scales 1.0, no key smoothing or centering; --recipe for the measured one)"
+    parts = (["key centering"] * bool(a.center_keys)
+             + ([f"key smoothing ALPHA {a.smooth_keys}"] if a.smooth_keys is not None else [])
+             + ([f"{a.calibrate} global scales"] if a.calibrate else []))
+    return f"calibration{' (the measured recipe)' if a.recipe else ''}: {' + '.join(parts)}"
 
 
 def _calibrating(a: argparse.Namespace) -> bool:

@@ -119,3 +119,25 @@ def test_demo_key_centering_end_to_end(tmp_path):
         assert r["key_centering"] is True and r["key_smoothing"] == 0.25 and r["calibrated"] == "mse", r
         assert r["text"] == "pydoc_data.topics" and r["calibration_text"] == str(cal)
         assert 0.0 <= r["top1_agreement"] <= 1.0 and r["perplexity"] > 0
+
+
+def test_demo_recipe_is_calibrate_kvs_recipe_and_is_not_mixed(capsys):
+    """`kvx demo --recipe` applies `kvx calibrate-kv`'s defaults (kvx_cli/recipe.py: the one place they live) and says
+    so above the table; beside --center-keys / --smooth-keys / --calibrate it is refused (exit 2, one line) before the
+    model loads."""
+    import argparse
+
+    from kvx_cli import calibrate_kv_cmd, demo_cmd
+    from kvx_cli.main import main
+
+    a = argparse.Namespace(recipe=True, center_keys=False, smooth_keys=None, calibrate=None)
+    demo_cmd._apply_recipe(a)
+    assert (a.center_keys, a.smooth_keys, a.calibrate) == (True, calibrate_kv_cmd.DEFAULT_ALPHA, "mse")
+    assert demo_cmd._calibration_line(a) == ("calibration (the measured recipe): key centering + key smoothing ALPHA "
+                                             "0.25 + mse global scales")
+    plain = argparse.Namespace(recipe=False, center_keys=False, smooth_keys=None, calibrate=None)
+    assert demo_cmd._calibration_line(plain).startswith("calibration: none")
+    for extra in (["--center-keys"], ["--smooth-keys", "0.5"], ["--calibrate", "amax"]):
+        assert main(["demo", "--recipe", *extra, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "--recipe sets --center-keys, --smooth-keys and --calibrate itself" in err and err.count("\n") == 1
