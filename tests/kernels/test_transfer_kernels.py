@@ -178,16 +178,25 @@ def _import_both(blob, make_dst, dst_slots, **kw) -> list[PagedKVCache]:
     return out
 
 
+def _first_difference(x: torch.Tensor, y: torch.Tensor) -> str:
+    """Where two byte views first differ, their counts and the bytes there (a GPU failure says what broke)."""
+    xb, yb = x.reshape(-1).view(torch.uint8).cpu(), y.reshape(-1).view(torch.uint8).cpu()
+    diff = (xb != yb).nonzero().flatten()
+    i = int(diff[0]) if diff.numel() else -1
+    return f"{diff.numel()} of {xb.numel()} bytes differ, first at {i}: {int(xb[i]):#04x} vs {int(yb[i]):#04x}"
+
+
 def _assert_same_pools(a: PagedKVCache, b: PagedKVCache) -> None:
     """Every pool byte equal, except the bits of a NaN in an unquantized payload: those are the device's own (torch
     on the CPU stores 0xFFFF for a BF16 NaN, a GPU 0x7FC0: tests/kernels/test_write_kernel.py's rule)."""
-    for x, y in zip(_snapshot(a), _snapshot(b), strict=True):
+    for n, (x, y) in enumerate(zip(_snapshot(a), _snapshot(b), strict=True)):
         if x.dtype in (torch.bfloat16, torch.float16, torch.float32):
             nan = torch.isnan(x)
             assert torch.equal(nan, torch.isnan(y)) and torch.equal(x[~nan].float().view(torch.int32),
-                                                                    y[~nan].float().view(torch.int32))
+                                                                    y[~nan].float().view(torch.int32)), \
+                (n, x.dtype, _first_difference(x.nan_to_num(), y.nan_to_num()))
         else:
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (n, x.dtype, _first_difference(x, y))
 
 
 @pytest.mark.parametrize("fmt", list_formats())
@@ -343,7 +352,10 @@ def _check_conversions(src_fmt: str, dst_fmts: list[str], seen: list[str]) -> No
     for dst_fmt in dst_fmts:
         seen.clear()
         torch_dst, kernel_dst = _import_both(blob, lambda: _cache(dst_fmt, 8, 3, seed=7)[0], dst_slots)
-        _assert_same_pools(kernel_dst, torch_dst)
+        try:
+            _assert_same_pools(kernel_dst, torch_dst)
+        except AssertionError as e:
+            raise AssertionError(f"{src_fmt} -> {dst_fmt}: {e}") from None
         fused = not (src_fmt.endswith("_rot") or dst_fmt.endswith("_rot"))
         if dst_fmt != src_fmt or kernel_dst.layers[0].k_global is not None:
             assert seen == ["fused" if fused else "decode"] * LAYERS, (src_fmt, dst_fmt, seen)
