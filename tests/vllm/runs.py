@@ -15,9 +15,12 @@ def results(cmds: dict[str, list], env: dict[str, str]) -> dict[str, dict]:
     on a GPU (a vLLM run there takes most of its memory); a failed run fails the caller with its name and the
     tail of its output."""
     jobs = 1 if torch.cuda.is_available() else JOBS
-    out = {}
-    for name, p in zip(cmds, run_many(list(cmds.values()), jobs=jobs, env=env), strict=True):
-        m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-        assert p.returncode == 0 and m, f"vLLM run {name} failed:\n{(p.stdout + p.stderr)[-4000:]}"
-        out[name] = json.loads(m.group(1))
-    return out
+    return {name: parse(name, p.returncode, p.stdout, p.stderr)
+            for name, p in zip(cmds, run_many(list(cmds.values()), jobs=jobs, env=env), strict=True)}
+
+
+def parse(name: str, returncode: int, stdout: str, stderr: str = "") -> dict:
+    """A finished runner's `KVX_RESULT` JSON; a failed run fails the caller with its name and its output's tail."""
+    m = re.search(r"^KVX_RESULT (.*)$", stdout, re.M)
+    assert returncode == 0 and m, f"vLLM run {name} failed:\n{(stdout + stderr)[-4000:]}"
+    return json.loads(m.group(1))

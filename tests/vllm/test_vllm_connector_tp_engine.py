@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from ..procs import run as run_subprocess
+from .runs import parse
 from .test_vllm_tp import TP_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -60,9 +61,7 @@ def handoff(model: Path, store: Path, producer: tuple[str, int], consumer: tuple
                    **({"CUDA_VISIBLE_DEVICES": gpus[k]} if gpus else {})}
         p = run_subprocess([sys.executable, str(RUNNER), str(model), dtype, str(tp), json.dumps(prompts(vocab))],
                            env=run_env)
-        m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-        assert p.returncode == 0 and m, f"{role} ({dtype}, TP={tp}) failed:\n{(p.stdout + p.stderr)[-4000:]}"
-        out[role] = json.loads(m.group(1))
+        out[role] = parse(f"{role} ({dtype}, TP={tp})", p.returncode, p.stdout, p.stderr)
     return out
 
 

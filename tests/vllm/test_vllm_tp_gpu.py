@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import pytest
 import torch
 
 from ..procs import communicate
+from .runs import parse
 from .test_vllm_connector_tp_engine import check_handoff, handoff, write_tokenizer
 from .test_vllm_tp import CONTROL_RATIO, TP_BOUND, _gaps, _summary
 
@@ -88,10 +88,8 @@ def _start(model: Path, dtype: str, tp: int, gpus: str) -> subprocess.Popen:
 def _result(proc: subprocess.Popen, what: str) -> dict:
     start = time.monotonic()
     out, _ = communicate(proc, what)
-    m = re.search(r"^KVX_RESULT (.*)$", out, re.M)
     print(f"{what}: exit {proc.returncode} after {time.monotonic() - start:.0f} s", flush=True)  # a cut run's trace
-    assert proc.returncode == 0 and m, f"{what} failed:\n{out[-4000:]}"
-    return json.loads(m.group(1))
+    return parse(what, proc.returncode, out)
 
 
 @pytest.fixture(scope="module")
