@@ -100,6 +100,32 @@ def test_window_specs_have_the_kvx_page(config):
     assert kvx_window.real_page_size_bytes == kvx_full.real_page_size_bytes == BS * want
 
 
+def test_kvx_specs_pickle_into_a_fresh_process(config):
+    """vLLM's multiprocess executor (TP > 1) pickles the workers' KV-cache specs to the engine core: the KVX spec
+    classes must pickle by name, and unpickle in a process that has not made them yet (on vLLM 0.26 a class pickle
+    could not find hung every TP=2 start). The fresh process checks the fields and the page it reads back."""
+    import pickle
+    import subprocess
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvx_vllm.compat import kvx_spec_026
+
+    specs = [kvx_spec_026(_window_spec(), config),
+             kvx_spec_026(FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16),
+                          config)]
+    assert pickle.loads(pickle.dumps(specs)) == specs
+    check = ("import pickle, sys; specs = pickle.loads(sys.stdin.buffer.read()); "
+             "print([(type(s).__module__, type(s).__name__, s.kvx_token_bytes, s.real_page_size_bytes) for s in specs])")
+    out = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(specs), capture_output=True, check=True)
+    want = [("kvx_vllm.compat", type(s).__name__, s.kvx_token_bytes, s.real_page_size_bytes) for s in specs]
+    assert out.stdout.decode().strip() == str(want)
+    from kvx_vllm import compat
+
+    with pytest.raises(AttributeError, match="no attribute 'KvxOtherSpec'"):
+        compat.KvxOtherSpec  # noqa: B018
+
+
 def _builder(config, impls, monkeypatch):
     from kvx_vllm import backend
 
