@@ -116,7 +116,8 @@ def test_kvx_specs_pickle_into_a_fresh_process(config):
                           config)]
     assert pickle.loads(pickle.dumps(specs)) == specs
     check = ("import pickle, sys; specs = pickle.loads(sys.stdin.buffer.read()); "
-             "print([(type(s).__module__, type(s).__name__, s.kvx_token_bytes, s.real_page_size_bytes) for s in specs])")
+             "print([(type(s).__module__, type(s).__name__, s.kvx_token_bytes, s.real_page_size_bytes) "
+             "for s in specs])")
     out = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(specs), capture_output=True, check=True)
     want = [("kvx_vllm.compat", type(s).__name__, s.kvx_token_bytes, s.real_page_size_bytes) for s in specs]
     assert out.stdout.decode().strip() == str(want)
