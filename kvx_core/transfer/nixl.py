@@ -30,7 +30,8 @@ serialized descriptor lists are pickles: never loaded from a ticket). A notifica
 
 Needs `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` (`scripts/setup_env.sh` installs it; --no-deps because
 its declared dependencies pull CUDA builds). Without RDMA hardware UCX runs over
-TCP (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo` on one machine; the CPU CI does this).
+TCP (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo` on one machine; the CPU CI does this). On a host with GPUs NIXL refuses a
+UCX_TLS without a CUDA transport: `tcp,cuda_copy` there.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ except ImportError:
     pytest.skip("NIXL not installed: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1", allow_module_level=True)
 
 from ..procs import run  # noqa: E402
+from .test_nixl import LOOPBACK_TLS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -47,10 +48,10 @@ def _oracle(fmt: str, tokens: int, layers: int, device: str) -> str:
 
 def test_host_memory_between_two_processes_imports_bit_for_bit(tmp_path):
     recs = _bench(tmp_path, "--format", "nvfp4,bf16", "--tokens", "40", "--layers", "2", "--runs", "1",
-                  "--memory", "host", "--ucx-tls", "tcp", env={"UCX_NET_DEVICES": "lo"})
+                  "--memory", "host", "--ucx-tls", LOOPBACK_TLS, env={"UCX_NET_DEVICES": "lo"})
     assert [(r["format"], r["memory"]) for r in recs] == [("nvfp4", "host"), ("bf16", "host")]
     for r in recs:
-        assert FIELDS <= r.keys() and r["bench"] == "nixl" and r["ucx_tls"] == "tcp"
+        assert FIELDS <= r.keys() and r["bench"] == "nixl" and r["ucx_tls"] == LOOPBACK_TLS
         assert r["bit_exact"] and r["imported_xxh64"] == _oracle(r["format"], 40, 2, "cpu")
         assert r["bundle_bytes"] > 0 and r["read_ms"] > 0 and r["request_ms"] > 0
 

@@ -29,7 +29,10 @@ from ..fuzz import run_capped  # noqa: E402
 from ..procs import communicate  # noqa: E402
 from .caches import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
 
-UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+LOOPBACK_TLS = "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"
+"""UCX over TCP loopback; NIXL's UCX backend refuses a transport list without a CUDA one on a host with GPUs
+("Add cuda_copy for basic GPU support"), so a GPU host adds cuda_copy."""
+UCX = {"UCX_TLS": LOOPBACK_TLS, "UCX_NET_DEVICES": "lo"}
 
 
 @pytest.fixture(autouse=True)

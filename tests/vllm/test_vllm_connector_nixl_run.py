@@ -26,10 +26,12 @@ except ImportError:
         raise
     pytest.skip("NIXL not installed: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1", allow_module_level=True)
 
+from ..transfer.test_nixl import LOOPBACK_TLS  # noqa: E402  (after the NIXL check: it needs NIXL)
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 RUNNER = Path(__file__).with_name("vllm_nixl_run.py")
-NIXL_ENV = {**ENV, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+NIXL_ENV = {**ENV, "UCX_TLS": LOOPBACK_TLS, "UCX_NET_DEVICES": "lo"}
 
 
 def _start(checkpoint: str, dtype: str, block: int, role: str, env: dict) -> subprocess.Popen:
