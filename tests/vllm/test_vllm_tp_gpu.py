@@ -21,8 +21,9 @@ to it than to the TP=1 run of another 4-bit dtype (the control; test_vllm_tp.py'
 The connector across TP sizes and dtypes (test_vllm_connector_tp_engine.py's handoff and checks, on GPUs): the 8B
 model served `auto` at TP=2 (GPUs 0 and 1) hands each prompt's KV to a `kvx_nvfp4` instance at TP=1 (GPU 0).
 
-Skipped with the reason on fewer than two GPUs. `KVX_VLLM_TP_GPU_RESULTS=FILE` records the runs (the results file
-in benchmarks/results/); run alone, not under xdist (docs/guide/testing.md).
+Skipped with the reason on fewer than two GPUs. `KVX_VLLM_TP_GPU_RESULTS=FILE` records the runs (FILE's name with
+`.<geometry>.json` per geometry, `.handoff.json` for the handoff: the results files in benchmarks/results/);
+`-k llama3-8b` runs one geometry; run alone, not under xdist (docs/guide/testing.md).
 """
 from __future__ import annotations
 
@@ -106,29 +107,30 @@ def model(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="module")
-def runs(model) -> dict[tuple, dict]:
-    """(geometry, dtype, TP size) -> the run's result."""
-    out = {}
-    for geometry, runs_of in RUNS.items():
-        path = model(geometry)
-        single = [r for r in runs_of if r[1] == 1]
-        for i in range(0, len(single), 2):  # TP=1 runs two at a time, one per GPU
-            procs = [(r, _start(path, r[0], 1, str(g))) for g, r in enumerate(single[i:i + 2])]
-            for (dtype, tp), proc in procs:
-                out[geometry, dtype, tp] = _result(proc, f"{geometry} {dtype} TP={tp}")
-        for dtype, tp in runs_of:
-            if tp == 2:
-                out[geometry, dtype, tp] = _result(_start(path, dtype, 2, "0,1"), f"{geometry} {dtype} TP=2")
+@pytest.fixture(scope="module", params=list(GEOMETRIES))
+def runs(request, model) -> tuple[str, dict[tuple, dict]]:
+    """One geometry (a parameter, so `-k llama3-8b` runs one) and its runs: (dtype, TP size) -> the run's result."""
+    geometry, out = request.param, {}
+    path = model(geometry)
+    single = [r for r in RUNS[geometry] if r[1] == 1]
+    for i in range(0, len(single), 2):  # TP=1 runs two at a time, one per GPU
+        procs = [(r, _start(path, r[0], 1, str(g))) for g, r in enumerate(single[i:i + 2])]
+        for (dtype, tp), proc in procs:
+            out[dtype, tp] = _result(proc, f"{geometry} {dtype} TP={tp}")
+    for dtype, tp in RUNS[geometry]:
+        if tp == 2:
+            out[dtype, tp] = _result(_start(path, dtype, 2, "0,1"), f"{geometry} {dtype} TP=2")
     if os.environ.get("KVX_VLLM_TP_GPU_RESULTS"):
-        summary = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+        summary = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "geometry": geometry,
                    "layers": LAYERS, "vocab": VOCAB, "runs": {"/".join(map(str, k)): v for k, v in out.items()}}
-        Path(os.environ["KVX_VLLM_TP_GPU_RESULTS"]).write_text(json.dumps(summary))
-    return out
+        base = Path(os.environ["KVX_VLLM_TP_GPU_RESULTS"])
+        base.with_suffix(f".{geometry}.json").write_text(json.dumps(summary))
+    return geometry, out
 
 
 def test_each_rank_serves_half_the_heads_in_cuda_graphs(runs):
-    for (geometry, dtype, tp), r in runs.items():
+    geometry, out = runs
+    for (dtype, tp), r in out.items():
         assert r["cuda_graphs"], (geometry, dtype, tp)
         assert [rank["rank"] for rank in r["ranks"]] == list(range(tp))
         for rank in r["ranks"]:
@@ -137,20 +139,22 @@ def test_each_rank_serves_half_the_heads_in_cuda_graphs(runs):
 
 
 def test_tp2_holds_about_twice_the_blocks(runs):
-    for (geometry, dtype, tp), r in runs.items():
+    geometry, out = runs
+    for (dtype, tp), r in out.items():
         if tp == 2:
-            one, two = runs[geometry, dtype, 1]["num_blocks"], r["num_blocks"]
+            one, two = out[dtype, 1]["num_blocks"], r["num_blocks"]
             print(geometry, dtype, "blocks TP=1", one, "TP=2", two, f"{two / one:.3f}x")
             assert two >= BLOCK_RATIO * one, (geometry, dtype, one, two)
 
 
 def test_tp2_logprobs_match_tp1(runs):
     """TP=2 within TP_BOUND of TP=1 (prompt and decode), and much closer to it than to the control."""
-    for (geometry, dtype, tp), r in runs.items():
+    geometry, out = runs
+    for (dtype, tp), r in out.items():
         if tp != 2:
             continue
-        near = _gaps(r, runs[geometry, dtype, 1])
-        far = _gaps(r, runs[geometry, CONTROL[dtype], 1])
+        near = _gaps(r, out[dtype, 1])
+        far = _gaps(r, out[CONTROL[dtype], 1])
         print(geometry, dtype, {k: _summary(v) for k, v in near.items()}, "control",
               {k: _summary(v) for k, v in far.items()})
         assert len(near["decode"]) >= 10, (geometry, dtype)
