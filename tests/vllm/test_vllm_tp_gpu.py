@@ -89,8 +89,12 @@ def _start(model: Path, dtype: str, tp: int, gpus: str) -> subprocess.Popen:
 def _result(proc: subprocess.Popen, what: str) -> dict:
     start = time.monotonic()
     out, _ = communicate(proc, what)
-    print(f"{what}: exit {proc.returncode} after {time.monotonic() - start:.0f} s", flush=True)  # a cut run's trace
-    return parse(what, proc.returncode, out)
+    # printed as each run ends, so a run cut by its time limit still records the runs before the cut
+    print(f"{what}: exit {proc.returncode} after {time.monotonic() - start:.0f} s", flush=True)
+    r = parse(what, proc.returncode, out)
+    heads = [[layer["num_kv_heads"] for layer in rank["layers"]] for rank in r["ranks"]]
+    print(f"  blocks {r['num_blocks']}, cuda graphs {r['cuda_graphs']}, KV heads per rank, layer {heads}", flush=True)
+    return r
 
 
 @pytest.fixture(scope="module")
