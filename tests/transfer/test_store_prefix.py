@@ -5,6 +5,7 @@ least recently used entries and nothing else. Oracles: the prefix arithmetic wri
 cache's rows (`read_rows`)."""
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -282,6 +283,7 @@ def test_eviction_keeps_the_shard_set_being_written(tmp_path):
 def _template() -> Path:
     """A store holding A and an entry sharing its first two blocks, with their links (built once per process)."""
     root = Path(tempfile.mkdtemp(prefix="kvx-prefix-fuzz-")) / "kv"
+    atexit.register(shutil.rmtree, root.parent, True)  # the fuzz child's template, removed when the child exits
     store = BundleStore(root, prefix_block=BLOCK)
     _put(store, A, seed=1)
     _put(store, A[:16] + list(range(5000, 5000 + T - 16)), seed=2)
