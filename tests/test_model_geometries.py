@@ -1,6 +1,8 @@
-"""`benchmarks/model_geometries.realistic_weights(tie_head=True)`: the weights the speculative-decoding runs on the
+"""`benchmarks/model_geometries.py`: the geometries (each a consistent HF config whose attention is the published
+model's, cut in layers only) and `realistic_weights(tie_head=True)`, the weights the speculative-decoding runs on the
 GPU use (tests/vllm/vllm_models_run.py). A random model must then repeat the token it reads, or vLLM's n-gram
 speculator never drafts and the multi-token decode path goes untested (as happened for gpt-oss and Qwen3)."""
+import json
 import os
 import sys
 
@@ -9,9 +11,77 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from model_geometries import realistic_weights  # noqa: E402
+from model_geometries import MODELS, realistic_weights, write_config  # noqa: E402
 
 VOCAB, HIDDEN = 512, 256
+
+PUBLISHED = {
+    # name: (hidden, query heads, KV heads, head_dim, layers of the full model, window, sliding layers per period,
+    #        experts, softmax scale), typed from the published configs (the sources cited in model_geometries.py)
+    "llama3-8b-8l": (4096, 32, 8, 128, 32, None, None, None, 128 ** -0.5),
+    "llama3-70b-4l": (8192, 64, 8, 128, 80, None, None, None, 128 ** -0.5),
+    "gpt-oss-20b-4l": (2880, 64, 8, 64, 24, 128, (1, 2), 32, 64 ** -0.5),
+    "gpt-oss-120b-4l": (2880, 64, 8, 64, 36, 128, (1, 2), 128, 64 ** -0.5),
+    "gemma3-27b-6l": (5376, 32, 16, 128, 62, 1024, (5, 6), None, 168 ** -0.5),
+    "gemma3-12b-6l": (3840, 16, 8, 256, 48, 1024, (5, 6), None, 256 ** -0.5),
+    "qwen3-8b-8l": (4096, 32, 8, 128, 36, None, None, None, 128 ** -0.5),
+}
+
+
+def test_every_geometry_has_its_published_numbers():
+    assert set(MODELS) == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_geometry_matches_the_published_config(name):
+    hidden, hq, hkv, d, full_layers, window, pattern, experts, scale = PUBLISHED[name]
+    cfg = MODELS[name]
+    layers = cfg["num_hidden_layers"]
+    assert name.endswith(f"-{layers}l") and layers < full_layers
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == \
+        (hidden, hq, hkv, d)
+    assert hq % hkv == 0
+    assert cfg.get("sliding_window") == window
+    kinds = cfg.get("layer_types", ["full_attention"] * layers)
+    assert len(kinds) == layers and set(kinds) <= {"sliding_attention", "full_attention"}
+    if pattern is None:
+        assert "sliding_attention" not in kinds
+    else:  # a whole number of periods, each `sliding` window layers then full ones, as the full model's first layers
+        local, period = pattern
+        assert layers % period == 0
+        assert kinds == (["sliding_attention"] * local + ["full_attention"] * (period - local)) * (layers // period)
+    assert cfg.get("num_local_experts") == experts
+    assert cfg.get("query_pre_attn_scalar", d) ** -0.5 == pytest.approx(scale)
+    assert not cfg.get("attn_logit_softcapping")
+
+
+def test_gpt_oss_120b_attention_is_the_20b_one():
+    """The 120b differs from the 20b in layers and experts only: what the KV cache sees is the same."""
+    a, b = MODELS["gpt-oss-20b-4l"], MODELS["gpt-oss-120b-4l"]
+    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"num_local_experts"}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_transformers_reads_the_geometry(name):
+    """The config a run writes is one transformers builds the model's config from, with the same attention."""
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(MODELS[name])
+    hf = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    assert (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == PUBLISHED[name][1:4]
+    assert getattr(hf, "sliding_window", None) == PUBLISHED[name][5]
+
+
+def test_write_config_writes_the_geometry_with_overrides(tmp_path):
+    cfg = write_config("gemma3-12b-6l", str(tmp_path), num_hidden_layers=2)
+    on_disk = json.loads((tmp_path / "config.json").read_text())
+    assert on_disk == cfg and cfg["num_hidden_layers"] == 2 and cfg["head_dim"] == 256
+    assert MODELS["gemma3-12b-6l"]["num_hidden_layers"] == 6
+
+
+def test_write_config_refuses_an_unknown_geometry(tmp_path):
+    with pytest.raises(KeyError, match="gpt-oss-120b-4l"):
+        write_config("gpt-oss-120b", str(tmp_path))
+    assert not list(tmp_path.iterdir())
 
 
 class Block(nn.Module):
