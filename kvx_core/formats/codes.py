@@ -25,6 +25,13 @@ E8M0_NAN_BYTE = 0xFF
 _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
+def div_exact(x: Tensor, d: float) -> Tensor:
+    """`x / d` rounded as IEEE division on every device. PyTorch's CUDA kernels divide a tensor by a Python number as
+    a multiplication by its reciprocal (not correctly rounded: `(mx - mn) / 255` or `amax / 6` can differ in the
+    last bit from the pinned formulas and the kernels' `div_rn`), so the divisor is a tensor on `x`'s device."""
+    return x / torch.full((), d, dtype=x.dtype, device=x.device)
+
+
 def e2m1_encode(y: Tensor) -> Tensor:
     """FP32 values -> uint8 E2M1 codes (RNE, saturating, sign bit copied; NaN -> 0, callers mask it)."""
     y = y.to(torch.float32)

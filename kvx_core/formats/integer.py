@@ -23,7 +23,7 @@ from torch import Tensor
 from ..enums import DType, QuantFormat, ScaleGranularity
 from ..errors import KvxError, Status
 from .base import GROUP_HEAD_DIM, TensorFormat, is_int
-from .codes import pack_nibbles, unpack_nibbles
+from .codes import div_exact, pack_nibbles, unpack_nibbles
 from .kernel_facts import CudaCode, EncoderCode, FormatCode, KernelFormat
 
 F16_MAX = 65504.0
@@ -75,7 +75,7 @@ class IntFormat(TensorFormat):
         finite = torch.isfinite(xf).all(dim=-1)
         mn = xf.amin(dim=-1)
         mx = xf.amax(dim=-1)
-        scale_h = ((mx - mn) / self.levels).clamp(max=F16_MAX).to(torch.float16)
+        scale_h = div_exact(mx - mn, self.levels).clamp(max=F16_MAX).to(torch.float16)
         min_h = mn.clamp(-F16_MAX, F16_MAX).to(torch.float16)
         nan_h = torch.full_like(scale_h, float("nan"))
         scale_h = torch.where(finite, scale_h, nan_h)

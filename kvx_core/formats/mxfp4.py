@@ -28,6 +28,7 @@ from .base import TensorFormat, is_int
 from .codes import (
     E8M0_NAN_BYTE,
     ceil_log2,
+    div_exact,
     e8m0_from_byte,
     e8m0_to_byte,
     floor_log2,
@@ -74,7 +75,7 @@ class MXFP4Format(TensorFormat):
         pos = amax > 0
         safe = torch.where(pos, amax, torch.ones_like(amax))
         if self.scale_rule == "rceil":
-            d = safe / 6.0
+            d = div_exact(safe, 6.0)
             d_pos = d > 0  # amax/6 may underflow to 0 for the smallest subnormals
             e = ceil_log2(torch.where(d_pos, d, torch.ones_like(d)))
             e = torch.where(d_pos, e, torch.full_like(e, -127))

@@ -100,3 +100,42 @@ def test_exact_floor_ceil_log2_including_subnormals():
     fl = torch.from_numpy(v)
     assert np.array_equal(C.floor_log2(fl).numpy(), e - 1)
     assert np.array_equal(C.ceil_log2(fl).numpy(), np.where(m == 0.5, e - 1, e))
+
+
+def test_div_exact_is_ieee_division():
+    """`div_exact` equals numpy's FP32 division (IEEE, round to nearest even) on values whose reciprocal product
+    differs: x * (1/255) and x * (1/6) are not x / 255 and x / 6 for these."""
+    x = torch.tensor([1.0, 3.0, 7.0, 1e-3, 6.0, 1.5, 255.0, 1e30, 3.4e38, 0.0, -0.0], dtype=torch.float32)
+    for d in (255.0, 15.0, 6.0):
+        want = x.numpy() / F32(d)
+        assert np.array_equal(C.div_exact(x, d).numpy().view(np.uint32), want.view(np.uint32))
+    rng = np.random.default_rng(0)
+    y = rng.uniform(0, 1e4, 20000).astype(F32)
+    recip = y * (F32(1) / F32(255))
+    assert (recip != y / F32(255)).any()  # the property that makes the reciprocal form wrong
+    assert np.array_equal(C.div_exact(torch.from_numpy(y), 255.0).numpy(), y / F32(255))
+
+
+def test_encoders_divide_by_tensors_only(monkeypatch):
+    """Every format's torch encoder (the oracle of the GPU kernels) divides by tensors, never by a Python number:
+    PyTorch's CUDA division by a Python number multiplies by its reciprocal, which is not the pinned IEEE division
+    (the GPU conversion tests saw int8 / mxfp4 scale bytes differ from the kernels' `div_rn` there)."""
+    from kvx_core.formats import get_format, list_formats
+
+    seen = []
+    div = torch.Tensor.__truediv__
+
+    def spy(self, other):
+        if isinstance(other, (int, float)):
+            seen.append(other)
+        return div(self, other)
+
+    monkeypatch.setattr(torch.Tensor, "__truediv__", spy)
+    x = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(0)) * 4
+    for name in list_formats():
+        f = get_format(name)
+        for tf in (f.k, f.v):
+            g = torch.full((2,), 0.5) if tf.uses_global_scale else None
+            seen.clear()
+            tf.encode(x, g)
+            assert not seen, (name, seen)
