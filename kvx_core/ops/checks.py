@@ -58,7 +58,11 @@ def global_scale(tf: TensorFormat, g, num_heads: int, device: torch.device, what
             and (g.dim() == 0 or tuple(g.shape) in ((1,), (num_heads,))), Status.INVALID_ARGUMENT,
             f"{what} must be a float tensor of shape [], [1] or [H_kv={num_heads}], got "
             f"{(g.dtype, tuple(g.shape)) if isinstance(g, torch.Tensor) else type(g).__name__}")
-    out = g.to(device=device, dtype=torch.float32).reshape(-1).expand(num_heads).contiguous()
+    if g.dtype == torch.float32 and g.device == torch.device(device) and tuple(g.shape) == (num_heads,) \
+            and g.is_contiguous():
+        out = g  # already what the chain below gives (a view of `g`): no tensor op per call
+    else:
+        out = g.to(device=device, dtype=torch.float32).reshape(-1).expand(num_heads).contiguous()
     if check_values:
         require(bool(finite_positive(out)), Status.INVALID_ARGUMENT,
                 f"{what} must be finite and > 0 in FP32, got {g.tolist()}")
