@@ -182,16 +182,18 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     return new
 
 
-def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: Sequence[CacheDesc]) -> list[bool]:
+def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: Sequence[CacheDesc]
+               ) -> tuple[list[bool], list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
     """Per layer, whether its destination takes the bundled rows as stored: same format, global scales and key
-    transform (the stored bytes mean the same K/V there). Also checks every destination's global scales (finite,
-    > 0). One host sync and a fixed number of tensor ops for the bundle: every layer's scales checked as one
-    tensor, and each kind of compared tensor (`k_global`, ..., `k_center`) stacked over the layers and compared at
-    once (one flag per layer)."""
-    ours, same, compare = [], [], {}  # compare: (name, device, shape) -> ([layer], [ours], [theirs])
+    transform (the stored bytes mean the same K/V there); and its global scales (`cache_global_scales`), checked
+    (finite, > 0) for every layer. One host sync and a fixed number of tensor ops for the bundle: every layer's
+    scales checked as one tensor, and each kind of compared tensor (`k_global`, ..., `k_center`) stacked over the
+    layers and compared at once (one flag per layer)."""
+    ours, same, scales, compare = [], [], [], {}  # compare: (name, device, shape) -> ([layer], [ours], [theirs])
     for i, (rows, cache) in enumerate(zip(layers, caches, strict=True)):
         dst = format_of(cache)
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
+        scales.append((kg, vg))
         ours += [g for g in (kg, vg) if g is not None]
         pairs = [(n, g, rows.get(n)) for n, g in (("k_global", kg), ("v_global", vg)) if g is not None]
         pairs += [(t.tensor, t.of(cache), rows.get(t.tensor)) for t in KEY_TRANSFORMS]
@@ -212,20 +214,21 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
         for i, ok in zip(layer_ids, got[at:at + len(layer_ids)], strict=True):
             same[i] = same[i] and ok
         at += len(layer_ids)
-    return same
+    return same, scales
 
 
 def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
-             where: tuple[torch.Tensor, torch.Tensor], same: bool):
+             where: tuple[torch.Tensor, torch.Tensor], same: bool,
+             scales: tuple[torch.Tensor | None, torch.Tensor | None]):
     """The store of one layer's bundled `rows` (source format `src`) into `cache` at `slots` (`where`: their
-    `check_slots` in this cache; `same`: `_same_rows`' answer), checked and converted now; the returned callable
-    only stores."""
+    `check_slots` in this cache; `same`, `scales`: `_same_rows`' answers), checked and converted now; the returned
+    callable only stores."""
     if same:
         return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
                                   where=where)
     dev = cache.k.tensor.device
     if use_kernels(dev):
-        return _prepare_on_device(rows, src, cache, slots, where)
+        return _prepare_on_device(rows, src, cache, slots, where, scales)
     kv = decode_rows(rows, src)
     write = WriteDesc(KvIoDesc(kv[0].to(dev), kv[1].to(dev)), SlotMapping(slots.to(dev)))
     check_write(cache, write)  # write_kv checks again; this one runs before any layer stores
@@ -233,7 +236,8 @@ def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, 
 
 
 def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
-                       where: tuple[torch.Tensor, torch.Tensor]):
+                       where: tuple[torch.Tensor, torch.Tensor],
+                       scales: tuple[torch.Tensor | None, torch.Tensor | None]):
     """`_prepare`'s conversion on the kernels, with no host sync (the slots and the destination's global scales are
     checked already): without rotation or key transform on either side, one kernel decodes and encodes
     (`ops.triton.convert.plan_convert`); otherwise the rows are decoded by a kernel, rotated and untransformed as
@@ -248,8 +252,8 @@ def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: C
     pools = dispatch._kernel_pools(cache)
     if pools is not None and not (src.rotate or dst.rotate or key_transforms(cache)
                                   or any(t.tensor in rows for t in KEY_TRANSFORMS)):
-        kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
-        return plan_convert(src, staged, WriteArgs(slots.to(device=dev, dtype=torch.int64), kg, vg), *pools[:4], dst)
+        return plan_convert(src, staged, WriteArgs(slots.to(device=dev, dtype=torch.int64), *scales), *pools[:4],
+                            dst)
     k, v = decode_on_device(src, staged, cache.head_dim)
     if src.rotate:
         k, v = rotate(k), rotate(v)
@@ -309,9 +313,9 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     if (t0, t1) != (0, count):
         rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in rows]
     src = readers[0].format
-    same = _same_rows(rows, src, caches)
-    stores = [_prepare(layer_rows, src, cache, slots, where, ok)
-              for layer_rows, cache, where, ok in zip(rows, caches, wheres, same, strict=True)]
+    same, scales = _same_rows(rows, src, caches)
+    stores = [_prepare(layer_rows, src, cache, slots, where, ok, gs)
+              for layer_rows, cache, where, ok, gs in zip(rows, caches, wheres, same, scales, strict=True)]
     for store in stores:
         store()
     return [r.header for r in readers]

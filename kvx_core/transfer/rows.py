@@ -77,7 +77,7 @@ def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> list[tuple[
     out = []
     for cache in caches:
         cache.validate()
-        cache_global_scales(cache, format_of(cache), None, None, "read_rows", check_values=False)
+        cache_global_scales(cache, format_of(cache), None, None, "read_rows", check_values=False, build=False)
         key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
         if key not in seen:
             seen[key] = check_slots(cache, slots)
