@@ -44,21 +44,29 @@ def require_type(value, cls: type, what: str) -> None:
 
 # ---------------------------------------------------------------- scales
 def global_scale(tf: TensorFormat, g, num_heads: int, device: torch.device, what: str, *,
-                 check_values: bool = True) -> torch.Tensor | None:
+                 check_values: bool = True, build: bool = True) -> torch.Tensor | None:
     """`g` as the FP32 `[num_heads]` tensor the kernels and `TensorFormat.encode` take; None when `tf` has no
     global scale (and `None` means 1.0 for one that has). Shape [], [1] or [H]; with `check_values` (one host
-    sync) finite and > 0 in FP32: a 0 / NaN / inf / negative scale would encode garbage."""
+    sync) finite and > 0 in FP32: a 0 / NaN / inf / negative scale would encode garbage. `build=False`: the type
+    and shape checks only, no tensor made and no value read (None): a check of every layer before the layers'
+    own use of their scales."""
     if not tf.uses_global_scale:
         return None
     if g is None:
-        return torch.ones(num_heads, dtype=torch.float32, device=device)
+        return torch.ones(num_heads, dtype=torch.float32, device=device) if build else None
     if isinstance(g, (int, float)) and not isinstance(g, bool):
         g = torch.tensor(float(g))
     require(isinstance(g, torch.Tensor) and g.is_floating_point()
             and (g.dim() == 0 or tuple(g.shape) in ((1,), (num_heads,))), Status.INVALID_ARGUMENT,
             f"{what} must be a float tensor of shape [], [1] or [H_kv={num_heads}], got "
             f"{(g.dtype, tuple(g.shape)) if isinstance(g, torch.Tensor) else type(g).__name__}")
-    out = g.to(device=device, dtype=torch.float32).reshape(-1).expand(num_heads).contiguous()
+    if not build:
+        return None
+    if g.dtype == torch.float32 and g.device == torch.device(device) and tuple(g.shape) == (num_heads,) \
+            and g.is_contiguous():
+        out = g  # already what the chain below gives (a view of `g`): no tensor op per call
+    else:
+        out = g.to(device=device, dtype=torch.float32).reshape(-1).expand(num_heads).contiguous()
     if check_values:
         require(bool(finite_positive(out)), Status.INVALID_ARGUMENT,
                 f"{what} must be finite and > 0 in FP32, got {g.tolist()}")
@@ -88,16 +96,18 @@ def _v10_scale(desc: ScaleDesc | None, cache: CacheDesc, tf: TensorFormat, what:
 
 
 def cache_global_scales(cache: CacheDesc, fmt: CacheFormat, k10: ScaleDesc | None, v10: ScaleDesc | None, what: str,
-                        *, check_values: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                        *, check_values: bool = True, build: bool = True
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Validated FP32 `[H]` global scales of K and V: from `cache.quant` (v1.1) or the call's v1.0 FP8 scale
-    descriptors `k10` / `v10`."""
+    descriptors `k10` / `v10` (`build`: as for `global_scale`)."""
     out = []
     for which, tf, d10 in (("k", fmt.k, k10), ("v", fmt.v, v10)):
         g = _v10_scale(d10, cache, tf, f"{what}.{which}_scale")
         if cache.quant is not None:
             g = getattr(cache.quant, f"{which}_global_scale")
         name = f"quant.{which}_global_scale" if cache.quant is not None else f"{what}.{which}_scale"
-        out.append(global_scale(tf, g, cache.num_kv_heads, cache.k.tensor.device, name, check_values=check_values))
+        out.append(global_scale(tf, g, cache.num_kv_heads, cache.k.tensor.device, name, check_values=check_values,
+                                build=build))
     return out[0], out[1]
 
 

@@ -84,7 +84,7 @@ class TensorSpec:
     per_token: bool
 
     def nbytes(self, tokens: int) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
+        n = self.dtype.itemsize
         for s in self.shape:
             n *= s
         return n * (tokens if self.per_token else 1)
@@ -243,8 +243,8 @@ def split_payload(payload: torch.Tensor, specs: list[TensorSpec], tokens: int) -
         n = s.nbytes(tokens)
         shape = (tokens, *s.shape) if s.per_token else s.shape
         raw = payload[pos:pos + n]
-        size = torch.empty((), dtype=s.dtype).element_size()
-        out[s.name] = (raw if raw.storage_offset() % size == 0 else raw.clone()).view(s.dtype).reshape(shape)
+        aligned = raw.storage_offset() % s.dtype.itemsize == 0
+        out[s.name] = (raw if aligned else raw.clone()).view(s.dtype).reshape(shape)
         pos += n
     return out
 

@@ -41,6 +41,7 @@ from .rows import (
     format_specs,
     key_transforms,
     layer_slots,
+    on_device,
     prepare_write_rows,
     read_chunk,
 )
@@ -116,7 +117,10 @@ def _check_bundle(reader: BundleReader, model: ModelFingerprint, ids_sha256: str
 
 
 def _assemble(shards: list[tuple[int, int, list[dict]]], a: int, b: int) -> list[dict[str, torch.Tensor]]:
-    """Per layer, the rows of KV heads [a, b) cut from the shards covering them (split and merge)."""
+    """Per layer, the rows of KV heads [a, b) cut from the shards covering them (split and merge); one shard of
+    exactly those heads gives its layers as they are (no view per tensor)."""
+    if len(shards) == 1 and shards[0][:2] == (a, b):
+        return shards[0][2]
     layers = []
     for i in range(len(shards[0][2])):
         parts: dict[str, list[torch.Tensor]] = {}
@@ -178,45 +182,53 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     return new
 
 
-def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: Sequence[CacheDesc]) -> list[bool]:
+def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: Sequence[CacheDesc]
+               ) -> tuple[list[bool], list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
     """Per layer, whether its destination takes the bundled rows as stored: same format, global scales and key
-    transform (the stored bytes mean the same K/V there). Also checks every destination's global scales (finite,
-    > 0). One host sync for the bundle: the comparisons are device flags read together."""
-    flags: list[torch.Tensor] = []
-    plans = []  # per layer: (index of its scales flag or None, index of its same flag, or a known answer)
-    for rows, cache in zip(layers, caches, strict=True):
+    transform (the stored bytes mean the same K/V there); and its global scales (`cache_global_scales`), checked
+    (finite, > 0) for every layer. One host sync and a fixed number of tensor ops for the bundle: every layer's
+    scales checked as one tensor, and each kind of compared tensor (`k_global`, ..., `k_center`) stacked over the
+    layers and compared at once (one flag per layer)."""
+    ours, same, scales, compare = [], [], [], {}  # compare: (name, device, shape) -> ([layer], [ours], [theirs])
+    for i, (rows, cache) in enumerate(zip(layers, caches, strict=True)):
         dst = format_of(cache)
         kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
-        ours = [g for g in (kg, vg) if g is not None]
-        valid = None
-        if ours:
-            valid = len(flags)
-            flags.append(finite_positive(torch.cat(ours)))
-        pairs = [(g, rows.get(n)) for n, g in (("k_global", kg), ("v_global", vg)) if g is not None]
-        pairs += [(t.of(cache), rows.get(t.tensor)) for t in KEY_TRANSFORMS]
-        same: int | bool = src == dst and all((a is None) == (b is None) for a, b in pairs)
-        if same and any(a is not None for a, _ in pairs):
-            same = len(flags)
-            flags.append(torch.stack([(a.float() == b.to(a.device)).all() for a, b in pairs if a is not None]).all())
-        plans.append((valid, same))
+        scales.append((kg, vg))
+        ours += [g for g in (kg, vg) if g is not None]
+        pairs = [(n, g, rows.get(n)) for n, g in (("k_global", kg), ("v_global", vg)) if g is not None]
+        pairs += [(t.tensor, t.of(cache), rows.get(t.tensor)) for t in KEY_TRANSFORMS]
+        same.append(src == dst and all((a is None) == (b is None) for _, a, b in pairs))
+        for n, a, b in pairs if same[-1] else ():
+            if a is not None:
+                group = compare.setdefault((n, a.device, a.shape), ([], [], []))
+                for part, t in zip(group, (i, a, b if b.device == a.device else b.to(a.device)), strict=True):
+                    part.append(t)
+    flags = [finite_positive(torch.cat(ours))] if ours else []
+    flags += [(torch.stack(a).float() == torch.stack(b)).flatten(1).all(1) for _, a, b in compare.values()]
     got = read_flags(flags)
-    for cache, (valid, _) in zip(caches, plans, strict=True):
-        if valid is not None and not got[valid]:
+    if ours and not got[0]:
+        for cache in caches:
             cache_global_scales(cache, format_of(cache), None, None, "import_bundle")  # raises, naming the scale
-    return [same if isinstance(same, bool) else got[same] for _, same in plans]
+    at = 1 if ours else 0
+    for layer_ids, _, _ in compare.values():
+        for i, ok in zip(layer_ids, got[at:at + len(layer_ids)], strict=True):
+            same[i] = same[i] and ok
+        at += len(layer_ids)
+    return same, scales
 
 
 def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
-             where: tuple[torch.Tensor, torch.Tensor], same: bool):
+             where: tuple[torch.Tensor, torch.Tensor], same: bool,
+             scales: tuple[torch.Tensor | None, torch.Tensor | None]):
     """The store of one layer's bundled `rows` (source format `src`) into `cache` at `slots` (`where`: their
-    `check_slots` in this cache; `same`: `_same_rows`' answer), checked and converted now; the returned callable
-    only stores."""
+    `check_slots` in this cache; `same`, `scales`: `_same_rows`' answers), checked and converted now; the returned
+    callable only stores."""
     if same:
         return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
                                   where=where)
     dev = cache.k.tensor.device
     if use_kernels(dev):
-        return _prepare_on_device(rows, src, cache, slots, where)
+        return _prepare_on_device(rows, src, cache, slots, where, scales)
     kv = decode_rows(rows, src)
     write = WriteDesc(KvIoDesc(kv[0].to(dev), kv[1].to(dev)), SlotMapping(slots.to(dev)))
     check_write(cache, write)  # write_kv checks again; this one runs before any layer stores
@@ -224,7 +236,8 @@ def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, 
 
 
 def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
-                       where: tuple[torch.Tensor, torch.Tensor]):
+                       where: tuple[torch.Tensor, torch.Tensor],
+                       scales: tuple[torch.Tensor | None, torch.Tensor | None]):
     """`_prepare`'s conversion on the kernels, with no host sync (the slots and the destination's global scales are
     checked already): without rotation or key transform on either side, one kernel decodes and encodes
     (`ops.triton.convert.plan_convert`); otherwise the rows are decoded by a kernel, rotated and untransformed as
@@ -234,13 +247,13 @@ def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: C
 
     dev = cache.k.tensor.device
     dst = format_of(cache)
-    staged = {n: t.to(dev).contiguous() for n, t in rows.items()}
+    staged = {n: on_device(t, dev) for n, t in rows.items()}
     check_disjoint(block_view(cache.k.tensor, cache.k.layout), block_view(cache.v.tensor, cache.v.layout), *where)
     pools = dispatch._kernel_pools(cache)
     if pools is not None and not (src.rotate or dst.rotate or key_transforms(cache)
                                   or any(t.tensor in rows for t in KEY_TRANSFORMS)):
-        kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
-        return plan_convert(src, staged, WriteArgs(slots.to(device=dev, dtype=torch.int64), kg, vg), *pools[:4], dst)
+        return plan_convert(src, staged, WriteArgs(slots.to(device=dev, dtype=torch.int64), *scales), *pools[:4],
+                            dst)
     k, v = decode_on_device(src, staged, cache.head_dim)
     if src.rotate:
         k, v = rotate(k), rotate(v)
@@ -296,11 +309,13 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     dev = caches[0].k.tensor.device
     # every shard verified, used or not
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]
-    rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in _assemble(shards, a, b)]
+    rows = _assemble(shards, a, b)
+    if (t0, t1) != (0, count):
+        rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in rows]
     src = readers[0].format
-    same = _same_rows(rows, src, caches)
-    stores = [_prepare(layer_rows, src, cache, slots, where, ok)
-              for layer_rows, cache, where, ok in zip(rows, caches, wheres, same, strict=True)]
+    same, scales = _same_rows(rows, src, caches)
+    stores = [_prepare(layer_rows, src, cache, slots, where, ok, gs)
+              for layer_rows, cache, where, ok, gs in zip(rows, caches, wheres, same, scales, strict=True)]
     for store in stores:
         store()
     return [r.header for r in readers]

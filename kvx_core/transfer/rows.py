@@ -52,6 +52,11 @@ def key_transforms(cache: CacheDesc) -> frozenset[str]:
     return frozenset(t.tensor for t in KEY_TRANSFORMS if t.of(cache) is not None)
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` contiguous on `device`: itself where it is already (no tensor op per layer), else a copy."""
+    return t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
+
+
 def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(block, offset) of each slot, after checking they are distinct and inside the cache."""
     require(isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64),
@@ -72,7 +77,7 @@ def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> list[tuple[
     out = []
     for cache in caches:
         cache.validate()
-        cache_global_scales(cache, format_of(cache), None, None, "read_rows", check_values=False)
+        cache_global_scales(cache, format_of(cache), None, None, "read_rows", check_values=False, build=False)
         key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
         if key not in seen:
             seen[key] = check_slots(cache, slots)
@@ -84,9 +89,10 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
               where: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The stored rows of `slots` ([T] token slots, in sequence order): `{name: [T, H, X]}` (payload in its stored
     dtype, scales as bytes) plus the layer's global scales `{k_global, v_global: fp32 [H]}` where the format has
-    them. Copies, on the cache's device. `where`: `check_slots(cache, slots)` already computed for a cache of the
-    same geometry (layers read without a host sync each)."""
-    cache.validate()
+    them. Copies, on the cache's device. `where`: `layer_slots`' answer for this cache (which validated it and
+    checked its slots: layers read without a validation and a host sync each)."""
+    if where is None:
+        cache.validate()
     fmt = format_of(cache)
     blk, off = check_slots(cache, slots) if where is None else where
     out = {}
@@ -114,20 +120,20 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
     if not kernels.use_kernels(cache.k.tensor.device):
         rows = read_rows(cache, slots, where=where)
         return torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
-    cache.validate()
-    fmt = format_of(cache)
     if where is None:
+        cache.validate()
         check_slots(cache, slots)
+    fmt = format_of(cache)
     dev, t = cache.k.tensor.device, slots.numel()
     chunk = torch.empty(sum(s.nbytes(t) for s in specs), dtype=torch.uint8, device=dev)
     parts, pos = {}, 0
-    for s in specs:
+    for s in specs:  # each tensor's bytes as a 1-D view (all the kernel needs: its start and element width)
         n = s.nbytes(t)
-        parts[s.name] = chunk[pos:pos + n].view(s.dtype).reshape((t, *s.shape) if s.per_token else s.shape)
+        parts[s.name] = chunk[pos:pos + n] if s.dtype == torch.uint8 else chunk[pos:pos + n].view(s.dtype)
         pos += n
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)
     layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
-    flat = [(layer[n].to(torch.float32), parts[n]) for n in LAYER_TENSORS if n in parts]
+    flat = [(layer[n], parts[n]) for n in LAYER_TENSORS if n in parts]  # FP32 (`QuantDesc` validation)
     _plan_rows(cache, fmt, slots, parts, scatter=False, flat=flat)()
     return chunk
 
@@ -147,7 +153,9 @@ def _plan_rows(cache: CacheDesc, fmt, slots: torch.Tensor, rows: dict[str, torch
                     else block_rows(p.scales))
             pairs.append((pool, rows[f"{which}_scales"]))
     dev = cache.k.tensor.device
-    return plan_rows(slots.to(device=dev, dtype=torch.int64), cache.block_size, pairs, scatter=scatter, flat=flat)
+    if slots.device != dev or slots.dtype != torch.int64:
+        slots = slots.to(device=dev, dtype=torch.int64)
+    return plan_rows(slots, cache.block_size, pairs, scatter=scatter, flat=flat)
 
 
 def format_specs(fmt, num_kv_heads: int, head_dim: int, transforms: Collection[str] = ()
@@ -180,7 +188,8 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
                        where: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Check a `write_rows` call completely and return the store (a callable that cannot fail on its inputs).
     `where`: as for `read_rows`."""
-    cache.validate()
+    if where is None:
+        cache.validate()
     fmt = format_of(cache)
     blk, off = check_slots(cache, slots) if where is None else where
     for name, (dtype, shape) in format_specs(fmt, cache.num_kv_heads, cache.head_dim).items():
@@ -191,7 +200,7 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
                 Status.INVALID_ARGUMENT, f"rows[{name!r}] must be {dtype} {(slots.numel(), *shape)}")
     if kernels.use_kernels(cache.k.tensor.device):  # one scatter kernel; the rows staged on the device first
         dev = cache.k.tensor.device
-        staged = {n: t.to(dev).contiguous() for n, t in rows.items() if n not in LAYER_TENSORS}
+        staged = {n: on_device(t, dev) for n, t in rows.items() if n not in LAYER_TENSORS}
         return _plan_rows(cache, fmt, slots, staged, scatter=True)
     sides = [(side_pools(cache, fmt, w), rows[f"{w}_data"], rows.get(f"{w}_scales")) for w in ("k", "v")]
 

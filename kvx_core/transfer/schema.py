@@ -171,21 +171,19 @@ def check_layer(layer: int, tensors: dict[str, torch.Tensor], fmt: CacheFormat) 
 
 
 def read_flags(flags: Sequence[torch.Tensor]) -> list[bool]:
-    """Device booleans (0-d, one device) read back with one host sync: what a bundle's checks batched over its
-    layers cost on a GPU, where a check per layer would stall the copies once per layer."""
-    return torch.stack(list(flags)).tolist() if flags else []
+    """Device booleans (0-d or 1-d, one device) read back in order, flattened, with one host sync: what a bundle's
+    checks batched over its layers cost on a GPU, where a check per layer would stall the copies once per layer."""
+    return torch.cat([f.reshape(-1) for f in flags]).tolist() if flags else []
 
 
 def check_layers(layers: Sequence[dict[str, torch.Tensor]], fmt: CacheFormat) -> None:
-    """`check_layer` of every layer with one host sync: each layer's value rules as one device flag; a layer that
-    fails is then checked alone, for its message."""
-    flags = []
-    for tensors in layers:
-        rules = [finite_positive(tensors[f"{w}_global"]) for w in "kv" if f"{w}_global" in tensors]
-        rules += [t.valid(tensors[t.tensor]) for t in KEY_TRANSFORMS if t.tensor in tensors]
-        if rules:
-            flags.append(torch.stack(rules).all())
-    for i, ok in enumerate(read_flags(flags)):  # flags exist for every layer or for none (one tensor list)
-        if not ok:
-            check_layer(i, layers[i], fmt)
-            raise KvxError(Status.INTERNAL_ERROR, f"layer {i}'s values failed the batched check, not check_layer")
+    """`check_layer` of every layer with one host sync and a fixed number of tensor ops: each value rule applied
+    once to one tensor's values of every layer stacked (the layers of a bundle share its tensor list); where one
+    fails, the layers are checked alone in order, for the first failing layer's message."""
+    rules = {**{f"{w}_global": finite_positive for w in "kv"}, **{t.tensor: t.valid for t in KEY_TRANSFORMS}}
+    flags = [rule(torch.stack([tensors[name] for tensors in layers]))
+             for name, rule in rules.items() if layers and name in layers[0]]
+    if not all(read_flags(flags)):
+        for i, tensors in enumerate(layers):
+            check_layer(i, tensors, fmt)
+        raise KvxError(Status.INTERNAL_ERROR, "a layer's values failed the batched check, not check_layer")

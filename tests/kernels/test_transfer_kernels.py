@@ -420,7 +420,8 @@ def flag_reads(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("path", PATHS)
 def test_an_import_checks_its_layers_with_one_host_sync_each_kind(path, flag_reads, monkeypatch):
     """A host bundle's layer checks (global scales, key vectors) and the destination's scale checks and row
-    comparisons each read every layer's flags at once, never a check per layer."""
+    comparisons each read every layer's flags at once, never a check per layer: two host syncs per bundle, each
+    reading flags of tensors stacked over the layers (as many whatever the layer count)."""
     from kvx_core.transfer import schema
 
     src, slots = _cache("nvfp4", 16, 4, tokens=9)
@@ -431,7 +432,41 @@ def test_an_import_checks_its_layers_with_one_host_sync_each_kind(path, flag_rea
     monkeypatch.setattr(schema, "check_layer", lambda *a: pytest.fail("a layer checked alone"))
     with _path(path):
         import_bundle(host, _descs(dst), torch.arange(9), model=MODEL)
-    assert flag_reads == [LAYERS, 2 * LAYERS]  # the bundle's layers; each layer's scales and sameness
+    # the bundle's k_global and v_global; the destination's scales, then its k_global and v_global against them
+    assert flag_reads == [2, 3]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_import_into_layers_of_mixed_scales_copies_the_matching_layers_and_converts_the_others(path):
+    """The sameness of every layer is compared at once (tensors stacked over the layers), yet decided per layer: a
+    layer whose destination has the bundle's scales stores the rows as bundled; one whose V scales differ stores
+    what writing the bundle's decoded K/V into it stores (the reference write: the oracle)."""
+    from kvx_core.descriptors import KvIoDesc, SlotMapping, WriteDesc
+    from kvx_core.formats import get_format
+    from kvx_core.ops.reference import write_kv
+    from kvx_core.transfer.handoff import decode_rows
+
+    src, slots = _cache("nvfp4", 16, 4, tokens=9)
+    host = export_to_host(_descs(src), slots, model=MODEL)
+    dst, _ = _cache("nvfp4", 16, 4, seed=4)
+    oracle, _ = _cache("nvfp4", 16, 4, seed=4)
+    for layer in range(LAYERS):
+        s = src.layers[layer]
+        for c in (dst, oracle):
+            c.set_global_scales(layer, s.k_global, s.v_global if layer % 2 == 0 else s.v_global * 2)
+    at = torch.arange(9)
+    with _path(path):
+        import_bundle(host, _descs(dst), at, model=MODEL)
+    for layer in range(LAYERS):
+        got = read_rows(dst.descriptor(layer), at)
+        if layer % 2 == 0:
+            want = read_rows(src.descriptor(layer), slots)
+        else:
+            k, v = decode_rows(read_rows(src.descriptor(layer), slots), get_format("nvfp4"))
+            write_kv(oracle.descriptor(layer), WriteDesc(KvIoDesc(k, v), SlotMapping(at)))
+            want = read_rows(oracle.descriptor(layer), at)
+            assert not torch.equal(got["v_scales"], read_rows(src.descriptor(layer), slots)["v_scales"])
+        assert all(torch.equal(got[n], want[n]) for n in ("k_data", "v_data", "k_scales", "v_scales"))
 
 
 @pytest.mark.parametrize("path", PATHS)
