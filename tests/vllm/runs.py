@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Hashable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
-from ..procs import JOBS, run_many
+from ..procs import JOBS, run, run_many
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -27,6 +27,17 @@ def results(cmds: dict[K, list], env: dict[str, str]) -> dict[K, dict]:
     name and the tail of its output."""
     return {name: parse(name, p.returncode, p.stdout, p.stderr)
             for name, p in zip(cmds, run_many(list(cmds.values()), jobs=jobs(), env=env), strict=True)}
+
+
+def started(cmds: dict[K, list], env: dict[str, str], pool: ThreadPoolExecutor) -> dict[K, Future[dict]]:
+    """Each named runner command submitted to `pool` (`jobs()` workers; in `cmds`' order): its parsed result's
+    future (failing as `results` does), so a test takes a finished run's result and checks it while later runs
+    still go."""
+    def one(name: K, cmd: list) -> dict:
+        p = run(cmd, env=env)
+        return parse(name, p.returncode, p.stdout, p.stderr)
+
+    return {name: pool.submit(one, name, cmd) for name, cmd in cmds.items()}
 
 
 def each(calls: dict[K, Callable[[], T]]) -> dict[K, T]:
