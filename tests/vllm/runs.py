@@ -3,20 +3,55 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
-from ..procs import JOBS, run_many
+from ..procs import JOBS, run, run_many
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
-def results(cmds: dict[str, list], env: dict[str, str]) -> dict[str, dict]:
-    """Each named runner command's parsed result. The runs are independent processes, run two at a time on CPU
-    (`run_many`: a SmolLM2 run is mostly single-threaded, the second core takes the other run) and one at a time
-    on a GPU (a vLLM run there takes most of its memory); a failed run fails the caller with its name and the
-    tail of its output."""
-    jobs = 1 if torch.cuda.is_available() else JOBS
+def jobs() -> int:
+    """Independent vLLM runs at once: `JOBS` on CPU (a SmolLM2 run is mostly single-threaded, the second core takes
+    the other run), one on a GPU (a vLLM run there takes most of its memory)."""
+    return 1 if torch.cuda.is_available() else JOBS
+
+
+def results(cmds: dict[K, list], env: dict[str, str]) -> dict[K, dict]:
+    """Each named runner command's parsed result. The runs are independent processes, `jobs()` at a time (started
+    in `cmds`' order: the longest first keeps both cores busy to the end); a failed run fails the caller with its
+    name and the tail of its output."""
     return {name: parse(name, p.returncode, p.stdout, p.stderr)
-            for name, p in zip(cmds, run_many(list(cmds.values()), jobs=jobs, env=env), strict=True)}
+            for name, p in zip(cmds, run_many(list(cmds.values()), jobs=jobs(), env=env), strict=True)}
+
+
+def started(cmds: dict[K, list], env: dict[str, str], pool: ThreadPoolExecutor) -> dict[K, Future[dict]]:
+    """Each named runner command submitted to `pool` (`jobs()` workers; in `cmds`' order): its parsed result's
+    future (failing as `results` does), so a test takes a finished run's result and checks it while later runs
+    still go."""
+    def one(name: K, cmd: list) -> dict:
+        p = run(cmd, env=env)
+        return parse(name, p.returncode, p.stdout, p.stderr)
+
+    return {name: pool.submit(one, name, cmd) for name, cmd in cmds.items()}
+
+
+def each(calls: dict[K, Callable[[], T]]) -> dict[K, T]:
+    """Each independent call's result, `jobs()` at a time (started in `calls`' order): e.g. chains of vLLM runs
+    that hand KV to each other in turn, one chain per store; the first failure fails the caller."""
+    with ThreadPoolExecutor(jobs()) as pool:
+        return dict(zip(calls, pool.map(lambda call: call(), calls.values()), strict=True))
+
+
+def requested(request, names: Iterable[str]) -> list[str]:
+    """Those of the module fixtures `names` that a selected test of the requesting module uses: a fixture that
+    starts several fixtures' runs at once starts only those the selected tests need (`-k`, one test id)."""
+    used = {name for item in request.session.items if item.module is request.module for name in item.fixturenames}
+    return [name for name in names if name in used]
 
 
 def parse(name: str, returncode: int, stdout: str, stderr: str = "") -> dict:

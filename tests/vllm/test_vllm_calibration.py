@@ -33,13 +33,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from .runs import results
+from .runs import jobs, started
 from .test_vllm_plugin import ENV  # the same offline-run environment
 
 pytestmark = pytest.mark.vllm
@@ -78,17 +80,27 @@ def prompt_ids(checkpoint) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def runs(request, prompt_ids) -> dict[str, dict]:
-    """Every RUNS run (`results`: independent processes, two at a time), by run id."""
-    dirs = {rid: request.getfixturevalue(fixture) for rid, (_, fixture) in RUNS.items()}
-    out = results({rid: [sys.executable, str(RUNNER), str(dirs[rid]), "kvx_nvfp4", prefill, json.dumps(prompt_ids)]
-                   for rid, (prefill, _) in RUNS.items()}, ENV)
-    return {rid: {**r, "prefill": RUNS[rid][0], "id": rid, "model_dir": dirs[rid]} for rid, r in out.items()}
+def model_dirs(request) -> dict[str, Path]:
+    """Every RUNS run's model directory, by run id."""
+    return {rid: request.getfixturevalue(fixture) for rid, (_, fixture) in RUNS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(request, model_dirs, prompt_ids) -> Iterator[dict[str, Future[dict]]]:
+    """The RUNS runs that the selected tests use, started (`started`: independent processes, two at a time), by run
+    id: a run's tests check it (the oracles take minutes in this process) while the next run still goes."""
+    selected = {item.callspec.params.get("run") for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    with ThreadPoolExecutor(jobs()) as pool:
+        yield started({rid: [sys.executable, str(RUNNER), str(model_dirs[rid]), "kvx_nvfp4", prefill,
+                             json.dumps(prompt_ids)] for rid, (prefill, _) in RUNS.items() if rid in selected},
+                      ENV, pool)
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
-def run(request, runs) -> dict:
-    return runs[request.param]
+def run(request, runs, model_dirs) -> dict:
+    rid = request.param
+    return {**runs[rid].result(), "prefill": RUNS[rid][0], "id": rid, "model_dir": model_dirs[rid]}
 
 
 def _oracle(model_dir: Path, ids: list[int], generated: list[int], calibrated: bool = True,

@@ -10,6 +10,7 @@ Three vLLM processes run in turn on one store (`vllm_pd_run.py`); the same file 
      and reloads.
 KVTC (`kvtc`, the connector's KVTC setting; its own store): D (auto, kv_producer) prefills set "c" into
 KVTC-coded entries, E (auto block 64, kv_consumer) decodes it from them.
+The chains A-B-C, D-E and F-G (below) have a store each and run concurrently, two at a time (`chains`).
 Each consumer generates its set twice: with the handed-off KV, and computing everything itself
 (`skip_reading_prefix_cache`: the single-instance reference with its own dtype).
 
@@ -41,6 +42,7 @@ import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh 
 from kvx_core.transfer.bundle import BundleReader
 
 from ..procs import run
+from .runs import each, requested
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -69,8 +71,8 @@ def _instances(checkpoint: str, store: Path, instances: dict, *extra_args: str) 
     return out
 
 
-@pytest.fixture(scope="module")
-def pd(checkpoint, tmp_path_factory) -> dict[str, dict]:
+def _pd(checkpoint: str, tmp_path_factory) -> dict[str, dict]:
+    """A, B and C in turn on one store; the store's file names."""
     store = tmp_path_factory.mktemp("pd") / "store"
     out = _instances(checkpoint, store, INSTANCES)
     out["store_files"] = sorted(f.name for f in store.iterdir())
@@ -190,8 +192,7 @@ KVTC_INSTANCES = {"D": ("auto", 32, "kv_producer", ["--produce", "c"]),
 KVTC_FIRST_BOUND, KVTC_MEAN_BOUND = 0.7, 0.5
 
 
-@pytest.fixture(scope="module")
-def kvtc_pd(checkpoint, tmp_path_factory) -> dict[str, dict]:
+def _kvtc_pd(checkpoint: str, tmp_path_factory) -> dict[str, dict]:
     """A KVTC calibration of SmolLM2 (`kvx kvtc calibrate`, 2 x 512 demo-text tokens, 8x), then D and E on a new
     store with it."""
     root = tmp_path_factory.mktemp("kvtc")
@@ -221,8 +222,7 @@ SMOOTHED_INSTANCES = {"F": ("kvx_nvfp4", 128, "kv_producer", ["--produce", "a"])
                       "G": ("kvx_nvfp4", 64, "kv_consumer", ["--consume", "a"])}
 
 
-@pytest.fixture(scope="module")
-def smoothed_pd(centered_model_dir, tmp_path_factory) -> dict[str, dict]:
+def _smoothed_pd(centered_model_dir: Path, tmp_path_factory) -> dict[str, dict]:
     """F and G serve the same model directory holding a key centering + smoothing KV calibration (`kvx calibrate-kv
     --smooth-keys 0.5 --center-keys`) on a new store: F prefills set "a", G (another block size) decodes it from F's
     bundles."""
@@ -249,3 +249,29 @@ def test_transformed_handoff_carries_the_key_vectors_and_decodes_like_a_single_i
         print(f"centered + smoothed handoff: {agree} greedy tokens agree, first-token top-5 gap {first:.3f}, "
               f"mean {mean:.3f}")
         assert agree >= 1 and first <= FIRST_BOUND["kvx_nvfp4"] and mean <= MEAN_BOUND["kvx_nvfp4"], (first, mean)
+
+
+@pytest.fixture(scope="module")
+def chains(request, checkpoint, tmp_path_factory) -> dict[str, dict]:
+    """The fixtures below, by name: their chains of instances are independent (each on its own store) and run
+    concurrently (`each`: two at a time on CPU, the longest, pd, first); only those the selected tests use."""
+    names = requested(request, ("pd", "kvtc_pd", "smoothed_pd"))
+    model_dir = request.getfixturevalue("centered_model_dir") if "smoothed_pd" in names else None
+    calls = {"pd": lambda: _pd(checkpoint, tmp_path_factory), "kvtc_pd": lambda: _kvtc_pd(checkpoint, tmp_path_factory),
+             "smoothed_pd": lambda: _smoothed_pd(model_dir, tmp_path_factory)}
+    return each({name: calls[name] for name in names})
+
+
+@pytest.fixture(scope="module")
+def pd(chains) -> dict[str, dict]:
+    return chains["pd"]
+
+
+@pytest.fixture(scope="module")
+def kvtc_pd(chains) -> dict[str, dict]:
+    return chains["kvtc_pd"]
+
+
+@pytest.fixture(scope="module")
+def smoothed_pd(chains) -> dict[str, dict]:
+    return chains["smoothed_pd"]

@@ -9,7 +9,7 @@ rank) of a tiny random Llama (hidden 256, 8 query / 4 KV heads, head_dim 32, 2 l
 tokenizer) at TP=1 and TP=2 for kvx_nvfp4, kvx_int4 and kvx_int8 (`TP_DTYPES`), for kvx_nvfp4 with a calibration
 file (per-head key smoothing, centering and global scales, every head's values distinct, so a rank bound to another
 rank's rows shows) and for kvx_nvfp4 with the MXFP4 lm_head option (each rank quantizes its vocabulary
-shard); 10 runs, ~25 s each here:
+shard); 10 runs, ~25 s each here, two at a time:
 - every rank's layers hold 2 KV heads and exactly its heads' rows of the file;
 - TP=2 holds twice the KV blocks of TP=1 in the same per-worker KV space (each rank stores half the heads);
 - prompt log-probabilities (top-5 at every position, teacher-forced: chunked prefill over the pages) and the greedy
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +31,7 @@ import torch
 
 from kvx_core.transfer.tp import tp_head_range
 
-from ..procs import run as run_subprocess
+from .runs import results
 from .test_vllm_plugin import ENV
 
 pytestmark = pytest.mark.vllm
@@ -209,17 +208,15 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, calibrated_model) -> dict[tuple, dict]:
-    """(dtype, TP size, variant) -> the run's result."""
-    out = {}
-    for dtype, tp, variant in RUNS:
-        model = calibrated_model if variant == "calibrated" else tiny_model
-        kvx = {"lm_head": "mxfp4"} if variant == "lm_head" else {}
-        p = run_subprocess([sys.executable, str(RUNNER), str(model), dtype, str(tp), json.dumps(_prompts()),
-                            json.dumps(kvx)], env=TP_ENV)
-        m = re.search(r"^KVX_RESULT (.*)$", p.stdout, re.M)
-        assert p.returncode == 0 and m, \
-            f"vLLM TP={tp} {variant} run with {dtype} failed:\n{(p.stdout + p.stderr)[-4000:]}"
-        out[dtype, tp, variant] = json.loads(m.group(1))
+    """(dtype, TP size, variant) -> the run's result; the runs are independent (`results`: two at a time, the
+    TP=2 ones first: a TP=2 run takes longest, its two workers starting one after the other)."""
+    order = sorted(RUNS, key=lambda r: -r[1])
+    cmds = {(dtype, tp, variant): [sys.executable, str(RUNNER),
+                                   str(calibrated_model if variant == "calibrated" else tiny_model), dtype, str(tp),
+                                   json.dumps(_prompts()), json.dumps({"lm_head": "mxfp4"} if variant == "lm_head"
+                                                                      else {})]
+            for dtype, tp, variant in order}
+    out = results(cmds, TP_ENV)
     if os.environ.get("KVX_VLLM_TP_RESULTS"):
         Path(os.environ["KVX_VLLM_TP_RESULTS"]).write_text(json.dumps({str(k): v for k, v in out.items()}))
     return out
