@@ -12,6 +12,19 @@ import os
 
 _COMMON = {"torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 
+# gpt-oss-20b, 4 of 24 layers: learned sinks, 128-token windows on even layers, MoE (BF16 experts here:
+# no MXFP4 weights are loaded with dummy weights), head_dim 64, 64 query / 8 KV heads
+_GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+                "intermediate_size": 2880, "num_hidden_layers": 4, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
+                "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+                "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096},
+                "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
+                "initial_context_length": 4096, "router_aux_loss_coef": 0.9, "output_router_logits": False}
+
 MODELS: dict[str, dict] = {
     # Llama 3 8B, 8 of 32 layers: bench_vllm.py's model since its first results (kept for comparability)
     "llama3-8b-8l": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -25,33 +38,12 @@ MODELS: dict[str, dict] = {
                       "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
                       "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
                       "hidden_act": "silu", "tie_word_embeddings": False},
-    # gpt-oss-20b, 4 of 24 layers: learned sinks, 128-token windows on even layers, MoE (BF16 experts here:
-    # no MXFP4 weights are loaded with dummy weights), head_dim 64, 64 query / 8 KV heads
-    "gpt-oss-20b-4l": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
-                       "intermediate_size": 2880, "num_hidden_layers": 4, "num_attention_heads": 64,
-                       "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
-                       "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
-                       "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2,
-                       "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_theta": 150000,
-                       "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                        "truncate": False, "original_max_position_embeddings": 4096},
-                       "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
-                       "initial_context_length": 4096, "router_aux_loss_coef": 0.9, "output_router_logits": False},
+    "gpt-oss-20b-4l": _GPT_OSS_20B,
     # gpt-oss-120b, 4 of 36 layers: the 20b's attention (sinks, 128-token windows on even layers, 64/8 heads,
     # head_dim 64) and 128 experts (top-4) instead of 32. Numbers: openai/gpt-oss-120b's config.json, as the defaults
     # of huggingface/transformers src/transformers/models/gpt_oss/configuration_gpt_oss.py (commit 02b8f42b: 36
     # layers, 128 experts, the 20b's other values)
-    "gpt-oss-120b-4l": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
-                        "intermediate_size": 2880, "num_hidden_layers": 4, "num_attention_heads": 64,
-                        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
-                        "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
-                        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2,
-                        "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_theta": 150000,
-                        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                         "truncate": False, "original_max_position_embeddings": 4096},
-                        "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
-                        "initial_context_length": 4096, "router_aux_loss_coef": 0.9,
-                        "output_router_logits": False},
+    "gpt-oss-120b-4l": {**_GPT_OSS_20B, "num_local_experts": 128},
     # Gemma 3 27B, 6 of 62 layers (one period of its 5 local : 1 global pattern), 1024-token windows,
     # query_pre_attn_scalar 168 (sm_scale 168^-0.5, not head_dim^-0.5), head_dim 128, 32 query / 16 KV heads
     "gemma3-27b-6l": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
