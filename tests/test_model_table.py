@@ -18,6 +18,7 @@ import model_table as mt  # noqa: E402
 from model_geometries import MODELS  # noqa: E402
 
 from kvx_core.errors import KvxError, Status  # noqa: E402
+from tests.sources import package_dirs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = yaml.safe_load((ROOT / "compat_matrix.yaml").read_text(encoding="utf-8"))["models"]
@@ -70,13 +71,14 @@ def test_mla_row_quotes_the_plugins_refusal():
     row = next(r for r in ROWS.values() if "mla" in r["needs"])
     assert row["status"] == "unsupported" and "DeepSeek" in row["model"]
     quote = re.search(r"'([^']+)'", row["reason"]).group(1)
-    assert quote in (ROOT / "plugins/kvx_vllm/kvx_vllm/options.py").read_text(encoding="utf-8")
+    assert quote in (package_dirs(ROOT)["kvx_vllm"] / "options.py").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("key", [k for k, r in ROWS.items() if r["status"] == "unsupported"])
 def test_unsupported_rows_cite_the_refusing_source(key):
     sources = re.findall(r"kvx_vllm/(\w+\.py)", ROWS[key]["reason"])
-    assert sources and all((ROOT / "plugins/kvx_vllm/kvx_vllm" / s).is_file() for s in sources), key
+    plugin = package_dirs(ROOT)["kvx_vllm"]  # the checkout's, or the installed one in the wheel stage
+    assert sources and all((plugin / s).is_file() for s in sources), key
 
 
 # ---- malformed rows are refused, naming the row ----------------------------------------------------------------------
