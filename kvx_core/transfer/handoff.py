@@ -200,9 +200,10 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
         same.append(src == dst and all((a is None) == (b is None) for _, a, b in pairs))
         for n, a, b in pairs if same[-1] else ():
             if a is not None:
-                group = compare.setdefault((n, a.device, a.shape), ([], [], []))
-                for part, t in zip(group, (i, a, b if b.device == a.device else b.to(a.device)), strict=True):
-                    part.append(t)
+                layer_ids, mine, theirs = compare.setdefault((n, a.device, a.shape), ([], [], []))
+                layer_ids.append(i)
+                mine.append(a)
+                theirs.append(b if b.device == a.device else b.to(a.device))
     flags = [finite_positive(torch.cat(ours))] if ours else []
     flags += [(torch.stack(a).float() == torch.stack(b)).flatten(1).all(1) for _, a, b in compare.values()]
     got = read_flags(flags)

@@ -279,14 +279,13 @@ def _spec_classes_026() -> dict[type, type]:
     return {base: kvx_spec(base) for base in (FullAttentionSpec, SlidingWindowSpec)}
 
 
-SPEC_CLASS_NAMES = ("KvxFullAttentionSpec", "KvxSlidingWindowSpec")
-
-
 def __getattr__(name: str) -> type:
     """`kvx_vllm.compat.KvxFullAttentionSpec` / `KvxSlidingWindowSpec` by name, defined on first lookup: vLLM's
     multiprocess executor (every TP > 1 run) pickles each worker's KV-cache specs to the engine core, and pickle
     finds a class by its module and name; without this lookup the workers' replies fail to pickle and the engine
     core waits for them until it times out (seen with vLLM 0.26 at TP=2 on two H200s)."""
-    if name in SPEC_CLASS_NAMES:
-        return next(c for c in _spec_classes_026().values() if c.__name__ == name)
+    if name.startswith("Kvx") and name.endswith("Spec"):  # the names `_spec_classes_026` gives; vLLM imported then
+        for cls in _spec_classes_026().values():
+            if cls.__name__ == name:
+                return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
