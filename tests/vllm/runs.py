@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -13,6 +15,15 @@ from ..procs import JOBS, run, run_many
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def root_on_path(env: dict[str, str]) -> str:
+    """`env`'s PYTHONPATH with the repository root first: runners that hand vLLM's workers a probe by module name
+    (`tests.vllm....`) need it importable in every worker process."""
+    return os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
 
 
 def jobs() -> int:

@@ -31,7 +31,7 @@ import torch
 
 from kvx_core.transfer.tp import tp_head_range
 
-from .runs import results
+from .runs import results, root_on_path
 from .test_vllm_plugin import ENV
 
 pytestmark = pytest.mark.vllm
@@ -40,8 +40,7 @@ RUNNER = Path(__file__).with_name("vllm_tp_run.py")
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 8, 4, 32, 1024
 PROMPT_LEN = 160  # > max_num_batched_tokens (64) of the runner: chunked prefill over cached pages
 TP_ENV = {**ENV, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-          "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2])]
-                                        + ([ENV["PYTHONPATH"]] if ENV.get("PYTHONPATH") else []))}
+          "PYTHONPATH": root_on_path(ENV)}
 """One thread per worker and no binding: vLLM CPU's automatic binding wants one NUMA node per rank ("Not enough
 allowed NUMA nodes to bind threads of 2 local CPUWorkers") and this machine has one. The repository root on the
 path: the runner hands its per-rank probe to the workers by module name (`tests.vllm.vllm_tp_run`)."""

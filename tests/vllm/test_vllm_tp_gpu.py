@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from ..procs import communicate
-from .runs import parse
+from .runs import parse, root_on_path
 from .test_vllm_connector_tp_engine import check_handoff, handoff, write_tokenizer
 from .test_vllm_tp import CONTROL_RATIO, TP_BOUND, _gaps, _summary
 
@@ -54,8 +54,7 @@ CONTROL = {"kvx_nvfp4": "kvx_int4", "kvx_int4": "kvx_nvfp4"}
 """The TP=1 run a TP=2 run must lie much farther from: the other 4-bit dtype."""
 BLOCK_RATIO = 1.9
 GPU_ENV = {**os.environ, "KVX_TP_RUN_GRAPHS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
-                                                        else []))}
+           "PYTHONPATH": root_on_path(os.environ)}
 """The runs' environment: CUDA graphs, and the repository root on the path (the runner hands its per-rank probe to
 vLLM's workers by module name)."""
 
