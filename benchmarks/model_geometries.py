@@ -25,6 +25,18 @@ _GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
                 "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
                 "initial_context_length": 4096, "router_aux_loss_coef": 0.9, "output_router_logits": False}
 
+# Gemma 3 27B, 6 of 62 layers (one period of its 5 local : 1 global pattern), 1024-token windows,
+# query_pre_attn_scalar 168 (sm_scale 168^-0.5, not head_dim^-0.5), head_dim 128, 32 query / 16 KV heads
+_GEMMA3_27B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
+               "intermediate_size": 21504, "num_hidden_layers": 6, "num_attention_heads": 32,
+               "num_key_value_heads": 16, "head_dim": 128, "vocab_size": 262208,
+               "query_pre_attn_scalar": 168, "sliding_window": 1024, "sliding_window_pattern": 6,
+               "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+               "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+               "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
+               "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+               "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True}
+
 MODELS: dict[str, dict] = {
     # Llama 3 8B, 8 of 32 layers: bench_vllm.py's model since its first results (kept for comparability)
     "llama3-8b-8l": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -44,30 +56,14 @@ MODELS: dict[str, dict] = {
     # of huggingface/transformers src/transformers/models/gpt_oss/configuration_gpt_oss.py (commit 02b8f42b: 36
     # layers, 128 experts, the 20b's other values)
     "gpt-oss-120b-4l": {**_GPT_OSS_20B, "num_local_experts": 128},
-    # Gemma 3 27B, 6 of 62 layers (one period of its 5 local : 1 global pattern), 1024-token windows,
-    # query_pre_attn_scalar 168 (sm_scale 168^-0.5, not head_dim^-0.5), head_dim 128, 32 query / 16 KV heads
-    "gemma3-27b-6l": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
-                      "intermediate_size": 21504, "num_hidden_layers": 6, "num_attention_heads": 32,
-                      "num_key_value_heads": 16, "head_dim": 128, "vocab_size": 262208,
-                      "query_pre_attn_scalar": 168, "sliding_window": 1024, "sliding_window_pattern": 6,
-                      "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-                      "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-                      "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
-                      "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
-                      "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True},
+    "gemma3-27b-6l": _GEMMA3_27B,
     # Gemma 3 12B, 6 of 48 layers (one 5 local : 1 global period), 1024-token windows, head_dim 256 (as 1B and 4B),
     # 16 query / 8 KV heads, scale head_dim^-0.5 (query_pre_attn_scalar 256). Numbers: google-deepmind/gemma
     # gemma/gm/nn/_gemma.py (commit 9fec24ca, Gemma3_12B) and the Gemma3TextConfig defaults of huggingface/transformers
-    # src/transformers/models/gemma3/configuration_gemma3.py (vocab 262208, rope_local_base_freq, eps)
-    "gemma3-12b-6l": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 3840,
-                      "intermediate_size": 15360, "num_hidden_layers": 6, "num_attention_heads": 16,
-                      "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 262208,
-                      "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
-                      "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-                      "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-                      "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
-                      "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
-                      "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True},
+    # src/transformers/models/gemma3/configuration_gemma3.py (vocab 262208, rope_local_base_freq, eps):
+    # the 27B's values but the sizes below
+    "gemma3-12b-6l": {**_GEMMA3_27B, "hidden_size": 3840, "intermediate_size": 15360, "num_attention_heads": 16,
+                      "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256},
     # Qwen3-8B, 8 of 36 layers: q/k norms, head_dim 128, 32 query / 8 KV heads
     "qwen3-8b-8l": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
                     "intermediate_size": 12288, "num_hidden_layers": 8, "num_attention_heads": 32,
