@@ -5,7 +5,8 @@
 `bench_vllm.py`'s model and settings, eager (CUPTI sees every kernel; kernel times do not depend on graphs), the
 engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so torch.profiler sees its kernels. The prompts
 are cached first; the profile covers `--steps` decode steps (plus the one-token recompute of the cached prompts).
-Prints one JSON line: per kernel (name cut to 90 characters) its total ms and calls, the step's total kernel ms.
+Prints one JSON line: per kernel (name cut to 90 characters) its total ms and calls, the step's total kernel ms,
+the kernel launches in all and per step (the CUDA-graph node count of a step), and the model's layer count.
 """
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ def main() -> None:
             rows[e.key[:90]] = (t / 1e3, e.count)
     top = sorted(rows.items(), key=lambda kv: -kv[1][0])
     total = sum(ms for ms, _ in rows.values())
+    launches = sum(n for _, n in rows.values())
     print("KVX_PROFILE " + json.dumps({"dtype": a.dtype, "batch": a.batch, "ctx": a.ctx, "steps": a.steps,
-                                        "kernel_ms_total": round(total, 3),
+                                        "kernel_ms_total": round(total, 3), "launches_total": launches,
+                                        # the profile covers `steps` decode steps and the one-token recompute
+                                        "launches_per_step": round(launches / (a.steps + 1), 1),
+                                        "layers": MODEL["num_hidden_layers"],
                                         "top": [[k, round(ms, 3), n] for k, (ms, n) in top[:a.top]]}), flush=True)
 
 
