@@ -162,13 +162,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--memory", default="device,host", type=lambda s: s.split(","))
-    ap.add_argument("--devices", default="0,1", type=lambda s: [int(d) for d in s.split(",")],
-                    help="CUDA device indices of the producer and the consumer")
+    ap.add_argument("--devices", type=lambda s: [int(d) for d in s.split(",")],
+                    help="CUDA device indices of the producer and the consumer (default: 0,1 where two GPUs are "
+                         "visible, else 0,0: a worker of scripts/gpu_suite.sh sees one)")
     ap.add_argument("--ucx-tls", help="UCX_TLS for both processes (default: UCX's choice)")
     ap.add_argument("--ucx-proto-info", action="store_true", help="UCX prints its protocol / transport choices")
     ap.add_argument("--role", default="consumer", choices=("consumer", "producer"), help=argparse.SUPPRESS)
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.devices is None:
+        a.devices = [0, 1 if torch.cuda.device_count() > 1 else 0]
     if a.ucx_tls:
         os.environ["UCX_TLS"] = a.ucx_tls
     if a.ucx_proto_info:

