@@ -68,7 +68,7 @@ def test_a_wrong_page_model_fails_the_probe():
 
     import kvx_vllm
     from kvx_vllm.api_check import _page_probe, live_probes
-    from kvx_vllm.compat import install_version_hooks
+    from kvx_vllm.spec026 import install_version_hooks
 
     kvx_vllm.register()
     assert _page_probe("layout") and _page_probe("customize_shape")

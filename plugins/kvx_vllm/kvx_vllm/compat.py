@@ -8,7 +8,7 @@ its pages (from what vLLM's API offers, cross-checked against the model the rele
 `EXPECTED_PAGE_MODE`; a wrong model would give vLLM's dense page size silently):
 
 - "spec_hook" (0.26, 0.27): no `customize_spec`. A layer's page size comes from `Attention.get_kv_cache_spec`,
-  whose `FullAttentionSpec` counts `2 * head_size * dtype` bytes per token and head; `install_version_hooks`
+  whose `FullAttentionSpec` counts `2 * head_size * dtype` bytes per token and head; `spec026.install_version_hooks`
   wraps it so `kvx_*` layers get a `KvxFullAttentionSpec` (a `FullAttentionSpec` whose page is
   `block_size * token_bytes`: the format's real bytes, so a 4-bit cache holds ~3.5x the blocks; sliding-window
   layers likewise a `KvxSlidingWindowSpec`), and the backend's `get_kv_cache_shape` views each page as
@@ -24,10 +24,8 @@ This module imports nothing from vLLM at module level (tests load it without vLL
 """
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from .api_check import ApiReport, Facts, LiveFacts, live_probes, run_checks
 
@@ -186,106 +184,3 @@ def versions_table() -> str:
     refused = "unsupported (sources not read)"
     rows.append(f"| < 0.{lo}, > 0.{hi} | | | {refused} | {refused} |")
     return "\n".join(rows) + "\n"
-
-
-def default_backend_path() -> tuple[str, str]:
-    """(AttentionBackendEnum member, its vLLM class path) that the platform picks by default and that the
-    plugin puts its dispatcher behind: CPU_ATTN on CPU, FLASH_ATTN on CUDA."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return "CPU_ATTN", "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
-    return "FLASH_ATTN", "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
-
-
-def install_version_hooks(page_mode: str) -> None:
-    """Hooks the detected page model needs beyond the backend class (idempotent): the spec hook for "spec_hook"
-    only (on later models it would be ignored and leave vLLM's dense page)."""
-    if page_mode == "spec_hook":
-        _install_page_spec_026()
-
-
-def _install_page_spec_026() -> None:
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    if getattr(Attention.get_kv_cache_spec, "_kvx", False):
-        return
-    original = Attention.get_kv_cache_spec
-
-    def get_kv_cache_spec(self, vllm_config):
-        from .dtypes import is_kvx_dtype
-
-        spec = original(self, vllm_config)
-        if spec is None or not is_kvx_dtype(self.kv_cache_dtype):
-            return spec
-        return kvx_spec_026(spec, vllm_config)
-
-    get_kv_cache_spec._kvx = True
-    Attention.get_kv_cache_spec = get_kv_cache_spec
-
-
-def kvx_spec_026(spec: Any, vllm_config: Any) -> Any:
-    """vLLM 0.26-0.27: the layer's `FullAttentionSpec` / `SlidingWindowSpec` as its KVX subclass of the run's format
-    (the same fields, the page of the format's bytes), so vLLM's hybrid allocator mixes full and window groups of
-    one page size."""
-    from dataclasses import fields
-
-    from kvx_core.formats import get_format
-
-    from .options import check_config
-    from .pages import token_bytes
-
-    classes = _spec_classes_026()
-    if type(spec) not in classes:
-        raise ValueError(f"KVX cache dtype {vllm_config.cache_config.cache_dtype}: this layer needs a "
-                         f"{type(spec).__name__} (chunked local attention, ...), which the KVX vLLM backend does not "
-                         "serve; use another --kv-cache-dtype")
-    fmt = get_format(check_config(vllm_config))
-    kw = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
-    return classes[type(spec)](**kw, kvx_token_bytes=token_bytes(fmt, spec.num_kv_heads, spec.head_size))
-
-
-@functools.cache
-def _spec_classes_026() -> dict[type, type]:
-    """vLLM's spec class -> its KVX subclass (`KvxFullAttentionSpec`, `KvxSlidingWindowSpec`), defined once vLLM
-    0.26-0.27 is importable. Each is managed as its vLLM base (vLLM's registry walks the MRO)."""
-    from dataclasses import dataclass, replace
-
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    def kvx_spec(base: type) -> type:
-        @dataclass(frozen=True, kw_only=True)
-        class KvxSpec(base):
-            """A layer whose page holds one block of a KVX format: `block_size * kvx_token_bytes` (K and V
-            payload plus scales of all KV heads)."""
-
-            kvx_token_bytes: int = 0
-
-            @property
-            def real_page_size_bytes(self) -> int:
-                assert self.kvx_token_bytes > 0, f"{type(self).__name__} without its bytes per token"
-                return self.block_size * self.kvx_token_bytes
-
-            @classmethod
-            def merge(cls, specs):
-                merged = super().merge(specs)
-                if len({s.kvx_token_bytes for s in specs}) != 1:
-                    raise ValueError("KVX: the layers of one KV cache group need the same bytes per token")
-                return replace(merged, kvx_token_bytes=specs[0].kvx_token_bytes)
-
-        KvxSpec.__name__ = KvxSpec.__qualname__ = "Kvx" + base.__name__
-        return KvxSpec
-
-    return {base: kvx_spec(base) for base in (FullAttentionSpec, SlidingWindowSpec)}
-
-
-def __getattr__(name: str) -> type:
-    """`kvx_vllm.compat.KvxFullAttentionSpec` / `KvxSlidingWindowSpec` by name, defined on first lookup: vLLM's
-    multiprocess executor (every TP > 1 run) pickles each worker's KV-cache specs to the engine core, and pickle
-    finds a class by its module and name; without this lookup the workers' replies fail to pickle and the engine
-    core waits for them until it times out (seen with vLLM 0.26 at TP=2 on two H200s)."""
-    if name.startswith("Kvx") and name.endswith("Spec"):  # the names `_spec_classes_026` gives; vLLM imported then
-        for cls in _spec_classes_026().values():
-            if cls.__name__ == name:
-                return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
