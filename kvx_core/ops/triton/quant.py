@@ -28,11 +28,11 @@ def rint(v):
 def div_ieee(x, y, ASM: tl.constexpr):
     """x / y in FP32, correctly rounded, subnormal operands and quotients kept (IEEE 754, as torch divides).
 
-    `tl.math.div_rn` is not that on every Triton: up to 3.5 it lowers to libdevice's `__nv_fdiv_rn`, which
-    Triton links with `nvvm-reflect-ftz` set, i.e. PTX `div.rn.ftz.f32` (a subnormal operand or quotient becomes
-    0); 3.6 emits `div.rn.f32` itself (triton-lang/triton#8557). The kernels run under whatever Triton the serving
-    engine brings, so on CUDA (ASM) they state the PTX instruction; the CPU interpreter, which runs no inline asm,
-    uses `div_rn` (numpy's IEEE division)."""
+    `tl.math.div_rn` is not that on every Triton: before 3.6 (3.5.1 checked) it lowers to libdevice's
+    `__nv_fdiv_rn`, which Triton links with `nvvm-reflect-ftz` set, i.e. PTX `div.rn.ftz.f32` (a subnormal operand
+    or quotient becomes 0); 3.6 emits `div.rn.f32` itself (triton-lang/triton#8557). The kernels run under whatever
+    Triton the serving engine brings, so on CUDA (ASM) they state the PTX instruction; the CPU interpreter, which
+    runs no inline asm, uses `div_rn` (numpy's IEEE division)."""
     if ASM:
         return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
                                          is_pure=True, pack=1)
