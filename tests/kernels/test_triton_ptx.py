@@ -1,9 +1,10 @@
-"""The PTX of the Triton kernels whose bytes are pinned to the torch reference (the fused write, KVTC pack / unpack),
-compiled here for sm_90 without a GPU (Triton's NVIDIA backend runs on the host): every FP32 division is the IEEE
-`div.rn.f32` and no instruction carries `.ftz` (flush subnormal operands and results to zero). Under Triton <= 3.5,
-`tl.math.div_rn` compiled to `div.rn.ftz.f32` (libdevice linked with nvvm-reflect-ftz); `quant.div_ieee` states the
-instruction, so this holds whatever Triton the engine brings. The compile runs in a subprocess without
-TRITON_INTERPRET (the test session defines the kernels for the interpreter)."""
+"""The PTX of the Triton kernels whose bytes are pinned to the torch reference (the fused write, the import
+conversion that encodes through it, KVTC pack / unpack), compiled here for sm_90 without a GPU (Triton's NVIDIA
+backend runs on the host): every FP32 division is the IEEE `div.rn.f32` and no instruction carries `.ftz` (flush
+subnormal operands and results to zero). Before Triton 3.6, `tl.math.div_rn` compiled to `div.rn.ftz.f32` (libdevice
+linked with nvvm-reflect-ftz); `quant.div_ieee` states the instruction, so this holds whatever Triton the engine
+brings. The compile runs in a subprocess without TRITON_INTERPRET (the test session defines the kernels for the
+interpreter)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ def compile_ptx() -> dict[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvx_core.ops.triton import dequant, kvtc, write
+    from kvx_core.ops.triton import convert, dequant, kvtc, write
 
     def ptx(fn, types: dict[str, str], consts: dict) -> str:
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -33,14 +34,24 @@ def compile_ptx() -> dict[str, str]:
         return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options=opts).asm["ptx"]
 
+    def side(prefix: str, name: str) -> dict:
+        code, grp, ngp, rceil = WRITE_FORMATS[name]
+        return {prefix + "F": int(getattr(dequant, code)), prefix + "GRP": grp, prefix + "NGP": ngp,
+                prefix + "E5": False, prefix + "RCEIL": rceil}
+
     out = {}
     ptrs = {"SLOT": "*i64", "KX": "*bf16", "VX": "*fp32", "KD": "*u8", "VD": "*u8", "KS": "*u8", "VS": "*u8",
             "KG": "*fp32", "VG": "*fp32"}
-    for name, (code, grp, ngp, rceil) in WRITE_FORMATS.items():
-        side = {"F": int(getattr(dequant, code)), "GRP": grp, "NGP": ngp, "E5": False, "RCEIL": rceil}
-        consts = {"D": 128, "DP": 128, "BT": 32, "BS": 16, "ASM": True,
-                  **{p + k: v for p in "KV" for k, v in side.items()}}
+    for name in WRITE_FORMATS:
+        consts = {"D": 128, "DP": 128, "BT": 32, "BS": 16, "ASM": True, **side("K", name), **side("V", name)}
         out[f"write/{name}"] = ptx(write._write_kernel, ptrs, consts)
+    # import conversion from INT8 rows into (K, V) = (NVFP4, MXFP4) and (FP8, INT4)
+    ptrs |= {"KX": "*fp32", "KR": "*u8", "VR": "*u8", "KRS": "*u8", "VRS": "*u8", "KRG": "*fp32", "VRG": "*fp32"}
+    for k, v in (("nvfp4", "mxfp4"), ("fp8", "int4")):
+        source = {"S" + key: val for key, val in (side("K", "int8") | side("V", "int8")).items() if "RCEIL" not in key}
+        consts = {"D": 128, "DP": 128, "BT": 32, "BS": 16, "ENCODE": True, "ASM": True, **source, **side("K", k),
+                  **side("V", v)}
+        out[f"convert/{k}+{v}"] = ptx(convert._convert_kernel, ptrs, consts)
     out["kvtc/pack"] = ptx(kvtc._pack_kernel, {"Y": "*fp32", "MN": "*fp32", "ST": "*fp32", "SC": "*fp32", "T": "*i64",
                                                "HDR": "*u8", "OUT": "*u8"}, {"BM": 64, "JB": 16, "CB": 16, "ASM": True})
     out["kvtc/unpack"] = ptx(kvtc._unpack_kernel, {"BODY": "*u8", "SC": "*fp32", "T": "*i64", "Y": "*fp32"},
@@ -62,7 +73,8 @@ def test_pinned_kernels_divide_in_ieee_and_never_flush_subnormals():
                          check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(kernels) == {f"write/{n}" for n in WRITE_FORMATS} | {"kvtc/pack", "kvtc/unpack"}
+    assert set(kernels) == {f"write/{n}" for n in WRITE_FORMATS} | {"convert/nvfp4+mxfp4", "convert/fp8+int4",
+                                                                    "kvtc/pack", "kvtc/unpack"}
     for name, ptx in kernels.items():
         ins = _instructions(ptx)
         assert ins, name
