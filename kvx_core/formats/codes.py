@@ -28,7 +28,7 @@ _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, 
 def div_exact(x: Tensor, d: float) -> Tensor:
     """`x / d` rounded as IEEE division on every device. PyTorch's CUDA kernels divide a tensor by a Python number as
     a multiplication by its reciprocal (not correctly rounded: `(mx - mn) / 255` or `amax / 6` can differ in the
-    last bit from the pinned formulas and the kernels' `div_rn`), so the divisor is a tensor on `x`'s device."""
+    last bit from the pinned formulas and the kernels' `div_ieee`), so the divisor is a tensor on `x`'s device."""
     return x / torch.full((), d, dtype=x.dtype, device=x.device)
 
 

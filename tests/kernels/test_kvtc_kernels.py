@@ -90,6 +90,55 @@ def test_fp8_sections_saturate_and_int_sections_refuse_beyond_fp16(device):
     assert e.value.status == Status.OUT_OF_RANGE and torch.equal(body, before)
 
 
+TINY, SUB = 2.0 ** -120, 2.0 ** -133  # a normal and a subnormal FP8 scale
+
+
+def test_fp8_sections_keep_subnormal_operands_and_quotients(device):
+    """FP8 codes `y / scale` with subnormal operands, hand values (numpy FP32 division and ml_dtypes' E4M3 agree):
+    scale 2**-120, y = 3 * 2**-131, -5 * 2**-130, 2**-126 -> 0.75, -2.5 (a tie: to even) and 8 times 2**-9, bytes
+    0x01, 0x82, 0x08; scale 2**-133 (subnormal), y = 2**-133, 2**-130, 0 -> 1, 8, 0: bytes 0x38, 0x50, 0x00. A division
+    that flushes subnormals (Triton <= 3.5's `div_rn`: div.rn.ftz.f32) stores 0x00, 0x80, 0x08 and, dividing by 0,
+    +-448 / NaN. (IntX codes divide by an fp16 step >= 2**-24: a subnormal `y - min` codes 0 flushed or not; the
+    subnormal column of `_projections` covers them.)"""
+    import dataclasses
+
+    import ml_dtypes
+    import numpy as np
+
+    base = _calibration()
+    groups = []
+    for g in base.groups:
+        sides = {}
+        for name, c in g.items():
+            scale = c.fp8_scale.clone()
+            for lo, _, kind in c.ranges:
+                if kind == "fp8":
+                    scale[lo:lo + 2] = torch.tensor([TINY, SUB])
+            sides[name] = dataclasses.replace(c, fp8_scale=scale)
+        groups.append(sides)
+    cal = dataclasses.replace(base, groups=tuple(groups))
+    layout = body_layout(cal, 3, start=0)
+    y = _projections(3, layout.columns, "cpu")
+    cols = [(s.column, s.data_at, s.row_bytes) for s in layout.sections if not s.kind.is_int]
+    assert cols
+    for c, _, _ in cols:
+        y[:, c] = torch.tensor([3 * 2.0 ** -131, -5 * 2.0 ** -130, 2.0 ** -126])
+        y[:, c + 1] = torch.tensor([2.0 ** -133, 2.0 ** -130, 0.0])
+    want = [[0x01, 0x38], [0x82, 0x50], [0x08, 0x00]]
+    f = np.float32
+    for j, sc in enumerate((TINY, SUB)):
+        q = y[:, cols[0][0] + j].numpy() / f(sc)
+        assert np.array(q, np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).tolist() == [r[j] for r in want]
+    bodies = {}
+    for backend in ("torch", "triton"):
+        body = torch.zeros(layout.end, dtype=torch.uint8, device=device)
+        encode_sections(y.to(device), cal, layout, body, backend=backend)
+        bodies[backend] = body.cpu()
+        for _, at, rb in cols:
+            assert bodies[backend][at:at + 3 * rb].view(3, rb)[:, :2].tolist() == want, backend
+    assert torch.equal(bodies["torch"], bodies["triton"])
+
+
 @pytest.mark.gpu
 def test_gpu_codec_round_trip_decodes_the_same_on_the_cpu():
     """Keys with RoPE applied (removed and put back by the codec), low-rank K/V plus 5% noise: the GPU's buffer

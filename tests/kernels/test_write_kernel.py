@@ -131,6 +131,126 @@ def test_fp8_rounding_every_boundary(fmt_name, mbits, device, backend):
     assert torch.equal(vd.cpu().view(torch.uint8), kd.cpu().view(torch.uint8))
 
 
+# Divisions of the write whose operand or quotient is an FP32 subnormal (< 2**-126), with the bytes IEEE division
+# stores (hand values) and, in the comments, what a flushing division stores instead: PTX div.rn.ftz.f32, which is
+# what `tl.math.div_rn` compiles to under Triton <= 3.5 (libdevice with nvvm-reflect-ftz). Per format: the two heads'
+# global scales, each head's leading values (the rest 0), and (head, "scale" | "payload", byte, IEEE byte).
+TINY_G = 2.0 ** -120  # a normal global scale that maps FP32 subnormals x into the FP8 / FP4 range (x / g)
+SUB_G = 2.0 ** -133   # a subnormal global scale (FP32 and bf16)
+SUBNORMAL_DIVISIONS = {
+    # s = amax / (6 g). Head 0, g = 1: amax 2**-133 (subnormal operand) and 2**-125 (s = 2**-125 / 6, a subnormal
+    # quotient): s > 0 clamps to 2**-9 (byte 0x01); flushed, s = 0 takes the zero-scale rule (1.0, byte 0x38).
+    # Head 1, g = 2**-120: amax 2**-127, s = 2**-7 / 6 -> byte 0x01, S = 2**-9 * g = 2**-129 (subnormal divisor):
+    # x / S = 4, -2, 3 -> E2M1 codes 6, 0xC, 5 (bytes 0xC6, 0x05); flushed: byte 0x38 and codes 0.
+    "nvfp4": ((1.0, TINY_G),
+              {0: [2.0 ** -133] * 16 + [2.0 ** -125] * 16, 1: [2.0 ** -127, -2.0 ** -128, 3 * 2.0 ** -129]},
+              [(0, "scale", 0, 0x01), (0, "scale", 1, 0x01), (1, "scale", 0, 0x01), (1, "payload", 0, 0xC6),
+               (1, "payload", 1, 0x05)]),
+    # RCEIL: E = ceil(log2(amax / 6)); amax = 2**-124: amax / 6 = 2**-126.58 (subnormal quotient) -> E = -126
+    # (byte 1), x * 2**126: 2**-124 -> 4, 2**-126 -> 1, -2**-125 -> -2 (codes 6, 2, 0xC: bytes 0x26, 0x0C);
+    # flushed: E = -127 (byte 0), x * 2**127 -> 8 (saturates to 6), 2, -4 (bytes 0x47, 0x0E).
+    "mxfp4": ((1.0, 1.0), {0: [2.0 ** -124, 2.0 ** -126, -2.0 ** -125]},
+              [(0, "scale", 0, 0x01), (0, "payload", 0, 0x26), (0, "payload", 1, 0x0C)]),
+    "mxfp4_32": ((1.0, 1.0), {1: [2.0 ** -124, 2.0 ** -126, -2.0 ** -125]},
+                 [(1, "scale", 0, 0x01), (1, "payload", 0, 0x26), (1, "payload", 1, 0x0C)]),
+    # y = x / g. Head 0, g = 2**-133 (subnormal divisor): 2**-133 -> 1.0 (0x38), 2**-130 -> 8 (0x50); flushed 0 / 0
+    # and x / 0 give NaN / inf, stored as -448 / 448. Head 1, g = 2**-120: 3 * 2**-131 -> 0.75 * 2**-9 (RNE to byte
+    # 0x01), -5 * 2**-130 -> -2.5 * 2**-9 (tie to even: 0x82), 2**-126 -> 2**-6 (0x08); flushed: 0x00, 0x80, 0x08.
+    "fp8_e4m3": ((SUB_G, TINY_G), {0: [2.0 ** -133, 2.0 ** -130], 1: [3 * 2.0 ** -131, -5 * 2.0 ** -130, 2.0 ** -126]},
+                 [(0, "payload", 0, 0x38), (0, "payload", 1, 0x50), (1, "payload", 0, 0x01), (1, "payload", 1, 0x82),
+                  (1, "payload", 2, 0x08)]),
+    # E5M2: 2**-133 / 2**-133 = 1.0 (0x3C); 2**-127 / 2**-120 = 2**-7 (0x20), -3 * 2**-131 / 2**-120 = -1.5 * 2**-10
+    # (0x96); flushed: NaN (-57344), 0x00, 0x80.
+    "fp8_e5m2": ((SUB_G, TINY_G), {0: [2.0 ** -133], 1: [2.0 ** -127, -3 * 2.0 ** -131]},
+                 [(0, "payload", 0, 0x3C), (1, "payload", 0, 0x20), (1, "payload", 1, 0x96)]),
+    # (mx - mn) / 255 = 2**-120 / 255 is a subnormal quotient, (x - min) / scale of x = 2**-133 a subnormal operand;
+    # both round to the same bytes flushed or not (the fp16 scale is 0 below 2**-25; a quotient < 2**-100 rounds to
+    # code 0): INT rows are here for bit-exactness, they cannot show a flush. Head 1: scale f16(1 / 255) = 0x1C04.
+    "int8": ((1.0, 1.0), {0: [2.0 ** -120], 1: [1.0, 2.0 ** -133]},
+             [(0, "scale", 0, 0x00), (0, "scale", 1, 0x00), (1, "scale", 0, 0x04), (1, "scale", 1, 0x1C),
+              (1, "payload", 0, 0xFF), (1, "payload", 1, 0x00)]),
+    "int4": ((1.0, 1.0), {0: [2.0 ** -120], 1: [1.0, 2.0 ** -133]},
+             [(0, "scale", 0, 0x00), (0, "scale", 1, 0x00), (1, "scale", 0, 0x44), (1, "scale", 1, 0x2C),
+              (1, "payload", 0, 0x0F)]),
+}
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(SUBNORMAL_DIVISIONS))
+def test_write_keeps_subnormal_operands_and_quotients(name, x_dtype, device, backend):
+    """Every division of the write (INT scale and codes, FP8 x / g, NVFP4 s and x / S, MXFP4 amax / 6) with a
+    subnormal operand or quotient: the reference stores the hand-derived IEEE bytes of `SUBNORMAL_DIVISIONS` and the
+    kernel stores the reference's bytes, K and V. On a GPU the FP8 / NVFP4 / MXFP4 cases fail where the division
+    flushes subnormals to zero (`tl.math.div_rn` under Triton <= 3.5: PTX div.rn.ftz.f32)."""
+    fmt = get_format(name)
+    gs, rows, expect = SUBNORMAL_DIVISIONS[name]
+    exact = torch.zeros(1, 2, 64, dtype=torch.float64)
+    for h, vals in rows.items():
+        exact[0, h, :len(vals)] = torch.tensor(vals, dtype=torch.float64)
+    x = exact.to(x_dtype)
+    assert torch.equal(x.double(), exact)  # every value exact in the input dtype
+    g = torch.tensor(gs) if fmt.k.uses_global_scale else None
+    kd, ks = _pools(fmt.k, 3, 2, 4, 64, device)
+    vd, vs = _pools(fmt.v, 3, 2, 4, 64, device)
+    gd = None if g is None else g.to(device)
+    write_kv(x.to(device), x.to(device), torch.tensor([5], device=device), kd, ks, vd, vs, fmt, gd, gd,
+             backend=backend)
+    payload, sc = fmt.k.encode(x, g)
+    ref = {"payload": payload.view(torch.uint8)[0], "scale": sc[0]}
+    for h, kind, i, want in expect:
+        assert int(ref[kind][h, i]) == want, (h, kind, i, hex(int(ref[kind][h, i])))
+    for data, scales in ((kd, ks), (vd, vs)):  # slot 5: block 1, offset 1; nothing else written
+        data = data.cpu().view(torch.uint8)
+        assert torch.equal(data[1, :, 1], ref["payload"])
+        data[1, :, 1] = POISON
+        assert bool((data == POISON).all())
+        if scales is not None:
+            assert torch.equal(scales.cpu()[1, :, 1], ref["scale"])
+
+
+def test_subnormal_division_vectors_are_what_they_claim():
+    """The hand values of `SUBNORMAL_DIVISIONS` from independent arithmetic: numpy's IEEE FP32 division, ml_dtypes'
+    FP8 / E2M1 / fp16 rounding. The operands and quotients named subnormal are."""
+    import ml_dtypes
+    import numpy as np
+
+    f = np.float32
+
+    def byte(v, dt) -> int:
+        return int(np.array([v], np.float32).astype(dt).view(np.uint8)[0])
+
+    def e2m1(v) -> int:
+        return byte(v, ml_dtypes.float4_e2m1fn) & 0xF
+
+    def f16_bits(v) -> int:
+        return int(np.array([v], np.float16).view(np.uint16)[0])
+
+    for v in (2.0 ** -133, 2.0 ** -127, -2.0 ** -128, 3 * 2.0 ** -129, 3 * 2.0 ** -131, -5 * 2.0 ** -130, SUB_G):
+        assert f(v) == v and 0 < abs(f(v)) < 2.0 ** -126
+    # NVFP4: s = amax / (6 g) (two subnormal quotients and one of a subnormal operand), e4m3 byte 0x01; S = 2**-129
+    quotients = [f(2.0 ** -133) / f(6), f(2.0 ** -125) / f(6), f(2.0 ** -127) / (f(6) * f(TINY_G))]
+    assert all(0 < q < 2.0 ** -126 for q in quotients[:2])
+    assert [byte(max(q, f(2.0 ** -9)), ml_dtypes.float8_e4m3fn) for q in quotients] == [0x01] * 3
+    big_s = f(2.0 ** -9) * f(TINY_G)
+    assert big_s == 2.0 ** -129
+    codes = [e2m1(f(v) / big_s) for v in (2.0 ** -127, -2.0 ** -128, 3 * 2.0 ** -129)]
+    assert [codes[0] | codes[1] << 4, codes[2]] == [0xC6, 0x05]
+    # MXFP4 RCEIL: amax / 6 subnormal, E = -126 (byte 1), codes of x * 2**126
+    dd = f(2.0 ** -124) / f(6)
+    assert 2.0 ** -127 < dd < 2.0 ** -126 and np.ceil(np.log2(np.float64(dd))) == -126
+    codes = [e2m1(f(v) * f(2.0 ** 126)) for v in (2.0 ** -124, 2.0 ** -126, -2.0 ** -125)]
+    assert [codes[0] | codes[1] << 4, codes[2]] == [0x26, 0x0C]
+    # FP8: x / g
+    assert [byte(f(a) / f(b), ml_dtypes.float8_e4m3fn) for a, b in
+            ((2.0 ** -133, SUB_G), (2.0 ** -130, SUB_G), (3 * 2.0 ** -131, TINY_G), (-5 * 2.0 ** -130, TINY_G),
+             (2.0 ** -126, TINY_G))] == [0x38, 0x50, 0x01, 0x82, 0x08]
+    assert [byte(f(a) / f(b), ml_dtypes.float8_e5m2) for a, b in
+            ((2.0 ** -133, SUB_G), (2.0 ** -127, TINY_G), (-3 * 2.0 ** -131, TINY_G))] == [0x3C, 0x20, 0x96]
+    # INT: f16 scales of (1 - 0) / 255 and / 15; a subnormal quotient below fp16's range
+    assert f16_bits(f(1) / f(255)) == 0x1C04 and f16_bits(f(1) / f(15)) == 0x2C44
+    assert 0 < f(2.0 ** -120) / f(255) < 2.0 ** -126 and f16_bits(f(2.0 ** -120) / f(255)) == 0
+
+
 def test_write_empty_and_all_skipped(device, backend):
     fmt = get_format("nvfp4")
     kd, ks = _pools(fmt.k, 2, 1, 4, 32, device)

@@ -22,7 +22,7 @@ from ...formats import CacheFormat
 from ..checks import WriteArgs
 from ..kernel_format import kernel_format
 from .gather import _decode_rows
-from .launch import as_bytes, check_device, global_scale_arg, pool_geometry
+from .launch import as_bytes, check_device, global_scale_arg, interpreting, pool_geometry
 from .write import _encode_rows, _side
 
 
@@ -37,7 +37,7 @@ def _convert_kernel(
     SVF: tl.constexpr, SVGRP: tl.constexpr, SVNGP: tl.constexpr, SVE5: tl.constexpr,
     KF: tl.constexpr, KGRP: tl.constexpr, KNGP: tl.constexpr, KE5: tl.constexpr, KRCEIL: tl.constexpr,
     VF: tl.constexpr, VGRP: tl.constexpr, VNGP: tl.constexpr, VE5: tl.constexpr, VRCEIL: tl.constexpr,
-    ENCODE: tl.constexpr,
+    ENCODE: tl.constexpr, ASM: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
@@ -51,14 +51,14 @@ def _convert_kernel(
         if ENCODE:
             tl.debug_barrier()
             _encode_rows(KX, H * D, D, SLOT, T, t0, h, KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, KG,
-                         KF, D, DP, KGRP, KNGP, KE5, KRCEIL, BT, BS)
+                         KF, D, DP, KGRP, KNGP, KE5, KRCEIL, BT, BS, ASM)
     else:
         _decode_rows(VR, s_vr, s_vr // H, 0, VRS, s_vrs, s_vrs // H, 0, VRG, VX, H * D, D, tt, zero, tt, ok, h,
                      SVF, D, DP, SVGRP, SVNGP, SVE5)
         if ENCODE:
             tl.debug_barrier()
             _encode_rows(VX, H * D, D, SLOT, T, t0, h, VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, VG,
-                         VF, D, DP, VGRP, VNGP, VE5, VRCEIL, BT, BS)
+                         VF, D, DP, VGRP, VNGP, VE5, VRCEIL, BT, BS, ASM)
 
 
 def _source(tf, rows: dict[str, torch.Tensor], which: str, d: int, hkv: int) -> tuple[list, tuple]:
@@ -93,7 +93,7 @@ def _launch(src: CacheFormat, rows: dict[str, torch.Tensor], d: int, hkv: int, o
         SKF=skc[0], SKGRP=skc[1], SKNGP=skc[2], SKE5=skc[3], SVF=svc[0], SVGRP=svc[1], SVNGP=svc[2], SVE5=svc[3],
         KF=kc[0], KGRP=kc[1], KNGP=kc[2], KE5=kc[3], KRCEIL=kc[4],
         VF=vc[0], VGRP=vc[1], VNGP=vc[2], VE5=vc[3], VRCEIL=vc[4],
-        ENCODE=encode is not None, num_warps=4, enable_fp_fusion=False,
+        ENCODE=encode is not None, ASM=not interpreting(), num_warps=4, enable_fp_fusion=False,
     )
 
 

@@ -1,11 +1,12 @@
 """KVTC's GPU codec: quantize + pack (and unpack + dequantize) every coded range of a sequence in one launch.
 
 Grid `(cdiv(rows, BM), sections)`; a program codes `BM` token rows of one range (`kvtc.layout.Section`, read from
-the section table) straight into / out of the body buffer: IntX codes `round((y - min) / step)` (IEEE division, round
-half to even, clamped; a constant component has step 0 and codes 0), FP8 the E4M3 RNE bits of `y / scale`
-(saturating at +-448), packed LSB-first; the first row block also writes the range header and the fp16 min / step.
-Decoding is `min + code * step` (two roundings: launched without FMA contraction) and `e4m3 * scale`. Both equal the
-torch reference (`kvtc.quant.pack_range` / `unpack_range`) bit for bit, on the GPU and in the CPU interpreter.
+the section table) straight into / out of the body buffer: IntX codes `round((y - min) / step)` (round half to even,
+clamped; a constant component has step 0 and codes 0), FP8 the E4M3 RNE bits of `y / scale` (saturating at +-448),
+both divisions IEEE with subnormals kept (`quant.div_ieee`), packed LSB-first; the first row block also writes the
+range header and the fp16 min / step. Decoding is `min + code * step` (two roundings: launched without FMA
+contraction) and `e4m3 * scale`. Both equal the torch reference (`kvtc.quant.pack_range` / `unpack_range`) bit for
+bit, on the GPU and in the CPU interpreter.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import triton
 import triton.language as tl
 
 from ...errors import Status, require
-from .launch import next_pow2
-from .quant import e4m3_f32, f16_bytes_f32, f32_to_f8_bits, rint
+from .launch import interpreting, next_pow2
+from .quant import div_ieee, e4m3_f32, f16_bytes_f32, f32_to_f8_bits, rint
 
 BM = 64
 HEADER_BYTES = tl.constexpr(40)
@@ -36,7 +37,8 @@ def _store_f16_bytes(OUT, at, v, mask):
 
 
 @triton.jit
-def _pack_kernel(Y, ldy, MN, ST, SC, T, HDR, OUT, rows, BM: tl.constexpr, JB: tl.constexpr, CB: tl.constexpr):
+def _pack_kernel(Y, ldy, MN, ST, SC, T, HDR, OUT, rows, BM: tl.constexpr, JB: tl.constexpr, CB: tl.constexpr,
+                 ASM: tl.constexpr):
     pm = tl.program_id(0)
     r = tl.program_id(1)
     col, n, bits, fp8, hdr_at, meta_at, data_at, rb = _section(T, r)
@@ -52,13 +54,13 @@ def _pack_kernel(Y, ldy, MN, ST, SC, T, HDR, OUT, rows, BM: tl.constexpr, JB: tl
         ok = m_ok[:, None] & c_ok[None, :]
         y = tl.load(Y + m.to(tl.int64)[:, None] * ldy + (col + e)[None, :], mask=ok, other=0.0)
         if fp8:
-            q = tl.minimum(tl.maximum(tl.math.div_rn(y, tl.load(SC + col + e, mask=c_ok, other=1.0)[None, :]),
-                                      -448.0), 448.0)
+            q = tl.minimum(tl.maximum(div_ieee(y, tl.load(SC + col + e, mask=c_ok, other=1.0)[None, :], ASM), -448.0),
+                          448.0)
             code = f32_to_f8_bits(q, 3, 7) & 0xFF
         else:
             mn = tl.load(MN + col + e, mask=c_ok, other=0.0)[None, :]
             s = tl.load(ST + col + e, mask=c_ok, other=0.0)[None, :]
-            v = rint(tl.math.div_rn(y - mn, tl.where(s > 0, s, 1.0)))
+            v = rint(div_ieee(y - mn, tl.where(s > 0, s, 1.0), ASM))
             code = tl.where(s > 0, tl.minimum(tl.maximum(v, 0.0), levels), 0.0).to(tl.int32)
         acc = acc | (tl.where(ok, code, 0) << (t * bits))
     st_ok = m_ok[:, None] & (j < rb)[None, :]
@@ -112,8 +114,8 @@ def pack_sections(y: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, scale: 
     jb, cb = (next_pow2(max(w, 1)) for w in widest)
     grid = (max(triton.cdiv(rows, BM), 1), table.shape[0])
     _pack_kernel[grid](y, y.stride(0), mn.float().contiguous(), step.float().contiguous(), scale.contiguous(),
-                       table.contiguous(), headers, body, rows, BM=BM, JB=jb, CB=cb, num_warps=4,
-                       enable_fp_fusion=False)
+                       table.contiguous(), headers, body, rows, BM=BM, JB=jb, CB=cb, ASM=not interpreting(),
+                       num_warps=4, enable_fp_fusion=False)
 
 
 def unpack_sections(body: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, y: torch.Tensor,

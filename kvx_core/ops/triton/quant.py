@@ -1,8 +1,10 @@
 """`@triton.jit` encode/decode helpers that reproduce `kvx_core.formats` bit for bit.
 
-Everything is integer bit manipulation or IEEE round-to-nearest FP32 arithmetic (`div_rn`; kernels
+Everything is integer bit manipulation or IEEE round-to-nearest FP32 arithmetic (`div_ieee`; kernels
 using these launch with `enable_fp_fusion=False` so no mul+add becomes an FMA), so the GPU and the
 CPU interpreter give the bytes the torch encoders give:
+- `div_ieee`: correctly rounded FP32 division that keeps subnormal operands and quotients, whatever the
+  Triton version (see its docstring).
 - `f32_to_f8_bits`: software RNE of FP32 to E4M3/E5M2 (sign copied, as torch's float8 casts do),
   so the result never depends on which cvt instruction (or double rounding via fp16) a backend uses.
 - `e2m1_code`: the same threshold ladder as `formats.codes.e2m1_encode` (RNE, saturating).
@@ -20,6 +22,22 @@ RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M is RNE to an i
 def rint(v):
     """Round half to even (exact for |v| < 2**22; larger magnitudes stay large, callers clamp)."""
     return (v + RINT_MAGIC) - RINT_MAGIC
+
+
+@triton.jit
+def div_ieee(x, y, ASM: tl.constexpr):
+    """x / y in FP32, correctly rounded, subnormal operands and quotients kept (IEEE 754, as torch divides).
+
+    `tl.math.div_rn` is not that on every Triton: before 3.6 (3.5.1 checked) it lowers to libdevice's
+    `__nv_fdiv_rn`, which Triton links with `nvvm-reflect-ftz` set, i.e. PTX `div.rn.ftz.f32` (a subnormal operand
+    or quotient becomes 0); 3.6 emits `div.rn.f32` itself (triton-lang/triton#8557). The kernels run under whatever
+    Triton the serving engine brings, so on CUDA (ASM) they state the PTX instruction; the CPU interpreter, which
+    runs no inline asm, uses `div_rn` (numpy's IEEE division)."""
+    if ASM:
+        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.math.div_rn(x, y)
 
 
 @triton.jit

@@ -2,9 +2,9 @@
 bytes into the paged pools by slot mapping, K and V in ONE launch.
 
 Grid `(cdiv(T, BT), H, 2)`: a program encodes BT tokens of one head of K (axis 2 = 0) or V (= 1).
-Bit-identical to `kvx_core.formats` encode (same FP32 operations, IEEE division, no FMA contraction,
-software FP8 rounding; see quant.py). Hadamard formats rotate with the reference's own `ops.rotation.rotate`
-before the kernel, so the kernel sees exactly the reference's rotated input.
+Bit-identical to `kvx_core.formats` encode (same FP32 operations, IEEE division keeping subnormals (`div_ieee`), no
+FMA contraction, software FP8 rounding; see quant.py). Hadamard formats rotate with the reference's own
+`ops.rotation.rotate` before the kernel, so the kernel sees exactly the reference's rotated input.
 """
 from __future__ import annotations
 
@@ -17,17 +17,37 @@ from ..checks import WriteArgs, check_write_args
 from ..kernel_format import kernel_format
 from ..rotation import rotate_kv
 from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
-from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
-from .quant import cast_exact, ceil_log2, e2m1_code, e4m3_f32, f32_to_f8_bits, floor_log2, is_finite, rint, to_f32
+from .launch import (
+    as_bytes,
+    as_format,
+    check_device,
+    check_pool,
+    global_scale_arg,
+    interpreting,
+    pool_geometry,
+    scale_args,
+)
+from .quant import (
+    cast_exact,
+    ceil_log2,
+    div_ieee,
+    e2m1_code,
+    e4m3_f32,
+    f32_to_f8_bits,
+    floor_log2,
+    is_finite,
+    rint,
+    to_f32,
+)
 
 F16_MAX = tl.constexpr(65504.0)
 F16_NAN_BITS = tl.constexpr(0x7E00)
 
 
 @triton.jit
-def _int_params(mn, mx, fin, LEVELS: tl.constexpr):
+def _int_params(mn, mx, fin, LEVELS: tl.constexpr, ASM: tl.constexpr):
     """Row min/max -> (fp16 scale bits, fp16 min bits, f32 scale, f32 min, usable) as formats.integer."""
-    sc_h = tl.minimum(tl.math.div_rn(mx - mn, LEVELS), F16_MAX).to(tl.float16)
+    sc_h = tl.minimum(div_ieee(mx - mn, LEVELS, ASM), F16_MAX).to(tl.float16)
     mn_h = tl.minimum(tl.maximum(mn, -F16_MAX), F16_MAX).to(tl.float16)
     sc_bits = tl.where(fin, sc_h.to(tl.uint16, bitcast=True).to(tl.int32), F16_NAN_BITS)
     mn_bits = tl.where(fin, mn_h.to(tl.uint16, bitcast=True).to(tl.int32), F16_NAN_BITS)
@@ -37,8 +57,8 @@ def _int_params(mn, mx, fin, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _int_code(x, m, s, usable, LEVELS: tl.constexpr):
-    q = rint(tl.math.div_rn(x - m[:, None], s[:, None]))
+def _int_code(x, m, s, usable, LEVELS: tl.constexpr, ASM: tl.constexpr):
+    q = rint(div_ieee(x - m[:, None], s[:, None], ASM))
     q = tl.minimum(tl.maximum(q, 0.0), LEVELS)
     return tl.where(usable[:, None], q, 0.0).to(tl.int32)
 
@@ -52,7 +72,7 @@ def _store_f16_bytes(SC, srow, bits, byte_off: tl.constexpr, mask):
 @triton.jit
 def _encode_rows(X, s_xt, s_xh, SLOT, T, t0, h, PD, s_pb, s_ph, s_pt, SC, s_sb, s_sh, s_st, G,
                  F: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, GRP: tl.constexpr, NGP: tl.constexpr,
-                 F8E5: tl.constexpr, RCEIL: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+                 F8E5: tl.constexpr, RCEIL: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, ASM: tl.constexpr):
     offs_t = t0 + tl.arange(0, BT)
     slot = tl.load(SLOT + offs_t, mask=offs_t < T, other=-1).to(tl.int64)
     ok = (offs_t < T) & (slot >= 0)
@@ -72,7 +92,7 @@ def _encode_rows(X, s_xt, s_xh, SLOT, T, t0, h, PD, s_pb, s_ph, s_pt, SC, s_sb, 
         elif F == F_FP8:
             xf = to_f32(x)
             fmax = 57344.0 if F8E5 else 448.0
-            y = tl.minimum(tl.maximum(tl.math.div_rn(xf, tl.load(G + h)), -fmax), fmax)
+            y = tl.minimum(tl.maximum(div_ieee(xf, tl.load(G + h), ASM), -fmax), fmax)
             if F8E5:
                 b = f32_to_f8_bits(y, 2, 15)
             else:
@@ -84,8 +104,8 @@ def _encode_rows(X, s_xt, s_xh, SLOT, T, t0, h, PD, s_pb, s_ph, s_pt, SC, s_sb, 
             fin = tl.max(tl.where(dm & ~is_finite(xf), 1, 0), axis=1) == 0
             mn = tl.min(tl.where(dm, xf, float("inf")), axis=1)
             mx = tl.max(tl.where(dm, xf, float("-inf")), axis=1)
-            sc_bits, mn_bits, s, m, usable = _int_params(mn, mx, fin, 255.0)
-            tl.store(dst, _int_code(xf, m, s, usable, 255.0).to(tl.uint8), mask=m2)
+            sc_bits, mn_bits, s, m, usable = _int_params(mn, mx, fin, 255.0, ASM)
+            tl.store(dst, _int_code(xf, m, s, usable, 255.0, ASM).to(tl.uint8), mask=m2)
             _store_f16_bytes(SC, srow, sc_bits, 0, ok)
             _store_f16_bytes(SC, srow, mn_bits, 2, ok)
     elif F == F_INT4:
@@ -99,9 +119,9 @@ def _encode_rows(X, s_xt, s_xh, SLOT, T, t0, h, PD, s_pb, s_ph, s_pt, SC, s_sb, 
         mn = tl.minimum(tl.min(tl.where(jm, xa, float("inf")), axis=1), tl.min(tl.where(jm, xb, float("inf")), axis=1))
         mx = tl.maximum(tl.max(tl.where(jm, xa, float("-inf")), axis=1),
                         tl.max(tl.where(jm, xb, float("-inf")), axis=1))
-        sc_bits, mn_bits, s, m, usable = _int_params(mn, mx, fin, 15.0)
-        qa = _int_code(xa, m, s, usable, 15.0)
-        qb = _int_code(xb, m, s, usable, 15.0)
+        sc_bits, mn_bits, s, m, usable = _int_params(mn, mx, fin, 15.0, ASM)
+        qa = _int_code(xa, m, s, usable, 15.0, ASM)
+        qb = _int_code(xb, m, s, usable, 15.0, ASM)
         tl.store(PD + prow[:, None] + j[None, :], (qa | (qb << 4)).to(tl.uint8), mask=ok[:, None] & jm)
         _store_f16_bytes(SC, srow, sc_bits, 0, ok)
         _store_f16_bytes(SC, srow, mn_bits, 2, ok)
@@ -119,17 +139,17 @@ def _encode_rows(X, s_xt, s_xh, SLOT, T, t0, h, PD, s_pb, s_ph, s_pt, SC, s_sb, 
         amax = tl.where(fin, amax, 0.0)
         if F == F_NVFP4:
             g = tl.load(G + h)
-            s = tl.math.div_rn(amax, 6.0 * g)
+            s = div_ieee(amax, 6.0 * g, ASM)
             s = tl.where(s == 0, 1.0, s)
             s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
             sbyte = f32_to_f8_bits(s, 3, 7)
             big_s = e4m3_f32(sbyte) * g
             sbyte = tl.where(fin, sbyte, 0x7F)
-            ya = tl.math.div_rn(xa, big_s[:, :, None])
-            yb = tl.math.div_rn(xb, big_s[:, :, None])
+            ya = div_ieee(xa, big_s[:, :, None], ASM)
+            yb = div_ieee(xb, big_s[:, :, None], ASM)
         else:
             if RCEIL:
-                dd = tl.math.div_rn(amax, 6.0)
+                dd = div_ieee(amax, 6.0, ASM)
                 e = tl.where(dd > 0, ceil_log2(tl.where(dd > 0, dd, 1.0)), -127)
             else:
                 e = floor_log2(tl.where(amax > 0, amax, 1.0)) - 2
@@ -154,15 +174,16 @@ def _write_kernel(
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     KF: tl.constexpr, KGRP: tl.constexpr, KNGP: tl.constexpr, KE5: tl.constexpr, KRCEIL: tl.constexpr,
     VF: tl.constexpr, VGRP: tl.constexpr, VNGP: tl.constexpr, VE5: tl.constexpr, VRCEIL: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BT
     h = tl.program_id(1)
     if tl.program_id(2) == 0:
         _encode_rows(KX, s_kxt, s_kxh, SLOT, T, t0, h, KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst, KG,
-                     KF, D, DP, KGRP, KNGP, KE5, KRCEIL, BT, BS)
+                     KF, D, DP, KGRP, KNGP, KE5, KRCEIL, BT, BS, ASM)
     else:
         _encode_rows(VX, s_vxt, s_vxh, SLOT, T, t0, h, VD, s_vdb, s_vdh, s_vdt, VS, s_vsb, s_vsh, s_vst, VG,
-                     VF, D, DP, VGRP, VNGP, VE5, VRCEIL, BT, BS)
+                     VF, D, DP, VGRP, VNGP, VE5, VRCEIL, BT, BS, ASM)
 
 
 def _side(name, x, data, scales, gs, tf, d, hkv):
@@ -218,6 +239,6 @@ def launch_write(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data
         args.slots, t, *kargs, *vargs,
         D=d, DP=dp, BT=bt, BS=bs,
         KF=kc[0], KGRP=kc[1], KNGP=kc[2], KE5=kc[3], KRCEIL=kc[4],
-        VF=vc[0], VGRP=vc[1], VNGP=vc[2], VE5=vc[3], VRCEIL=vc[4],
+        VF=vc[0], VGRP=vc[1], VNGP=vc[2], VE5=vc[3], VRCEIL=vc[4], ASM=not interpreting(),
         num_warps=4, enable_fp_fusion=False,
     )
