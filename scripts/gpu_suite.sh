@@ -5,6 +5,9 @@
 # bridge tests import kvx_trtllm). The CUDA library is built first, once, so the xdist workers do not all compile it.
 #   bash scripts/gpu_suite.sh                    # everything, 14 workers
 #   bash scripts/gpu_suite.sh -n 8 tests/kernels # other workers / paths
+# The whole suite takes more than one 10-minute call (2x H200, 28 workers: 92% at 560 s): run it in two parts,
+# `-n 28 tests/kernels` and `-n 28 tests --ignore=tests/vllm --ignore=tests/tgi --ignore=tests/kernels` (225 s);
+# `-vv` prints each test as it ends, so a run cut by a time limit still names what passed and failed.
 # On a machine with several GPUs the workers are spread over them (xdist `--tx` specs, each worker's
 # CUDA_VISIBLE_DEVICES set before it starts: a process picks its GPUs once, when CUDA initializes), so the kernel
 # tests of N GPUs run N times as many at once; the multi-GPU tests (marker `multigpu`) see one GPU in a worker and
