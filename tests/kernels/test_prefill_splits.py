@@ -10,8 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvx_core.cache import PagedKVCache
+from kvx_core.descriptors import BlockTable, SeqLens
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
+from kvx_core.ops import attention, dispatch
 from kvx_core.ops.attention import attend
 from kvx_core.ops.triton import prefill
 from kvx_core.ops.triton.prefill import plan_prefill, prefill_num_splits
@@ -170,3 +173,28 @@ def test_plan_refuses_bad_split_arguments(bad):
         plan_prefill("bf16", torch.tensor([0, 4]), num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                      q_dtype=torch.bfloat16, device="cpu", **bad)
     assert e.value.status == Status.INVALID_ARGUMENT
+
+
+def test_dispatch_plan_splits_from_the_hint(device, monkeypatch):
+    """`dispatch.plan_prefill(max_seq_len=...)` (the vLLM builder's call) reaches the kernel plan: one program (one
+    KV head, 2 queries) against the 4 SMs the interpreter stands for, over 300 keys, splits (1-tile splits allowed
+    here to keep the interpreter fast), and the step matches the reference; without the hint it does not split."""
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+    monkeypatch.setattr(prefill, "MIN_SPLIT_TILES", 1)
+    c = PagedKVCache("bf16", num_layers=1, num_blocks=20, block_size=16, num_kv_heads=1, head_dim=64, device=device)
+    g = torch.Generator().manual_seed(4)
+    n = 300
+    c.write(0, torch.randn(n, 1, 64, generator=g).to(device), torch.randn(n, 1, 64, generator=g).to(device),
+            torch.arange(n).to(device))
+    table = BlockTable.packed(torch.arange(19, dtype=torch.int32).view(1, 19).to(device))
+    lens = SeqLens(torch.tensor([n], dtype=torch.int32).to(device))
+    qo = torch.tensor([0, 2], dtype=torch.int32)
+    q = torch.randn(2, 4, 64, generator=g).bfloat16().to(device)
+    geo = dict(fmt="bf16", num_qo_heads=4, num_kv_heads=1, head_dim=64, block_size=16, q_dtype=torch.bfloat16,
+               device=device)
+    assert dispatch.plan_prefill(qo, table, lens, **geo).kernel.num_splits == 1
+    plan = dispatch.plan_prefill(qo, table, lens, max_seq_len=n, **geo)
+    assert plan.kernel.num_splits == 2
+    o, lse = plan.run(q, c.descriptor(0))
+    ro, rl = attention.paged_prefill(q.float(), qo, c.descriptor(0), table, lens)
+    _close(o, lse, ro.cpu(), rl.cpu())
