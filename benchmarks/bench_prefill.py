@@ -2,6 +2,8 @@
 `BatchPrefillWithPagedKVCacheWrapper` on the same shapes (causal, GQA 32/8, D=128, page 16), L2 flushed.
 
 Usage: python benchmarks/bench_prefill.py [--out benchmarks/results/prefill.jsonl] [--no-flashinfer]
+       [--chunks 16 --prefixes 32768 --batch 1 --splits 1 auto]  (a few queries over a long cached prefix: the
+       plan's split-KV, `splits` in each line, against the unsplit kernel)
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--prefixes", type=int, nargs="+", default=[0, 8192])
     ap.add_argument("--configs", nargs="+", default=["default"],
                     help="kernel configs BMxBNxWARPSxSTAGES to time (e.g. 128x64x8x2), 'default' = the launcher's")
+    ap.add_argument("--splits", nargs="+", default=["auto"],
+                    help="key splits to time: 'auto' = the plan's choice from the step's longest sequence, or a count")
     args = ap.parse_args()
     hq, hkv, d, bs, b = 32, 8, 128, 16, args.batch
     base = {"bench": "prefill", **env_info(), "Hq": hq, "H_kv": hkv, "D": d, "block_size": bs, "B": b}
@@ -79,14 +83,16 @@ def main() -> None:
                 for t in (p.k_scales, p.v_scales):
                     if t is not None:
                         t.random_(100, 120)
-                for cfg in configs:
+                for cfg, splits in ((cfg, sp) for cfg in configs for sp in args.splits):
                     kw = cfg or {}
-                    plan = plan_prefill(c.format, qo, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                                        q_dtype=q.dtype, device=q.device, **kw)  # planned once, as engines do
+                    plan = plan_prefill(c.format, qo.cpu(), num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                        block_size=bs, q_dtype=q.dtype, device=q.device, max_seq_len=n,
+                                        num_splits=None if splits == "auto" else int(splits),
+                                        **kw)  # planned once, as engines do
                     r = bench(partial(plan.run, q, p.k_data, p.k_scales, p.v_data, p.v_scales, p.k_global,
                                       p.v_global, bt, sl), n=50)
-                    rec = {**base, **shape, "impl": "kvx_triton", "format": name, "config": kw or "default", **r,
-                           "tflops": fl / r["ms"] / 1e9}
+                    rec = {**base, **shape, "impl": "kvx_triton", "format": name, "config": kw or "default",
+                           "splits": plan.num_splits, "splits_asked": splits, **r, "tflops": fl / r["ms"] / 1e9}
                     if peer_ms:
                         rec["x_flashinfer_bf16"] = peer_ms / r["ms"]
                     emit(args.out, rec)

@@ -82,7 +82,8 @@ def test_the_builder_runs_uniform_steps_of_up_to_1_plus_k_tokens_as_decodes():
     def step(q_lens, seq_lens):
         n = len(q_lens)
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-        m = SimpleNamespace(num_reqs=n, max_query_len=max(q_lens), num_actual_tokens=int(cu[-1]),
+        m = SimpleNamespace(num_reqs=n, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                            num_actual_tokens=int(cu[-1]),
                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc_cpu=cu,
                             block_table_tensor=torch.arange(n * 4, dtype=torch.int32).view(n, 4))
         return KvxMetadataBuilder.build(builder, 0, m).plan

@@ -148,8 +148,8 @@ def _common(lens, q_lens, bt):
     """vLLM's CommonAttentionMetadata fields the builder reads."""
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     return SimpleNamespace(num_reqs=len(lens), seq_lens=torch.tensor(lens, dtype=torch.int32), block_table_tensor=bt,
-                           max_query_len=max(q_lens), num_actual_tokens=sum(q_lens), query_start_loc=cu,
-                           query_start_loc_cpu=cu)
+                           max_query_len=max(q_lens), max_seq_len=max(lens), num_actual_tokens=sum(q_lens),
+                           query_start_loc=cu, query_start_loc_cpu=cu)
 
 
 def test_decode_and_split_prefill_honour_the_window(config, monkeypatch):

@@ -212,7 +212,8 @@ _CONNECTOR_METHODS = {
 _FIELDS = {
     "attention backend": [
         (f"{B}:CommonAttentionMetadata", ["num_reqs", "seq_lens", "block_table_tensor", "max_query_len",
-                                          "num_actual_tokens", "query_start_loc", "query_start_loc_cpu"]),
+                                          "max_seq_len", "num_actual_tokens", "query_start_loc",
+                                          "query_start_loc_cpu"]),
         (f"{KVI}:AttentionSpec", ["block_size", "num_kv_heads", "head_size", "dtype"])],
     "KV connector": [
         ("vllm.v1.core.sched.output:SchedulerOutput", ["scheduled_new_reqs", "scheduled_cached_reqs",

@@ -233,7 +233,7 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         elif self.split_prefill:
             plan = self._split_prefill(m, table, geometry)
         else:
-            plan = plan_prefill(m.query_start_loc_cpu[:n + 1], table, lens, **geometry)
+            plan = plan_prefill(m.query_start_loc_cpu[:n + 1], table, lens, max_seq_len=m.max_seq_len, **geometry)
         return KvxMetadata(m.num_actual_tokens, plan)
 
     def _split_prefill(self, m: CommonAttentionMetadata, table, geometry: dict) -> SplitPrefill:
@@ -243,7 +243,7 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         cu = m.query_start_loc[:n + 1]
         prefix_lens = seq_lens_from_vllm(m.seq_lens[:n] - (cu[1:] - cu[:-1]), n)  # on the device: no sync
         prefix = plan_prefill(m.query_start_loc_cpu[:n + 1], table, prefix_lens, causal=False, queries_after=True,
-                              **geometry)
+                              max_seq_len=m.max_seq_len, **geometry)  # bounds the prefixes: sizes the key splits
         scale = self.sm_scale if self.sm_scale is not None else self.kv_cache_spec.head_size ** -0.5
         return SplitPrefill(prefix, cu, m.query_start_loc_cpu[:n + 1].tolist(), m.max_query_len, scale, self.softcap,
                             self.window)
