@@ -38,6 +38,7 @@ from .kernels import use_kernels
 from .rows import (
     KEY_TRANSFORMS,
     LAYER_TENSORS,
+    bound,
     format_specs,
     key_transforms,
     layer_slots,
@@ -249,8 +250,9 @@ def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: C
     dev = cache.k.tensor.device
     dst = format_of(cache)
     staged = {n: on_device(t, dev) for n, t in rows.items()}
-    check_disjoint(block_view(cache.k.tensor, cache.k.layout), block_view(cache.v.tensor, cache.v.layout), *where)
-    pools = dispatch._kernel_pools(cache)
+    check_disjoint(*bound(cache, "kv_blocks", lambda: (block_view(cache.k.tensor, cache.k.layout),
+                                                       block_view(cache.v.tensor, cache.v.layout))), *where)
+    pools = bound(cache, "kernel_pools", lambda: dispatch._kernel_pools(cache)) if dispatch._use_triton(cache) else None
     if pools is not None and not (src.rotate or dst.rotate or key_transforms(cache)
                                   or any(t.tensor in rows for t in KEY_TRANSFORMS)):
         return plan_convert(src, staged, WriteArgs(slots.to(device=dev, dtype=torch.int64), *scales), *pools[:4],

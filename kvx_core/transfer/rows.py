@@ -52,6 +52,38 @@ def key_transforms(cache: CacheDesc) -> frozenset[str]:
     return frozenset(t.tensor for t in KEY_TRANSFORMS if t.of(cache) is not None)
 
 
+_BOUND = "_kvx_transfer_bound"
+"""The attribute of a `CacheDesc` holding what `bound` derived from it: (tensors, geometry, {name: value})."""
+
+
+def _pool_key(cache: CacheDesc) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """The pool tensors of `cache` (compared by identity: held by the binding, so never recycled) and everything of
+    their geometry and format the derived views depend on (pointers, dtypes, shapes, strides, layouts, format)."""
+    q = cache.quant
+    scales = () if q is None else tuple(s for s in (q.k_scales, q.v_scales) if s is not None)
+    tensors = (cache.k.tensor, cache.v.tensor, *(s.tensor for s in scales))
+    fmt = None if q is None else (q.format, q.group_size, q.k_data_dtype, q.v_data_dtype, q.flags)
+    geometry = (cache.block_size, cache.num_kv_heads, cache.head_dim, cache.k.dtype, cache.v.dtype, cache.k.layout,
+                cache.v.layout, fmt, *(s.layout for s in scales),
+                *((t.data_ptr(), t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors))
+    return tensors, geometry
+
+
+def bound(cache: CacheDesc, name: str, build: Callable[[], object]) -> object:
+    """`build()`, derived once per cache descriptor and kept on it (issue 32's bind: pool views and kernel arguments
+    depend only on the layer's tensors and layouts, not on the request) while its pool tensors stay the same objects
+    with the same geometry; any change derives everything again. Only views and arguments are kept, never values
+    read from the pools or scales (those may change between requests). Call after `cache.validate()`."""
+    tensors, geometry = _pool_key(cache)
+    held = cache.__dict__.get(_BOUND)
+    if held is None or held[1] != geometry or any(a is not b for a, b in zip(held[0], tensors, strict=True)):
+        held = (tensors, geometry, {})
+        cache.__dict__[_BOUND] = held
+    if name not in held[2]:
+        held[2][name] = build()
+    return held[2][name]
+
+
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` contiguous on `device`: itself where it is already (no tensor op per layer), else a copy."""
     return t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
@@ -138,20 +170,30 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
     return chunk
 
 
+def _pool_rows(cache: CacheDesc, fmt) -> tuple:
+    """The pools of `cache` as the row kernel addresses them (`ops.triton.rows.PoolRows`): K payload, K scales,
+    V payload, V scales (those the format has), derived once per descriptor (`bound`)."""
+    from ..ops.triton.rows import block_rows, interleaved_rows
+
+    def build() -> tuple:
+        out = []
+        for which in ("k", "v"):
+            p = side_pools(cache, fmt, which)
+            out.append((f"{which}_data", block_rows(p.data)))
+            if p.scales is not None:
+                out.append((f"{which}_scales", interleaved_rows(p.scales.pool, GROUP)
+                            if isinstance(p.scales, Interleave4Rows) else block_rows(p.scales)))
+        return tuple(out)
+    return bound(cache, "pool_rows", build)
+
+
 def _plan_rows(cache: CacheDesc, fmt, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
                flat: list = ()) -> Callable[[], None]:
     """`ops.triton.rows.plan_rows` between the pools of `cache` and `rows` (`{name: contiguous [T, H, X]}` on the
     cache's device, every pool of the format), for `slots` already checked."""
-    from ..ops.triton.rows import block_rows, interleaved_rows, plan_rows
+    from ..ops.triton.rows import plan_rows
 
-    pairs = []
-    for which in ("k", "v"):
-        p = side_pools(cache, fmt, which)
-        pairs.append((block_rows(p.data), rows[f"{which}_data"]))
-        if p.scales is not None:
-            pool = (interleaved_rows(p.scales.pool, GROUP) if isinstance(p.scales, Interleave4Rows)
-                    else block_rows(p.scales))
-            pairs.append((pool, rows[f"{which}_scales"]))
+    pairs = [(pool, rows[name]) for name, pool in _pool_rows(cache, fmt)]
     dev = cache.k.tensor.device
     if slots.device != dev or slots.dtype != torch.int64:
         slots = slots.to(device=dev, dtype=torch.int64)
