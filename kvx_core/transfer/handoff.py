@@ -41,6 +41,7 @@ from .rows import (
     bound,
     format_specs,
     key_transforms,
+    layer_global_scales,
     layer_slots,
     on_device,
     prepare_write_rows,
@@ -96,8 +97,8 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
     wheres = layer_slots(caches, slots)
     w = BundleWriter(out, header)
-    for cache, where in zip(caches, wheres, strict=True):
-        w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where), w.specs, w.tokens))
+    for cache, where, gs in zip(caches, wheres, layer_global_scales(caches), strict=True):
+        w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where, scales=gs), w.specs, w.tokens))
     w.close()
     return header
 
@@ -191,9 +192,8 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
     scales checked as one tensor, and each kind of compared tensor (`k_global`, ..., `k_center`) stacked over the
     layers and compared at once (one flag per layer)."""
     ours, same, scales, compare = [], [], [], {}  # compare: (name, device, shape) -> ([layer], [ours], [theirs])
-    for i, (rows, cache) in enumerate(zip(layers, caches, strict=True)):
+    for i, (rows, cache, (kg, vg)) in enumerate(zip(layers, caches, layer_global_scales(caches), strict=True)):
         dst = format_of(cache)
-        kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
         scales.append((kg, vg))
         ours += [g for g in (kg, vg) if g is not None]
         pairs = [(n, g, rows.get(n)) for n, g in (("k_global", kg), ("v_global", vg)) if g is not None]

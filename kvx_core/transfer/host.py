@@ -38,7 +38,7 @@ from .bundle import (
     trailer,
 )
 from .header import bundle_header
-from .rows import layer_slots, read_chunk
+from .rows import layer_global_scales, layer_slots, read_chunk
 from .schema import ModelFingerprint, check_layers
 
 GPU_SEGMENT_BYTES = 1 << 16
@@ -133,8 +133,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
 
     dev = caches[0].k.tensor.device
     # queue each layer's gather and copy; hash the landed
-    for i, (cache, where) in enumerate(zip(caches, wheres, strict=True)):
-        chunk = read_chunk(cache, slots, specs, where=where)
+    for i, (cache, where, gs) in enumerate(zip(caches, wheres, layer_global_scales(caches), strict=True)):
+        chunk = read_chunk(cache, slots, specs, where=where, scales=gs)
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes

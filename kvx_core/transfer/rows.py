@@ -117,12 +117,46 @@ def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> list[tuple[
     return out
 
 
-def read_rows(cache: CacheDesc, slots: torch.Tensor,
-              where: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def layer_global_scales(caches: Sequence[CacheDesc]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each layer's FP32 `[H]` K / V global scales as `cache_global_scales` builds them (values unchecked; call after
+    `layer_slots`, which checked their types and shapes), with a fixed number of tensor ops per bundle instead of a
+    chain per scale: scales already FP32 `[H]` and contiguous on the cache's device are used as they are, the others
+    are stacked by kind (shape, dtype, device) and converted at once; absent ones (1.0) are one `ones` tensor."""
+    out: list[list[torch.Tensor | None]] = [[None, None] for _ in caches]
+    groups: dict[tuple, list[tuple[int, int, torch.Tensor | None]]] = {}
+    for i, cache in enumerate(caches):
+        fmt, q, dev, heads = format_of(cache), cache.quant, cache.k.tensor.device, cache.num_kv_heads
+        for j, (which, tf) in enumerate((("k", fmt.k), ("v", fmt.v))):
+            g = getattr(q, f"{which}_global_scale") if q is not None else None
+            if not tf.uses_global_scale:
+                continue
+            if not isinstance(g, torch.Tensor) and g is not None:  # a Python number: the one-off path
+                out[i][j] = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)[j]
+            elif g is not None and g.dtype == torch.float32 and g.device == dev and tuple(g.shape) == (heads,) \
+                    and g.is_contiguous():
+                out[i][j] = g
+            else:
+                key = (heads, dev) if g is None else (heads, dev, g.shape, g.dtype, g.device)
+                groups.setdefault(key, []).append((i, j, g))
+    for (heads, dev, *_), members in groups.items():
+        n = len(members)
+        if members[0][2] is None:
+            built = torch.ones(n, heads, dtype=torch.float32, device=dev)
+        else:
+            stacked = torch.stack([g for _, _, g in members]).to(device=dev, dtype=torch.float32)
+            built = stacked.reshape(n, -1).expand(n, heads).contiguous()
+        for (i, j, _), row in zip(members, built.unbind(0), strict=True):
+            out[i][j] = row
+    return [(k, v) for k, v in out]
+
+
+def read_rows(cache: CacheDesc, slots: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor] | None = None,
+              scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
     """The stored rows of `slots` ([T] token slots, in sequence order): `{name: [T, H, X]}` (payload in its stored
     dtype, scales as bytes) plus the layer's global scales `{k_global, v_global: fp32 [H]}` where the format has
     them. Copies, on the cache's device. `where`: `layer_slots`' answer for this cache (which validated it and
-    checked its slots: layers read without a validation and a host sync each)."""
+    checked its slots: layers read without a validation and a host sync each); `scales`: the layer's
+    `layer_global_scales` (built here when None)."""
     if where is None:
         cache.validate()
     fmt = format_of(cache)
@@ -134,7 +168,7 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
         if p.scales is not None:
             out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
     # no host sync: a read copies what is stored
-    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)
+    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False) if scales is None else scales
     out.update({name: g for name, g in (("k_global", kg), ("v_global", vg)) if g is not None})
     for t in KEY_TRANSFORMS:
         v = t.of(cache)
@@ -144,13 +178,14 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
 
 
 def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
-               where: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               where: tuple[torch.Tensor, torch.Tensor] | None = None,
+               scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     """A layer's chunk payload: uint8 `[bytes]` on the cache's device, the tensors `read_rows` gives packed in the
     order of `specs` (the bundle header's `TensorSpec`s, `format_specs` order). On a kernel device
     (`kernels.use_kernels`) one gather kernel writes every tensor straight into the chunk; else torch gathers and
-    joins them. `where` as for `read_rows`."""
+    joins them. `where`, `scales` as for `read_rows`."""
     if not kernels.use_kernels(cache.k.tensor.device):
-        rows = read_rows(cache, slots, where=where)
+        rows = read_rows(cache, slots, where=where, scales=scales)
         return torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
     if where is None:
         cache.validate()
@@ -163,7 +198,7 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
         n = s.nbytes(t)
         parts[s.name] = chunk[pos:pos + n] if s.dtype == torch.uint8 else chunk[pos:pos + n].view(s.dtype)
         pos += n
-    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)
+    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False) if scales is None else scales
     layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
     flat = [(layer[n], parts[n]) for n in LAYER_TENSORS if n in parts]  # FP32 (`QuantDesc` validation)
     _plan_rows(cache, fmt, slots, parts, scatter=False, flat=flat)()
