@@ -249,6 +249,32 @@ def split_payload(payload: torch.Tensor, specs: list[TensorSpec], tokens: int) -
     return out
 
 
+def split_chunks(buf: torch.Tensor, starts: list[int], specs: list[TensorSpec], tokens: int
+                 ) -> list[dict[str, torch.Tensor]]:
+    """`split_payload` of the chunk payloads of a contiguous 1-D uint8 `buf` at byte offsets `starts`, with a fixed
+    number of tensor ops per bundle and one per tensor: the buffer's storage is viewed once per dtype, and each
+    tensor is one strided view of it (a copy only where a tensor's offset is not aligned, as `split_payload`)."""
+    base, storage, typed, out = buf.storage_offset(), buf.untyped_storage(), {}, []
+    for start in starts:
+        layer, pos = {}, start
+        for s in specs:
+            n, size = s.nbytes(tokens), s.dtype.itemsize
+            shape = (tokens, *s.shape) if s.per_token else s.shape
+            if (base + pos) % size:
+                layer[s.name] = buf[pos:pos + n].clone().view(s.dtype).reshape(shape)
+            else:
+                if s.dtype not in typed:
+                    typed[s.dtype] = torch.empty(0, dtype=s.dtype, device=buf.device).set_(
+                        storage, 0, (storage.nbytes() // size,), (1,))
+                strides = [1] * len(shape)
+                for d in range(len(shape) - 2, -1, -1):
+                    strides[d] = strides[d + 1] * shape[d + 1]
+                layer[s.name] = typed[s.dtype].as_strided(shape, strides, (base + pos) // size)
+            pos += n
+        out.append(layer)
+    return out
+
+
 class BundleWriter:
     """Streams a bundle: the header, then `add_layer` once per layer in order, then `close` (the trailer)."""
 
