@@ -29,6 +29,7 @@ import torch
 from ..errors import KvxError, Status, require
 from ..jsonsafe import loads_object
 from .schema import check_header, check_layer, rejected, short
+from .views import StorageViews
 
 MAGIC = b"KVXBNDL\0"
 CHUNK_TAG = b"KVXC"
@@ -251,25 +252,15 @@ def split_payload(payload: torch.Tensor, specs: list[TensorSpec], tokens: int) -
 
 def split_chunks(buf: torch.Tensor, starts: list[int], specs: list[TensorSpec], tokens: int
                  ) -> list[dict[str, torch.Tensor]]:
-    """`split_payload` of the chunk payloads of a contiguous 1-D uint8 `buf` at byte offsets `starts`, with a fixed
-    number of tensor ops per bundle and one per tensor: the buffer's storage is viewed once per dtype, and each
-    tensor is one strided view of it (a copy only where a tensor's offset is not aligned, as `split_payload`)."""
-    base, storage, typed, out = buf.storage_offset(), buf.untyped_storage(), {}, []
-    for start in starts:
-        layer, pos = {}, start
+    """`split_payload` of the chunk payloads of a contiguous 1-D uint8 `buf` at byte offsets `starts`, one strided
+    view per tensor (`StorageViews`; a copy only where a tensor's offset is not aligned, as `split_payload`)."""
+    views, out = StorageViews(buf), []
+    for pos in starts:
+        layer = {}
         for s in specs:
-            n, size = s.nbytes(tokens), s.dtype.itemsize
-            shape = (tokens, *s.shape) if s.per_token else s.shape
-            if (base + pos) % size:
-                layer[s.name] = buf[pos:pos + n].clone().view(s.dtype).reshape(shape)
-            else:
-                if s.dtype not in typed:
-                    typed[s.dtype] = torch.empty(0, dtype=s.dtype, device=buf.device).set_(
-                        storage, 0, (storage.nbytes() // size,), (1,))
-                strides = [1] * len(shape)
-                for d in range(len(shape) - 2, -1, -1):
-                    strides[d] = strides[d + 1] * shape[d + 1]
-                layer[s.name] = typed[s.dtype].as_strided(shape, strides, (base + pos) // size)
+            n, shape = s.nbytes(tokens), ((tokens, *s.shape) if s.per_token else s.shape)
+            t = views.view(pos, s.dtype, shape)
+            layer[s.name] = buf[pos:pos + n].clone().view(s.dtype).reshape(shape) if t is None else t
             pos += n
         out.append(layer)
     return out

@@ -38,8 +38,10 @@ from .bundle import (
     trailer,
 )
 from .header import bundle_header
+from .kernels import use_kernels
 from .rows import layer_global_scales, layer_slots, read_chunk
 from .schema import ModelFingerprint, check_layers
+from .views import StorageViews
 
 GPU_SEGMENT_BYTES = 1 << 16
 """Checksum segments of bundles exported from CUDA caches: 64 KiB, one GPU program each (thousands per bundle)."""
@@ -132,9 +134,13 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
     dev = caches[0].k.tensor.device
+    stride = -(-size // 256) * 256  # each layer's chunk 256-byte aligned (the GPU hash reads 8-byte words)
+    stage = StorageViews(torch.empty(layers * stride, dtype=torch.uint8, device=dev)) if use_kernels(dev) else None
+    host = StorageViews(buf)
     # queue each layer's gather and copy; hash the landed
     for i, (cache, where, gs) in enumerate(zip(caches, wheres, layer_global_scales(caches), strict=True)):
-        chunk = read_chunk(cache, slots, specs, where=where, scales=gs)
+        chunk = read_chunk(cache, slots, specs, where=where, scales=gs,
+                           into=None if stage is None else (stage, i * stride))
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
@@ -143,7 +149,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             with torch.cuda.stream(side):
                 side.wait_event(ready)
                 if size:
-                    buf[at + 16:at + 16 + size].copy_(chunk, non_blocking=True)
+                    host.view(at + 16, torch.uint8, (size,)).copy_(chunk, non_blocking=True)
                 done.record(side)
             if size:
                 chunk.record_stream(side)
@@ -151,7 +157,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             landed.append(done)
         else:
             if size:
-                buf[at + 16:at + 16 + size].copy_(chunk)
+                host.view(at + 16, torch.uint8, (size,)).copy_(chunk)
             landed.append(None)
         hash_landed(block=False)
     hash_landed(block=True)

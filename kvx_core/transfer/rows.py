@@ -19,6 +19,7 @@ from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
 from ..scale_layout import GROUP, Interleave4Rows
 from . import kernels
+from .views import StorageViews
 
 
 @dataclass(frozen=True)
@@ -179,24 +180,31 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor, where: tuple[torch.Tensor, 
 
 def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
                where: tuple[torch.Tensor, torch.Tensor] | None = None,
-               scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
+               scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+               into: tuple[StorageViews, int] | None = None) -> torch.Tensor:
     """A layer's chunk payload: uint8 `[bytes]` on the cache's device, the tensors `read_rows` gives packed in the
     order of `specs` (the bundle header's `TensorSpec`s, `format_specs` order). On a kernel device
     (`kernels.use_kernels`) one gather kernel writes every tensor straight into the chunk; else torch gathers and
-    joins them. `where`, `scales` as for `read_rows`."""
+    joins them. `where`, `scales` as for `read_rows`; `into`: (views of a device buffer, byte offset) where the
+    kernel writes the chunk (an exporter's staging for all its layers: one view per tensor), else a new tensor."""
     if not kernels.use_kernels(cache.k.tensor.device):
         rows = read_rows(cache, slots, where=where, scales=scales)
         return torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
     if where is None:
         cache.validate()
         check_slots(cache, slots)
+    from ..ops.triton.rows import _INT
+
     fmt = format_of(cache)
     dev, t = cache.k.tensor.device, slots.numel()
-    chunk = torch.empty(sum(s.nbytes(t) for s in specs), dtype=torch.uint8, device=dev)
-    parts, pos = {}, 0
-    for s in specs:  # each tensor's bytes as a 1-D view (all the kernel needs: its start and element width)
+    size = sum(s.nbytes(t) for s in specs)
+    views, pos = into if into is not None else (StorageViews(torch.empty(size, dtype=torch.uint8, device=dev)), 0)
+    chunk, parts = views.view(pos, torch.uint8, (size,)), {}
+    for s in specs:  # each tensor's bytes as the 1-D integer view the kernel takes (its start and element width)
         n = s.nbytes(t)
-        parts[s.name] = chunk[pos:pos + n] if s.dtype == torch.uint8 else chunk[pos:pos + n].view(s.dtype)
+        dtype = _INT[s.dtype.itemsize] if s.name not in LAYER_TENSORS else torch.uint8
+        parts[s.name] = views.view(pos, dtype, (n // dtype.itemsize,))
+        require(parts[s.name] is not None, Status.INTERNAL_ERROR, f"read_chunk: {s.name} is not aligned in the chunk")
         pos += n
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False) if scales is None else scales
     layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
