@@ -250,19 +250,22 @@ def split_payload(payload: torch.Tensor, specs: list[TensorSpec], tokens: int) -
     return out
 
 
-def split_chunks(buf: torch.Tensor, starts: list[int], specs: list[TensorSpec], tokens: int
+def split_chunks(buf: torch.Tensor, start: int, step: int, count: int, specs: list[TensorSpec], tokens: int
                  ) -> list[dict[str, torch.Tensor]]:
-    """`split_payload` of the chunk payloads of a contiguous 1-D uint8 `buf` at byte offsets `starts`, one strided
-    view per tensor (`StorageViews`; a copy only where a tensor's offset is not aligned, as `split_payload`)."""
-    views, out = StorageViews(buf), []
-    for pos in starts:
-        layer = {}
-        for s in specs:
-            n, shape = s.nbytes(tokens), ((tokens, *s.shape) if s.per_token else s.shape)
-            t = views.view(pos, s.dtype, shape)
-            layer[s.name] = buf[pos:pos + n].clone().view(s.dtype).reshape(shape) if t is None else t
-            pos += n
-        out.append(layer)
+    """`split_payload` of the `count` chunk payloads of a contiguous 1-D uint8 `buf` at byte offsets `start + i *
+    step`, one strided view per tensor (`StorageViews`). A tensor whose offset is not aligned to its dtype in some
+    chunk is copied for every chunk at once (one strided copy per tensor name, not per layer), as `split_payload`
+    copies it."""
+    views, out, pos = StorageViews(buf), [{} for _ in range(count)], start
+    for s in specs:
+        n, shape = s.nbytes(tokens), ((tokens, *s.shape) if s.per_token else s.shape)
+        at, src = [pos + i * step for i in range(count)], views
+        if any((buf.storage_offset() + a) % s.dtype.itemsize for a in at):
+            packed = buf.as_strided((count, n), (step, 1), buf.storage_offset() + pos).clone()
+            at, src = [i * n for i in range(count)], StorageViews(packed.view(-1))
+        for layer, a in zip(out, at, strict=True):
+            layer[s.name] = src.view(a, s.dtype, shape)
+        pos += n
     return out
 
 

@@ -243,8 +243,8 @@ class HostBundle:
                                                     self.seed),
                                 bytes(m[chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
-        starts = [i * stride if cuda else chunk_at(self.first, n, i) + 16 for i in range(self.num_layers)]
-        layers = split_chunks(staged if cuda else self.buf, starts, self.specs, self.tokens)
+        at, step = (0, stride) if cuda else (chunk_at(self.first, n, 0) + 16, chunk_at(0, n, 1))
+        layers = split_chunks(staged if cuda else self.buf, at, step, self.num_layers, self.specs, self.tokens)
         check_layers(layers, self.format)  # one host sync for the bundle
         return layers
 
@@ -278,6 +278,6 @@ class HostBundle:
         sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in digests[i]] + tails[i], self.seed),
                                 piece(layers + i)) for i in range(layers)]
         check_trailer(piece(len(pieces) - 1), layers, self.total - 24, sums, self.seed)
-        out = split_chunks(staged, [i * stride for i in range(layers)], self.specs, self.tokens)
+        out = split_chunks(staged, 0, stride, layers, self.specs, self.tokens)
         check_layers(out, self.format)  # one host sync for the bundle
         return out
