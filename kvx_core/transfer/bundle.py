@@ -29,6 +29,7 @@ import torch
 from ..errors import KvxError, Status, require
 from ..jsonsafe import loads_object
 from .schema import check_header, check_layer, rejected, short
+from .views import StorageViews
 
 MAGIC = b"KVXBNDL\0"
 CHUNK_TAG = b"KVXC"
@@ -245,6 +246,25 @@ def split_payload(payload: torch.Tensor, specs: list[TensorSpec], tokens: int) -
         raw = payload[pos:pos + n]
         aligned = raw.storage_offset() % s.dtype.itemsize == 0
         out[s.name] = (raw if aligned else raw.clone()).view(s.dtype).reshape(shape)
+        pos += n
+    return out
+
+
+def split_chunks(buf: torch.Tensor, start: int, step: int, count: int, specs: list[TensorSpec], tokens: int
+                 ) -> list[dict[str, torch.Tensor]]:
+    """`split_payload` of the `count` chunk payloads of a contiguous 1-D uint8 `buf` at byte offsets `start + i *
+    step`, one strided view per tensor (`StorageViews`). A tensor whose offset is not aligned to its dtype in some
+    chunk is copied for every chunk at once (one strided copy per tensor name, not per layer), as `split_payload`
+    copies it."""
+    views, out, pos = StorageViews(buf), [{} for _ in range(count)], start
+    for s in specs:
+        n, shape = s.nbytes(tokens), ((tokens, *s.shape) if s.per_token else s.shape)
+        at, src = [pos + i * step for i in range(count)], views
+        if any((buf.storage_offset() + a) % s.dtype.itemsize for a in at):
+            packed = buf.as_strided((count, n), (step, 1), buf.storage_offset() + pos).clone()
+            at, src = [i * n for i in range(count)], StorageViews(packed.view(-1))
+        for layer, a in zip(out, at, strict=True):
+            layer[s.name] = src.view(a, s.dtype, shape)
         pos += n
     return out
 

@@ -38,8 +38,10 @@ from .kernels import use_kernels
 from .rows import (
     KEY_TRANSFORMS,
     LAYER_TENSORS,
+    bound,
     format_specs,
     key_transforms,
+    layer_global_scales,
     layer_slots,
     on_device,
     prepare_write_rows,
@@ -95,8 +97,8 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
     wheres = layer_slots(caches, slots)
     w = BundleWriter(out, header)
-    for cache, where in zip(caches, wheres, strict=True):
-        w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where), w.specs, w.tokens))
+    for cache, where, gs in zip(caches, wheres, layer_global_scales(caches), strict=True):
+        w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where, scales=gs), w.specs, w.tokens))
     w.close()
     return header
 
@@ -190,9 +192,8 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
     scales checked as one tensor, and each kind of compared tensor (`k_global`, ..., `k_center`) stacked over the
     layers and compared at once (one flag per layer)."""
     ours, same, scales, compare = [], [], [], {}  # compare: (name, device, shape) -> ([layer], [ours], [theirs])
-    for i, (rows, cache) in enumerate(zip(layers, caches, strict=True)):
+    for i, (rows, cache, (kg, vg)) in enumerate(zip(layers, caches, layer_global_scales(caches), strict=True)):
         dst = format_of(cache)
-        kg, vg = cache_global_scales(cache, dst, None, None, "import_bundle", check_values=False)
         scales.append((kg, vg))
         ours += [g for g in (kg, vg) if g is not None]
         pairs = [(n, g, rows.get(n)) for n, g in (("k_global", kg), ("v_global", vg)) if g is not None]
@@ -249,8 +250,9 @@ def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: C
     dev = cache.k.tensor.device
     dst = format_of(cache)
     staged = {n: on_device(t, dev) for n, t in rows.items()}
-    check_disjoint(block_view(cache.k.tensor, cache.k.layout), block_view(cache.v.tensor, cache.v.layout), *where)
-    pools = dispatch._kernel_pools(cache)
+    check_disjoint(*bound(cache, "kv_blocks", lambda: (block_view(cache.k.tensor, cache.k.layout),
+                                                       block_view(cache.v.tensor, cache.v.layout))), *where)
+    pools = bound(cache, "kernel_pools", lambda: dispatch._kernel_pools(cache)) if dispatch._use_triton(cache) else None
     if pools is not None and not (src.rotate or dst.rotate or key_transforms(cache)
                                   or any(t.tensor in rows for t in KEY_TRANSFORMS)):
         return plan_convert(src, staged, WriteArgs(slots.to(device=dev, dtype=torch.int64), *scales), *pools[:4],

@@ -34,12 +34,14 @@ from .bundle import (
     parse_specs,
     segment_digest,
     segments,
-    split_payload,
+    split_chunks,
     trailer,
 )
 from .header import bundle_header
-from .rows import layer_slots, read_chunk
+from .kernels import use_kernels
+from .rows import layer_global_scales, layer_slots, read_chunk
 from .schema import ModelFingerprint, check_layers
+from .views import StorageViews
 
 GPU_SEGMENT_BYTES = 1 << 16
 """Checksum segments of bundles exported from CUDA caches: 64 KiB, one GPU program each (thousands per bundle)."""
@@ -132,9 +134,13 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
     dev = caches[0].k.tensor.device
+    stride = -(-size // 256) * 256  # each layer's chunk 256-byte aligned (the GPU hash reads 8-byte words)
+    stage = StorageViews(torch.empty(layers * stride, dtype=torch.uint8, device=dev)) if use_kernels(dev) else None
+    host = StorageViews(buf)
     # queue each layer's gather and copy; hash the landed
-    for i, (cache, where) in enumerate(zip(caches, wheres, strict=True)):
-        chunk = read_chunk(cache, slots, specs, where=where)
+    for i, (cache, where, gs) in enumerate(zip(caches, wheres, layer_global_scales(caches), strict=True)):
+        chunk = read_chunk(cache, slots, specs, where=where, scales=gs,
+                           into=None if stage is None else (stage, i * stride))
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
@@ -143,7 +149,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             with torch.cuda.stream(side):
                 side.wait_event(ready)
                 if size:
-                    buf[at + 16:at + 16 + size].copy_(chunk, non_blocking=True)
+                    host.view(at + 16, torch.uint8, (size,)).copy_(chunk, non_blocking=True)
                 done.record(side)
             if size:
                 chunk.record_stream(side)
@@ -151,7 +157,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             landed.append(done)
         else:
             if size:
-                buf[at + 16:at + 16 + size].copy_(chunk)
+                host.view(at + 16, torch.uint8, (size,)).copy_(chunk)
             landed.append(None)
         hash_landed(block=False)
     hash_landed(block=True)
@@ -237,9 +243,8 @@ class HostBundle:
                                                     self.seed),
                                 bytes(m[chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
-        layers = [split_payload(staged[i * stride:i * stride + n] if cuda else
-                                self.buf[chunk_at(self.first, n, i) + 16:][:n], self.specs, self.tokens)
-                  for i in range(self.num_layers)]
+        at, step = (0, stride) if cuda else (chunk_at(self.first, n, 0) + 16, chunk_at(0, n, 1))
+        layers = split_chunks(staged if cuda else self.buf, at, step, self.num_layers, self.specs, self.tokens)
         check_layers(layers, self.format)  # one host sync for the bundle
         return layers
 
@@ -273,6 +278,6 @@ class HostBundle:
         sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in digests[i]] + tails[i], self.seed),
                                 piece(layers + i)) for i in range(layers)]
         check_trailer(piece(len(pieces) - 1), layers, self.total - 24, sums, self.seed)
-        out = [split_payload(staged[i * stride:i * stride + n], self.specs, self.tokens) for i in range(layers)]
+        out = split_chunks(staged, 0, stride, layers, self.specs, self.tokens)
         check_layers(out, self.format)  # one host sync for the bundle
         return out

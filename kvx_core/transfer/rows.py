@@ -19,6 +19,7 @@ from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
 from ..scale_layout import GROUP, Interleave4Rows
 from . import kernels
+from .views import StorageViews
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,38 @@ LAYER_TENSORS = ("k_global", "v_global", *(t.tensor for t in KEY_TRANSFORMS))
 def key_transforms(cache: CacheDesc) -> frozenset[str]:
     """The tensor names of the key transforms `cache` has (`KEY_TRANSFORMS`)."""
     return frozenset(t.tensor for t in KEY_TRANSFORMS if t.of(cache) is not None)
+
+
+_BOUND = "_kvx_transfer_bound"
+"""The attribute of a `CacheDesc` holding what `bound` derived from it: (tensors, geometry, {name: value})."""
+
+
+def _pool_key(cache: CacheDesc) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """The pool tensors of `cache` (compared by identity: held by the binding, so never recycled) and everything of
+    their geometry and format the derived views depend on (pointers, dtypes, shapes, strides, layouts, format)."""
+    q = cache.quant
+    scales = () if q is None else tuple(s for s in (q.k_scales, q.v_scales) if s is not None)
+    tensors = (cache.k.tensor, cache.v.tensor, *(s.tensor for s in scales))
+    fmt = None if q is None else (q.format, q.group_size, q.k_data_dtype, q.v_data_dtype, q.flags)
+    geometry = (cache.block_size, cache.num_kv_heads, cache.head_dim, cache.k.dtype, cache.v.dtype, cache.k.layout,
+                cache.v.layout, fmt, *(s.layout for s in scales),
+                *((t.data_ptr(), t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors))
+    return tensors, geometry
+
+
+def bound(cache: CacheDesc, name: str, build: Callable[[], object]) -> object:
+    """`build()`, derived once per cache descriptor and kept on it (issue 32's bind: pool views and kernel arguments
+    depend only on the layer's tensors and layouts, not on the request) while its pool tensors stay the same objects
+    with the same geometry; any change derives everything again. Only views and arguments are kept, never values
+    read from the pools or scales (those may change between requests). Call after `cache.validate()`."""
+    tensors, geometry = _pool_key(cache)
+    held = cache.__dict__.get(_BOUND)
+    if held is None or held[1] != geometry or any(a is not b for a, b in zip(held[0], tensors, strict=True)):
+        held = (tensors, geometry, {})
+        cache.__dict__[_BOUND] = held
+    if name not in held[2]:
+        held[2][name] = build()
+    return held[2][name]
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -85,12 +118,46 @@ def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> list[tuple[
     return out
 
 
-def read_rows(cache: CacheDesc, slots: torch.Tensor,
-              where: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def layer_global_scales(caches: Sequence[CacheDesc]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each layer's FP32 `[H]` K / V global scales as `cache_global_scales` builds them (values unchecked; call after
+    `layer_slots`, which checked their types and shapes), with a fixed number of tensor ops per bundle instead of a
+    chain per scale: scales already FP32 `[H]` and contiguous on the cache's device are used as they are, the others
+    are stacked by kind (shape, dtype, device) and converted at once; absent ones (1.0) are one `ones` tensor."""
+    out: list[list[torch.Tensor | None]] = [[None, None] for _ in caches]
+    groups: dict[tuple, list[tuple[int, int, torch.Tensor | None]]] = {}
+    for i, cache in enumerate(caches):
+        fmt, q, dev, heads = format_of(cache), cache.quant, cache.k.tensor.device, cache.num_kv_heads
+        for j, (which, tf) in enumerate((("k", fmt.k), ("v", fmt.v))):
+            g = getattr(q, f"{which}_global_scale") if q is not None else None
+            if not tf.uses_global_scale:
+                continue
+            if not isinstance(g, torch.Tensor) and g is not None:  # a Python number: the one-off path
+                out[i][j] = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)[j]
+            elif g is not None and g.dtype == torch.float32 and g.device == dev and tuple(g.shape) == (heads,) \
+                    and g.is_contiguous():
+                out[i][j] = g
+            else:
+                key = (heads, dev) if g is None else (heads, dev, g.shape, g.dtype, g.device)
+                groups.setdefault(key, []).append((i, j, g))
+    for (heads, dev, *_), members in groups.items():
+        n = len(members)
+        if members[0][2] is None:
+            built = torch.ones(n, heads, dtype=torch.float32, device=dev)
+        else:
+            stacked = torch.stack([g for _, _, g in members]).to(device=dev, dtype=torch.float32)
+            built = stacked.reshape(n, -1).expand(n, heads).contiguous()
+        for (i, j, _), row in zip(members, built.unbind(0), strict=True):
+            out[i][j] = row
+    return [(k, v) for k, v in out]
+
+
+def read_rows(cache: CacheDesc, slots: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor] | None = None,
+              scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
     """The stored rows of `slots` ([T] token slots, in sequence order): `{name: [T, H, X]}` (payload in its stored
     dtype, scales as bytes) plus the layer's global scales `{k_global, v_global: fp32 [H]}` where the format has
     them. Copies, on the cache's device. `where`: `layer_slots`' answer for this cache (which validated it and
-    checked its slots: layers read without a validation and a host sync each)."""
+    checked its slots: layers read without a validation and a host sync each); `scales`: the layer's
+    `layer_global_scales` (built here when None)."""
     if where is None:
         cache.validate()
     fmt = format_of(cache)
@@ -102,7 +169,7 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
         if p.scales is not None:
             out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
     # no host sync: a read copies what is stored
-    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)
+    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False) if scales is None else scales
     out.update({name: g for name, g in (("k_global", kg), ("v_global", vg)) if g is not None})
     for t in KEY_TRANSFORMS:
         v = t.of(cache)
@@ -112,46 +179,64 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor,
 
 
 def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
-               where: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               where: tuple[torch.Tensor, torch.Tensor] | None = None,
+               scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+               into: tuple[StorageViews, int] | None = None) -> torch.Tensor:
     """A layer's chunk payload: uint8 `[bytes]` on the cache's device, the tensors `read_rows` gives packed in the
     order of `specs` (the bundle header's `TensorSpec`s, `format_specs` order). On a kernel device
     (`kernels.use_kernels`) one gather kernel writes every tensor straight into the chunk; else torch gathers and
-    joins them. `where` as for `read_rows`."""
+    joins them. `where`, `scales` as for `read_rows`; `into`: (views of a device buffer, byte offset) where the
+    kernel writes the chunk (an exporter's staging for all its layers: one view per tensor), else a new tensor."""
     if not kernels.use_kernels(cache.k.tensor.device):
-        rows = read_rows(cache, slots, where=where)
+        rows = read_rows(cache, slots, where=where, scales=scales)
         return torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
     if where is None:
         cache.validate()
         check_slots(cache, slots)
+    from ..ops.triton.rows import _INT
+
     fmt = format_of(cache)
     dev, t = cache.k.tensor.device, slots.numel()
-    chunk = torch.empty(sum(s.nbytes(t) for s in specs), dtype=torch.uint8, device=dev)
-    parts, pos = {}, 0
-    for s in specs:  # each tensor's bytes as a 1-D view (all the kernel needs: its start and element width)
+    size = sum(s.nbytes(t) for s in specs)
+    views, pos = into if into is not None else (StorageViews(torch.empty(size, dtype=torch.uint8, device=dev)), 0)
+    chunk, parts = views.view(pos, torch.uint8, (size,)), {}
+    for s in specs:  # each tensor's bytes as the 1-D integer view the kernel takes (its start and element width)
         n = s.nbytes(t)
-        parts[s.name] = chunk[pos:pos + n] if s.dtype == torch.uint8 else chunk[pos:pos + n].view(s.dtype)
+        dtype = _INT[s.dtype.itemsize] if s.name not in LAYER_TENSORS else torch.uint8
+        parts[s.name] = views.view(pos, dtype, (n // dtype.itemsize,))
+        require(parts[s.name] is not None, Status.INTERNAL_ERROR, f"read_chunk: {s.name} is not aligned in the chunk")
         pos += n
-    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)
+    kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False) if scales is None else scales
     layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
     flat = [(layer[n], parts[n]) for n in LAYER_TENSORS if n in parts]  # FP32 (`QuantDesc` validation)
     _plan_rows(cache, fmt, slots, parts, scatter=False, flat=flat)()
     return chunk
 
 
+def _pool_rows(cache: CacheDesc, fmt) -> tuple:
+    """The pools of `cache` as the row kernel addresses them (`ops.triton.rows.PoolRows`): K payload, K scales,
+    V payload, V scales (those the format has), derived once per descriptor (`bound`)."""
+    from ..ops.triton.rows import block_rows, interleaved_rows
+
+    def build() -> tuple:
+        out = []
+        for which in ("k", "v"):
+            p = side_pools(cache, fmt, which)
+            out.append((f"{which}_data", block_rows(p.data)))
+            if p.scales is not None:
+                out.append((f"{which}_scales", interleaved_rows(p.scales.pool, GROUP)
+                            if isinstance(p.scales, Interleave4Rows) else block_rows(p.scales)))
+        return tuple(out)
+    return bound(cache, "pool_rows", build)
+
+
 def _plan_rows(cache: CacheDesc, fmt, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
                flat: list = ()) -> Callable[[], None]:
     """`ops.triton.rows.plan_rows` between the pools of `cache` and `rows` (`{name: contiguous [T, H, X]}` on the
     cache's device, every pool of the format), for `slots` already checked."""
-    from ..ops.triton.rows import block_rows, interleaved_rows, plan_rows
+    from ..ops.triton.rows import plan_rows
 
-    pairs = []
-    for which in ("k", "v"):
-        p = side_pools(cache, fmt, which)
-        pairs.append((block_rows(p.data), rows[f"{which}_data"]))
-        if p.scales is not None:
-            pool = (interleaved_rows(p.scales.pool, GROUP) if isinstance(p.scales, Interleave4Rows)
-                    else block_rows(p.scales))
-            pairs.append((pool, rows[f"{which}_scales"]))
+    pairs = [(pool, rows[name]) for name, pool in _pool_rows(cache, fmt)]
     dev = cache.k.tensor.device
     if slots.device != dev or slots.dtype != torch.int64:
         slots = slots.to(device=dev, dtype=torch.int64)

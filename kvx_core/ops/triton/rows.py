@@ -165,10 +165,12 @@ def _rows_kernel(
             _copy(F3, FC3, N3, e0, BE)
 
 
-def _flat(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Contiguous `t` as a 1-D view of `dtype` (of the same element width or bytes); itself where it is one."""
-    t = t if t.dim() == 1 else t.reshape(-1)
-    return t if t.dtype == dtype else t.view(dtype)
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Contiguous `t` viewed as `dtype` (of the same element width, or bytes); itself where it is one. No reshape to
+    1-D: the kernel takes only its start (one tensor op at most per tensor and launch)."""
+    if t.dtype == dtype:
+        return t
+    return (t if t.dim() else t.reshape(1)).view(dtype)
 
 
 def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, torch.Tensor]], *, scatter: bool,
@@ -190,7 +192,7 @@ def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, 
             require(c.is_contiguous() and c.numel() * c.element_size() == t * p.row * p.base.element_size(),
                     Status.INVALID_ARGUMENT, f"plan_rows: rows {i} must be contiguous [{t}, {p.heads}, {p.x}] "
                                              f"elements of {p.base.element_size()} bytes")
-            pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, _flat(c, p.base.dtype), p.x, p.row]
+            pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, _as_dtype(c, p.base.dtype), p.x, p.row]
             consts.append((p.g, p.pk, p.flat))
             widest = max(widest, p.row)
         else:  # an absent pool: R = 0, its programs return at once
@@ -202,8 +204,8 @@ def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, 
             src, dst = flat[i]
             require(dst.is_contiguous() and src.numel() * src.element_size() == dst.numel() * dst.element_size(),
                     Status.INVALID_ARGUMENT, f"plan_rows: flat tensor {i}: a contiguous destination of equal bytes")
-            src = _flat(src.contiguous(), torch.uint8)
-            fargs += [src, _flat(dst, torch.uint8), src.numel()]
+            src = _as_dtype(src.contiguous(), torch.uint8)
+            fargs += [src, _as_dtype(dst, torch.uint8), src.numel()]
             widest = max(widest, src.numel())
         else:
             fargs += [slots, slots, 0]

@@ -1,0 +1,235 @@
+"""The host cost of a bundle export / import on the kernel path (issue 36), counted on the CPU: per layer, the aten
+calls torch's profiler sees and the kernel launches (Triton launches replaced by counters: no kernel runs, so the
+count is the host work an engine pays per layer on a GPU); and the per-descriptor binding that keeps that cost low
+(`transfer.rows.bound`) never serves views of tensors a descriptor no longer holds. No timing is asserted."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvx_core.cache import PagedKVCache
+from kvx_core.descriptors import TensorDesc
+from kvx_core.transfer import ModelFingerprint, import_bundle
+from kvx_core.transfer.bundle import TensorSpec, split_chunks, split_payload
+from kvx_core.transfer.host import export_to_host
+
+from .. import interpret  # noqa: F401  (Triton's interpreter on the CPU)
+from ..fuzz import mutate_bytes, mutate_json, run_capped
+from .test_transfer_kernels import _path, cpu_only
+
+pytestmark = cpu_only  # CPU caches, Triton interpreted (on a CUDA machine the interpreter is off)
+
+HEADS, DIM, TOKENS = 8, 128, 64
+BUDGET = {  # aten calls per layer (export, import) counted by this test when pinned (torch 2.13)
+    ("bf16", "bf16"): (7, 6),
+    ("nvfp4", "nvfp4"): (19, 14),
+    ("bf16", "nvfp4"): (7, 20),
+    ("int4", "int4"): (11, 8),
+    ("fp8_e4m3", "fp8_e4m3"): (15, 12),
+}
+HEADROOM, SLACK = 1.3, 2
+"""A count may grow by 30% plus two calls (other torch versions split or fuse an op differently) before it fails."""
+
+
+def _model(layers: int) -> ModelFingerprint:
+    return ModelFingerprint("bench", layers, HEADS, DIM, {}, "0" * 64, "0" * 64)
+
+
+def _caches(fmt: str, layers: int, seed: int = 0) -> PagedKVCache:
+    """A `layers`-layer cache of `fmt` with per-tensor global scales (the engines' usual [] / [1] scale) holding
+    TOKENS random tokens at slots 0 .. TOKENS - 1."""
+    c = PagedKVCache(fmt, num_layers=layers, num_blocks=TOKENS // 16, block_size=16, num_kv_heads=HEADS,
+                     head_dim=DIM)
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(layers):
+        if c.layers[layer].k_global is not None:
+            c.set_global_scales(layer, torch.rand(1, generator=g) * 0.01 + 0.002,
+                                torch.rand(1, generator=g) * 0.01 + 0.002)
+        c.write(layer, torch.randn(TOKENS, HEADS, DIM, generator=g), torch.randn(TOKENS, HEADS, DIM, generator=g),
+                torch.arange(TOKENS))
+    return c
+
+
+@pytest.fixture
+def no_launch(monkeypatch) -> list[str]:
+    """Every Triton launch of the transfer kernels counted and skipped (its host-side arguments still built)."""
+    from kvx_core.ops.triton import convert, rows
+
+    seen: list[str] = []
+
+    class Counted:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(self.name)
+
+    monkeypatch.setattr(rows, "_rows_kernel", Counted("rows"))
+    monkeypatch.setattr(convert, "_convert_kernel", Counted("convert"))
+    return seen
+
+
+def _cost(src_fmt: str, dst_fmt: str, layers: int, seen: list[str]) -> tuple[int, int, int, int]:
+    """(export aten calls, export launches, import aten calls, import launches) of the second export / import of a
+    `layers`-layer bundle (the first binds the descriptors). The bundle imported is the torch path's (the kernels
+    do not run here); the exports write into a buffer of their own."""
+    src, dst = _caches(src_fmt, layers), _caches(dst_fmt, layers, seed=1)
+    for layer in range(layers) if src_fmt == dst_fmt and src.layers[0].k_global is not None else ():
+        dst.set_global_scales(layer, src.layers[layer].k_global, src.layers[layer].v_global)  # rows stored as they are
+    srcs, dsts = [src.descriptor(i) for i in range(layers)], [dst.descriptor(i) for i in range(layers)]
+    slots, model, out = torch.arange(TOKENS), _model(layers), {}
+    with _path("torch"):
+        host = export_to_host(srcs, slots, model=model)
+    scratch = torch.empty_like(host)
+    with _path("triton"):
+        for name, fn in (("import", lambda: import_bundle(host, dsts, slots, model=model)),
+                         ("export", lambda: export_to_host(srcs, slots, model=model, out=scratch))):
+            fn()
+            seen.clear()
+            with profile(activities=[ProfilerActivity.CPU]) as p:
+                fn()
+            out[name] = (sum(e.count for e in p.key_averages() if e.key.startswith("aten::")), len(seen))
+    return (*out["export"], *out["import"])
+
+
+@pytest.mark.parametrize("pair", list(BUDGET), ids="->".join)
+def test_the_host_work_per_layer_of_a_kernel_export_and_import_stays_in_budget(pair, no_launch):
+    """Per layer (the difference between an 8- and a 4-layer bundle, so fixed per-bundle work cancels out): one
+    launch each way, and no more aten calls than the pinned count plus the headroom (same-format pairs store the
+    rows as they are; bf16 -> nvfp4 converts on the kernels)."""
+    few, many = _cost(*pair, 4, no_launch), _cost(*pair, 8, no_launch)
+    per_layer = [(b - a) / 4 for a, b in zip(few, many, strict=True)]
+    export_calls, export_launches, import_calls, import_launches = per_layer
+    assert (export_launches, import_launches) == (1, 1)
+    budget_export, budget_import = BUDGET[pair]
+    assert export_calls <= budget_export * HEADROOM + SLACK, f"export: {export_calls} aten calls per layer"
+    assert import_calls <= budget_import * HEADROOM + SLACK, f"import: {import_calls} aten calls per layer"
+
+
+def _torch_export(c: PagedKVCache) -> bytes:
+    """The bundle of `c`'s tokens on the torch path (the oracle of the kernel path)."""
+    with _path("torch"):
+        return bytes(export_to_host([c.descriptor(i) for i in range(2)], torch.arange(TOKENS),
+                                    model=_model(2)).numpy())
+
+
+def test_a_descriptor_given_other_pools_is_bound_again():
+    """A descriptor exported once through the kernels (its pool views kept on it) whose K / V then name another
+    cache's pools exports the other cache's rows, not the first pools' (the binding follows the tensors)."""
+    a, b = _caches("nvfp4", 2), _caches("nvfp4", 2, seed=5)
+    descs, slots = [a.descriptor(i) for i in range(2)], torch.arange(TOKENS)
+    with _path("triton"):
+        assert bytes(export_to_host(descs, slots, model=_model(2)).numpy()) == _torch_export(a)
+        for i, d in enumerate(descs):
+            other = b.descriptor(i)
+            d.k, d.v, d.quant = other.k, other.v, other.quant
+            d.validate()
+        assert bytes(export_to_host(descs, slots, model=_model(2)).numpy()) == _torch_export(b)
+
+
+def test_a_descriptor_whose_pool_tensor_is_replaced_in_place_of_the_same_shape_is_bound_again():
+    """Replacing a layer's K tensor with another one of the same shape and strides (a new allocation) rebinds it:
+    the export carries the new tensor's rows."""
+    a, b = _caches("bf16", 2), _caches("bf16", 2, seed=7)
+    descs, slots = [a.descriptor(i) for i in range(2)], torch.arange(TOKENS)
+    with _path("triton"):
+        export_to_host(descs, slots, model=_model(2))
+        for i, d in enumerate(descs):
+            d.k = TensorDesc.from_torch(b.layers[i].k_data, d.k.layout, None)
+            d.v = TensorDesc.from_torch(b.layers[i].v_data, d.v.layout, None)
+            d.validate()
+        assert bytes(export_to_host(descs, slots, model=_model(2)).numpy()) == _torch_export(b)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
+def test_global_scales_changed_between_exports_are_read_again(fmt):
+    """Global scales are values, never kept by the binding: set new ones between two kernel exports of the same
+    descriptors and the second bundle carries them (as the torch path's)."""
+    c = _caches(fmt, 2)
+    descs, slots = [c.descriptor(i) for i in range(2)], torch.arange(TOKENS)
+    with _path("triton"):
+        export_to_host(descs, slots, model=_model(2))
+        for layer in range(2):
+            c.set_global_scales(layer, torch.tensor([0.25 + layer]), torch.tensor([0.5 + layer]))
+        assert bytes(export_to_host(descs, slots, model=_model(2)).numpy()) == _torch_export(c)
+
+
+def test_layers_of_every_global_scale_shape_export_as_the_torch_path():
+    """Layers whose global scales come as [] or [1] FP32 tensors, or absent (1.0), export as the torch path does
+    (the batched scale build groups them by kind)."""
+    c = _caches("nvfp4", 2)
+    descs = [c.descriptor(i) for i in range(2)]
+    descs[0].quant.k_global_scale = torch.tensor(0.125)
+    descs[0].quant.v_global_scale = torch.tensor(0.0625)
+    descs[1].quant.k_global_scale = descs[1].quant.v_global_scale = None
+    slots, model = torch.arange(TOKENS), _model(2)
+    with _path("torch"):
+        want = bytes(export_to_host(descs, slots, model=model).numpy())
+    with _path("triton"):
+        assert bytes(export_to_host(descs, slots, model=model).numpy()) == want
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3])
+@pytest.mark.parametrize("step", [0, 1, 2])
+def test_split_chunks_gives_what_split_payload_gives_at_every_alignment(start, step):
+    """`split_chunks` (one strided view per tensor; a misaligned tensor copied for all chunks at once) gives each
+    chunk's tensors bit for bit as `split_payload` of that chunk alone, whatever the chunks' alignment."""
+    specs = [TensorSpec("k_data", torch.bfloat16, (2, 4), True), TensorSpec("k_scales", torch.uint8, (2, 3), True),
+             TensorSpec("k_global", torch.float32, (2,), False)]
+    tokens, count = 5, 3
+    n = sum(sp.nbytes(tokens) for sp in specs)
+    stride = n + 24 + step
+    buf = torch.randint(0, 256, (start + count * stride + 7,), dtype=torch.uint8, generator=torch.Generator())
+    got = split_chunks(buf, start, stride, count, specs, tokens)
+    for i, layer in enumerate(got):
+        want = split_payload(buf[start + i * stride:][:n], specs, tokens)
+        assert list(layer) == list(want)
+        for name, t in want.items():
+            assert layer[name].dtype == t.dtype and layer[name].shape == t.shape
+            assert torch.equal(layer[name].view(torch.uint8), t.view(torch.uint8))
+
+
+@functools.cache
+def _bound_destination() -> tuple[PagedKVCache, list]:
+    """One NVFP4 destination whose descriptors every fuzz case of a process reuses (their binding kept across
+    imports, refused or not)."""
+    from ..transfer.caches import _cache, _descs
+
+    dst, _ = _cache("nvfp4", 16, 4, seed=9, tokens=10)
+    return dst, _descs(dst)
+
+
+def bound_imports(rng: random.Random) -> None:
+    """A forged bundle (tests/transfer/test_fuzz_transfer.py's, or a plain BF16 one damaged) placed at a random byte
+    offset of a host buffer (every alignment of its tensors) and imported on the kernel path into descriptors bound
+    by earlier cases: KvxError or success; a refused import changes nothing."""
+    from ..transfer.caches import MODEL, _snapshot, _unchanged
+    from ..transfer.forge import build, split
+    from ..transfer.test_fuzz_transfer import _forged
+    from .test_transfer_kernels import _plain_bf16
+
+    if rng.random() < 0.5:
+        data = _forged(rng)
+    else:
+        header, payloads = split(_plain_bf16())
+        data = build(mutate_json(header, rng) if rng.random() < 0.5 else header,
+                     [mutate_bytes(p, rng) if rng.random() < 0.3 else p for p in payloads])
+    at = rng.randrange(8)
+    buf = torch.zeros(at + len(data), dtype=torch.uint8)
+    buf[at:] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[at:]
+    dst, descs = _bound_destination()
+    before = _snapshot(dst)
+    try:
+        with _path("triton"):
+            import_bundle(buf[at:], descs, torch.arange(3), model=MODEL)
+    except Exception:
+        assert _unchanged(dst, before), "a refused import changed its destination"
+        raise
+
+
+def test_fuzz_imports_into_bound_descriptors():
+    run_capped("tests.kernels.test_transfer_budget:bound_imports", cases=120)
