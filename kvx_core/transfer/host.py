@@ -47,6 +47,11 @@ GPU_SEGMENT_BYTES = 1 << 16
 """Checksum segments of bundles exported from CUDA caches: 64 KiB, one GPU program each (thousands per bundle)."""
 GPU_HASH_MAX_SEGMENT = 1 << 20
 """Import verifies segments up to this size on the GPU; larger ones (few and long) in the host thread pool."""
+EXPORT_STAGE_BYTES = 256 << 20
+"""A kernel export gathers every layer into one device staging buffer (one allocation and view per bundle, not per
+layer) only up to this size: a larger bundle (bf16 at 16k tokens x 32 layers is ~2 GiB) gathers each layer into its
+own chunk, freed once copied, so the export never needs the whole bundle's size free on an engine's GPU; at that
+size the per-layer host work is small beside the bytes moved."""
 THREADS = min(16, os.cpu_count() or 1)
 """Checksum threads: xxhash releases the GIL, so checksum segments hash in parallel (~6-10 GB/s per thread)."""
 _pool: ThreadPoolExecutor | None = None
@@ -135,7 +140,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
 
     dev = caches[0].k.tensor.device
     stride = -(-size // 256) * 256  # each layer's chunk 256-byte aligned (the GPU hash reads 8-byte words)
-    stage = StorageViews(torch.empty(layers * stride, dtype=torch.uint8, device=dev)) if use_kernels(dev) else None
+    staged = use_kernels(dev) and layers * stride <= EXPORT_STAGE_BYTES
+    stage = StorageViews(torch.empty(layers * stride, dtype=torch.uint8, device=dev)) if staged else None
     host = StorageViews(buf)
     # queue each layer's gather and copy; hash the landed
     for i, (cache, where, gs) in enumerate(zip(caches, wheres, layer_global_scales(caches), strict=True)):

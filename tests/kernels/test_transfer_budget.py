@@ -173,6 +173,29 @@ def test_layers_of_every_global_scale_shape_export_as_the_torch_path():
         assert bytes(export_to_host(descs, slots, model=model).numpy()) == want
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_a_bundle_over_the_staging_cap_exports_layer_by_layer_to_the_same_bytes(fmt, monkeypatch):
+    """Above `EXPORT_STAGE_BYTES` the kernel export gathers each layer into its own chunk instead of one staging
+    buffer for the bundle (an engine's GPU need not have the whole bundle free): the same bytes as the staged export
+    and as the torch path."""
+    from kvx_core.transfer import host
+
+    c = _caches(fmt, 3)
+    descs, slots, model = [c.descriptor(i) for i in range(3)], torch.arange(TOKENS), _model(3)
+    with _path("torch"):
+        want = bytes(export_to_host(descs, slots, model=model).numpy())
+    stages = []
+    real = host.StorageViews
+    monkeypatch.setattr(host, "StorageViews", lambda t: stages.append(t.device.type) or real(t))
+    with _path("triton"):
+        assert bytes(export_to_host(descs, slots, model=model).numpy()) == want
+        staged = list(stages)
+        monkeypatch.setattr(host, "EXPORT_STAGE_BYTES", 0)
+        stages.clear()
+        assert bytes(export_to_host(descs, slots, model=model).numpy()) == want
+    assert staged == ["cpu", "cpu"] and stages == ["cpu"]  # the staging buffer and the host view; then the host only
+
+
 @pytest.mark.parametrize("start", [0, 1, 2, 3])
 @pytest.mark.parametrize("step", [0, 1, 2])
 def test_split_chunks_gives_what_split_payload_gives_at_every_alignment(start, step):
