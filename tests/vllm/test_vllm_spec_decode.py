@@ -14,9 +14,10 @@ model's BF16 matrix products sum over 1 + k rows instead of 1, and the 4-bit cac
 K/V into different codes. Measured on these runs: the best token's log-probability drifts by up to 0.12 nats with
 vLLM's own BF16 cache and up to 0.33 with kvx_nvfp4 when every step verifies 1 + 3 rows (EAGLE; n-gram verifies
 only where it drafts). So the two runs' log-probabilities of each emitted token must agree within DRIFT nats up to
-the first difference, and a first difference must be a near tie of the speculative run (its two best tokens within
-NEAR_TIE nats) between the same two tokens the run without speculation ranked first and second, swapped; nothing is
-compared after that position (the contexts differ).
+the first difference (0.75: over 2x the measured drift; a broken cache path drifts by whole nats), and a first
+difference must be the same two tokens swapped (the run without speculation's first and second) where the speculative
+run ranks them within that same drift (measured: 0.125 nats); nothing is compared after that position (the contexts
+differ).
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ pytestmark = pytest.mark.vllm
 
 RUNNER = Path(__file__).with_name("vllm_specdec_run.py")
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-NEAR_TIE = 0.25  # nats between the speculative run's two best tokens at a first difference (module docstring)
-DRIFT = 0.5  # nats between the two runs' log-probabilities of the same token in the same context (module docstring)
+DRIFT = 0.75  # nats between the two runs' log-probabilities of the same token in the same context (module docstring)
+NEAR_TIE = DRIFT  # nats between the speculative run's two best tokens at a first difference: within the drift
 DTYPE, BS = "kvx_nvfp4", 16  # the `config` fixture's cache
 
 
