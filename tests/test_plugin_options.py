@@ -131,17 +131,19 @@ def test_other_connectors_are_refused_with_kvx_dtypes(name):
         options.check_config(_run_config(SimpleNamespace(kv_connector=name, kv_connector_module_path=None)))
 
 
-def test_ngram_speculative_decoding_is_accepted():
-    """The n-gram speculator (no attention of its own): its verification steps run as multi-row decodes."""
-    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_verified_speculators_are_accepted(method):
+    """The n-gram speculator (no attention of its own) and EAGLE (its head attends through the KVX backend): their
+    verification steps run as multi-row decodes (tests/vllm/test_vllm_spec_decode.py)."""
+    spec = SimpleNamespace(method=method, num_speculative_tokens=3)
     assert options.check_config(_run_config(None, spec)) == "nvfp4"
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model", "mtp", "suffix", None])
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "mtp", "suffix", None])
 def test_other_speculators_are_refused_with_the_reason(method):
     """Drafters that run attention layers through the backend (or are not tested) are refused, naming the method
     and what is verified."""
-    with pytest.raises(ValueError, match=f"speculative decoding with method {method!r}.*'ngram'"):
+    with pytest.raises(ValueError, match=f"speculative decoding with method {method!r}.*'ngram', 'eagle' only"):
         options.check_config(_run_config(None, SimpleNamespace(method=method, num_speculative_tokens=2)))
 
 

@@ -139,7 +139,7 @@ def _builder(config, impls, monkeypatch):
 def test_a_group_shares_one_window(config, monkeypatch):
     from vllm.config import set_current_vllm_config
 
-    with set_current_vllm_config(config), pytest.raises(ValueError, match="share sm_scale, logits_soft_cap and "
+    with set_current_vllm_config(config), pytest.raises(ValueError, match="share sm_scale, logits_soft_cap, "
                                                                          "sliding window"):
         _builder(config, [_impl(config, SLIDING_WINDOW), _impl(config, None)], monkeypatch)
 

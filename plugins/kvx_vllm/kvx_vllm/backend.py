@@ -181,13 +181,15 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         self.split_prefill = options_of(vllm_config).prefill == "split"
         impls = [layer.impl for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase,
                                                                      layer_names).values()]
-        params = {(impl.scale, impl.softcap, impl.window) for impl in impls}
+        params = {(impl.scale, impl.softcap, impl.window, impl.num_heads) for impl in impls}
         if len(params) > 1:
             raise ValueError(f"KVX attention backend: the layers of one KV cache group must share sm_scale, "
-                             f"logits_soft_cap and sliding window, got (scale, softcap, window_left) "
-                             f"{sorted(params, key=str)}")
-        self.sm_scale, self.softcap, self.window = params.pop() if params else (None, None, None)
-        self.num_qo_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+                             f"logits_soft_cap, sliding window and query heads, got (scale, softcap, window_left, "
+                             f"heads) {sorted(params, key=str)}")
+        self.sm_scale, self.softcap, self.window, heads = params.pop() if params else (None, None, None, None)
+        # query heads of the group's layers (this rank's), not of the target's config: vLLM builds an EAGLE head's
+        # builder with the target's vllm_config, for the head's own layers
+        self.num_qo_heads = heads or vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.q_dtype = vllm_config.model_config.dtype
         self.max_model_len = vllm_config.model_config.max_model_len
         self.graph_sizes = sorted(vllm_config.compilation_config.cudagraph_capture_sizes or [])

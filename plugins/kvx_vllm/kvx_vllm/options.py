@@ -43,9 +43,11 @@ LM_HEAD_FORMATS = config.BY_NAME["lm_head"].choices
 CONNECTOR = ("KvxConnector", "kvx_vllm.connector", "KvxConnector")
 """(name for --kv-transfer-config, module, class) of the KVX KV connector."""
 PREFILL_ROUTES = config.BY_NAME["prefill"].choices
-SPECULATORS = ("ngram",)
-"""Speculative decoding methods verified with KVX pages: drafters without attention of their own, whose 1 + k
-verification tokens per request the backend attends as a multi-row decode (`backend.KvxMetadataBuilder`)."""
+SPECULATORS = ("ngram", "eagle")
+"""Speculative decoding methods verified with KVX pages (`tests/vllm/test_vllm_spec_decode.py`): the target's 1 + k
+verification tokens per request run as a multi-row decode (`backend.KvxMetadataBuilder`); EAGLE's draft head has an
+attention layer of its own in the target's KV cache group, whose steps vLLM's proposer builds through the same builder
+(`build_for_drafting`: a pass over the step's tokens, then one row per request and draft token)."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,8 @@ def refusals(vllm_config: Any) -> list[str]:
     spec = vllm_config.speculative_config
     if spec is not None and getattr(spec, "method", None) not in SPECULATORS:
         out.append(f"speculative decoding with method {getattr(spec, 'method', None)!r}: verified with KVX pages for "
-                   f"{', '.join(map(repr, SPECULATORS))} only (draft models and EAGLE-style drafters run attention "
-                   "layers of their own through the backend, not tested)")
+                   f"{', '.join(map(repr, SPECULATORS))} only (EAGLE-3, MTP and draft models run attention layers of "
+                   "their own through the backend, with other inputs or query layouts than EAGLE's: not tested)")
     cp = context_parallel(par)
     if cp is not None:
         out.append(f"context parallelism ({cp}): each rank would hold every N-th token of a sequence's KV and vLLM "
