@@ -31,6 +31,7 @@ import pytest
 from .conftest import kvx_impl
 from .eagle_head import save_eagle_head
 from .runs import results
+from .vllm_specdec_run import EAGLE_TOKENS
 
 pytestmark = pytest.mark.vllm
 
@@ -63,18 +64,20 @@ def test_verification_steps_run_as_multi_row_decodes(runs):
 
 def test_eagle_head_attends_through_the_kvx_builder(runs):
     """The proposer's passes (vllm_specdec_run.py counts them as `draft_index:plan:rows`): draft_index 0 is the pass
-    over the target's step (the prompt: a prefill; a verification step: 1 + 3 rows), 1 and 2 the further draft
-    tokens, one row per request."""
+    over the target's step (the prompt: a prefill; a verification step: 1 + EAGLE_TOKENS rows), 1 .. EAGLE_TOKENS - 1
+    the further draft tokens, one row per request."""
     eagle = runs["eagle"]
     metrics, plans = eagle["spec_metrics"], eagle["drafting_plans"]
     print(f"EAGLE (random head) over kvx_nvfp4: {json.dumps(metrics)}; drafter plans: {plans}; decode plans by rows "
           f"per request: {eagle['decode_plans_by_rows']}")
     assert metrics["vllm:spec_decode_num_drafts"] > 0
-    assert metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
-    assert plans.get("0:SplitPrefill:-", 0) > 0 and plans.get("0:AttentionPlan:4", 0) > 0
-    assert plans.get("1:AttentionPlan:1", 0) > 0 and plans.get("2:AttentionPlan:1", 0) > 0
-    assert set(plans) <= {"0:SplitPrefill:-", "0:AttentionPlan:4", "1:AttentionPlan:1", "2:AttentionPlan:1"}, plans
-    assert eagle["decode_plans_by_rows"].get("4", 0) > 0
+    rows = 1 + EAGLE_TOKENS  # a verification step's tokens per request
+    further = {f"{i}:AttentionPlan:1" for i in range(1, EAGLE_TOKENS)}  # one row per further draft token
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == EAGLE_TOKENS * metrics["vllm:spec_decode_num_drafts"]
+    assert plans.get("0:SplitPrefill:-", 0) > 0 and plans.get(f"0:AttentionPlan:{rows}", 0) > 0
+    assert all(plans.get(p, 0) > 0 for p in further)
+    assert set(plans) <= {"0:SplitPrefill:-", f"0:AttentionPlan:{rows}", *further}, plans
+    assert eagle["decode_plans_by_rows"].get(str(rows), 0) > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle"])

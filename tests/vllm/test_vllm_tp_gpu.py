@@ -38,13 +38,12 @@ import pytest
 import torch
 
 from ..procs import communicate
-from .runs import parse, root_on_path
+from .runs import ROOT, parse, root_on_path
 from .test_vllm_connector_tp_engine import check_handoff, handoff, write_tokenizer
 from .test_vllm_tp import CONTROL_RATIO, TP_BOUND, _gaps, _summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("vllm_tp_run.py")
 LAYERS, VOCAB, KV_HEADS = 2, 32000, 8
 GEOMETRIES = {"llama3-8b": "llama3-8b-8l", "llama3-70b": "llama3-70b-4l"}
