@@ -21,6 +21,11 @@ cd "$(dirname "$0")/.."
 workers=14
 if [ "${1:-}" = "-n" ]; then workers=$2; shift 2; fi
 [ $# -gt 0 ] || set -- tests --ignore=tests/vllm --ignore=tests/tgi
+# Each xdist worker's torch would start one CPU thread per core (28 workers x 32 threads on 2x H200), the likely
+# reason why CPU-bound tests (the demo's model runs, KVTC's allocation search, the docs' blocks) crawled there: a docs
+# block passed its 120 s limit that takes 16 s alone (2026-11-28). The workers share the cores instead.
+cores=$(nproc)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}"
 python3 -c "import torch; from kvx_core.ops.cuda import library; library(torch.device('cuda'))"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 dist=(-n "$workers")
