@@ -21,6 +21,6 @@ bash scripts/build_wheels.sh
 bash scripts/test_wheels.sh "$@"
 rm -rf .venv-wheel  # CI's disk: three more venvs follow
 bash scripts/setup_vllm_env.sh
-.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm "$@"
+.venv-vllm/bin/python -m pytest -q -m vllm --durations=20 tests/vllm "$@"  # the slowest engine runs, for CI time
 bash scripts/setup_tgi_env.sh
 .venv-tgi/bin/python -m pytest -q -m "not gpu" -W ignore::DeprecationWarning tests/tgi "$@"

@@ -146,6 +146,40 @@ def test_prefill_over_the_bound_layer_runs_on_its_descriptor(kernels, monkeypatc
     assert (got.float() - ref.float()).norm() / ref.float().norm() < 2e-2
 
 
+def test_prefill_splits_by_tgis_longest_length(kernels, monkeypatch):
+    """TGI's `Seqlen.max_k` (its batch's longest cache + input length) sizes the prefill's key splits, as vLLM's
+    `max_seq_len` does: 4 new queries over a 2k-token cached prefix split (on the interpreter's 4 stand-in SMs) and
+    give the unsplit plan's output (same kernel, keys merged by log-sum-exp: FP32 rounding apart) and the
+    reference's; a Seqlen without `max_k` plans the unsplit kernel."""
+    monkeypatch.setattr(config, "_current", config.RunConfig(get_format("nvfp4"), "flashdecoding", BS, None))
+    monkeypatch.setattr(calibration, "_loaded", {})
+    n, new = 2048 + 4 * BS, 4
+    kv = KVCache(num_blocks=n // BS, num_heads=H, head_size=D, dtype=torch.bfloat16, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(8)
+    k = (torch.randn(n, H, D, generator=g) * 3).to(torch.bfloat16)
+    v = torch.randn(n, H, D, generator=g).to(torch.bfloat16)
+    kv.store(key=k, value=v, slots=torch.arange(n), kv_scales=KVScales(ONE, ONE))
+    block_tables = torch.arange(n // BS, dtype=torch.int32)[None]
+    q = torch.randn(new, HQ, D, generator=g).to(torch.bfloat16)
+
+    def prefill(**max_k):
+        monkeypatch.setattr(attention, "_step", None)
+        seqlen = SimpleNamespace(input_lengths=torch.tensor([new], dtype=torch.int32),
+                                 cache_lengths=torch.tensor([n - new], dtype=torch.int32),
+                                 cu_seqlen_q=torch.tensor([0, new], dtype=torch.int32), **max_k)
+        out = attention.attention(query=q, key=None, value=None, kv_cache=kv, kv_scales=KVScales(ONE, ONE),
+                                  seqlen=seqlen, block_tables=block_tables, softmax_scale=D ** -0.5)
+        return out.float(), attention._step.plan.kernel.num_splits
+
+    split, splits = prefill(max_k=n)
+    whole, one = prefill()
+    assert splits > 1 and one == 1
+    assert (split - whole).abs().max() <= 2 ** -7 * whole.abs().max()  # BF16 outputs: a rounding step apart
+    ref, _ = kvx_attention.paged_prefill(q, torch.tensor([0, new]), kv.desc, BlockTable.packed(block_tables),
+                                         SeqLens(torch.tensor([n], dtype=torch.int32)), sm_scale=D ** -0.5)
+    assert (split - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
 def test_without_the_kernels_the_layer_is_the_descriptor(monkeypatch):
     """CPU pools (no kernel device): nothing to bind, the reference serves the descriptor."""
     kv = _cache("nvfp4", monkeypatch)
