@@ -4,6 +4,9 @@
 Usage: python benchmarks/bench_prefill.py [--out benchmarks/results/prefill.jsonl] [--no-flashinfer]
        [--chunks 16 --prefixes 32768 --batch 1 --splits 1 auto]  (a few queries over a long cached prefix: the
        plan's split-KV, `splits` in each line, against the unsplit kernel)
+       [--dequant-pass]  (also: each format's pages dequantized to a dense BF16 K/V by KVX's gather kernel, then
+       FlashInfer's ragged BF16 prefill over it: the "separate pass" design of issue 35, timed as one step; the
+       gather's argument checks sync the host ~5 times per call, included)
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from common import bench, emit, env_info
 
 from kvx_core.cache import PagedKVCache
 from kvx_core.ops.triton import plan_prefill
+from kvx_core.ops.triton.gather import gather_pools
 
 FORMATS = ["bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "k8v4"]
 
@@ -37,6 +41,8 @@ def main() -> None:
                     help="kernel configs BMxBNxWARPSxSTAGES to time (e.g. 128x64x8x2), 'default' = the launcher's")
     ap.add_argument("--splits", nargs="+", default=["auto"],
                     help="key splits to time: 'auto' = the plan's choice from the step's longest sequence, or a count")
+    ap.add_argument("--dequant-pass", action="store_true",
+                    help="also time KVX's gather to dense BF16 + FlashInfer's ragged BF16 prefill (needs flashinfer)")
     args = ap.parse_args()
     hq, hkv, d, bs, b = 32, 8, 128, 16, args.batch
     base = {"bench": "prefill", **env_info(), "Hq": hq, "H_kv": hkv, "D": d, "block_size": bs, "B": b}
@@ -96,7 +102,37 @@ def main() -> None:
                     if peer_ms:
                         rec["x_flashinfer_bf16"] = peer_ms / r["ms"]
                     emit(args.out, rec)
+                if args.dequant_pass and fi is not None:
+                    r = _dequant_pass(fi, c, q, qo, bt, sl, n, hq, hkv, d)
+                    rec = {**base, **shape, "format": name, **r, "tflops": fl / r["ms"] / 1e9}
+                    if peer_ms:
+                        rec["x_flashinfer_bf16"] = peer_ms / r["ms"]
+                    emit(args.out, rec)
                 del c, p
+
+
+def _dequant_pass(fi, c: PagedKVCache, q, qo, bt, sl, n: int, hq: int, hkv: int, d: int) -> dict:
+    """One layer's prefill as two passes: KVX's gather dequantizes each sequence's pages (prefix and chunk) into
+    a dense BF16 `[B * n, H_kv, D]` K / V, FlashInfer's ragged prefill (causal, bottom-right aligned: query i of
+    a chunk sees the prefix and chunk keys up to its own) attends over it. Times the gather alone, the ragged
+    prefill alone and the two in sequence."""
+    p, b = c.layers[0], sl.numel()
+    k = torch.empty(b * n, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.empty_like(k)
+    wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+    kv_indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda") * n
+    wrapper.plan(qo, kv_indptr, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+
+    def gather():
+        gather_pools(p.k_data, p.k_scales, p.v_data, p.v_scales, bt, sl, c.format, p.k_global, p.v_global,
+                     out_dtype=torch.bfloat16, out=(k, v))
+
+    def both():
+        gather()
+        return wrapper.run(q, k, v)
+
+    g, f, r = bench(gather, n=50), bench(partial(wrapper.run, q, k, v), n=50), bench(both, n=50)
+    return {"impl": "kvx_gather_flashinfer_ragged", **r, "gather_ms": g["ms"], "ragged_bf16_ms": f["ms"]}
 
 
 if __name__ == "__main__":
