@@ -95,7 +95,7 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     caches hold, `[start, stop)`. Returns the header. Streams layer by layer, after every layer's cache and slots
     are checked (a refused export writes nothing)."""
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
-    wheres = layer_slots(caches, slots)
+    slots, wheres = layer_slots(caches, slots)
     w = BundleWriter(out, header)
     for cache, where, gs in zip(caches, wheres, layer_global_scales(caches), strict=True):
         w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where, scales=gs), w.specs, w.tokens))
@@ -308,7 +308,7 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     t0, t1 = (0, count) if token_range is None else token_range
     require(isinstance(slots, torch.Tensor) and slots.numel() == t1 - t0, Status.INVALID_ARGUMENT,
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
-    wheres = layer_slots(caches, slots)  # the destination checked before any payload is read
+    slots, wheres = layer_slots(caches, slots)  # the destination checked before any payload is read
     dev = caches[0].k.tensor.device
     # every shard verified, used or not
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]

@@ -114,7 +114,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     prefix, seed = bundle_prefix(header)
     first, size = len(prefix), sum(s.nbytes(tokens) for s in specs)
     total = bundle_bytes(first, size, layers)
-    wheres = layer_slots(caches, slots)  # each layer's own block / offset split (layers may differ in block size)
+    slots, wheres = layer_slots(caches, slots)  # each layer's own block / offset (layers may differ in block size)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     _host_bytes(out, "export_to_host: out")

@@ -102,10 +102,13 @@ def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, to
     return s // cache.block_size, s % cache.block_size
 
 
-def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor
+                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """`check_slots` of `slots` against every layer's own cache (layers may differ in block size and count), after
     validating each cache as `read_rows` does: what an export or import checks before its first byte is written. One
-    slot check per distinct geometry (each is a host sync)."""
+    slot check per distinct geometry (each is a host sync). Returns the checked slots as int64 on the first layer's
+    device, what every layer's kernel takes (moved once per bundle: slots in host memory moved per layer would cost
+    a copy and a host sync per layer on a GPU), and each layer's (block, offset)."""
     seen: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
     out = []
     for cache in caches:
@@ -115,7 +118,7 @@ def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> list[tuple[
         if key not in seen:
             seen[key] = check_slots(cache, slots)
         out.append(seen[key])
-    return out
+    return (slots.to(device=caches[0].k.tensor.device, dtype=torch.int64) if caches else slots), out
 
 
 def layer_global_scales(caches: Sequence[CacheDesc]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:

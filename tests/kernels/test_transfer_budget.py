@@ -256,3 +256,31 @@ def bound_imports(rng: random.Random) -> None:
 
 def test_fuzz_imports_into_bound_descriptors():
     run_capped("tests.kernels.test_transfer_budget:bound_imports", cases=120)
+
+
+@pytest.mark.parametrize("pair", [("nvfp4", "nvfp4"), ("bf16", "nvfp4")], ids="->".join)
+def test_every_layer_launches_with_the_slots_moved_once_per_bundle(pair, monkeypatch):
+    """Slots given in host memory as int32 (so that any per-layer conversion would make a tensor of its own) reach
+    every layer's gather, scatter or conversion as one int64 tensor per export / import: moved to the caches' device
+    once per bundle. On a GPU each per-layer move of host slots is a copy and a host sync, which stops the layers'
+    launches from running ahead of the device (issue 36)."""
+    from kvx_core.ops.triton import convert, rows
+
+    layers = 4
+    src, dst = _caches(pair[0], layers), _caches(pair[1], layers, seed=1)
+    if pair[0] == pair[1]:
+        for layer in range(layers):
+            dst.set_global_scales(layer, src.layers[layer].k_global, src.layers[layer].v_global)
+    seen: list[torch.Tensor] = []
+    moves, conversion = rows.plan_rows, convert.plan_convert
+    monkeypatch.setattr(rows, "plan_rows", lambda slots, *a, **kw: seen.append(slots) or moves(slots, *a, **kw))
+    monkeypatch.setattr(convert, "plan_convert", lambda fmt, r, args, *a, **kw: seen.append(args.slots)
+                        or conversion(fmt, r, args, *a, **kw))
+    slots, model = torch.arange(TOKENS, dtype=torch.int32), _model(layers)
+    with _path("triton"):
+        host = export_to_host([src.descriptor(i) for i in range(layers)], slots, model=model)
+        exported = list(seen)
+        seen.clear()
+        import_bundle(host, [dst.descriptor(i) for i in range(layers)], slots, model=model)
+    for got in (exported, seen):
+        assert len(got) == layers and got[0].dtype == torch.int64 and all(s is got[0] for s in got)
