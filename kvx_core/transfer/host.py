@@ -114,7 +114,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     prefix, seed = bundle_prefix(header)
     first, size = len(prefix), sum(s.nbytes(tokens) for s in specs)
     total = bundle_bytes(first, size, layers)
-    slots, wheres = layer_slots(caches, slots)  # each layer's own block / offset (layers may differ in block size)
+    slots, wheres, formats = layer_slots(caches, slots)  # each layer's blocks / offsets (block sizes may differ)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     _host_bytes(out, "export_to_host: out")
@@ -144,9 +144,10 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     stage = StorageViews(torch.empty(layers * stride, dtype=torch.uint8, device=dev)) if staged else None
     host = StorageViews(buf)
     # queue each layer's gather and copy; hash the landed
-    for i, (cache, where, gs) in enumerate(zip(caches, wheres, layer_global_scales(caches), strict=True)):
+    for i, (cache, where, gs, fmt) in enumerate(zip(caches, wheres, layer_global_scales(caches, formats), formats,
+                                                   strict=True)):
         chunk = read_chunk(cache, slots, specs, where=where, scales=gs,
-                           into=None if stage is None else (stage, i * stride))
+                           into=None if stage is None else (stage, i * stride), fmt=fmt)
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
