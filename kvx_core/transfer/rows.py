@@ -93,14 +93,17 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of each slot, after checking they are distinct and inside the cache."""
+    """(block, offset) of each slot, after checking they are distinct and inside the cache: smallest, largest and
+    whether the sorted slots ever repeat are read back together (one host sync, not one per value)."""
     require(isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64),
             Status.INVALID_ARGUMENT, "slots must be a 1-D int32/int64 tensor")
     s = slots.to(device=cache.k.tensor.device, dtype=torch.int64)
     capacity = cache.num_blocks * cache.block_size
-    require(s.numel() == 0 or (int(s.min()) >= 0 and int(s.max()) < capacity), Status.OUT_OF_RANGE,
+    lo, hi, repeats = torch.stack([s.min(), s.max(), (s.sort().values.diff() == 0).sum()]).tolist() if s.numel() \
+        else (0, 0, 0)
+    require(not s.numel() or (lo >= 0 and hi < capacity), Status.OUT_OF_RANGE,
             f"slots must lie in [0, {capacity}) (num_blocks x block_size of the cache)")
-    require(s.numel() == torch.unique(s).numel(), Status.INVALID_ARGUMENT, "slots must not repeat")
+    require(repeats == 0, Status.INVALID_ARGUMENT, "slots must not repeat")
     return s // cache.block_size, s % cache.block_size
 
 
