@@ -17,14 +17,18 @@ written as JSON (`--out`), per layer where it says so:
   or to pageable memory, each a host sync), of pinned allocations (`cudaHostAlloc`, tens of MB cost milliseconds)
   and of synchronizations (stream / event / device);
 - `untraced_host_us_per_layer`: profiled host time outside any traced op (Python work between the ops);
-- `top_host_ops`: the `--top` host ops by self CPU time, `[name, self us, calls]`.
+- `top_host_ops`: the `--top` host ops by self CPU time, `[name, self us, calls]`;
+- `top_python`: the `--top` Python functions by own time under cProfile (one more call), `[function, own us,
+  calls]`: what the untraced host time is spent on (descriptor validation, format lookups, launch arguments).
 
 On the CPU (`--device cpu`, the torch path only: the kernels need CUDA) the CUDA fields are None.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import sys
 import time
 from functools import partial
@@ -91,10 +95,16 @@ def profile_op(fn, device: str, layers: int, runs: int, top: int) -> dict:
     roots = [e for e in cpu if e.cpu_parent is None]  # top-level ops: their time is traced host time
     untraced = traced * 1e6 - sum(e.time_range.elapsed_us() for e in roots)
     ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)
+    python = cProfile.Profile()
+    python.runcall(fn)
+    _sync(device)
+    own = sorted(pstats.Stats(python).stats.items(), key=lambda kv: -kv[1][2])[:top]  # (file, line, name): stats
     rec = {"host_us_per_layer": round(host * 1e6 / layers, 1), "wall_us_per_layer": round(wall * 1e6 / layers, 1),
            "untraced_host_us_per_layer": round(max(untraced, 0.0) / layers, 1),
            "top_host_ops": [[a.key, round(a.self_cpu_time_total, 1), a.count] for a in ops
                             if a.device_type == DeviceType.CPU][:top],
+           "top_python": [[f"{os.path.basename(f)}:{line}({name})", round(st[2] * 1e6, 1), st[1]]
+                          for (f, line, name), st in own],
            **dict.fromkeys(("gpu_kernel_us_per_layer", "kernels", "top_kernels", "launch_calls", "launches_per_layer",
                             "memcpy", "host_alloc", "syncs"))}
     if cuda:

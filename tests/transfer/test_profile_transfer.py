@@ -9,7 +9,7 @@ import sys
 from ..procs import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PER_OP = {"host_us_per_layer", "wall_us_per_layer", "untraced_host_us_per_layer", "top_host_ops"}
+PER_OP = {"host_us_per_layer", "wall_us_per_layer", "untraced_host_us_per_layer", "top_host_ops", "top_python"}
 CUDA_ONLY = {"gpu_kernel_us_per_layer", "kernels", "top_kernels", "launch_calls", "launches_per_layer", "memcpy",
              "host_alloc", "syncs"}
 
@@ -29,4 +29,6 @@ def test_profile_transfer_writes_a_line_per_pair_and_op_on_the_cpu(tmp_path):
         assert r["host_us_per_layer"] > 0 and r["wall_us_per_layer"] >= r["host_us_per_layer"]
         assert r["untraced_host_us_per_layer"] >= 0 and r["bundle_bytes"] > 0
         assert 0 < len(r["top_host_ops"]) <= 5
-        assert all(isinstance(name, str) and us >= 0 and calls > 0 for name, us, calls in r["top_host_ops"])
+        assert 0 < len(r["top_python"]) <= 5
+        for ranked in ("top_host_ops", "top_python"):
+            assert all(isinstance(name, str) and us >= 0 and calls > 0 for name, us, calls in r[ranked])
