@@ -4,7 +4,8 @@ A bundle chunk's checksum combines the xxh64 digests of its `checksum.segment_by
 with small segments (64 KiB) the digests are thousands of independent hashes that the GPU computes while the data
 is still in device memory; the host then only combines 8-byte digests. Each program runs xxh64's four lanes over
 its segment's 32-byte stripes (the segment length is a multiple of 32 here: the caller hashes a shorter tail
-segment on the host) and finishes with xxh64's merge and avalanche. Reference: the `xxhash` package
+segment on the host) and finishes with xxh64's merge and avalanche; one launch hashes every chunk of a bundle
+staged in one buffer. Reference: the `xxhash` package
 (`tests/transfer/test_gpu_hash.py`, run under TRITON_INTERPRET=1 on CPU and compiled on the GPU machine).
 """
 from __future__ import annotations
@@ -32,8 +33,9 @@ def _round(acc, lane, p1, p2):
 
 
 @triton.jit
-def _xxh64_segments(buf, out, seed, SEG_WORDS: tl.constexpr):
-    """out[s] = xxh64 (seeded) of the s-th segment of SEG_WORDS 8-byte words (a multiple of 4: whole stripes)."""
+def _xxh64_segments(buf, out, seed, row_words, SEG_WORDS: tl.constexpr):
+    """out[r, s] = xxh64 (seeded) of the s-th segment of SEG_WORDS 8-byte words (a multiple of 4: whole stripes) of
+    the chunk starting at word r * row_words."""
     s = tl.program_id(0)
     p1 = tl.full([4], P1, tl.uint64)
     p2 = tl.full([4], P2, tl.uint64)
@@ -41,7 +43,7 @@ def _xxh64_segments(buf, out, seed, SEG_WORDS: tl.constexpr):
     sd = tl.full([4], 0, tl.uint64) + seed.to(tl.uint64)
     init = tl.where(lane == 0, sd + p1 + p2, tl.where(lane == 1, sd + p2, tl.where(lane == 2, sd, sd - p1)))
     acc = init
-    base = buf + s.to(tl.int64) * SEG_WORDS
+    base = buf + tl.program_id(1).to(tl.int64) * row_words + s.to(tl.int64) * SEG_WORDS
     for i in tl.range(0, SEG_WORDS // 4, num_stages=4):
         acc = _round(acc, tl.load(base + i * 4 + lane).to(tl.uint64, bitcast=True), p1, p2)
     rot = tl.where(lane == 0, _rotl(acc, 1), tl.where(lane == 1, _rotl(acc, 7),
@@ -59,19 +61,36 @@ def _xxh64_segments(buf, out, seed, SEG_WORDS: tl.constexpr):
     h = h ^ (h >> 29)
     h = h * tl.full([], P3, tl.uint64)
     h = h ^ (h >> 32)
-    tl.store(out + s, h.to(tl.int64, bitcast=True))
+    tl.store(out + tl.program_id(1).to(tl.int64) * tl.num_programs(0) + s, h.to(tl.int64, bitcast=True))
 
 
 def segment_digests(buf: torch.Tensor, segment: int, seed: int) -> torch.Tensor:
     """`[len(buf) // segment]` xxh64 digests (seeded; int64 holding the uint64 bits) of the whole segments of a
     uint8 device buffer; `segment` a multiple of 32. The tail after the last whole segment is the caller's."""
+    return chunk_digests(buf, 1, 0, None, segment, seed)[0]
+
+
+def chunk_digests(buf: torch.Tensor, count: int, stride: int, size: int | None, segment: int, seed: int
+                  ) -> torch.Tensor:
+    """`[count, size // segment]` digests as `segment_digests` gives them, of the `count` chunks of `size` bytes
+    (None: the whole buffer) at byte offsets `0, stride, 2 * stride, ...` of `buf` (`stride` a multiple of 8):
+    every layer of a bundle staged in one device buffer in ONE launch. Launched per layer, each launch is a few
+    programs, each hashing its 64 KiB serially, and the launches queue one after another on the stream: a fixed
+    time per layer whatever its bytes."""
     require(isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
             and buf.data_ptr() % 8 == 0, Status.INVALID_ARGUMENT,
             "segment_digests: a contiguous, 8-byte aligned 1-D uint8 buffer")
     require(segment >= 32 and segment % 32 == 0, Status.INVALID_ARGUMENT, "segment must be a multiple of 32 bytes")
-    n = buf.numel() // segment
-    out = torch.empty(n, dtype=torch.int64, device=buf.device)
-    if n:
-        words = buf[:n * segment].view(torch.int64)
-        _xxh64_segments[(n,)](words, out, seed & (2**64 - 1), SEG_WORDS=segment // 8, num_warps=1)
+    size = buf.numel() if size is None else size
+    require(type(count) is int and type(stride) is int and type(size) is int and count >= 0 and size >= 0
+            and stride >= 0 and stride % 8 == 0 and (count <= 1 or stride >= size)
+            and (count == 0 or (count - 1) * stride + size <= buf.numel()), Status.INVALID_ARGUMENT,
+            f"chunk_digests: {count} chunks of {size} bytes every {stride} bytes (a multiple of 8) do not fit a "
+            f"buffer of {buf.numel()} bytes")
+    n = size // segment
+    out = torch.empty(count, n, dtype=torch.int64, device=buf.device)
+    if n and count:
+        words = buf[:buf.numel() // 8 * 8].view(torch.int64)
+        _xxh64_segments[(n, count)](words, out, seed & (2**64 - 1), stride // 8, SEG_WORDS=segment // 8, num_warps=1)
     return out
+

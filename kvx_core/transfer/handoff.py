@@ -21,7 +21,6 @@ from typing import BinaryIO
 
 import torch
 
-from ..codec import format_of
 from ..descriptors import CacheDesc, KvIoDesc, SlotMapping, WriteDesc, finite_positive
 from ..errors import KvxError, Status, int_value, require
 from ..formats import CacheFormat, get_format
@@ -95,10 +94,11 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     caches hold, `[start, stop)`. Returns the header. Streams layer by layer, after every layer's cache and slots
     are checked (a refused export writes nothing)."""
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
-    wheres = layer_slots(caches, slots)
+    slots, wheres, formats = layer_slots(caches, slots)
     w = BundleWriter(out, header)
-    for cache, where, gs in zip(caches, wheres, layer_global_scales(caches), strict=True):
-        w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where, scales=gs), w.specs, w.tokens))
+    for cache, where, gs, fmt in zip(caches, wheres, layer_global_scales(caches, formats), formats, strict=True):
+        w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where, scales=gs, fmt=fmt), w.specs,
+                                  w.tokens))
     w.close()
     return header
 
@@ -184,7 +184,8 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     return new
 
 
-def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: Sequence[CacheDesc]
+def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: Sequence[CacheDesc],
+               formats: Sequence[CacheFormat]
                ) -> tuple[list[bool], list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
     """Per layer, whether its destination takes the bundled rows as stored: same format, global scales and key
     transform (the stored bytes mean the same K/V there); and its global scales (`cache_global_scales`), checked
@@ -192,8 +193,8 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
     scales checked as one tensor, and each kind of compared tensor (`k_global`, ..., `k_center`) stacked over the
     layers and compared at once (one flag per layer)."""
     ours, same, scales, compare = [], [], [], {}  # compare: (name, device, shape) -> ([layer], [ours], [theirs])
-    for i, (rows, cache, (kg, vg)) in enumerate(zip(layers, caches, layer_global_scales(caches), strict=True)):
-        dst = format_of(cache)
+    for i, (rows, cache, dst, (kg, vg)) in enumerate(zip(layers, caches, formats, layer_global_scales(caches, formats),
+                                                         strict=True)):
         scales.append((kg, vg))
         ours += [g for g in (kg, vg) if g is not None]
         pairs = [(n, g, rows.get(n)) for n, g in (("k_global", kg), ("v_global", vg)) if g is not None]
@@ -209,8 +210,8 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
     flags += [(torch.stack(a).float() == torch.stack(b)).flatten(1).all(1) for _, a, b in compare.values()]
     got = read_flags(flags)
     if ours and not got[0]:
-        for cache in caches:
-            cache_global_scales(cache, format_of(cache), None, None, "import_bundle")  # raises, naming the scale
+        for cache, fmt in zip(caches, formats, strict=True):
+            cache_global_scales(cache, fmt, None, None, "import_bundle")  # raises, naming the scale
     at = 1 if ours else 0
     for layer_ids, _, _ in compare.values():
         for i, ok in zip(layer_ids, got[at:at + len(layer_ids)], strict=True):
@@ -220,17 +221,17 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
 
 
 def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
-             where: tuple[torch.Tensor, torch.Tensor], same: bool,
+             where: tuple[torch.Tensor, torch.Tensor], fmt: CacheFormat, same: bool,
              scales: tuple[torch.Tensor | None, torch.Tensor | None]):
-    """The store of one layer's bundled `rows` (source format `src`) into `cache` at `slots` (`where`: their
-    `check_slots` in this cache; `same`, `scales`: `_same_rows`' answers), checked and converted now; the returned
-    callable only stores."""
+    """The store of one layer's bundled `rows` (source format `src`) into `cache` (of format `fmt`) at `slots`
+    (`where`: their `check_slots` in this cache; `same`, `scales`: `_same_rows`' answers), checked and converted
+    now; the returned callable only stores."""
     if same:
         return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
-                                  where=where)
+                                  where=where, fmt=fmt)
     dev = cache.k.tensor.device
     if use_kernels(dev):
-        return _prepare_on_device(rows, src, cache, slots, where, scales)
+        return _prepare_on_device(rows, src, cache, slots, where, fmt, scales)
     kv = decode_rows(rows, src)
     write = WriteDesc(KvIoDesc(kv[0].to(dev), kv[1].to(dev)), SlotMapping(slots.to(dev)))
     check_write(cache, write)  # write_kv checks again; this one runs before any layer stores
@@ -238,7 +239,7 @@ def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, 
 
 
 def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
-                       where: tuple[torch.Tensor, torch.Tensor],
+                       where: tuple[torch.Tensor, torch.Tensor], dst: CacheFormat,
                        scales: tuple[torch.Tensor | None, torch.Tensor | None]):
     """`_prepare`'s conversion on the kernels, with no host sync (the slots and the destination's global scales are
     checked already): without rotation or key transform on either side, one kernel decodes and encodes
@@ -248,7 +249,6 @@ def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: C
     from ..ops.triton.convert import decode_rows as decode_on_device, plan_convert
 
     dev = cache.k.tensor.device
-    dst = format_of(cache)
     staged = {n: on_device(t, dev) for n, t in rows.items()}
     check_disjoint(*bound(cache, "kv_blocks", lambda: (block_view(cache.k.tensor, cache.k.layout),
                                                        block_view(cache.v.tensor, cache.v.layout))), *where)
@@ -308,7 +308,7 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     t0, t1 = (0, count) if token_range is None else token_range
     require(isinstance(slots, torch.Tensor) and slots.numel() == t1 - t0, Status.INVALID_ARGUMENT,
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
-    wheres = layer_slots(caches, slots)  # the destination checked before any payload is read
+    slots, wheres, formats = layer_slots(caches, slots)  # the destination checked before any payload is read
     dev = caches[0].k.tensor.device
     # every shard verified, used or not
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]
@@ -316,9 +316,10 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     if (t0, t1) != (0, count):
         rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in rows]
     src = readers[0].format
-    same, scales = _same_rows(rows, src, caches)
-    stores = [_prepare(layer_rows, src, cache, slots, where, ok, gs)
-              for layer_rows, cache, where, ok, gs in zip(rows, caches, wheres, same, scales, strict=True)]
+    same, scales = _same_rows(rows, src, caches, formats)
+    stores = [_prepare(layer_rows, src, cache, slots, where, fmt, ok, gs)
+              for layer_rows, cache, where, fmt, ok, gs in zip(rows, caches, wheres, formats, same, scales,
+                                                              strict=True)]
     for store in stores:
         store()
     return [r.header for r in readers]

@@ -72,6 +72,14 @@ def gpu_segment_digests(buf: torch.Tensor, segment: int, seed: int) -> torch.Ten
     return segment_digests(buf, segment, seed)
 
 
+def gpu_chunk_digests(buf: torch.Tensor, count: int, stride: int, size: int, segment: int, seed: int
+                      ) -> torch.Tensor:
+    """`gpu_hash.chunk_digests`: every staged layer's whole segments in one launch (imported on first use)."""
+    from .gpu_hash import chunk_digests
+
+    return chunk_digests(buf, count, stride, size, segment, seed)
+
+
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -114,7 +122,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     prefix, seed = bundle_prefix(header)
     first, size = len(prefix), sum(s.nbytes(tokens) for s in specs)
     total = bundle_bytes(first, size, layers)
-    wheres = layer_slots(caches, slots)  # each layer's own block / offset split (layers may differ in block size)
+    slots, wheres, formats = layer_slots(caches, slots)  # each layer's blocks / offsets (block sizes may differ)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     _host_bytes(out, "export_to_host: out")
@@ -144,9 +152,10 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     stage = StorageViews(torch.empty(layers * stride, dtype=torch.uint8, device=dev)) if staged else None
     host = StorageViews(buf)
     # queue each layer's gather and copy; hash the landed
-    for i, (cache, where, gs) in enumerate(zip(caches, wheres, layer_global_scales(caches), strict=True)):
+    for i, (cache, where, gs, fmt) in enumerate(zip(caches, wheres, layer_global_scales(caches, formats), formats,
+                                                   strict=True)):
         chunk = read_chunk(cache, slots, specs, where=where, scales=gs,
-                           into=None if stage is None else (stage, i * stride))
+                           into=None if stage is None else (stage, i * stride), fmt=fmt)
         at = chunk_at(first, size, i)
         mem[at:at + 16] = memoryview(chunk_head(i, size))
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
@@ -159,15 +168,19 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
                 done.record(side)
             if size:
                 chunk.record_stream(side)
-                on_gpu.append(gpu_segment_digests(chunk, segment, seed))
+                if stage is None:  # staged layers are hashed in one launch after the loop
+                    on_gpu.append(gpu_segment_digests(chunk, segment, seed))
             landed.append(done)
         else:
             if size:
                 host.view(at + 16, torch.uint8, (size,)).copy_(chunk)
             landed.append(None)
         hash_landed(block=False)
+    if cuda and size and stage is not None:
+        on_gpu = gpu_chunk_digests(stage.buf, layers, stride, size, segment, seed)
     hash_landed(block=True)
-    gpu = torch.stack(on_gpu).cpu().numpy().view(np.uint64).tolist() if on_gpu else [[] for _ in caches]
+    gpu = (on_gpu if stage is not None else torch.stack(on_gpu)).cpu().numpy().view(np.uint64).tolist() \
+        if len(on_gpu) else [[] for _ in caches]
     sums = [combine_segments(i, [int(d) for d in (gpu[i] if cuda else [])] + [f.result() for f in fs], seed)
             for i, fs in enumerate(futures)]
     for i, c in enumerate(sums):
@@ -230,7 +243,7 @@ class HostBundle:
         stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
         staged = torch.empty(self.num_layers * stride, dtype=torch.uint8, device=device) if cuda else None
         whole = n // self.segment * self.segment if on_gpu else 0
-        pool, futures, gpu = _hash_pool(), [], []
+        pool, futures = _hash_pool(), []
         for i in range(self.num_layers):
             at = chunk_at(self.first, n, i)
             check_chunk_head(bytes(m[at:at + 16]), i, n)
@@ -242,9 +255,9 @@ class HostBundle:
                     dst.copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
                     done.record(side)
                 torch.cuda.current_stream(device).wait_event(done)
-                if on_gpu:
-                    gpu.append(gpu_segment_digests(dst, self.segment, self.seed))
-        gpu_sums = torch.stack(gpu).cpu().numpy().view(np.uint64).tolist() if gpu else [[] for _ in futures]
+        # every layer's whole segments in one launch, after all the copies it waited for
+        gpu_sums = gpu_chunk_digests(staged, self.num_layers, stride, n, self.segment, self.seed).cpu().numpy().view(
+            np.uint64).tolist() if on_gpu else [[] for _ in futures]
         sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in gpu_sums[i]] + [f.result() for f in fs],
                                                     self.seed),
                                 bytes(m[chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
@@ -273,13 +286,11 @@ class HostBundle:
             check_chunk_head(piece(i), i, n)
         stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
         staged = torch.empty(layers * stride, dtype=torch.uint8, device=device)
-        gpu = []
         for i, a in enumerate(at):
             if n:
-                dst = staged[i * stride:i * stride + n]
-                dst.copy_(buf[a + 16:a + 16 + n])
-                gpu.append(gpu_segment_digests(dst, self.segment, self.seed))
-        digests = torch.stack(gpu).cpu().numpy().view(np.uint64).tolist() if gpu else [[] for _ in at]
+                staged[i * stride:i * stride + n].copy_(buf[a + 16:a + 16 + n])
+        digests = gpu_chunk_digests(staged, layers, stride, n, self.segment, self.seed).cpu().numpy().view(
+            np.uint64).tolist() if n else [[] for _ in at]
         tails = [[segment_digest(piece(2 * layers + i), self.seed)] if whole < n else [] for i in range(layers)]
         sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in digests[i]] + tails[i], self.seed),
                                 piece(layers + i)) for i in range(layers)]

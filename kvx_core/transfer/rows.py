@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..codec import format_of
 from ..descriptors import CacheDesc, all_finite, check_key_center, check_key_smoothing, finite_positive
 from ..errors import Status, require
+from ..formats import CacheFormat
 from ..ops import smoothing
 from ..ops.checks import cache_global_scales
 from ..ops.reference import side_pools
@@ -91,42 +93,60 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of each slot, after checking they are distinct and inside the cache."""
+    """(block, offset) of each slot, after checking they are distinct and inside the cache: smallest, largest and
+    whether the sorted slots ever repeat are read back together (one host sync, not one per value)."""
     require(isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64),
             Status.INVALID_ARGUMENT, "slots must be a 1-D int32/int64 tensor")
     s = slots.to(device=cache.k.tensor.device, dtype=torch.int64)
     capacity = cache.num_blocks * cache.block_size
-    require(s.numel() == 0 or (int(s.min()) >= 0 and int(s.max()) < capacity), Status.OUT_OF_RANGE,
+    lo, hi, repeats = torch.stack([s.min(), s.max(), (s.sort().values.diff() == 0).sum()]).tolist() if s.numel() \
+        else (0, 0, 0)
+    require(not s.numel() or (lo >= 0 and hi < capacity), Status.OUT_OF_RANGE,
             f"slots must lie in [0, {capacity}) (num_blocks x block_size of the cache)")
-    require(s.numel() == torch.unique(s).numel(), Status.INVALID_ARGUMENT, "slots must not repeat")
+    require(repeats == 0, Status.INVALID_ARGUMENT, "slots must not repeat")
     return s // cache.block_size, s % cache.block_size
 
 
-def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+class CheckedLayers(NamedTuple):
+    """What `layer_slots` checked: the slots as int64 on the first layer's device (what every layer's kernel takes:
+    moved once per bundle, since slots in host memory moved per layer cost a copy and a host sync per layer on a
+    GPU), each layer's (block, offset) of them, and each layer's format (derived once per layer and call: deriving a
+    format checks the quantization descriptor again)."""
+
+    slots: torch.Tensor
+    wheres: list[tuple[torch.Tensor, torch.Tensor]]
+    formats: list[CacheFormat]
+
+
+def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> CheckedLayers:
     """`check_slots` of `slots` against every layer's own cache (layers may differ in block size and count), after
     validating each cache as `read_rows` does: what an export or import checks before its first byte is written. One
     slot check per distinct geometry (each is a host sync)."""
     seen: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-    out = []
+    wheres, formats = [], []
     for cache in caches:
         cache.validate()
-        cache_global_scales(cache, format_of(cache), None, None, "read_rows", check_values=False, build=False)
+        formats.append(format_of(cache))
+        cache_global_scales(cache, formats[-1], None, None, "read_rows", check_values=False, build=False)
         key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
         if key not in seen:
             seen[key] = check_slots(cache, slots)
-        out.append(seen[key])
-    return out
+        wheres.append(seen[key])
+    moved = slots.to(device=caches[0].k.tensor.device, dtype=torch.int64) if caches else slots
+    return CheckedLayers(moved, wheres, formats)
 
 
-def layer_global_scales(caches: Sequence[CacheDesc]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+def layer_global_scales(caches: Sequence[CacheDesc], formats: Sequence[CacheFormat]
+                        ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """Each layer's FP32 `[H]` K / V global scales as `cache_global_scales` builds them (values unchecked; call after
-    `layer_slots`, which checked their types and shapes), with a fixed number of tensor ops per bundle instead of a
-    chain per scale: scales already FP32 `[H]` and contiguous on the cache's device are used as they are, the others
-    are stacked by kind (shape, dtype, device) and converted at once; absent ones (1.0) are one `ones` tensor."""
+    `layer_slots`, which checked their types and shapes and gave the layers' `formats`), with a fixed number of
+    tensor ops per bundle instead of a chain per scale: scales already FP32 `[H]` and contiguous on the cache's
+    device are used as they are, the others are stacked by kind (shape, dtype, device) and converted at once; absent
+    ones (1.0) are one `ones` tensor."""
     out: list[list[torch.Tensor | None]] = [[None, None] for _ in caches]
     groups: dict[tuple, list[tuple[int, int, torch.Tensor | None]]] = {}
-    for i, cache in enumerate(caches):
-        fmt, q, dev, heads = format_of(cache), cache.quant, cache.k.tensor.device, cache.num_kv_heads
+    for i, (cache, fmt) in enumerate(zip(caches, formats, strict=True)):
+        q, dev, heads = cache.quant, cache.k.tensor.device, cache.num_kv_heads
         for j, (which, tf) in enumerate((("k", fmt.k), ("v", fmt.v))):
             g = getattr(q, f"{which}_global_scale") if q is not None else None
             if not tf.uses_global_scale:
@@ -181,12 +201,13 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor, where: tuple[torch.Tensor, 
 def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
                where: tuple[torch.Tensor, torch.Tensor] | None = None,
                scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
-               into: tuple[StorageViews, int] | None = None) -> torch.Tensor:
+               into: tuple[StorageViews, int] | None = None, fmt: CacheFormat | None = None) -> torch.Tensor:
     """A layer's chunk payload: uint8 `[bytes]` on the cache's device, the tensors `read_rows` gives packed in the
     order of `specs` (the bundle header's `TensorSpec`s, `format_specs` order). On a kernel device
     (`kernels.use_kernels`) one gather kernel writes every tensor straight into the chunk; else torch gathers and
     joins them. `where`, `scales` as for `read_rows`; `into`: (views of a device buffer, byte offset) where the
-    kernel writes the chunk (an exporter's staging for all its layers: one view per tensor), else a new tensor."""
+    kernel writes the chunk (an exporter's staging for all its layers: one view per tensor), else a new tensor;
+    `fmt`: the cache's format as `layer_slots` gave it (derived here when None)."""
     if not kernels.use_kernels(cache.k.tensor.device):
         rows = read_rows(cache, slots, where=where, scales=scales)
         return torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
@@ -195,7 +216,7 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
         check_slots(cache, slots)
     from ..ops.triton.rows import _INT
 
-    fmt = format_of(cache)
+    fmt = format_of(cache) if fmt is None else fmt
     dev, t = cache.k.tensor.device, slots.numel()
     size = sum(s.nbytes(t) for s in specs)
     views, pos = into if into is not None else (StorageViews(torch.empty(size, dtype=torch.uint8, device=dev)), 0)
@@ -270,12 +291,12 @@ def write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tens
 
 
 def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor],
-                       where: tuple[torch.Tensor, torch.Tensor] | None = None):
+                       where: tuple[torch.Tensor, torch.Tensor] | None = None, fmt: CacheFormat | None = None):
     """Check a `write_rows` call completely and return the store (a callable that cannot fail on its inputs).
-    `where`: as for `read_rows`."""
+    `where`, `fmt`: as for `read_chunk`."""
     if where is None:
         cache.validate()
-    fmt = format_of(cache)
+    fmt = format_of(cache) if fmt is None else fmt
     blk, off = check_slots(cache, slots) if where is None else where
     for name, (dtype, shape) in format_specs(fmt, cache.num_kv_heads, cache.head_dim).items():
         if name in LAYER_TENSORS:

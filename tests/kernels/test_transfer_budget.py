@@ -9,13 +9,16 @@ import random
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 from kvx_core.cache import PagedKVCache
 from kvx_core.descriptors import TensorDesc
+from kvx_core.errors import KvxError, Status
 from kvx_core.transfer import ModelFingerprint, import_bundle
 from kvx_core.transfer.bundle import TensorSpec, split_chunks, split_payload
 from kvx_core.transfer.host import export_to_host
+from kvx_core.transfer.rows import check_slots
 
 from .. import interpret  # noqa: F401  (Triton's interpreter on the CPU)
 from ..fuzz import mutate_bytes, mutate_json, run_capped
@@ -256,3 +259,90 @@ def bound_imports(rng: random.Random) -> None:
 
 def test_fuzz_imports_into_bound_descriptors():
     run_capped("tests.kernels.test_transfer_budget:bound_imports", cases=120)
+
+
+@pytest.mark.parametrize("pair", [("nvfp4", "nvfp4"), ("bf16", "nvfp4")], ids="->".join)
+def test_every_layer_launches_with_the_slots_moved_once_per_bundle(pair, monkeypatch):
+    """Slots given in host memory as int32 (so that any per-layer conversion would make a tensor of its own) reach
+    every layer's gather, scatter or conversion as one int64 tensor per export / import: moved to the caches' device
+    once per bundle. On a GPU each per-layer move of host slots is a copy and a host sync, which stops the layers'
+    launches from running ahead of the device (issue 36)."""
+    from kvx_core.ops.triton import convert, rows
+
+    layers = 4
+    src, dst = _caches(pair[0], layers), _caches(pair[1], layers, seed=1)
+    if pair[0] == pair[1]:
+        for layer in range(layers):
+            dst.set_global_scales(layer, src.layers[layer].k_global, src.layers[layer].v_global)
+    seen: list[torch.Tensor] = []
+    moves, conversion = rows.plan_rows, convert.plan_convert
+    monkeypatch.setattr(rows, "plan_rows", lambda slots, *a, **kw: seen.append(slots) or moves(slots, *a, **kw))
+    monkeypatch.setattr(convert, "plan_convert", lambda fmt, r, args, *a, **kw: seen.append(args.slots)
+                        or conversion(fmt, r, args, *a, **kw))
+    slots, model = torch.arange(TOKENS, dtype=torch.int32), _model(layers)
+    with _path("triton"):
+        host = export_to_host([src.descriptor(i) for i in range(layers)], slots, model=model)
+        exported = list(seen)
+        seen.clear()
+        import_bundle(host, [dst.descriptor(i) for i in range(layers)], slots, model=model)
+    for got in (exported, seen):
+        assert len(got) == layers and got[0].dtype == torch.int64 and all(s is got[0] for s in got)
+
+
+HOST_READS = frozenset({"__int__", "__bool__", "__float__", "__index__", "item", "tolist", "unique"})
+"""Tensor functions that read device values on the host (or size their output by them): each is a host sync on a
+GPU."""
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the `HOST_READS` calls made inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def _reads(fn) -> int:
+    with _HostReads() as reads:
+        fn()
+    return reads.count
+
+
+def test_a_slot_check_reads_the_device_once():
+    """`check_slots` reads its slots' range and repeats back together: one host read, not one per value; and it
+    still refuses slots outside the cache (OUT_OF_RANGE) and repeated slots (INVALID_ARGUMENT), accepts none."""
+    cache = _caches("nvfp4", 1).descriptor(0)
+    assert _reads(lambda: check_slots(cache, torch.tensor([5, 0, 63]))) == 1
+    assert [t.tolist() for t in check_slots(cache, torch.tensor([5, 0, 63], dtype=torch.int32))] == [[0, 0, 3],
+                                                                                                     [5, 0, 15]]
+    assert [t.numel() for t in check_slots(cache, torch.tensor([], dtype=torch.int64))] == [0, 0]
+    for slots, status in (([0, 64], Status.OUT_OF_RANGE), ([-1, 3], Status.OUT_OF_RANGE),
+                          ([7, 3, 7], Status.INVALID_ARGUMENT)):
+        with pytest.raises(KvxError) as e:
+            check_slots(cache, torch.tensor(slots))
+        assert e.value.status == status
+
+
+@pytest.mark.parametrize("pair", [("nvfp4", "nvfp4"), ("bf16", "nvfp4"), ("bf16", "bf16")], ids="->".join)
+def test_host_reads_of_a_kernel_export_and_import_do_not_grow_with_the_layers(pair, no_launch):
+    """A kernel export or import reads device values on the host a fixed number of times per bundle, the same at 2
+    and 4 layers (no read per layer: on a GPU each is a host sync): the slot check, and on import the bundle's
+    batched layer checks and the destination's scale checks and comparisons."""
+    counts = []
+    for layers in (2, 4):
+        src, dst = _caches(pair[0], layers), _caches(pair[1], layers, seed=1)
+        srcs, dsts = [src.descriptor(i) for i in range(layers)], [dst.descriptor(i) for i in range(layers)]
+        slots, model = torch.arange(TOKENS), _model(layers)
+        with _path("torch"):
+            host = export_to_host(srcs, slots, model=model)
+        with _path("triton"):
+            export_to_host(srcs, slots, model=model, out=torch.empty_like(host))  # binds the descriptors
+            import_bundle(host, dsts, slots, model=model)
+            counts.append((_reads(lambda: export_to_host(srcs, slots, model=model, out=torch.empty_like(host))),
+                           _reads(lambda: import_bundle(host, dsts, slots, model=model))))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] <= 1 and counts[0][1] <= 3, counts  # export: the slots; import: + 2 batched checks

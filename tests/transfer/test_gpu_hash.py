@@ -16,7 +16,7 @@ CASES = [(32, 3, 0), (64, 5, 12345), (1024, 4, 2**64 - 7), (128, 2, 2**63 + 5), 
 
 
 def _check(device: str) -> None:
-    from kvx_core.transfer.gpu_hash import segment_digests
+    from kvx_core.transfer.gpu_hash import chunk_digests, segment_digests
 
     g = torch.Generator().manual_seed(0)
     for seg, n, seed in CASES:
@@ -25,6 +25,13 @@ def _check(device: str) -> None:
         want = [xxhash.xxh64(bytes(buf[i * seg:(i + 1) * seg].numpy()), seed=seed).intdigest() for i in range(n)]
         assert got == want, (seg, n, seed)
     assert segment_digests(torch.zeros(16, dtype=torch.uint8, device=device), 32, 1).numel() == 0
+    for seg, n, count, gap, seed in ((32, 3, 4, 8, 7), (1024, 2, 3, 40, 2**64 - 3), (64, 1, 1, 0, 5)):
+        size, stride = seg * n + 24, seg * n + 24 + gap  # each chunk's tail (24 bytes) is the caller's
+        buf = torch.randint(0, 256, (count * stride,), dtype=torch.uint8, generator=g)
+        got = chunk_digests(buf.to(device), count, stride, size, seg, seed).cpu().numpy().view(np.uint64).tolist()
+        want = [[xxhash.xxh64(bytes(buf[r * stride + i * seg:][:seg].numpy()), seed=seed).intdigest()
+                 for i in range(n)] for r in range(count)]
+        assert got == want, (seg, n, count, seed)
 
 
 def test_interpreted_kernel_equals_xxhash():
@@ -42,6 +49,19 @@ def test_bad_buffers_are_refused():
                      (torch.zeros(65, dtype=torch.uint8)[1:], 32), (torch.zeros(64, dtype=torch.uint8), 48)):
         with pytest.raises(KvxError):
             segment_digests(buf, seg, 0)
+
+
+def test_chunks_outside_the_buffer_are_refused():
+    """Chunks that reach past the buffer, overlap, or sit at offsets not a multiple of 8 are refused before a
+    launch."""
+    from kvx_core.errors import KvxError, Status
+    from kvx_core.transfer.gpu_hash import chunk_digests
+
+    buf = torch.zeros(256, dtype=torch.uint8)
+    for count, stride, size in ((3, 96, 96), (2, 64, 96), (2, 100, 64), (1, 0, 257), (-1, 64, 64), (2, 64, 1.5)):
+        with pytest.raises(KvxError) as e:
+            chunk_digests(buf, count, stride, size, 32, 0)
+        assert e.value.status == Status.INVALID_ARGUMENT
 
 
 @pytest.mark.gpu
