@@ -32,6 +32,19 @@ def jobs() -> int:
     return 1 if torch.cuda.is_available() else JOBS
 
 
+def threads() -> int:
+    """OpenMP threads per vLLM run: the cores shared among the `jobs()` runs at once. Two SmolLM2 runs at once with 2
+    threads each on 2 cores took 90 s apiece, with 1 thread 22 s (measured 2026-11-28: OpenMP threads spin at their
+    barriers, so oversubscribed cores make every run wait on the other's)."""
+    return max(1, (os.cpu_count() or 1) // jobs())
+
+
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(threads()),
+       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""The offline runs' environment: 1 GiB of CPU KV cache, `threads()` OpenMP threads, engine core in the runner's
+process (its hooks see the engine)."""
+
+
 def results(cmds: dict[K, list], env: dict[str, str]) -> dict[K, dict]:
     """Each named runner command's parsed result. The runs are independent processes, `jobs()` at a time (started
     in `cmds`' order: the longest first keeps both cores busy to the end); a failed run fails the caller with its

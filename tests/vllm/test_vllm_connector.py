@@ -42,12 +42,11 @@ import vllm  # noqa: F401  (missing vLLM is an error: scripts/setup_vllm_env.sh 
 from kvx_core.transfer.bundle import BundleReader
 
 from ..procs import run
-from .runs import each, requested
+from .runs import ENV, each, requested
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 RUNNER = Path(__file__).with_name("vllm_pd_run.py")
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 FIRST_BOUND = {"auto": 0.3, "kvx_nvfp4": 1.0}
 MEAN_BOUND = {"auto": 0.1, "kvx_nvfp4": 0.35}
 INSTANCES = {"A": ("kvx_int8", 128, "kv_producer", ["--produce", "a"]),

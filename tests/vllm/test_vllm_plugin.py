@@ -30,12 +30,11 @@ from kvx_core.formats import get_format  # noqa: E402
 
 from ..procs import HANG_S, hung, wait  # noqa: E402
 from .bounds import PPL_BOUND  # noqa: E402
-from .runs import requested, results  # noqa: E402
+from .runs import ENV, requested, results  # noqa: E402
 
 KVX_DTYPES = ["kvx_nvfp4", "kvx_mxfp4", "kvx_int4", "kvx_int8", "kvx_k8v4"]
 HEAD_DIM = 64  # SmolLM2-135M
 RUNNER = Path(__file__).with_name("vllm_run.py")
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 VARIANTS = {"preempt": ("kvx_int4", "--preempt"), "rotate kvx_nvfp4": ("kvx_nvfp4", "--rotate"),

@@ -22,7 +22,6 @@ differ).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -30,13 +29,12 @@ import pytest
 
 from .conftest import kvx_impl
 from .eagle_head import save_eagle_head
-from .runs import results
+from .runs import ENV, results
 from .vllm_specdec_run import EAGLE_TOKENS
 
 pytestmark = pytest.mark.vllm
 
 RUNNER = Path(__file__).with_name("vllm_specdec_run.py")
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 DRIFT = 0.75  # nats between the two runs' log-probabilities of the same token in the same context (module docstring)
 NEAR_TIE = DRIFT  # nats between the speculative run's two best tokens at a first difference: within the drift
 DTYPE, BS = "kvx_nvfp4", 16  # the `config` fixture's cache

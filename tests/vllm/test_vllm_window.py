@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ import torch
 
 from .bounds import PPL_BOUND
 from .conftest import kvx_impl
-from .runs import results
+from .runs import ENV, results
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +29,6 @@ HQ, HKV, D, BS = 8, 2, 64, 16
 SLIDING_WINDOW = 20  # vLLM's: the query and the 19 keys before it
 DTYPE = "kvx_int8"
 RUNNER = Path(__file__).with_name("vllm_window_run.py")
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 MODEL_WINDOW = 64
 
 
