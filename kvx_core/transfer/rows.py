@@ -95,6 +95,11 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(block, offset) of each slot, after checking they are distinct and inside the cache: smallest, largest and
     whether the sorted slots ever repeat are read back together (one host sync, not one per value)."""
+    return _checked_slots(cache, slots)[1:]
+
+
+def _checked_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`check_slots`, with the checked slots as int64 on the cache's device first."""
     require(isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64),
             Status.INVALID_ARGUMENT, "slots must be a 1-D int32/int64 tensor")
     s = slots.to(device=cache.k.tensor.device, dtype=torch.int64)
@@ -104,7 +109,7 @@ def check_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor, to
     require(not s.numel() or (lo >= 0 and hi < capacity), Status.OUT_OF_RANGE,
             f"slots must lie in [0, {capacity}) (num_blocks x block_size of the cache)")
     require(repeats == 0, Status.INVALID_ARGUMENT, "slots must not repeat")
-    return s // cache.block_size, s % cache.block_size
+    return s, s // cache.block_size, s % cache.block_size
 
 
 class CheckedLayers(NamedTuple):
@@ -123,16 +128,18 @@ def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> CheckedLaye
     validating each cache as `read_rows` does: what an export or import checks before its first byte is written. One
     slot check per distinct geometry (each is a host sync)."""
     seen: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-    wheres, formats = [], []
-    for cache in caches:
+    wheres, formats, moved = [], [], slots
+    for i, cache in enumerate(caches):
         cache.validate()
         formats.append(format_of(cache))
         cache_global_scales(cache, formats[-1], None, None, "read_rows", check_values=False, build=False)
         key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
         if key not in seen:
-            seen[key] = check_slots(cache, slots)
+            checked, *where = _checked_slots(cache, slots)
+            seen[key] = tuple(where)
+            if i == 0:  # the first layer's geometry is checked first: its slots are the ones every layer takes
+                moved = checked
         wheres.append(seen[key])
-    moved = slots.to(device=caches[0].k.tensor.device, dtype=torch.int64) if caches else slots
     return CheckedLayers(moved, wheres, formats)
 
 

@@ -64,15 +64,6 @@ def _sync_free(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _longest(seqlen) -> int | None:
-    """TGI's `Seqlen.max_k`, the batch's longest cache + input length (a host int: `batch.max_current_length`),
-    which sizes the prefill's key splits: a short chunk over a long cached prefix (after a prefix-cache hit)
-    spreads over the SMs as vLLM's does with its `max_seq_len`. The hint only sizes the splits (each program
-    splits its own keys), so a Seqlen without it plans the unsplit kernel."""
-    longest = getattr(seqlen, "max_k", None)
-    return longest if isinstance(longest, int) and not isinstance(longest, bool) else None
-
-
 def _plan(kind: str, query: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tensor, seqlen,
           softmax_scale: float, softcap: float | None, max_s: int | None) -> AttentionPlan:
     """This step's plan: made by the step's first layer, reused by the others."""
@@ -94,7 +85,10 @@ def _plan(kind: str, query: torch.Tensor, kv_cache: KVCache, block_tables: torch
         if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             _graph_plans.append(plan)
     else:
-        plan = plan_prefill(seqlen.cu_seqlen_q, table, lens, causal=True, max_seq_len=_longest(seqlen), **geometry)
+        # TGI's `Seqlen.max_k`: the batch's longest cache + input length (a host int), which sizes the key splits
+        # of a short chunk over a long cached prefix as vLLM's `max_seq_len` does (checked by `plan_prefill`)
+        plan = plan_prefill(seqlen.cu_seqlen_q, table, lens, causal=True, max_seq_len=getattr(seqlen, "max_k", None),
+                            **geometry)
     _step = _Step(kind, seqlen, block_tables, params, plan)
     return plan
 
