@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,17 +99,29 @@ def emit(path: str | None, rec: dict) -> None:
             f.write(line + "\n")
 
 
+def run_group(cmd: list[str], timeout_s: float) -> int | str:
+    """Exit code of `cmd`, or "timeout" once it and every process it started (its process group) are killed."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "timeout"
+
+
 def run_per_process(script: str, names: list[str], args: list[str], out: str | None, timeout_s: int) -> None:
     """`script --one NAME ARGS [--out OUT]` for each name, one process each (an engine setting gets a fresh process
-    and GPU memory); exits naming the ones that failed or ran past `timeout_s`."""
+    and GPU memory); exits naming the ones that failed or ran past `timeout_s`.
+
+    Each child leads its own process group, and one past its limit is killed with the whole group: vLLM's engine core
+    is a grandchild that outlived its parent's kill and held 118 GiB of the GPU, so every later dtype of the run
+    failed vLLM's free-memory check at startup (H200, 2026-11-28)."""
     failed = []
     for name in names:
         cmd = [sys.executable, script, "--one", name, *args] + (["--out", out] if out else [])
         t = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, timeout=timeout_s, check=False).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_group(cmd, timeout_s)
         print(f"# {name}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
         if rc != 0:
             failed.append(name)
