@@ -4,9 +4,10 @@
 Usage: python benchmarks/bench_prefill.py [--out benchmarks/results/prefill.jsonl] [--no-flashinfer]
        [--chunks 16 --prefixes 32768 --batch 1 --splits 1 auto]  (a few queries over a long cached prefix: the
        plan's split-KV, `splits` in each line, against the unsplit kernel)
-       [--dequant-pass]  (also: each format's pages dequantized to a dense BF16 K/V by KVX's gather kernel, then
-       FlashInfer's ragged BF16 prefill over it: the "separate pass" design of issue 35, timed as one step; the
-       gather's argument checks sync the host ~5 times per call, included)
+       [--dequant-pass]  (also: each format's pages dequantized to a dense BF16 K/V by KVX's gather kernel over the
+       bound layer (`gather_bound`: one launch, no host sync), then FlashInfer's ragged BF16 prefill over it: the
+       "separate pass" design of issue 35, timed as one step, beside the checked `gather_pools`, whose argument
+       checks sync the host ~5 times per call: `gather_checked_ms`)
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import torch
 from common import bench, emit, env_info
 
 from kvx_core.cache import PagedKVCache
+from kvx_core.ops.dispatch import bind
 from kvx_core.ops.triton import plan_prefill
-from kvx_core.ops.triton.gather import gather_pools
+from kvx_core.ops.triton.gather import gather_bound, gather_pools
 
 FORMATS = ["bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "k8v4"]
 
@@ -117,22 +119,27 @@ def _dequant_pass(fi, c: PagedKVCache, q, qo, bt, sl, n: int, hq: int, hkv: int,
     a chunk sees the prefix and chunk keys up to its own) attends over it. Times the gather alone, the ragged
     prefill alone and the two in sequence."""
     p, b = c.layers[0], sl.numel()
+    layer = bind(c.descriptor(0))  # once per layer, as an engine registers its cache
+    cu = torch.arange(b + 1, dtype=torch.int32, device="cuda") * n  # the step's metadata (every sequence n long)
     k = torch.empty(b * n, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.empty_like(k)
     wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD")
     kv_indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda") * n
     wrapper.plan(qo, kv_indptr, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
 
-    def gather():
+    def checked():
         gather_pools(p.k_data, p.k_scales, p.v_data, p.v_scales, bt, sl, c.format, p.k_global, p.v_global,
                      out_dtype=torch.bfloat16, out=(k, v))
+
+    gather = partial(gather_bound, layer, bt, sl, cu, n, (k, v))
 
     def both():
         gather()
         return wrapper.run(q, k, v)
 
     g, f, r = bench(gather, n=50), bench(partial(wrapper.run, q, k, v), n=50), bench(both, n=50)
-    return {"impl": "kvx_gather_flashinfer_ragged", **r, "gather_ms": g["ms"], "ragged_bf16_ms": f["ms"]}
+    return {"impl": "kvx_gather_flashinfer_ragged", **r, "gather_ms": g["ms"], "ragged_bf16_ms": f["ms"],
+            "gather_checked_ms": bench(checked, n=50)["ms"]}
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvx_core.cache import PagedKVCache
 from kvx_core.descriptors import BlockTable, KvIoDesc, SeqLens, SlotMapping, WriteDesc
@@ -76,3 +77,26 @@ def spy_run_bound(monkeypatch) -> list:
     monkeypatch.setattr(decode_ops.DecodePlan, "run_bound", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
+
+HOST_READS = frozenset({"__int__", "__bool__", "__float__", "__index__", "item", "tolist", "unique"})
+"""Tensor functions that read device values on the host (or size their output by them): each is a host sync on a
+GPU."""
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the `HOST_READS` calls made inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(fn) -> int:
+    """How many times `fn()` reads device values on the host (`HOST_READS`)."""
+    with _HostReads() as reads:
+        fn()
+    return reads.count

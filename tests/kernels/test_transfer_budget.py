@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 from kvx_core.cache import PagedKVCache
@@ -22,6 +21,7 @@ from kvx_core.transfer.rows import check_slots
 
 from .. import interpret  # noqa: F401  (Triton's interpreter on the CPU)
 from ..fuzz import mutate_bytes, mutate_json, run_capped
+from .helpers import host_reads
 from .test_transfer_kernels import _path, cpu_only
 
 pytestmark = cpu_only  # CPU caches, Triton interpreted (on a CUDA machine the interpreter is off)
@@ -289,34 +289,11 @@ def test_every_layer_launches_with_the_slots_moved_once_per_bundle(pair, monkeyp
         assert len(got) == layers and got[0].dtype == torch.int64 and all(s is got[0] for s in got)
 
 
-HOST_READS = frozenset({"__int__", "__bool__", "__float__", "__index__", "item", "tolist", "unique"})
-"""Tensor functions that read device values on the host (or size their output by them): each is a host sync on a
-GPU."""
-
-
-class _HostReads(TorchFunctionMode):
-    """Counts the `HOST_READS` calls made inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += getattr(func, "__name__", "") in HOST_READS
-        return func(*args, **(kwargs or {}))
-
-
-def _reads(fn) -> int:
-    with _HostReads() as reads:
-        fn()
-    return reads.count
-
-
 def test_a_slot_check_reads_the_device_once():
     """`check_slots` reads its slots' range and repeats back together: one host read, not one per value; and it
     still refuses slots outside the cache (OUT_OF_RANGE) and repeated slots (INVALID_ARGUMENT), accepts none."""
     cache = _caches("nvfp4", 1).descriptor(0)
-    assert _reads(lambda: check_slots(cache, torch.tensor([5, 0, 63]))) == 1
+    assert host_reads(lambda: check_slots(cache, torch.tensor([5, 0, 63]))) == 1
     assert [t.tolist() for t in check_slots(cache, torch.tensor([5, 0, 63], dtype=torch.int32))] == [[0, 0, 3],
                                                                                                      [5, 0, 15]]
     assert [t.numel() for t in check_slots(cache, torch.tensor([], dtype=torch.int64))] == [0, 0]
@@ -342,7 +319,7 @@ def test_host_reads_of_a_kernel_export_and_import_do_not_grow_with_the_layers(pa
         with _path("triton"):
             export_to_host(srcs, slots, model=model, out=torch.empty_like(host))  # binds the descriptors
             import_bundle(host, dsts, slots, model=model)
-            counts.append((_reads(lambda: export_to_host(srcs, slots, model=model, out=torch.empty_like(host))),
-                           _reads(lambda: import_bundle(host, dsts, slots, model=model))))
+            counts.append((host_reads(lambda: export_to_host(srcs, slots, model=model, out=torch.empty_like(host))),
+                           host_reads(lambda: import_bundle(host, dsts, slots, model=model))))
     assert counts[0] == counts[1], counts
     assert counts[0][0] <= 1 and counts[0][1] <= 3, counts  # export: the slots; import: + 2 batched checks
