@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On the GPU machine: stage one carried folder of scripts/gpu_carry.sh; the last one installs / assembles.
+#   bash scripts/gpu_stage.sh vllm N     # .cache/vllm026/cN; at the last folder vLLM 0.26 + kvx_vllm go to /tmp/site
+#   bash scripts/gpu_stage.sh ckpt XX    # .cache/smollm2_bf16/c_XX; at the last part /tmp/kvxc/smollm2-135m
+# Then: export PYTHONPATH=/tmp/site:$PWD KVX_CACHE_DIR=/tmp/kvxc (vLLM's workers need the PYTHONPATH too).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+  vllm)
+    mkdir -p /tmp/vw && cp -r ".cache/vllm026/c$2/." /tmp/vw/
+    if [ -f /tmp/vw/install_on_gpu.sh ]; then  # the last folder carries the installer
+      (cd /tmp/vw && bash install_on_gpu.sh /tmp/site)
+      PYTHONPATH=/tmp/site:$PWD python3 -c "import vllm, kvx_vllm, flashinfer; print('vllm', vllm.__version__, 'flashinfer', flashinfer.__version__)"
+    fi ;;
+  ckpt)
+    mkdir -p /tmp/ck && cp ".cache/smollm2_bf16/c_$2/"* /tmp/ck/
+    # every part there (c_aa carries their count): assemble, check, unpack
+    if [ -f /tmp/ck/ck.parts ] && [ "$(ls /tmp/ck/ck.tar.part-* | wc -l)" -eq "$(cat /tmp/ck/ck.parts)" ]; then
+      (cd /tmp/ck && cat ck.tar.part-* > ck.tar && sha256sum -c ck.sha && mkdir -p /tmp/kvxc \
+         && tar xf ck.tar -C /tmp/kvxc && rm -f ck.tar.part-* ck.tar)
+      ls /tmp/kvxc/smollm2-135m
+    fi ;;
+  *) echo "usage: gpu_stage.sh vllm N | ckpt XX" >&2; exit 2 ;;
+esac
