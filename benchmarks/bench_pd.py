@@ -1,0 +1,190 @@
+"""Prefill/decode disaggregation, two vLLM instances at once: per request, the time from the prefill instance's end
+to the decode instance's first token, with KVX's connector and with vLLM's own NixlConnector as the peer.
+
+    python benchmarks/bench_pd.py MODEL --connector kvx-nixl --consumer kvx_nvfp4 [--gpus 0,1] [--len 4096]
+    python benchmarks/bench_pd.py MODEL --connector vllm-nixl --consumer auto        # vLLM's NixlConnector (peer)
+    python benchmarks/bench_pd.py MODEL --connector kvx-store --store /dev/shm/kvx   # KVX's store directory
+
+MODEL is a checkpoint directory with its tokenizer (KvxConnector fingerprints the tokenizer), e.g. the demo's
+SmolLM2-135M (`kvx demo` builds it under ~/.cache/kvx). The producer (`--producer`, default `auto`) runs on the first
+of `--gpus`, the consumer on the second (on a CPU machine: vLLM CPU, both on the CPU). The parent process plays P/D's
+proxy: per request it asks the producer to prefill the prompt (one output token, `do_remote_decode`), passes the
+returned `kv_transfer_params` to the consumer, which generates the prompt's first token with them; then the consumer
+computes the same prompt itself (`skip_reading_prefix_cache`). One JSON line per request (after one warm-up request
+excluded from the record): `prefill_s` (the producer's generate), `handoff_s` (the producer's return to the consumer's
+first token: the transfer plus the consumer's step, as a proxy sees it; both clocks are this host's), `consumer_s`
+(the consumer's generate alone), `local_s` (the consumer computing the prompt itself), `cached` (vLLM's
+`num_cached_tokens` of the consumer's request: prompt length - 1 when KvxConnector's load worked; vLLM 0.32's
+NixlConnector loads asynchronously and its tokens do not show there (0 on vLLM CPU, where the consumer's step then
+took 0.14 s against 0.9-1.0 s computing a 256-token prompt): compare `consumer_s` with `local_s`), and
+`first_token_gap` (max |logprob difference| over the top-5 tokens of both first tokens, handed over vs computed: the
+cache format's error, reported, not judged).
+
+Transports: `kvx-nixl`, KvxConnector's NIXL transport (`nixl_memory`: `--nixl-memory host|device`); `kvx-store`,
+its store directory (`--store`, the same for both; /dev/shm for memory speed); `vllm-nixl`, vLLM's NixlConnector
+(both instances the same cache dtype: it refuses others at its handshake; side channels on 127.0.0.1, ports 5600 /
+5601). Prompts are random token ids, a different prompt per request, so no prefix cache serves one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from common import emit, env_info
+
+CONNECTORS = ("kvx-nixl", "kvx-store", "vllm-nixl")
+
+
+def _transfer_config(connector: str, role: str, args) -> tuple[dict, dict]:
+    """(kv_transfer_config, additional_config) of one instance."""
+    if connector == "vllm-nixl":
+        cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        if args.device == "cpu":
+            cfg["kv_buffer_device"] = "cpu"
+        return cfg, {}
+    kvx = ({"transport": "nixl", "nixl_memory": args.nixl_memory, "nixl_buffer": args.nixl_buffer,
+            "nixl_slots": 4, "nixl_hold_s": 600} if connector == "kvx-nixl" else {"store": args.store})
+    return {"kv_connector": "KvxConnector", "kv_role": role}, {"kvx": kvx}
+
+
+def _child(role: str, args) -> None:
+    """One instance: build it, print BENCH_READY, then serve the parent's commands (one JSON object per line)."""
+    from vllm import LLM, SamplingParams
+
+    dtype = args.producer if role == "kv_producer" else args.consumer
+    blocks = [int(b) for b in args.block_size.split(",")]
+    block = blocks[0] if role == "kv_producer" else blocks[-1]
+    transfer, extra = _transfer_config(args.connector, role, args)
+    llm = LLM(model=args.model, dtype="bfloat16", kv_cache_dtype=dtype, block_size=block,
+              max_model_len=args.len + 16, max_num_seqs=4, enable_prefix_caching=True, seed=0,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.device == "cpu",
+              kv_transfer_config=transfer, additional_config=extra)
+    print("BENCH_READY", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            return
+        prompt = {"prompt_token_ids": cmd["ids"]}
+        if cmd["op"] == "prefill":
+            sp = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params":
+                                                                            {"do_remote_decode": True}})
+            t0 = time.time()
+            r = llm.generate([prompt], sp, use_tqdm=False)[0]
+            reply = {"prefill_s": time.time() - t0, "end": time.time(), "params": r.kv_transfer_params}
+        else:  # "decode": with the producer's params; "local": computing the prompt itself
+            extra_args = {"kv_transfer_params": cmd["params"]} if cmd["op"] == "decode" else {}
+            sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, extra_args=extra_args,
+                                skip_reading_prefix_cache=cmd["op"] == "local")
+            t0 = time.time()
+            r = llm.generate([prompt], sp, use_tqdm=False)[0]
+            t1 = time.time()
+            o = r.outputs[0]
+            reply = {"seconds": t1 - t0, "end": t1, "cached": r.num_cached_tokens, "finish": o.finish_reason,
+                     "top": {str(k): v.logprob for k, v in o.logprobs[0].items()} if o.logprobs else {}}
+        print("BENCH_REPLY " + json.dumps(reply), flush=True)
+
+
+class _Instance:
+    """A child process speaking one JSON line per command and per reply."""
+
+    def __init__(self, role: str, gpu: str | None, port: int, argv: list[str]):
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        self.role = role
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--one", role],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True)
+
+    def _line(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+            sys.stderr.write(f"[{self.role}] {line}")
+        raise SystemExit(f"bench_pd: the {self.role} instance exited ({self.proc.wait()}) before '{prefix.strip()}'")
+
+    def ready(self) -> None:
+        self._line("BENCH_READY")
+
+    def ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line("BENCH_REPLY "))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+
+
+def _gap(a: dict, b: dict) -> float | None:
+    shared = a.keys() & b.keys()
+    return round(max(abs(a[t] - b[t]) for t in shared), 4) if shared else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="checkpoint directory with its tokenizer")
+    ap.add_argument("--connector", choices=CONNECTORS, default="kvx-nixl")
+    ap.add_argument("--producer", default="auto", help="the prefill instance's --kv-cache-dtype")
+    ap.add_argument("--consumer", default="kvx_nvfp4", help="the decode instance's --kv-cache-dtype")
+    ap.add_argument("--gpus", default="0,1", help="producer,consumer CUDA devices (ignored on a CPU machine)")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--len", type=int, default=4096, help="prompt tokens")
+    ap.add_argument("--block-size", default="16", help="PRODUCER[,CONSUMER] page size (vLLM CPU: auto 32, kvx 128)")
+    ap.add_argument("--store", default="/dev/shm/kvx-bench-pd", help="kvx-store: the store directory")
+    ap.add_argument("--nixl-memory", choices=("host", "device"), default="host")
+    ap.add_argument("--nixl-buffer", default="1GiB")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when present")
+    ap.add_argument("--out", help="append JSON lines here")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this role here
+    args = ap.parse_args()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.one:
+        return _child(args.one, args)
+    if args.connector == "vllm-nixl" and args.producer != args.consumer:
+        raise SystemExit("bench_pd: vLLM's NixlConnector hands KV between instances of one cache dtype only")
+    argv = sys.argv[1:]
+    gpus = args.gpus.split(",") if args.device == "cuda" else [None, None]
+    vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (args.len,), generator=g).tolist() for _ in range(args.requests + 1)]
+    prod = _Instance("kv_producer", gpus[0], 5600, argv)
+    cons = _Instance("kv_consumer", gpus[1], 5601, argv)
+    base = {**env_info(), "bench": "pd", "connector": args.connector, "producer": args.producer,
+            "consumer": args.consumer, "len": args.len, "model": os.path.basename(os.path.normpath(args.model)),
+            "device": args.device}
+    try:
+        prod.ready()
+        cons.ready()
+        for i, ids in enumerate(prompts):
+            p = prod.ask({"op": "prefill", "ids": ids})
+            d = cons.ask({"op": "decode", "ids": ids, "params": p["params"] or {}})
+            loc = cons.ask({"op": "local", "ids": ids})
+            if i == 0:
+                continue  # warm-up: kernels compiled, NIXL handshakes made
+            emit(args.out, {**base, "request": i, "prefill_s": round(p["prefill_s"], 4),
+                            "handoff_s": round(d["end"] - p["end"], 4), "consumer_s": round(d["seconds"], 4),
+                            "local_s": round(loc["seconds"], 4), "cached": d["cached"], "local_cached": loc["cached"],
+                            "finish": d["finish"], "first_token_gap": _gap(d["top"], loc["top"])})
+    finally:
+        prod.close()
+        cons.close()
+
+
+if __name__ == "__main__":
+    main()
