@@ -18,9 +18,10 @@ import torch
 from common import bench, emit, env_info
 
 from kvx_core.cache import PagedKVCache
+from kvx_core.ops.bound_gather import gather_bound
 from kvx_core.ops.dispatch import bind
 from kvx_core.ops.triton import plan_prefill
-from kvx_core.ops.triton.gather import gather_bound, gather_pools
+from kvx_core.ops.triton.gather import gather_pools
 
 FORMATS = ["bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "k8v4"]
 

@@ -7,7 +7,8 @@ from kvx_core.descriptors import BlockTable, GatherDesc, KvIoDesc, SeqLens, Slot
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format, list_formats
 from kvx_core.ops import dispatch, reference
-from kvx_core.ops.triton import gather_bound, gather_pools
+from kvx_core.ops.bound_gather import gather_bound
+from kvx_core.ops.triton import gather_pools
 
 from .helpers import filled_cache, host_reads
 

@@ -2,7 +2,8 @@
 tensors out):
 
 - `write.py`   `write_pools`: fused quantize + scatter of new K/V tokens by slot mapping
-- `gather.py`  `gather_pools` / `gather_bound`: dequantize through the block table into dense ragged K/V
+- `gather.py`  `gather_pools`: dequantize through the block table into dense ragged K/V (`launch_gather`: the
+               kernel alone, for `ops.bound_gather`)
 - `decode.py`  the split-KV decode kernel and `launch_decode` (checks, backend and split choice, and the
                raw-pool entry `decode_pools`: `kvx_core/ops/decode.py`)
 - `merge.py`   the split merge of the decode kernels (Triton and CUDA)
@@ -18,10 +19,9 @@ On CPU the kernels run under `TRITON_INTERPRET=1` (set before triton is imported
 """
 from __future__ import annotations
 
-from .gather import gather_bound, gather_pools
+from .gather import gather_pools
 from .launch import interpreting
 from .prefill import PrefillPlan, plan_prefill, prefill_pools
 from .write import write_pools
 
-__all__ = ["PrefillPlan", "plan_prefill", "prefill_pools", "write_pools", "gather_pools", "gather_bound",
-           "interpreting"]
+__all__ = ["PrefillPlan", "plan_prefill", "prefill_pools", "write_pools", "gather_pools", "interpreting"]

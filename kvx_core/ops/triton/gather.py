@@ -1,22 +1,20 @@
 """Dequantizing gather: the first `min(seq_len, max_seq_len)` tokens of each sequence, read through a
 PACKED block table, decoded into dense ragged K/V `[T, H, D]` (sequences concatenated in order).
 
-`gather_pools` checks everything (host syncs) and serves `gather_kv`; `gather_bound` launches the same kernel over a
-bound layer with no host sync, for a prefill that dequantizes a cached prefix once and attends over it with a dense
-16-bit kernel (the attention kernels themselves never materialise this). Grid `(cdiv(max_len, BT), B, 2 H)`.
-Decoding is the formats' FP32 arithmetic (no FMA contraction), so the output equals
-`reference.gather_kv` bit for bit; Hadamard formats are decoded to FP32 in the kernel and rotated back
+`gather_pools` checks everything (host syncs) and serves `gather_kv`; `ops.bound_gather.gather_bound` launches the
+same kernel (`launch_gather`) over a bound layer with no host sync, for a prefill that dequantizes a cached prefix
+once and attends over it with a dense 16-bit kernel (the attention kernels themselves never materialise this).
+Grid `(cdiv(max_len, BT), B, 2 H)`. Decoding is the formats' FP32 arithmetic (no FMA contraction), so the output
+equals `reference.gather_kv` bit for bit; Hadamard formats are decoded to FP32 in the kernel and rotated back
 with the reference's own `ops.rotation.rotate`.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from ...errors import KvxError, Status, require
+from ...errors import KvxError, Status
 from ...formats import CacheFormat
 from ..checks import (
     IO_DTYPES,
@@ -33,8 +31,8 @@ from .dequant import F_FP8, F_INT4, F_INT8, F_NVFP4, F_PLAIN, e8m0_f32
 from .launch import as_bytes, as_format, check_device, check_pool, global_scale_arg, pool_geometry, scale_args
 from .quant import cast_exact, e2m1_value, e4m3_f32, f8_byte_f32, f16_bytes_f32
 
-if TYPE_CHECKING:
-    from ..dispatch import BoundLayer
+INDEX_DTYPES = (torch.int32, torch.int64)
+"""The block-table and length dtypes the gather kernel reads."""
 
 
 @triton.jit
@@ -132,8 +130,8 @@ def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: to
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
         require_type(t, torch.Tensor, name)
     check_device(k_data, v_data, block_table, seq_lens)
-    if block_table.dim() != 2 or block_table.dtype not in _IDX or seq_lens.dtype not in _IDX or seq_lens.dim() != 1 \
-            or seq_lens.numel() != block_table.shape[0]:
+    if block_table.dim() != 2 or block_table.dtype not in INDEX_DTYPES or seq_lens.dtype not in INDEX_DTYPES \
+            or seq_lens.dim() != 1 or seq_lens.numel() != block_table.shape[0]:
         raise KvxError(Status.INVALID_ARGUMENT, "block_table must be int32/int64 [B, max_blocks] and seq_lens "
                        f"int32/int64 [B], got {block_table.dtype} {tuple(block_table.shape)} and {seq_lens.dtype} "
                        f"{tuple(seq_lens.shape)}")
@@ -172,8 +170,9 @@ def gather_pools(k_data: torch.Tensor, k_scales: torch.Tensor | None, v_data: to
         ko, vo = (torch.empty(total, hkv, d, dtype=torch.float32 if fmt.rotate else x, device=k_data.device)
                   for x in dts)
     if total:
-        _launch(block_table, seq_lens, cu, max_len, (k_data, ks, global_scale_arg(kg, kk, hkv, k_data.device), ko, kk),
-                (v_data, vs, global_scale_arg(vg, kv, hkv, v_data.device), vo, kv), d, bs, block_t)
+        launch_gather(block_table, seq_lens, cu, max_len,
+                      (k_data, ks, global_scale_arg(kg, kk, hkv, k_data.device), ko, kk),
+                      (v_data, vs, global_scale_arg(vg, kv, hkv, v_data.device), vo, kv), d, bs, block_t)
     if fmt.rotate:
         ko, vo = (rotate(x, out_dtype=o.dtype if out is not None else dt)
                   for x, o in zip((ko, vo), out or (None, None), strict=True))
@@ -196,8 +195,8 @@ def _check_out(out, total: int, hkv: int, d: int, out_dtype: torch.dtype | None,
     check_no_alias({"out K": out[0], "out V": out[1]}, pools)
 
 
-def _launch(block_table: torch.Tensor, seq_lens: torch.Tensor, cu: torch.Tensor, max_len: int, k_side: tuple,
-            v_side: tuple, d: int, bs: int, block_t: int) -> None:
+def launch_gather(block_table: torch.Tensor, seq_lens: torch.Tensor, cu: torch.Tensor, max_len: int, k_side: tuple,
+                  v_side: tuple, d: int, bs: int, block_t: int) -> None:
     """The gather kernel over checked arguments; a side is (data pool, `scale_args`, global-scale argument, output,
     its `KernelFormat`)."""
     (kd, ks, kg, ko, kk), (vd, vs, vg, vo, kv) = k_side, v_side
@@ -214,54 +213,3 @@ def _launch(block_table: torch.Tensor, seq_lens: torch.Tensor, cu: torch.Tensor,
         VF=kv.code, VGRP=kv.group or 16, VNGP=ngp(kv), VE5=kv.e5m2,
         num_warps=4, enable_fp_fusion=False,
     )
-
-
-@torch.no_grad()
-def gather_bound(layer: BoundLayer, block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_len: int, out: tuple[torch.Tensor, torch.Tensor], *, block_t: int = 32) -> None:
-    """Dequantize the first `min(seq_lens[b], max_len)` tokens of each sequence of a bound layer (`dispatch.bind`)
-    into rows `cu_seqlens[b] ..` of `out = (K, V)`: one kernel launch, no host sync, so that a prefill step can
-    dequantize a layer's cached prefix once and hand it to a dense 16-bit attention kernel (issue 35's separate
-    pass: FlashInfer's ragged prefill over the gathered K / V).
-
-    What the layer binding checked (pools, scale pools, global scales) is not checked again, and nothing reads device
-    values: `block_table` (int32 `[B, max_blocks]`, the kernel table of the layer's table format, whose ids the caller
-    vouches for, like an engine's attention metadata), `seq_lens` and `cu_seqlens` (int32 / int64 `[B]` and `[B + 1]`,
-    the output row where each sequence starts) are compared by shape, dtype and device only; `max_len` (a host int)
-    must be at least every length the caller wants whole. Rotated (`*_rot`) and key-transformed (smoothed / centered)
-    layers are refused: their values need a second pass (`gather_kv` serves them)."""
-    h, bs, d = layer.geometry
-    require(not layer.fmt.rotate and not layer.transforms_keys, Status.UNSUPPORTED,
-            f"gather_bound: {layer.fmt.name} layer{' with key smoothing / centering' if layer.transforms_keys else ''} "
-            "needs a second pass after the gather (rotation back / key transform): use gather_kv")
-    dev = layer.k_data.device
-    b = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else -1
-    ok = (b >= 0 and block_table.dtype == torch.int32 and block_table.stride(1) == 1
-          and isinstance(seq_lens, torch.Tensor) and seq_lens.shape == (b,) and seq_lens.dtype in _IDX
-          and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.shape == (b + 1,) and cu_seqlens.dtype in _IDX
-          and all(t.device == dev for t in (block_table, seq_lens, cu_seqlens)) and seq_lens.is_contiguous()
-          and cu_seqlens.is_contiguous())
-    require(ok, Status.INVALID_ARGUMENT,
-            f"gather_bound: block_table must be int32 [B, max_blocks] with unit-stride rows, seq_lens int32/int64 [B] "
-            f"and cu_seqlens int32/int64 [B + 1], all on {dev}; got {_desc(block_table)}, {_desc(seq_lens)}, "
-            f"{_desc(cu_seqlens)}")
-    require(type(max_len) is int and max_len >= 0, Status.INVALID_ARGUMENT,
-            f"gather_bound: max_len must be a host int >= 0, got {max_len!r}")
-    ok = (isinstance(out, (tuple, list)) and len(out) == 2
-          and all(isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape[1:]) == (h, d) and t.stride(2) == 1
-                  and t.dtype in IO_DTYPES and t.device == dev for t in out))
-    require(ok, Status.INVALID_ARGUMENT,
-            f"gather_bound: out must be two bf16/fp16/fp32 [tokens, {h}, {d}] tensors on {dev} with a unit-stride "
-            f"last dim, got {[_desc(t) for t in out] if isinstance(out, (tuple, list)) else type(out).__name__}")
-    if b and max_len:
-        k_side = (layer.k_data, layer.k_scale_args, layer.k_global, out[0], kernel_format(layer.fmt.k))
-        v_side = (layer.v_data, layer.v_scale_args, layer.v_global, out[1], kernel_format(layer.fmt.v))
-        _launch(block_table, seq_lens, cu_seqlens, max_len, k_side, v_side, d, bs, block_t)
-
-
-_IDX = (torch.int32, torch.int64)
-
-
-def _desc(t) -> str:
-    """A tensor's dtype, shape and device for a message (or the type of what is not a tensor)."""
-    return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
