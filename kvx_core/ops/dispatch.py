@@ -491,13 +491,15 @@ def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, 
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype,
                  device=None, causal: bool = True, sm_scale: float | None = None, softcap: float | None = None,
                  window: int | None = None, check: bool = True, sinks: torch.Tensor | None = None,
-                 queries_after: bool = False, max_seq_len: int | None = None) -> AttentionPlan:
+                 queries_after: bool = False, max_seq_len: int | None = None,
+                 num_splits: int | None = None) -> AttentionPlan:
     """Plan a prefill / extend step: sequence b's new queries are rows `qo_indptr[b]:qo_indptr[b+1]` (the work
     list reads `qo_indptr` on the host: pass it on the CPU to avoid a device sync). `causal=False` without a
     window attends every query to all of its sequence's cached tokens (`attention.paged_prefill`; with
     `queries_after` the queries follow them, for a window). `sinks`: as in `plan_decode`. `max_seq_len`: a host
     hint of the longest sequence (no sync) with which the kernel splits the keys of few programs over many SMs
-    (`ops.triton.prefill.plan_prefill`); without it, no split."""
+    (`ops.triton.prefill.plan_prefill`); without it, no split. `num_splits` forces the kernel's key splits (tests,
+    benchmarks, `ops.warmup`)."""
     options = dict(sm_scale=sm_scale, softcap=softcap, window=window)
     attention.check_options("paged_prefill", causal=causal, queries_after=queries_after)
     fmt, device, bt, lens = _plan_tables("paged_prefill", fmt, table, seq_lens, options, device, check, block_size)
@@ -514,7 +516,7 @@ def plan_prefill(qo_indptr: torch.Tensor, table: BlockTable, seq_lens: SeqLens, 
                                              head_dim=head_dim, block_size=block_size, q_dtype=q_dtype,
                                              device=device, causal=causal, sm_scale=sm_scale, softcap=softcap,
                                              window_left=window, queries_after=queries_after,
-                                             max_seq_len=max_seq_len)
+                                             max_seq_len=max_seq_len, num_splits=num_splits)
     plan = AttentionPlan("paged_prefill", fmt, table, seq_lens, qo_indptr, num_qo_heads, device,
                          dict(options, causal=causal, sinks=None, queries_after=queries_after), check, kernel, bt, lens)
     return plan if sinks is None else plan.with_sinks(sinks)

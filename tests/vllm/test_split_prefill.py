@@ -102,3 +102,21 @@ def test_split_prefill_matches_the_oracle_cuda(fmt, case, sinks):
     if not torch.cuda.is_available():
         pytest.fail("needs a CUDA GPU with vLLM 0.26 (the GPU machine)")
     _check("cuda", fmt, case, softcap=30.0 if fmt == "int8" else None, sinks=sinks)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fmt, window", [("nvfp4", None), ("int4_rot", 127)])
+def test_the_builder_warm_up_pages_are_the_runs_layout_cpu(fmt, window):
+    """The metadata builder's warm-up (`KvxMetadataBuilder._warm_up`, CUDA only in serving) over a scratch page of the
+    run's layout: on the CPU no kernel serves the pages, so it plans and launches nothing (0); what it builds (the
+    page, its descriptor, the prefix plan with the group's options) is checked here, the launches on the GPU machine
+    (tests/kernels/test_prefill_warmup.py)."""
+    from types import SimpleNamespace
+
+    from kvx_core.formats import get_format
+    from kvx_vllm.backend import KvxMetadataBuilder
+
+    builder = SimpleNamespace(format=get_format(fmt), num_qo_heads=8, q_dtype=torch.bfloat16, sm_scale=0.125,
+                              softcap=None, window=window)
+    spec = SimpleNamespace(num_kv_heads=2, head_size=64, block_size=16)
+    assert KvxMetadataBuilder._warm_up(builder, spec, torch.device("cpu")) == 0

@@ -10,14 +10,16 @@ import triton
 import triton.language as tl
 
 from .dequant import join_sink, lse_or_empty
-from .launch import next_pow2
 
 MERGE_COLS = 32
 """Output columns per merge program: B=1 decode spreads its merge over D/32 x Hq
 programs (the whole-row merge took ~10 us of a 36 us B=1 32k NVFP4 decode on an H200)."""
 
 
-@triton.jit
+# The split count and the strides that follow it are not specialized on (nor is the tile of splits sized by it), so one
+# compiled kernel serves every split count: a split prefill's count changes from step to step with the step's shape,
+# and each new value compiled a kernel while serving (vLLM's JIT monitor logged it in the H200 runs of 2026-11-28).
+@triton.jit(do_not_specialize=["num_splits", "s_mlb", "s_mlh"])
 def _merge_kernel(
     MO, s_mob, s_moh, s_mos,
     ML, s_mlb, s_mlh,
@@ -80,6 +82,6 @@ def merge_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, ls
         lse, lse.stride(0), lse.stride(1),
         lse if sinks is None else sinks,  # unread without sinks
         num_splits,
-        DB=db, SB=min(64 if db < d else 32, next_pow2(num_splits)), HAS_SINKS=sinks is not None,
+        DB=db, SB=64 if db < d else 32, HAS_SINKS=sinks is not None,
         num_warps=4,
     )

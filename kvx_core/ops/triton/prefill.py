@@ -58,7 +58,9 @@ MAX_SPLITS = 256
 """Most key splits per program: the workspace is T x Hq x S x D fp32."""
 
 
-@triton.jit
+# Not specialized on: the split LSEs' strides, which follow the split count (`merge.py`), and the block table's row
+# stride, which follows the engine's table width: a kernel compiled before serving (`ops.warmup`) serves every step.
+@triton.jit(do_not_specialize=["s_btb", "s_mlt", "s_mlh"])
 def _prefill_kernel(
     Q, s_qt, s_qh, O, s_ot, s_oh, LSE, s_lt, s_lh,
     KD, s_kdb, s_kdh, s_kdt, KS, s_ksb, s_ksh, s_kst,

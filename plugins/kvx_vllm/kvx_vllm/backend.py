@@ -19,6 +19,7 @@ given to each layer's run of the step's plan (`AttentionPlan.run`'s `sinks`, `Sp
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -46,6 +47,7 @@ from kvx_core.formats import CacheFormat, get_format
 from kvx_core.ops import backends
 from kvx_core.ops.attention import check_sinks, sink_values
 from kvx_core.ops.dispatch import AttentionPlan, BoundLayer, bind, plan_decode, plan_prefill, write_kv
+from kvx_core.ops.warmup import warm_up_prefill
 
 from .calibration import layer_values
 from .dtypes import KVX_CACHE_DTYPES, is_kvx_dtype
@@ -208,9 +210,27 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
             self.workspace = torch.empty(n, dtype=torch.float32, device=device)
         geometry = backends.Geometry(self.num_qo_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.block_size, self.q_dtype, vllm_config.scheduler_config.max_num_seqs)
-        init_logger("vllm.plugins.kvx").info("KVX attention backend: format %s for %d layers in pid %d on %s: %s",
-                                             self.format.name, len(layer_names), os.getpid(), device,
-                                             backends.summary(self.format, device, geometry))
+        log = init_logger("vllm.plugins.kvx")
+        log.info("KVX attention backend: format %s for %d layers in pid %d on %s: %s", self.format.name,
+                 len(layer_names), os.getpid(), device, backends.summary(self.format, device, geometry))
+        if device.type == "cuda" and self.split_prefill:
+            t = time.perf_counter()
+            if self._warm_up(kv_cache_spec, device):
+                log.info("KVX: split-prefill kernels compiled for this group in %.1f s", time.perf_counter() - t)
+
+    def _warm_up(self, spec: AttentionSpec, device: torch.device) -> int:
+        """Compile the split prefill's KVX kernels for this group's layers now (`kvx_core.ops.warmup`), over a
+        one-block scratch page of the run's page layout: vLLM builds its metadata builders at startup, before its
+        CUDA-graph capture, so the first prefix-cache hit no longer waits for Triton's compiler (it did in every run
+        on the H200 before this). Returns the kernel launches made (0: no kernel serves this group)."""
+        fmt = self.format
+        pages = torch.zeros(1, 1, spec.block_size, token_bytes(fmt, spec.num_kv_heads, spec.head_size),
+                            dtype=torch.uint8, device=device)
+        ones = torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device)
+        desc = page_cache_desc(pages, fmt, spec.num_kv_heads, spec.head_size,
+                               ones if fmt.k.uses_global_scale else None, ones if fmt.v.uses_global_scale else None)
+        return warm_up_prefill(desc, num_qo_heads=self.num_qo_heads, q_dtype=self.q_dtype, sm_scale=self.sm_scale,
+                               softcap=self.softcap, window=self.window)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvxMetadata:
