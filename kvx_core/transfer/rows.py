@@ -6,6 +6,7 @@ centering) live per layer.
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -13,7 +14,17 @@ from typing import NamedTuple
 import torch
 
 from ..codec import format_of
-from ..descriptors import CacheDesc, all_finite, check_key_center, check_key_smoothing, finite_positive
+from ..descriptors import (
+    CacheDesc,
+    PoolDesc,
+    QuantDesc,
+    TensorDesc,
+    all_finite,
+    check_key_center,
+    check_key_smoothing,
+    finite_positive,
+)
+from ..enums import Memory
 from ..errors import Status, require
 from ..formats import CacheFormat
 from ..ops import smoothing
@@ -56,35 +67,90 @@ def key_transforms(cache: CacheDesc) -> frozenset[str]:
 
 
 _BOUND = "_kvx_transfer_bound"
-"""The attribute of a `CacheDesc` holding what `bound` derived from it: (tensors, geometry, {name: value})."""
+"""The attribute of a `CacheDesc` holding its `Binding` (what `binding` checked and derived from it)."""
+
+_IMMUTABLE = (int, enum.Enum, type(None))
+"""Types of descriptor fields whose identity fixes their value (a tuple of exact ints too): a field kept by
+identity in a binding's key must be one of these (or a descriptor object / tensor whose own state is keyed)."""
 
 
-def _pool_key(cache: CacheDesc) -> tuple[tuple[torch.Tensor, ...], tuple]:
-    """The pool tensors of `cache` (compared by identity: held by the binding, so never recycled) and everything of
-    their geometry and format the derived views depend on (pointers, dtypes, shapes, strides, layouts, format)."""
-    q = cache.quant
-    scales = () if q is None else tuple(s for s in (q.k_scales, q.v_scales) if s is not None)
-    tensors = (cache.k.tensor, cache.v.tensor, *(s.tensor for s in scales))
-    fmt = None if q is None else (q.format, q.group_size, q.k_data_dtype, q.v_data_dtype, q.flags)
-    geometry = (cache.block_size, cache.num_kv_heads, cache.head_dim, cache.k.dtype, cache.v.dtype, cache.k.layout,
-                cache.v.layout, fmt, *(s.layout for s in scales),
-                *((t.data_ptr(), t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors))
-    return tensors, geometry
+def _tensor_state(t: torch.Tensor, pinned: bool) -> tuple:
+    """What `CacheDesc.validate` reads of a tensor that may change in place (`set_`, `resize_`, `.data =`): its
+    storage pointer, dtype, device, shape, strides, and where a descriptor says HOST_PINNED (`pinned`: the one
+    memory type a host tensor's pinning decides) whether it is pinned."""
+    return t.data_ptr(), t.dtype, t.device, t.shape, t.stride(), pinned and t.is_pinned()
+
+
+def _key(cache: CacheDesc) -> tuple[tuple, tuple] | None:
+    """Everything `CacheDesc.validate` and `format_of` read of `cache`: (the field objects, compared by identity and
+    held by the binding so never recycled; the tensors' in-place state, compared by value). None where a field is
+    not of an `_IMMUTABLE` kind (a list, a float, ...): such a descriptor is validated on every call."""
+    q, p = cache.quant, cache.pool
+    parts = [cache.k, cache.v, *((q.k_scales, q.v_scales) if isinstance(q, QuantDesc) else ())]
+    if not (all(isinstance(d, TensorDesc | None) for d in parts) and isinstance(q, QuantDesc | None)
+            and isinstance(p, PoolDesc | None) and cache.k is not None and cache.v is not None):
+        return None
+    objs = [cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, cache.k, cache.v, p, q]
+    descs = [cache.k, cache.v]
+    if q is not None:
+        objs += [q.format, q.group_size, q.k_data_dtype, q.v_data_dtype, q.k_scales, q.v_scales, q.k_global_scale,
+                 q.v_global_scale, q.flags, q.k_smoothing, q.k_center]
+        descs += [d for d in (q.k_scales, q.v_scales) if d is not None]
+    if p is not None:
+        objs += [p.memory, p.bytes_per_block, p.primary, p.secondary]
+    for d in descs:
+        objs += [d.dtype, d.layout, d.memory, d.shape, d.stride, d.tensor, d.data_ptr]
+    kinds = (*_IMMUTABLE, torch.Tensor, TensorDesc, PoolDesc, QuantDesc)
+    if not all(isinstance(o, kinds) or (type(o) is tuple and all(type(x) is int for x in o)) for o in objs):
+        return None
+    pinned = Memory.HOST_PINNED in (*(d.memory for d in descs), *((p.memory,) if p is not None else ()))
+    return tuple(objs), tuple(_tensor_state(o, pinned) for o in objs if isinstance(o, torch.Tensor))
+
+
+class Binding:
+    """One cache descriptor as checked once for every call while it stays the same (issue 36): `validate()` and
+    `format_of` passed for `key`'s state, and what was derived from it (`derive`). Only the descriptor's own
+    structure is kept: values read from pools, scales and key-transform vectors are checked per call (they may
+    change between requests), and so is everything of a bundle."""
+
+    def __init__(self, key: tuple[tuple, tuple] | None, fmt: CacheFormat):
+        self.key, self.fmt, self.derived = key, fmt, {}
+
+    def holds(self, key: tuple[tuple, tuple] | None) -> bool:
+        """Whether `key` (of the descriptor now) is the state this binding checked."""
+        return key is not None and self.key is not None and len(self.key[0]) == len(key[0]) \
+            and self.key[1] == key[1] and all(a is b for a, b in zip(self.key[0], key[0], strict=True))
+
+    def derive(self, name: str, build: Callable[[], object]) -> object:
+        """`build()`, derived once per binding (issue 32's bind: pool views and kernel arguments depend only on the
+        layer's tensors and layouts, not on the request). Only views and arguments, never values."""
+        if name not in self.derived:
+            self.derived[name] = build()
+        return self.derived[name]
+
+
+def binding(cache: CacheDesc) -> Binding:
+    """`cache` validated (`CacheDesc.validate`, `format_of`, the global scales' types and shapes) once per state of
+    its fields and pool tensors, not per layer and call: the binding kept on the descriptor is reused while every
+    field is the same object and every tensor keeps its storage, dtype, shape and strides; any change (a pool
+    re-allocated or resized, a field reassigned) validates it again. The key-transform vectors' values are not
+    checked here (`layer_slots` checks them per call)."""
+    key = _key(cache)
+    held = cache.__dict__.get(_BOUND)
+    if held is not None and held.holds(key):
+        return held
+    cache.validate()
+    fmt = format_of(cache)
+    cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False, build=False)
+    held = Binding(key, fmt)
+    cache.__dict__[_BOUND] = held
+    return held
 
 
 def bound(cache: CacheDesc, name: str, build: Callable[[], object]) -> object:
-    """`build()`, derived once per cache descriptor and kept on it (issue 32's bind: pool views and kernel arguments
-    depend only on the layer's tensors and layouts, not on the request) while its pool tensors stay the same objects
-    with the same geometry; any change derives everything again. Only views and arguments are kept, never values
-    read from the pools or scales (those may change between requests). Call after `cache.validate()`."""
-    tensors, geometry = _pool_key(cache)
-    held = cache.__dict__.get(_BOUND)
-    if held is None or held[1] != geometry or any(a is not b for a, b in zip(held[0], tensors, strict=True)):
-        held = (tensors, geometry, {})
-        cache.__dict__[_BOUND] = held
-    if name not in held[2]:
-        held[2][name] = build()
-    return held[2][name]
+    """`binding(cache).derive(name, build)`: views and kernel arguments of a checked descriptor, derived again
+    whenever it changed."""
+    return binding(cache).derive(name, build)
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -125,14 +191,18 @@ class CheckedLayers(NamedTuple):
 
 def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> CheckedLayers:
     """`check_slots` of `slots` against every layer's own cache (layers may differ in block size and count), after
-    validating each cache as `read_rows` does: what an export or import checks before its first byte is written. One
-    slot check per distinct geometry (each is a host sync)."""
+    validating each cache as `read_rows` does: what an export or import checks before its first byte is written. Each
+    descriptor is validated once per state (`binding`), its key-transform vectors' values every call, batched: one
+    host sync for the bundle's vectors, and one slot check per distinct geometry (each is a host sync)."""
     seen: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-    wheres, formats, moved = [], [], slots
+    wheres, formats, moved, flags, owners = [], [], slots, [], []
     for i, cache in enumerate(caches):
-        cache.validate()
-        formats.append(format_of(cache))
-        cache_global_scales(cache, formats[-1], None, None, "read_rows", check_values=False, build=False)
+        formats.append(binding(cache).fmt)
+        for t in KEY_TRANSFORMS:
+            v = t.of(cache)
+            if v is not None:
+                flags.append(t.valid(v))
+                owners.append(cache)
         key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
         if key not in seen:
             checked, *where = _checked_slots(cache, slots)
@@ -140,6 +210,9 @@ def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> CheckedLaye
             if i == 0:  # the first layer's geometry is checked first: its slots are the ones every layer takes
                 moved = checked
         wheres.append(seen[key])
+    if flags and not all(torch.stack([f.to(flags[0].device) for f in flags]).tolist()):
+        for cache in owners:
+            cache.validate()  # raises, naming the first layer's vector that fails its rule
     return CheckedLayers(moved, wheres, formats)
 
 
