@@ -8,11 +8,10 @@ from dataclasses import asdict
 
 import torch
 
-from ..codec import format_of
 from ..descriptors import CacheDesc
 from ..errors import Status, require
 from .bundle import SEGMENT_BYTES, TensorSpec
-from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs, key_transforms
+from .rows import KEY_TRANSFORMS, LAYER_TENSORS, binding, format_specs, key_transforms
 from .schema import ModelFingerprint, token_hash, token_list
 
 
@@ -33,7 +32,7 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
             f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
     first = caches[0]
-    fmt = format_of(first)
+    fmt = binding(first).fmt  # each layer validated (once per descriptor state: `rows.binding`)
     a, b = head_range(kv_heads, model, "export_bundle")
     require(first.num_kv_heads == b - a and first.head_dim == model.head_dim, Status.INCOMPATIBLE,
             f"export_bundle: the cache has {first.num_kv_heads} KV heads x {first.head_dim}, KV heads [{a}, {b}) of "
@@ -45,7 +44,7 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     geometry = (first.num_kv_heads, first.head_dim)
     transforms = key_transforms(first)
     for i, cache in enumerate(caches):
-        require(format_of(cache) == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
+        require(binding(cache).fmt == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
                 f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
         for t in KEY_TRANSFORMS:
             has = t.tensor in transforms

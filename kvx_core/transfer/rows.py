@@ -153,6 +153,15 @@ def bound(cache: CacheDesc, name: str, build: Callable[[], object]) -> object:
     return binding(cache).derive(name, build)
 
 
+def sides(cache: CacheDesc) -> tuple:
+    """`side_pools` of K and V (the 5-D block views rows are read and stored through), derived once per binding: a
+    layer's views are the same every call while its pools are."""
+    def build() -> tuple:
+        fmt = binding(cache).fmt
+        return side_pools(cache, fmt, "k"), side_pools(cache, fmt, "v")
+    return bound(cache, "sides", build)
+
+
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` contiguous on `device`: itself where it is already (no tensor op per layer), else a copy."""
     return t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
@@ -260,11 +269,10 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor, where: tuple[torch.Tensor, 
     `layer_global_scales` (built here when None)."""
     if where is None:
         cache.validate()
-    fmt = format_of(cache)
+    fmt = binding(cache).fmt
     blk, off = check_slots(cache, slots) if where is None else where
     out = {}
-    for which in ("k", "v"):
-        p = side_pools(cache, fmt, which)
+    for which, p in zip(("k", "v"), sides(cache), strict=True):
         out[f"{which}_data"] = p.data[blk, off].flatten(-2).contiguous()
         if p.scales is not None:
             out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
@@ -296,7 +304,7 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
         check_slots(cache, slots)
     from ..ops.triton.rows import _INT
 
-    fmt = format_of(cache) if fmt is None else fmt
+    fmt = binding(cache).fmt if fmt is None else fmt
     dev, t = cache.k.tensor.device, slots.numel()
     size = sum(s.nbytes(t) for s in specs)
     views, pos = into if into is not None else (StorageViews(torch.empty(size, dtype=torch.uint8, device=dev)), 0)
@@ -310,19 +318,18 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False) if scales is None else scales
     layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
     flat = [(layer[n], parts[n]) for n in LAYER_TENSORS if n in parts]  # FP32 (`QuantDesc` validation)
-    _plan_rows(cache, fmt, slots, parts, scatter=False, flat=flat)()
+    _plan_rows(cache, slots, parts, scatter=False, flat=flat)()
     return chunk
 
 
-def _pool_rows(cache: CacheDesc, fmt) -> tuple:
+def _pool_rows(cache: CacheDesc) -> tuple:
     """The pools of `cache` as the row kernel addresses them (`ops.triton.rows.PoolRows`): K payload, K scales,
     V payload, V scales (those the format has), derived once per descriptor (`bound`)."""
     from ..ops.triton.rows import block_rows, interleaved_rows
 
     def build() -> tuple:
         out = []
-        for which in ("k", "v"):
-            p = side_pools(cache, fmt, which)
+        for which, p in zip(("k", "v"), sides(cache), strict=True):
             out.append((f"{which}_data", block_rows(p.data)))
             if p.scales is not None:
                 out.append((f"{which}_scales", interleaved_rows(p.scales.pool, GROUP)
@@ -331,13 +338,13 @@ def _pool_rows(cache: CacheDesc, fmt) -> tuple:
     return bound(cache, "pool_rows", build)
 
 
-def _plan_rows(cache: CacheDesc, fmt, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
+def _plan_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
                flat: list = ()) -> Callable[[], None]:
     """`ops.triton.rows.plan_rows` between the pools of `cache` and `rows` (`{name: contiguous [T, H, X]}` on the
     cache's device, every pool of the format), for `slots` already checked."""
     from ..ops.triton.rows import plan_rows
 
-    pairs = [(pool, rows[name]) for name, pool in _pool_rows(cache, fmt)]
+    pairs = [(pool, rows[name]) for name, pool in _pool_rows(cache)]
     dev = cache.k.tensor.device
     if slots.device != dev or slots.dtype != torch.int64:
         slots = slots.to(device=dev, dtype=torch.int64)
@@ -376,7 +383,7 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
     `where`, `fmt`: as for `read_chunk`."""
     if where is None:
         cache.validate()
-    fmt = format_of(cache) if fmt is None else fmt
+    fmt = binding(cache).fmt if fmt is None else fmt
     blk, off = check_slots(cache, slots) if where is None else where
     for name, (dtype, shape) in format_specs(fmt, cache.num_kv_heads, cache.head_dim).items():
         if name in LAYER_TENSORS:
@@ -387,11 +394,11 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
     if kernels.use_kernels(cache.k.tensor.device):  # one scatter kernel; the rows staged on the device first
         dev = cache.k.tensor.device
         staged = {n: on_device(t, dev) for n, t in rows.items() if n not in LAYER_TENSORS}
-        return _plan_rows(cache, fmt, slots, staged, scatter=True)
-    sides = [(side_pools(cache, fmt, w), rows[f"{w}_data"], rows.get(f"{w}_scales")) for w in ("k", "v")]
+        return _plan_rows(cache, slots, staged, scatter=True)
+    moves = [(p, rows[f"{w}_data"], rows.get(f"{w}_scales")) for w, p in zip(("k", "v"), sides(cache), strict=True)]
 
     def store() -> None:
-        for p, data, scales in sides:
+        for p, data, scales in moves:
             p.data[blk, off] = data.to(p.data.device).reshape(-1, *p.data.shape[2:])
             if p.scales is not None:
                 p.scales[blk, off] = scales.to(p.data.device).reshape(-1, *p.scales.shape[2:])
