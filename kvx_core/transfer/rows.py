@@ -69,57 +69,62 @@ def key_transforms(cache: CacheDesc) -> frozenset[str]:
 _BOUND = "_kvx_transfer_bound"
 """The attribute of a `CacheDesc` holding its `Binding` (what `binding` checked and derived from it)."""
 
-_IMMUTABLE = (int, enum.Enum, type(None))
-"""Types of descriptor fields whose identity fixes their value (a tuple of exact ints too): a field kept by
-identity in a binding's key must be one of these (or a descriptor object / tensor whose own state is keyed)."""
+_IMMUTABLE = (int, enum.Enum, type(None), torch.Tensor, TensorDesc, PoolDesc, QuantDesc)
+"""Kinds of descriptor fields a binding keeps by identity: immutable values (and tuples of exact ints), and the
+objects whose own state the binding reads (tensors, sub-descriptors). Any other kind (a list, a float) is not
+bound: that descriptor is validated on every call."""
 
 
-def _tensor_state(t: torch.Tensor, pinned: bool) -> tuple:
-    """What `CacheDesc.validate` reads of a tensor that may change in place (`set_`, `resize_`, `.data =`): its
-    storage pointer, dtype, device, shape, strides, and where a descriptor says HOST_PINNED (`pinned`: the one
-    memory type a host tensor's pinning decides) whether it is pinned."""
-    return t.data_ptr(), t.dtype, t.device, t.shape, t.stride(), pinned and t.is_pinned()
-
-
-def _key(cache: CacheDesc) -> tuple[tuple, tuple] | None:
-    """Everything `CacheDesc.validate` and `format_of` read of `cache`: (the field objects, compared by identity and
-    held by the binding so never recycled; the tensors' in-place state, compared by value). None where a field is
-    not of an `_IMMUTABLE` kind (a list, a float, ...): such a descriptor is validated on every call."""
-    q, p = cache.quant, cache.pool
-    parts = [cache.k, cache.v, *((q.k_scales, q.v_scales) if isinstance(q, QuantDesc) else ())]
-    if not (all(isinstance(d, TensorDesc | None) for d in parts) and isinstance(q, QuantDesc | None)
-            and isinstance(p, PoolDesc | None) and cache.k is not None and cache.v is not None):
+def _fields(cache: CacheDesc) -> tuple[list, list[torch.Tensor]] | None:
+    """(Every object `CacheDesc.validate` and `format_of` read of `cache`, its tensors): None where a
+    sub-descriptor is not of its own type (validation refuses it, or a subclass may read more)."""
+    q, p, k, v = cache.quant, cache.pool, cache.k, cache.v
+    descs = [k, v, *((q.k_scales, q.v_scales) if type(q) is QuantDesc else ())]
+    if any(type(d) is not TensorDesc for d in descs[:2]) or any(d is not None and type(d) is not TensorDesc
+                                                                 for d in descs[2:]) \
+            or not (q is None or type(q) is QuantDesc) or not (p is None or type(p) is PoolDesc):
         return None
-    objs = [cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, cache.k, cache.v, p, q]
-    descs = [cache.k, cache.v]
+    objs = [cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim, k, v, p, q]
+    tensors = []
+    for d in descs:
+        if d is not None:
+            objs += [d.dtype, d.layout, d.memory, d.shape, d.stride, d.tensor, d.data_ptr]
+            tensors.append(d.tensor)
     if q is not None:
-        objs += [q.format, q.group_size, q.k_data_dtype, q.v_data_dtype, q.k_scales, q.v_scales, q.k_global_scale,
-                 q.v_global_scale, q.flags, q.k_smoothing, q.k_center]
-        descs += [d for d in (q.k_scales, q.v_scales) if d is not None]
+        objs += [q.format, q.group_size, q.k_data_dtype, q.v_data_dtype, q.flags, q.k_global_scale, q.v_global_scale,
+                 q.k_smoothing, q.k_center]
+        tensors += objs[-4:]
     if p is not None:
         objs += [p.memory, p.bytes_per_block, p.primary, p.secondary]
-    for d in descs:
-        objs += [d.dtype, d.layout, d.memory, d.shape, d.stride, d.tensor, d.data_ptr]
-    kinds = (*_IMMUTABLE, torch.Tensor, TensorDesc, PoolDesc, QuantDesc)
-    if not all(isinstance(o, kinds) or (type(o) is tuple and all(type(x) is int for x in o)) for o in objs):
-        return None
-    pinned = Memory.HOST_PINNED in (*(d.memory for d in descs), *((p.memory,) if p is not None else ()))
-    return tuple(objs), tuple(_tensor_state(o, pinned) for o in objs if isinstance(o, torch.Tensor))
+        tensors += objs[-2:]
+    return objs, [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _state(cache: CacheDesc, tensors: list[torch.Tensor]) -> tuple:
+    """What validation reads of `tensors` that may change in place (`set_`, `resize_`, `.data =`): storage pointer,
+    dtype, device, shape and strides; and, where a descriptor says HOST_PINNED (the one memory type a host
+    tensor's pinning decides), whether each is pinned."""
+    q, p = cache.quant, cache.pool
+    memories = [cache.k.memory, cache.v.memory, *(d.memory for d in ((q.k_scales, q.v_scales) if q else ()) if d),
+                *((p.memory,) if p is not None else ())]
+    pinned = Memory.HOST_PINNED in memories
+    return tuple((t.data_ptr(), t.dtype, t.device, t.shape, t.stride(), pinned and t.is_pinned()) for t in tensors)
 
 
 class Binding:
     """One cache descriptor as checked once for every call while it stays the same (issue 36): `validate()` and
-    `format_of` passed for `key`'s state, and what was derived from it (`derive`). Only the descriptor's own
-    structure is kept: values read from pools, scales and key-transform vectors are checked per call (they may
-    change between requests), and so is everything of a bundle."""
+    `format_of` passed with fields `objs` (None: not bindable, see `_IMMUTABLE`) and tensor state `state`, and what
+    was derived from it (`derive`). Only the descriptor's own structure is kept: values read from pools, scales and
+    key-transform vectors are checked per call (they may change between requests), and so is all of a bundle."""
 
-    def __init__(self, key: tuple[tuple, tuple] | None, fmt: CacheFormat):
-        self.key, self.fmt, self.derived = key, fmt, {}
+    def __init__(self, objs: list | None, state: tuple, fmt: CacheFormat):
+        self.objs, self.state, self.fmt, self.derived = objs, state, fmt, {}
 
-    def holds(self, key: tuple[tuple, tuple] | None) -> bool:
-        """Whether `key` (of the descriptor now) is the state this binding checked."""
-        return key is not None and self.key is not None and len(self.key[0]) == len(key[0]) \
-            and self.key[1] == key[1] and all(a is b for a, b in zip(self.key[0], key[0], strict=True))
+    def holds(self, cache: CacheDesc, fields: tuple[list, list[torch.Tensor]] | None) -> bool:
+        """Whether `cache`'s `fields` now are the objects, and its tensors in the state, this binding checked."""
+        return fields is not None and self.objs is not None and len(self.objs) == len(fields[0]) \
+            and all(a is b for a, b in zip(self.objs, fields[0], strict=True)) \
+            and self.state == _state(cache, fields[1])
 
     def derive(self, name: str, build: Callable[[], object]) -> object:
         """`build()`, derived once per binding (issue 32's bind: pool views and kernel arguments depend only on the
@@ -132,17 +137,19 @@ class Binding:
 def binding(cache: CacheDesc) -> Binding:
     """`cache` validated (`CacheDesc.validate`, `format_of`, the global scales' types and shapes) once per state of
     its fields and pool tensors, not per layer and call: the binding kept on the descriptor is reused while every
-    field is the same object and every tensor keeps its storage, dtype, shape and strides; any change (a pool
-    re-allocated or resized, a field reassigned) validates it again. The key-transform vectors' values are not
+    field is the same object and every tensor keeps its storage, dtype, device, shape and strides; any change (a
+    pool re-allocated or resized, a field reassigned) validates it again. The key-transform vectors' values are not
     checked here (`layer_slots` checks them per call)."""
-    key = _key(cache)
+    fields = _fields(cache)
     held = cache.__dict__.get(_BOUND)
-    if held is not None and held.holds(key):
+    if held is not None and held.holds(cache, fields):
         return held
     cache.validate()
     fmt = format_of(cache)
     cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False, build=False)
-    held = Binding(key, fmt)
+    objs = fields[0] if fields is not None and all(
+        isinstance(o, _IMMUTABLE) or (type(o) is tuple and all(type(x) is int for x in o)) for o in fields[0]) else None
+    held = Binding(objs, _state(cache, fields[1]) if objs is not None else (), fmt)
     cache.__dict__[_BOUND] = held
     return held
 
@@ -153,13 +160,10 @@ def bound(cache: CacheDesc, name: str, build: Callable[[], object]) -> object:
     return binding(cache).derive(name, build)
 
 
-def sides(cache: CacheDesc) -> tuple:
-    """`side_pools` of K and V (the 5-D block views rows are read and stored through), derived once per binding: a
-    layer's views are the same every call while its pools are."""
-    def build() -> tuple:
-        fmt = binding(cache).fmt
-        return side_pools(cache, fmt, "k"), side_pools(cache, fmt, "v")
-    return bound(cache, "sides", build)
+def _sides(cache: CacheDesc, held: Binding) -> tuple:
+    """`side_pools` of K and V (the 5-D block views rows are read and stored through) of `cache` bound as `held`:
+    a layer's views are the same every call while its pools are."""
+    return held.derive("sides", lambda: (side_pools(cache, held.fmt, "k"), side_pools(cache, held.fmt, "v")))
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -269,10 +273,11 @@ def read_rows(cache: CacheDesc, slots: torch.Tensor, where: tuple[torch.Tensor, 
     `layer_global_scales` (built here when None)."""
     if where is None:
         cache.validate()
-    fmt = binding(cache).fmt
+    held = binding(cache)
+    fmt = held.fmt
     blk, off = check_slots(cache, slots) if where is None else where
     out = {}
-    for which, p in zip(("k", "v"), sides(cache), strict=True):
+    for which, p in zip(("k", "v"), _sides(cache, held), strict=True):
         out[f"{which}_data"] = p.data[blk, off].flatten(-2).contiguous()
         if p.scales is not None:
             out[f"{which}_scales"] = p.scales[blk, off].flatten(-2).contiguous()
@@ -327,15 +332,17 @@ def _pool_rows(cache: CacheDesc) -> tuple:
     V payload, V scales (those the format has), derived once per descriptor (`bound`)."""
     from ..ops.triton.rows import block_rows, interleaved_rows
 
+    held = binding(cache)
+
     def build() -> tuple:
         out = []
-        for which, p in zip(("k", "v"), sides(cache), strict=True):
+        for which, p in zip(("k", "v"), _sides(cache, held), strict=True):
             out.append((f"{which}_data", block_rows(p.data)))
             if p.scales is not None:
                 out.append((f"{which}_scales", interleaved_rows(p.scales.pool, GROUP)
                             if isinstance(p.scales, Interleave4Rows) else block_rows(p.scales)))
         return tuple(out)
-    return bound(cache, "pool_rows", build)
+    return held.derive("pool_rows", build)
 
 
 def _plan_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
@@ -395,7 +402,8 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
         dev = cache.k.tensor.device
         staged = {n: on_device(t, dev) for n, t in rows.items() if n not in LAYER_TENSORS}
         return _plan_rows(cache, slots, staged, scatter=True)
-    moves = [(p, rows[f"{w}_data"], rows.get(f"{w}_scales")) for w, p in zip(("k", "v"), sides(cache), strict=True)]
+    pools = _sides(cache, binding(cache))
+    moves = [(p, rows[f"{w}_data"], rows.get(f"{w}_scales")) for w, p in zip(("k", "v"), pools, strict=True)]
 
     def store() -> None:
         for p, data, scales in moves:
