@@ -222,16 +222,16 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
 
 def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
              where: tuple[torch.Tensor, torch.Tensor], fmt: CacheFormat, same: bool,
-             scales: tuple[torch.Tensor | None, torch.Tensor | None]):
+             scales: tuple[torch.Tensor | None, torch.Tensor | None], scratch: dict):
     """The store of one layer's bundled `rows` (source format `src`) into `cache` (of format `fmt`) at `slots`
     (`where`: their `check_slots` in this cache; `same`, `scales`: `_same_rows`' answers), checked and converted
-    now; the returned callable only stores."""
+    now; the returned callable only stores. `scratch`: the import's conversion buffers (`_prepare_on_device`)."""
     if same:
         return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
                                   where=where, fmt=fmt)
     dev = cache.k.tensor.device
     if use_kernels(dev):
-        return _prepare_on_device(rows, src, cache, slots, where, fmt, scales)
+        return _prepare_on_device(rows, src, cache, slots, where, fmt, scales, scratch)
     kv = decode_rows(rows, src)
     write = WriteDesc(KvIoDesc(kv[0].to(dev), kv[1].to(dev)), SlotMapping(slots.to(dev)))
     check_write(cache, write)  # write_kv checks again; this one runs before any layer stores
@@ -240,10 +240,12 @@ def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, 
 
 def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
                        where: tuple[torch.Tensor, torch.Tensor], dst: CacheFormat,
-                       scales: tuple[torch.Tensor | None, torch.Tensor | None]):
+                       scales: tuple[torch.Tensor | None, torch.Tensor | None], scratch: dict):
     """`_prepare`'s conversion on the kernels, with no host sync (the slots and the destination's global scales are
     checked already): without rotation or key transform on either side, one kernel decodes and encodes
-    (`ops.triton.convert.plan_convert`); otherwise the rows are decoded by a kernel, rotated and untransformed as
+    (`ops.triton.convert.plan_convert`) through FP32 K / V that all the layers of one geometry share (`scratch`:
+    {(device, T, H, D): (K, V)}, one allocation per bundle, not per layer: the stores run in order on one stream);
+    otherwise the rows are decoded by a kernel, rotated and untransformed as
     `decode_rows` does, and written by the fused write (`ops.dispatch.write_kv`)."""
     from ..ops import dispatch
     from ..ops.triton.convert import decode_rows as decode_on_device, plan_convert
@@ -255,8 +257,11 @@ def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: C
     pools = bound(cache, "kernel_pools", lambda: dispatch._kernel_pools(cache)) if dispatch._use_triton(cache) else None
     if pools is not None and not (src.rotate or dst.rotate or key_transforms(cache)
                                   or any(t.tensor in rows for t in KEY_TRANSFORMS)):
+        shape = (dev, slots.numel(), cache.num_kv_heads, cache.head_dim)
+        if shape not in scratch:
+            scratch[shape] = tuple(torch.empty(2, *shape[1:], dtype=torch.float32, device=dev).unbind(0))
         return plan_convert(src, staged, WriteArgs(slots.to(device=dev, dtype=torch.int64), *scales), *pools[:4],
-                            dst)
+                            dst, scratch=scratch[shape])
     k, v = decode_on_device(src, staged, cache.head_dim)
     if src.rotate:
         k, v = rotate(k), rotate(v)
@@ -317,7 +322,8 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
         rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in rows]
     src = readers[0].format
     same, scales = _same_rows(rows, src, caches, formats)
-    stores = [_prepare(layer_rows, src, cache, slots, where, fmt, ok, gs)
+    scratch: dict = {}
+    stores = [_prepare(layer_rows, src, cache, slots, where, fmt, ok, gs, scratch)
               for layer_rows, cache, where, fmt, ok, gs in zip(rows, caches, wheres, formats, same, scales,
                                                               strict=True)]
     for store in stores:

@@ -111,23 +111,33 @@ def decode_rows(src: CacheFormat, rows: dict[str, torch.Tensor], head_dim: int, 
 
 def plan_convert(src: CacheFormat, rows: dict[str, torch.Tensor], args: WriteArgs, k_data: torch.Tensor,
                  k_scales: torch.Tensor | None, v_data: torch.Tensor, v_scales: torch.Tensor | None,
-                 fmt: CacheFormat, *, block_t: int | None = None) -> Callable[[], None]:
+                 fmt: CacheFormat, *, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 block_t: int | None = None) -> Callable[[], None]:
     """The store of bundled rows of format `src` (as for `decode_rows`) into the HND pools of `fmt` at `args.slots`
     (checked slots and global scales), as `reference.write_kv` of their decoded K/V stores them; neither format
     rotated, no key transform (the caller's rule). Every argument is checked here; the returned callable only
-    launches (one launch for K and V)."""
+    launches (one launch for K and V). `scratch`: the FP32 `[T, H, D]` K and V the launch decodes into, which every
+    layer of an import may share (their launches run in order on one stream: one allocation per bundle, not two
+    per layer, issue 36); None: allocated by each launch."""
     require(not (src.rotate or fmt.rotate), Status.INVALID_ARGUMENT, "plan_convert: rotated formats convert "
                                                                      "through decode_rows and the fused write")
     _, hkv, bs = pool_geometry(k_data, v_data)
     d = int(k_data.shape[3]) * (2 if kernel_format(fmt.k).packed else 1)
     t = int(rows["k_data"].shape[0])
     check_device(args.slots, k_data, v_data, *rows.values())
-    shape = torch.empty(0, hkv, d, dtype=torch.float32, device=k_data.device)  # the scratch's strides, for `_side`
-    kargs, kc = _side("K", shape, k_data, k_scales, args.k_gs, fmt.k, d, hkv)
-    vargs, vc = _side("V", shape, v_data, v_scales, args.v_gs, fmt.v, d, hkv)
+    if scratch is not None:
+        require(isinstance(scratch, tuple) and len(scratch) == 2
+                and all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 and tuple(x.shape) == (t, hkv, d)
+                        and x.is_contiguous() and x.device == k_data.device for x in scratch),
+                Status.INVALID_ARGUMENT, f"plan_convert: scratch must be two contiguous FP32 [{t}, {hkv}, {d}] "
+                                         f"tensors on {k_data.device}")
+    like = scratch[0] if scratch is not None else torch.empty(0, hkv, d, dtype=torch.float32, device=k_data.device)
+    kargs, kc = _side("K", like, k_data, k_scales, args.k_gs, fmt.k, d, hkv)  # `like`: the scratch's strides
+    vargs, vc = _side("V", like, v_data, v_scales, args.v_gs, fmt.v, d, hkv)
     encode = (args.slots, list(kargs[3:]), list(vargs[3:]), kc, vc, bs)
 
-    def launch() -> None:  # the FP32 scratch lives for one layer's launch only
-        scratch = tuple(torch.empty(t, hkv, d, dtype=torch.float32, device=k_data.device) for _ in "kv")
-        _launch(src, rows, d, hkv, scratch, encode, block_t)
+    def launch() -> None:  # without a shared scratch, the FP32 scratch lives for one layer's launch only
+        out = scratch if scratch is not None else tuple(torch.empty(t, hkv, d, dtype=torch.float32,
+                                                                    device=k_data.device) for _ in "kv")
+        _launch(src, rows, d, hkv, out, encode, block_t)
     return launch
