@@ -449,9 +449,8 @@ def test_key_transform_values_are_checked_every_call_with_one_host_read(vector, 
     with _path("triton"):
         export_to_host(descs, slots, model=model)
         validations.clear()
-        with _HostReads() as reads:
-            export_to_host(descs, slots, model=model)
-        assert reads.count == 2 and validations == []  # the slots, and every layer's vectors at once
+        reads = host_reads(lambda: export_to_host(descs, slots, model=model))
+        assert reads == 2 and validations == []  # the slots, and every layer's vectors at once
         name = "k_smoothing" if vector == "set_key_smoothing" else "k_center"
         getattr(descs[2].quant, name)[0, 0] = float("nan")
         with pytest.raises(KvxError) as e:
