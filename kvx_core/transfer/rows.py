@@ -309,7 +309,8 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
         check_slots(cache, slots)
     from ..ops.triton.rows import _INT
 
-    fmt = binding(cache).fmt if fmt is None else fmt
+    held = binding(cache)
+    fmt = held.fmt if fmt is None else fmt
     dev, t = cache.k.tensor.device, slots.numel()
     size = sum(s.nbytes(t) for s in specs)
     views, pos = into if into is not None else (StorageViews(torch.empty(size, dtype=torch.uint8, device=dev)), 0)
@@ -323,16 +324,14 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False) if scales is None else scales
     layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
     flat = [(layer[n], parts[n]) for n in LAYER_TENSORS if n in parts]  # FP32 (`QuantDesc` validation)
-    _plan_rows(cache, slots, parts, scatter=False, flat=flat)()
+    _plan_rows(cache, held, slots, parts, scatter=False, flat=flat)()
     return chunk
 
 
-def _pool_rows(cache: CacheDesc) -> tuple:
+def _pool_rows(cache: CacheDesc, held: Binding) -> tuple:
     """The pools of `cache` as the row kernel addresses them (`ops.triton.rows.PoolRows`): K payload, K scales,
-    V payload, V scales (those the format has), derived once per descriptor (`bound`)."""
+    V payload, V scales (those the format has), derived once per binding (`held`, `binding(cache)`)."""
     from ..ops.triton.rows import block_rows, interleaved_rows
-
-    held = binding(cache)
 
     def build() -> tuple:
         out = []
@@ -345,13 +344,13 @@ def _pool_rows(cache: CacheDesc) -> tuple:
     return held.derive("pool_rows", build)
 
 
-def _plan_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
+def _plan_rows(cache: CacheDesc, held: Binding, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
                flat: list = ()) -> Callable[[], None]:
-    """`ops.triton.rows.plan_rows` between the pools of `cache` and `rows` (`{name: contiguous [T, H, X]}` on the
-    cache's device, every pool of the format), for `slots` already checked."""
+    """`ops.triton.rows.plan_rows` between the pools of `cache` (bound as `held`) and `rows` (`{name: contiguous
+    [T, H, X]}` on the cache's device, every pool of the format), for `slots` already checked."""
     from ..ops.triton.rows import plan_rows
 
-    pairs = [(pool, rows[name]) for name, pool in _pool_rows(cache)]
+    pairs = [(pool, rows[name]) for name, pool in _pool_rows(cache, held)]
     dev = cache.k.tensor.device
     if slots.device != dev or slots.dtype != torch.int64:
         slots = slots.to(device=dev, dtype=torch.int64)
@@ -390,7 +389,8 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
     `where`, `fmt`: as for `read_chunk`."""
     if where is None:
         cache.validate()
-    fmt = binding(cache).fmt if fmt is None else fmt
+    held = binding(cache)
+    fmt = held.fmt if fmt is None else fmt
     blk, off = check_slots(cache, slots) if where is None else where
     for name, (dtype, shape) in format_specs(fmt, cache.num_kv_heads, cache.head_dim).items():
         if name in LAYER_TENSORS:
@@ -401,8 +401,8 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
     if kernels.use_kernels(cache.k.tensor.device):  # one scatter kernel; the rows staged on the device first
         dev = cache.k.tensor.device
         staged = {n: on_device(t, dev) for n, t in rows.items() if n not in LAYER_TENSORS}
-        return _plan_rows(cache, slots, staged, scatter=True)
-    pools = _sides(cache, binding(cache))
+        return _plan_rows(cache, held, slots, staged, scatter=True)
+    pools = _sides(cache, held)
     moves = [(p, rows[f"{w}_data"], rows.get(f"{w}_scales")) for w, p in zip(("k", "v"), pools, strict=True)]
 
     def store() -> None:
