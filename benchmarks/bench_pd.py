@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -122,7 +123,7 @@ class _Instance:
             try:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _gap(a: dict, b: dict) -> float | None:
