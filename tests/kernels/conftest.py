@@ -12,6 +12,14 @@ def device():
     return DEVICE
 
 
+@pytest.fixture
+def kernels_here(monkeypatch):
+    """Pools on this device bind for and run the kernels (on the CPU: Triton's interpreter)."""
+    from kvx_core.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -85,12 +85,6 @@ def test_gather_gpu_realistic(name):
 BOUND = [n for n in ALL if not get_format(n).rotate]
 
 
-@pytest.fixture
-def kernels_here(monkeypatch):
-    """Pools on this device bind for the kernels (on the CPU: Triton's interpreter)."""
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
-
-
 def _bound_args(lens: torch.Tensor, max_len: int):
     """cu_seqlens of `min(lens, max_len)` (int32, on the lengths' device) and their total."""
     n = lens.to(torch.int64).clamp(max=max_len)

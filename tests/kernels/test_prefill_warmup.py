@@ -20,12 +20,6 @@ from .helpers import filled_cache
 HQ = 8  # 4 query heads per KV head over filled_cache's 2
 
 
-@pytest.fixture
-def kernels_here(monkeypatch):
-    """Pools on this device run the kernels (on the CPU: Triton's interpreter)."""
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda device: True)
-
-
 def _variant(kernel, args, kwargs) -> tuple:
     """What Triton compiles `kernel` for at this launch (its cache key, as far as the arguments decide it)."""
     free = set(kernel.kwargs.get("do_not_specialize", ()) if hasattr(kernel, "kwargs") else ())
