@@ -93,7 +93,10 @@ class _Instance:
     """A child process speaking one JSON line per command and per reply."""
 
     def __init__(self, role: str, gpu: str | None, port: int, argv: list[str]):
-        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        # spawn: the child's main has initialized CUDA (env_info) before vLLM starts its engine core, which a fork
+        # cannot inherit ("Cannot re-initialize CUDA in forked subprocess", the first run on 2x H200)
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+               "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         self.role = role

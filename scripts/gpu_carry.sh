@@ -13,6 +13,7 @@ shared="${KVX_SHARED:-../shared}"
 [ -d .cache/vllm026/c1 ] || bash "$shared/gpu/make_vllm026_chunks.sh" "$PWD/.cache/vllm026"
 last=$(ls -d .cache/vllm026/c* | sort -V | tail -1)
 rm -f "$last"/kvx_vllm-*.whl
+ls .cache/vllm026/c*/vllm-*.whl.part-* | wc -l > "$last/vllm.parts"  # gpu_stage.sh installs once all are there
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation plugins/kvx_vllm -w "$last"
 ck=.cache/smollm2_bf16
 if [ ! -d "$ck/c_aa" ]; then

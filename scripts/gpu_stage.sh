@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
   vllm)
     mkdir -p /tmp/vw && cp -r ".cache/vllm026/c$2/." /tmp/vw/
-    if [ -f /tmp/vw/install_on_gpu.sh ]; then  # the last folder carries the installer
+    # the last folder carries the installer and the count of the wheel's parts: install once every part is there
+    # (a machine given back between calls loses the earlier folders; the installer concatenates the parts once)
+    if [ -f /tmp/vw/vllm.parts ] && [ "$(ls /tmp/vw/vllm-*.whl.part-* | wc -l)" -eq "$(cat /tmp/vw/vllm.parts)" ]; then
       (cd /tmp/vw && bash install_on_gpu.sh /tmp/site)
       PYTHONPATH=/tmp/site:$PWD python3 -c "import vllm, kvx_vllm, flashinfer; print('vllm', vllm.__version__, 'flashinfer', flashinfer.__version__)"
     fi ;;
