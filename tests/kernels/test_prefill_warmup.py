@@ -81,9 +81,9 @@ def test_the_warm_up_compiles_what_prefill_steps_launch(name, window, softcap, d
     for q_lens, prefixes in steps:
         for splits in (1, 2, 3, 16):
             qo = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-            table = BlockTable.packed(torch.randint(0, 16, (len(q_lens), 13), generator=g, dtype=torch.int32).to(device))
-            plan = dispatch.plan_prefill(qo, table, SeqLens(torch.tensor(prefixes, dtype=torch.int32).to(device)),
-                                         fmt=c.format,
+            ids = torch.randint(0, 16, (len(q_lens), 13), generator=g, dtype=torch.int32)
+            lens = SeqLens(torch.tensor(prefixes, dtype=torch.int32).to(device))
+            plan = dispatch.plan_prefill(qo, BlockTable.packed(ids.to(device)), lens, fmt=c.format,
                                          num_qo_heads=HQ, num_kv_heads=2, head_dim=64, block_size=16,
                                          q_dtype=torch.bfloat16, device=device, num_splits=splits, check=False,
                                          **opts)

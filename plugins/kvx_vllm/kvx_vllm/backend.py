@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from typing import ClassVar
 
 import torch
@@ -53,7 +54,7 @@ from .calibration import layer_values
 from .dtypes import KVX_CACHE_DTYPES, is_kvx_dtype
 from .options import check_config, options_of
 from .pages import PAGE_BLOCK_ALIGN, page_cache_desc, token_bytes
-from .prefill import SplitPrefill
+from .prefill import DENSE_MIN_QUERY, DensePrefix, SplitPrefill, dense_rows
 
 _run: dict[str, CacheFormat] = {}
 """The format of this process's run, recorded when its layers are built (inside vLLM's config context)
@@ -150,6 +151,12 @@ class KvxAttentionBackend(AttentionBackend):
                        state_content_bytes=token_bytes(fmt, spec.num_kv_heads, spec.head_size))
 
 
+DENSE_PREFIX_BYTES = 128 << 20
+"""The dense prefix route's K + V buffer per KV cache group (`KvxMetadataBuilder._dense_buffer`): 32,768 prefix tokens
+a step at 8 KV heads x 128 in BF16, reserved at startup outside vLLM's `gpu_memory_utilization` (as the decode
+workspace). Prefixes beyond it in one step stay on the fused kernel."""
+
+
 @dataclass
 class KvxMetadata:
     """Per-step attention metadata: the step's plan holds the tables and lengths (vLLM hands each layer's write
@@ -217,6 +224,26 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
             t = time.perf_counter()
             if self._warm_up(kv_cache_spec, device):
                 log.info("KVX: split-prefill kernels compiled for this group in %.1f s", time.perf_counter() - t)
+        self.dense_kv = self._dense_buffer(kv_cache_spec, impls, device)
+        if self.dense_kv is not None:
+            log.info("KVX: dense prefixes for requests with >= %d new tokens, up to %d prefix tokens per step "
+                     "(%.0f MiB reserved)", DENSE_MIN_QUERY, self.dense_kv[0].shape[0],
+                     2 * self.dense_kv[0].numel() * self.dense_kv[0].element_size() / 2**20)
+
+    def _dense_buffer(self, spec: AttentionSpec, impls: list, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The dense prefix route's K / V buffer (`prefill.DensePrefix`), `DENSE_PREFIX_BYTES` for both, reserved
+        once like the decode workspace; None where the route does not serve this group: off CUDA, the "cache"
+        prefill, sliding windows, rotated formats and layers whose keys a calibration smooths or centers."""
+        transformed = any(v is not None and (v[0] is not None or v[1] is not None)
+                          for impl in impls for v in (getattr(impl, "_calibration", None) or ()))
+        if device.type != "cuda" or not self.split_prefill or self.window is not None or self.format.rotate \
+                or transformed:
+            return None
+        tokens = DENSE_PREFIX_BYTES // (2 * spec.num_kv_heads * spec.head_size * self.q_dtype.itemsize)
+        shape = (tokens, spec.num_kv_heads, spec.head_size)
+        return (torch.empty(shape, dtype=self.q_dtype, device=device),
+                torch.empty(shape, dtype=self.q_dtype, device=device))
 
     def _warm_up(self, spec: AttentionSpec, device: torch.device) -> int:
         """Compile the split prefill's KVX kernels for this group's layers now (`kvx_core.ops.warmup`), over a
@@ -259,16 +286,49 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
         return KvxMetadata(m.num_actual_tokens, plan)
 
     def _split_prefill(self, m: CommonAttentionMetadata, table, geometry: dict) -> SplitPrefill:
-        """New tokens over themselves (FlashAttention) + over the cached prefix (KVX), merged (`prefill`); the
-        prefix plan places each request's queries right after its prefix, so a window counts from their positions."""
+        """New tokens over themselves (FlashAttention) + over the cached prefix, merged (`prefill`): the prefixes
+        of requests with many new tokens dense (`prefill.DensePrefix`), the others on KVX's prefix plan, which places
+        each request's queries right after its prefix, so a window counts from their positions."""
         n = m.num_reqs
         cu = m.query_start_loc[:n + 1]
-        prefix_lens = seq_lens_from_vllm(m.seq_lens[:n] - (cu[1:] - cu[:-1]), n)  # on the device: no sync
-        prefix = plan_prefill(m.query_start_loc_cpu[:n + 1], table, prefix_lens, causal=False, queries_after=True,
-                              max_seq_len=m.max_seq_len, **geometry)  # bounds the prefixes: sizes the key splits
+        starts = m.query_start_loc_cpu[:n + 1].tolist()
+        query_lens = cu[1:] - cu[:-1]
+        prefix_lens = m.seq_lens[:n] - query_lens  # on the device: no sync
+        bounds = self._prefix_bounds(m, starts)
+        rows = dense_rows([b - a for a, b in pairwise(starts)], bounds, self.dense_kv[0].shape[0]) \
+            if bounds is not None else [False] * n
+        dense = self._dense_prefix(m, rows, bounds, starts, query_lens, prefix_lens, table) if any(rows) else None
+        prefix = None
+        if bounds is None or any(b > 0 and not r for b, r in zip(bounds, rows, strict=True)):
+            if dense is not None:
+                prefix_lens = torch.where(dense.lens > 0, 0, prefix_lens)
+            prefix = plan_prefill(m.query_start_loc_cpu[:n + 1], table, seq_lens_from_vllm(prefix_lens, n),
+                                  causal=False, queries_after=True, max_seq_len=m.max_seq_len,
+                                  **geometry)  # max_seq_len bounds the prefixes: sizes the key splits
         scale = self.sm_scale if self.sm_scale is not None else self.kv_cache_spec.head_size ** -0.5
-        return SplitPrefill(prefix, cu, m.query_start_loc_cpu[:n + 1].tolist(), m.max_query_len, scale, self.softcap,
-                            self.window)
+        return SplitPrefill(prefix, cu, starts, m.max_query_len, scale, self.softcap, self.window, dense)
+
+    def _prefix_bounds(self, m: CommonAttentionMetadata, starts: list[int]) -> list[int] | None:
+        """Host upper bounds of the requests' cached prefixes (vLLM's `seq_lens_cpu_upper_bound`, exact for prefill
+        rows, less the new tokens), or None where the dense route does not serve (no buffer, or no bound)."""
+        upper = getattr(m, "seq_lens_cpu_upper_bound", None)
+        if self.dense_kv is None or upper is None:
+            return None
+        return [int(u) - (b - a) for u, (a, b) in zip(upper[:m.num_reqs].tolist(), pairwise(starts), strict=True)]
+
+    def _dense_prefix(self, m: CommonAttentionMetadata, rows: list[bool], bounds: list[int], starts: list[int],
+                      query_lens: torch.Tensor, prefix_lens: torch.Tensor, table) -> DensePrefix:
+        """The step's dense piece over the chosen `rows`: their prefix lengths and row offsets on the device (no
+        sync: the host bounds size the buffer and the gather's length cut), the query rows it leaves empty."""
+        n, dev = m.num_reqs, m.seq_lens.device
+        lens = torch.where(torch.tensor(rows, device=dev), prefix_lens, 0).to(torch.int32)
+        cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        torch.cumsum(lens, 0, out=cu_k[1:])
+        empty = torch.ones(m.num_actual_tokens, dtype=torch.bool, device=dev)  # rows past the requests: padding
+        empty[:starts[-1]] = torch.repeat_interleave(lens == 0, query_lens, output_size=starts[-1])
+        taken = [b for b, r in zip(bounds, rows, strict=True) if r]
+        k, v = self.dense_kv
+        return DensePrefix(table.indices, lens, cu_k, max(taken), k[:sum(taken)], v[:sum(taken)], empty)
 
 
 class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
@@ -386,7 +446,7 @@ class KvxAttentionImpl(AttentionImpl[KvxMetadata]):
                                "process_weights_after_loading); refusing to attend without them")
         desc, bound = self._bound(layer, kv_cache)
         if isinstance(m.plan, SplitPrefill):
-            m.plan.run(query[:n], key[:n], value[:n], desc, out, sinks=self._sinks)
+            m.plan.run(query[:n], key[:n], value[:n], desc, out, sinks=self._sinks, bound=bound)
         else:
             m.plan.run(query[:n], bound, out=out, want_lse=False, sinks=self._sinks)
         return output

@@ -32,8 +32,22 @@ within the window (FlashAttention's `window_size = (window, 0)`, as vLLM's Flash
 places each request's queries right after its prefix (`plan_prefill(queries_after=True)`), so query i of a request
 with prefix P sees prefix keys from `P + i - window` on; neither piece reads blocks before that (vLLM has freed them).
 
+Dense prefixes (`DensePrefix`, CUDA): KVX's fused prefill over 4-bit pages runs at 0.2-0.35x FlashInfer's BF16
+prefill on the H200, but dequantizing the prefix once per layer (`kvx_core.ops.bound_gather.gather_bound`: one
+launch, no host sync) into dense 16-bit K/V and attending over it with a dense kernel beats FlashInfer's BF16 pages
+(1.23-1.31x at a 4096-token chunk over an 8k prefix, benchmarks/results/prefill_dequant_pass_h200.jsonl). The
+builder gives this route the requests with at least `DENSE_MIN_QUERY` new tokens whose prefixes fit its reserved
+buffer (`dense_rows`); the others (decode rows of a mixed batch, short extends) stay on the fused kernel, which reads
+each page once for few queries, and the step merges the new tokens' attention with each prefix piece in turn. The
+dense piece is FlashAttention, non-causal, over each request's gathered prefix (the queries follow it); a request
+outside the route has an empty piece there, zeroed with lse -inf (`empty`) before the merge, as vLLM does for empty
+context chunks. Not for rotated formats or key-transformed layers (their values need a second pass: `gather_bound`
+refuses them) nor sliding windows (FlashAttention's window counts from the end of K, not from queries placed after
+it): the builder keeps those on the fused kernel.
+
 Off CUDA (vLLM CPU, the CI path) the new-token attention is KVX's FP64 reference core (`ops.attention.attend`),
-per request: the same math, for testing the route on small models.
+per request: the same math, for testing the route on small models; a dense piece gathers with KVX's checked gather
+and attends with the same core.
 """
 from __future__ import annotations
 
@@ -43,9 +57,16 @@ from itertools import pairwise
 import torch
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 
-from kvx_core.descriptors import CacheDesc
+from kvx_core.descriptors import BlockTable, CacheDesc, GatherDesc, SeqLens
 from kvx_core.ops import attention
-from kvx_core.ops.dispatch import AttentionPlan
+from kvx_core.ops.bound_gather import gather_bound
+from kvx_core.ops.dispatch import AttentionPlan, BoundLayer, gather_kv
+
+DENSE_MIN_QUERY = 128
+"""Fewest new tokens of a request whose cached prefix the dense route serves: the gather writes the prefix as 16-bit
+K/V (4x-8x the bytes of 4-bit pages) once per layer, which pays off over many queries (a 512-token chunk over an 8k
+prefix: 3.5x the fused kernel's speed on the H200) and not for a decode row's one query. Between 1 and 512 queries
+not measured: 128 is a guess on that curve, stated as such."""
 
 
 def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_scale, softcap, window):
@@ -74,34 +95,116 @@ def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_sca
     return out, lse
 
 
+def dense_rows(query_lens: list[int], prefix_bounds: list[int], capacity: int) -> list[bool]:
+    """Which requests of a step the dense route serves: at least `DENSE_MIN_QUERY` new tokens and a cached prefix,
+    taken in batch order while the prefixes' host upper bounds (vLLM's `seq_lens_cpu_upper_bound` less the new
+    tokens) fit the buffer's `capacity` tokens."""
+    rows, used = [], 0
+    for q, p in zip(query_lens, prefix_bounds, strict=True):
+        take = q >= DENSE_MIN_QUERY and 0 < p <= capacity - used
+        used += p if take else 0
+        rows.append(take)
+    return rows
+
+
+@dataclass
+class DensePrefix:
+    """The dense piece of a step: the prefixes of the requests `dense_rows` chose, gathered per layer into `k` / `v`
+    (the builder's buffer, reused by every layer) at rows `cu_k[b]..`, attended by FlashAttention (non-causal: every
+    prefix key precedes the request's queries)."""
+
+    table: torch.Tensor  # int32 [n, max_blocks] on the device: the step's block table (vLLM's, narrowed)
+    lens: torch.Tensor  # int32 [n] on the device: prefix tokens of the chosen requests, 0 for the others
+    cu_k: torch.Tensor  # int32 [n + 1] on the device: each request's first row in k / v
+    max_len: int  # host bound of `lens`
+    k: torch.Tensor  # [rows, H_kv, D] in the query dtype
+    v: torch.Tensor
+    empty: torch.Tensor  # bool [T] on the device: query rows with no prefix in this piece
+
+    def attend(self, query: torch.Tensor, cache: CacheDesc, bound: CacheDesc | BoundLayer, cu_q: torch.Tensor,
+               starts: list[int], max_query_len: int, sm_scale: float, softcap: float | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out `[T, Hq, D]`, lse `[Hq, T]`) of each query over its request's gathered prefix; rows of requests
+        outside the piece 0 with lse -inf."""
+        if isinstance(bound, BoundLayer):
+            gather_bound(bound, self.table, self.lens, self.cu_k, self.max_len, (self.k, self.v))
+        else:  # off the kernels: the checked gather packs the sequences back to back, as cu_k places them
+            got = gather_kv(cache, GatherDesc(BlockTable.packed(self.table), SeqLens(self.lens), self.max_len),
+                            out_dtype=self.k.dtype)
+            rows = got.key.shape[0]
+            self.k[:rows], self.v[:rows] = got.key, got.value
+        if query.is_cuda:
+            from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+            out, lse = flash_attn_varlen_func(q=query.contiguous(), k=self.k, v=self.v, cu_seqlens_q=cu_q,
+                                              max_seqlen_q=max_query_len, cu_seqlens_k=self.cu_k,
+                                              max_seqlen_k=max(self.max_len, 1), softmax_scale=sm_scale,
+                                              causal=False, softcap=softcap or 0.0, return_softmax_lse=True,
+                                              fa_version=get_flash_attn_version(head_size=query.shape[-1]))
+        else:
+            out, lse = _dense_attention_reference(query, self.k, self.v, starts, self.cu_k.tolist(), sm_scale,
+                                                  softcap)
+        out.masked_fill_(self.empty[:, None, None], 0.0)  # an empty piece's rows are undefined (vLLM's rule)
+        lse.masked_fill_(self.empty[None, :], float("-inf"))
+        return out, lse
+
+
+def _dense_attention_reference(query, k, v, starts: list[int], cu_k: list[int], sm_scale, softcap):
+    """Each request's queries over all of its gathered prefix rows, with KVX's FP64 reference core (off CUDA)."""
+    out = torch.zeros_like(query)
+    lse = torch.full((query.shape[1], query.shape[0]), float("-inf"), dtype=torch.float32, device=query.device)
+    for (q0, q1), (k0, k1) in zip(pairwise(starts), pairwise(cu_k), strict=True):
+        if q1 > q0 and k1 > k0:
+            o, lse_t = attention.attend(query[q0:q1], k[k0:k1], v[k0:k1], torch.full((q1 - q0,), k1 - k0),
+                                        sm_scale, softcap, None, True)
+            out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), lse_t.t().float()
+    return out, lse
+
+
 @dataclass
 class SplitPrefill:
     """One prefill step's plan: run by every layer over its own pages and this step's new K/V."""
 
-    prefix: AttentionPlan  # KVX, causal=False, queries after each request's cached prefix, with the window
+    prefix: AttentionPlan | None  # KVX, causal=False, queries after each request's cached prefix, with the window;
+    # None when the dense piece holds every request's prefix
     cu_seqlens: torch.Tensor  # vLLM's query_start_loc (int32, device)
     starts: list[int]  # the same on the host
     max_query_len: int
     sm_scale: float
     softcap: float | None
     window: int | None = None  # window_left of a sliding-window layer (`backend.window_of`)
+    dense: DensePrefix | None = None  # the prefixes served dense (their rows' lengths are 0 in `prefix`)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: CacheDesc,
-            out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor, sinks: torch.Tensor | None = None, bound: CacheDesc | BoundLayer | None = None,
+            ) -> torch.Tensor:
         """`out [T, Hq, D]` = attention of the step's `query [T, Hq, D]` over its new `key`/`value [T, Hkv, D]`
-        and the cached prefixes in `cache` (the new tokens are already written; the prefix plan does not read
-        them), with the layer's attention `sinks` (FP32 `[Hq]` on the device, checked: `attention.sink_values`)."""
+        and the cached prefixes in `cache` (the new tokens are already written; the prefix plans do not read
+        them), with the layer's attention `sinks` (FP32 `[Hq]` on the device, checked: `attention.sink_values`).
+        `bound`: the layer as the kernels take it (`dispatch.bind`), for the dense piece's gather."""
         if query.is_cuda:
-            new_out, new_lse = _new_tokens_attention_cuda(query, key, value, self.cu_seqlens, self.max_query_len,
-                                                          self.sm_scale, self.softcap, self.window)
+            part = _new_tokens_attention_cuda(query, key, value, self.cu_seqlens, self.max_query_len,
+                                              self.sm_scale, self.softcap, self.window)
         else:
-            new_out, new_lse = _new_tokens_attention_reference(query, key, value, self.starts, self.sm_scale,
-                                                               self.softcap, self.window)
-        prefix_out = torch.empty_like(query)
-        prefix_lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-        self.prefix.run(query, cache, out=prefix_out, lse=prefix_lse)
-        merged_lse = None if sinks is None else torch.empty_like(new_lse)  # [Hq, T], as vLLM's LSEs
-        merge_attn_states(out, prefix_out, prefix_lse.t().contiguous(), new_out, new_lse, output_lse=merged_lse)
+            part = _new_tokens_attention_reference(query, key, value, self.starts, self.sm_scale,
+                                                   self.softcap, self.window)
+        pieces = []
+        if self.prefix is not None:
+            prefix_out = torch.empty_like(query)
+            prefix_lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+            self.prefix.run(query, cache, out=prefix_out, lse=prefix_lse)
+            pieces.append((prefix_out, prefix_lse.t().contiguous()))
+        if self.dense is not None:
+            pieces.append(self.dense.attend(query, cache, cache if bound is None else bound, self.cu_seqlens,
+                                            self.starts, self.max_query_len, self.sm_scale, self.softcap))
+        for i, (piece_out, piece_lse) in enumerate(pieces):  # the new tokens' part has a finite lse in every row
+            last = i == len(pieces) - 1
+            merged = out if last else torch.empty_like(query)
+            merged_lse = None if last and sinks is None else torch.empty_like(part[1])  # [Hq, T], as vLLM's
+            merge_attn_states(merged, piece_out, piece_lse, *part, output_lse=merged_lse)
+            part = (merged, merged_lse)
+        if not pieces:
+            out.copy_(part[0])
         if sinks is not None:
-            out.copy_(attention.apply_sinks(out, merged_lse.t(), sinks)[0])
+            out.copy_(attention.apply_sinks(out, part[1].t(), sinks)[0])
         return out
