@@ -22,6 +22,9 @@ Per dtype, JSON lines (`benchmarks/common.py` environment fields plus vllm versi
   scheduling of the cached prompts cancel. B=64 at 8k and 32k (the 32k case runs only when the KV cache holds
   64 x 32k tokens and the 64 x 32k prefill is expected within `--long-prefill-s`, from 16x the measured 64 x 8k
   prefill; otherwise its line says why it was skipped) and B=1 at 32k.
+- `prefix_hit` (not in the default cases): 16 of the 8k prompts, their KV cached, each extended by 4096 new random
+  tokens, one output token, wall time: a prefill of 64k new tokens over 16 cached 8k prefixes (KVX's split prefill
+  attends those prefixes over the pages: the dense route of `kvx_vllm.prefill.DensePrefix` on CUDA).
 """
 from __future__ import annotations
 
@@ -80,7 +83,18 @@ def _decode(llm, prompts, steps: int) -> dict:
     return {**out, "tok_s": round(len(prompts) * steps / (tn - t1), 1)}
 
 
-CASES = ("prefill", "b64_8k", "b64_32k", "b1_32k")
+CASES = ("prefill", "b64_8k", "b64_32k", "b1_32k", "prefix_hit")
+DEFAULT_CASES = CASES[:4]
+HIT_BATCH, HIT_NEW = 16, 4096
+
+
+def _prefix_hit(llm, prompts: list[dict], vocab: int) -> float:
+    """Wall time of `prompts` extended by HIT_NEW new tokens each, one output token, their first CTX_SHORT tokens
+    cached (run once first: a no-op when an earlier case cached them)."""
+    _timed(llm, prompts, 1)
+    tails = _prompts(len(prompts), HIT_NEW, seed=4, vocab=vocab)
+    return _timed(llm, [{"prompt_token_ids": p["prompt_token_ids"] + t["prompt_token_ids"]}
+                        for p, t in zip(prompts, tails, strict=True)], 1)
 
 
 def _long_batch(llm, long, kv_tokens: int, steps: int, predicted_s: float, long_prefill_s: float) -> dict:
@@ -97,7 +111,7 @@ def _long_batch(llm, long, kv_tokens: int, steps: int, predicted_s: float, long_
 
 
 def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill_s: float,
-            cases: tuple[str, ...] = CASES, model: str = DEFAULT, tp: int = 1) -> None:
+            cases: tuple[str, ...] = DEFAULT_CASES, model: str = DEFAULT, tp: int = 1) -> None:
     """Everything for one dtype in this process (the capacity, then `cases`); `tp` GPUs in tensor parallel."""
     import vllm
     from common import emit, env_info
@@ -132,6 +146,9 @@ def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill
                        "ttft_s": round(_timed(llm, _prompts(1, CTX_SHORT, seed=2, vocab=vocab), 1), 4)})
         if "b64_8k" in cases:
             emit(out, {**base, "metric": "decode", **_decode(llm, short, steps)})
+        if "prefix_hit" in cases:
+            emit(out, {**base, "metric": "prefix_hit", "batch": HIT_BATCH, "cached": CTX_SHORT, "new": HIT_NEW,
+                       "prefill_s": round(_prefix_hit(llm, short[:HIT_BATCH], vocab), 3)})
         llm.reset_prefix_cache()
 
         long = _prompts(BATCH, CTX_LONG, seed=3, vocab=vocab)
@@ -157,9 +174,12 @@ def summarize(path: str) -> str:
             d[key] = r.get("tok_s", "skipped")
         elif r["metric"] in ("capacity", "prefill", "ttft"):
             d.update({k: r[k] for k in ("kv_tokens", "prefill_s", "ttft_s") if k in r})
+        elif r["metric"] == "prefix_hit":
+            d["prefix_hit_s"] = r["prefill_s"]
     cols = [("kv_tokens", "KV tokens"), ("decode_b64_8k", "decode B64 8k tok/s"),
             ("decode_b64_32k", "decode B64 32k tok/s"), ("decode_b1_32k", "decode B1 32k tok/s"),
-            ("prefill_s", "prefill 64x8k s"), ("ttft_s", "TTFT 8k s")]
+            ("prefill_s", "prefill 64x8k s"), ("ttft_s", "TTFT 8k s"),
+            ("prefix_hit_s", f"prefill {HIT_BATCH}x{HIT_NEW // 1024}k over cached 8k s")]
     cols = [c for c in cols if any(c[0] in d for d in rows.values())]
     out = ["| model | dtype | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
     for (model, dtype), d in rows.items():
@@ -187,8 +207,8 @@ def main() -> None:
                     help="skip the B=64 x 32k decode when its prefill is expected to take longer (s)")
     ap.add_argument("--timeout-s", type=int, default=420, help="limit per dtype process")
     ap.add_argument("--summarize", metavar="JSONL", help="print a markdown table of a results file and exit")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)} "
-                    "(the capacity line is always written)")
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated subset of {','.join(CASES)} "
+                    "(the capacity line is always written; prefix_hit only when named)")
     ap.add_argument("--model", default=DEFAULT, choices=list(MODELS), help="model geometry (random weights)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per dtype process)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run this dtype here
