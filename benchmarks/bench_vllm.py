@@ -111,14 +111,20 @@ def _long_batch(llm, long, kv_tokens: int, steps: int, predicted_s: float, long_
 
 
 def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill_s: float,
-            cases: tuple[str, ...] = DEFAULT_CASES, model: str = DEFAULT, tp: int = 1) -> None:
-    """Everything for one dtype in this process (the capacity, then `cases`); `tp` GPUs in tensor parallel."""
+            cases: tuple[str, ...] = DEFAULT_CASES, model: str = DEFAULT, tp: int = 1,
+            kvx_prefill: str | None = None) -> None:
+    """Everything for one dtype in this process (the capacity, then `cases`); `tp` GPUs in tensor parallel;
+    `kvx_prefill`: the plugin's `prefill` option for kvx dtypes (default: the plugin's)."""
     import vllm
     from common import emit, env_info
     from vllm import LLM
 
     base = {**env_info(), "bench": "vllm", "vllm": vllm.__version__, "model": model, "kv_cache_dtype": dtype,
             "tensor_parallel_size": tp}
+    extra = {}
+    if kvx_prefill and dtype.startswith("kvx_"):
+        base["kvx_prefill"] = kvx_prefill
+        extra["additional_config"] = {"kvx": {"prefill": kvx_prefill}}
     vocab = MODELS[model]["vocab_size"]
     with tempfile.TemporaryDirectory() as model_dir:
         write_config(model, model_dir)
@@ -128,7 +134,7 @@ def run_one(dtype: str, out: str | None, steps: int, steps_b1: int, long_prefill
                   gpu_memory_utilization=0.85, enable_prefix_caching=True, max_num_seqs=BATCH,
                   max_num_batched_tokens=16384, seed=0, tensor_parallel_size=tp,
                   compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                      "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]})
+                                      "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]}, **extra)
         cc = llm.llm_engine.vllm_config.cache_config
         kv_tokens = cc.num_gpu_blocks * cc.block_size
         emit(out, {**base, "metric": "capacity", "kv_tokens": kv_tokens, "block_size": cc.block_size,
@@ -211,6 +217,8 @@ def main() -> None:
                     "(the capacity line is always written; prefix_hit only when named)")
     ap.add_argument("--model", default=DEFAULT, choices=list(MODELS), help="model geometry (random weights)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per dtype process)")
+    ap.add_argument("--kvx-prefill", choices=("split", "split_fused", "cache"),
+                    help="the plugin's prefill option for the kvx dtypes (default: the plugin's default)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run this dtype here
     a = ap.parse_args()
     if a.summarize:
@@ -220,13 +228,14 @@ def main() -> None:
         cases = tuple(a.cases.split(","))
         if not set(cases) <= set(CASES):
             ap.error(f"--cases: unknown {sorted(set(cases) - set(CASES))}; choose from {', '.join(CASES)}")
-        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s, cases, a.model, a.tp)
+        run_one(a.one, a.out, a.steps, a.steps_b1, a.long_prefill_s, cases, a.model, a.tp, a.kvx_prefill)
         return
     from common import run_per_process
 
     run_per_process(os.path.abspath(__file__), a.dtypes.split(","),
                     ["--steps", str(a.steps), "--steps-b1", str(a.steps_b1), "--long-prefill-s", str(a.long_prefill_s),
-                     "--cases", a.cases, "--model", a.model, "--tp", str(a.tp)],
+                     "--cases", a.cases, "--model", a.model, "--tp", str(a.tp),
+                     *(["--kvx-prefill", a.kvx_prefill] if a.kvx_prefill else [])],
                     a.out, a.timeout_s)
 
 if __name__ == "__main__":

@@ -70,8 +70,10 @@ SETTINGS: tuple[Setting, ...] = (
             "`_rot` format names).", vllm=True),
     Setting("prefill", "choice", "split", ("vllm",),
             "How vLLM steps with new prompt tokens attend: `split` (new tokens over their own unquantized K/V, merged "
-            "with the cached prefix) or `cache` (everything over the quantized pages: bit-identical prefix reuse, "
-            "slower prefill).", choices=("split", "cache"), vllm=True),
+            "with the cached prefix, which requests with many new tokens read dequantized once per layer on CUDA), "
+            "`split_fused` (the same, every cached prefix on KVX's fused prefill kernel: no dense prefix buffer) or "
+            "`cache` (everything over the quantized pages: bit-identical prefix reuse, slower prefill).",
+            choices=("split", "split_fused", "cache"), vllm=True),
     Setting("lm_head", "choice", None, ("vllm",),
             "Quantize vLLM's output projection after loading (`mxfp4`); unset keeps it as loaded.",
             choices=("mxfp4",), vllm=True),

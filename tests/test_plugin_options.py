@@ -87,7 +87,8 @@ def test_non_object_kvx_section_is_refused(section):
     ({1: True, "x": 2}, "unknown .*'x', 1;"),  # mixed key types are reported, not a TypeError from sorting
     ({"rotate": 1}, "kvx.rotate must be true or false"), ({"rotate": "true"}, "kvx.rotate must be true or false"),
     ({"rotate": None}, "kvx.rotate must be true or false"),
-    ({"prefill": "flash"}, "kvx.prefill must be one of split, cache"), ({"prefill": None}, "kvx.prefill must be"),
+    ({"prefill": "flash"}, "kvx.prefill must be one of split, split_fused, cache"),
+    ({"prefill": None}, "kvx.prefill must be"),
     ({"prefill": "Cache"}, "kvx.prefill must be one of"), ({"prefill": True}, "kvx.prefill must be"),
     ({"lm_head": "MXFP4"}, "kvx.lm_head must be one of mxfp4"), ({"lm_head": "nvfp4"}, "kvx.lm_head must be one of"),
     ({"lm_head": True}, "kvx.lm_head must be"),
@@ -185,7 +186,7 @@ def test_options_come_from_the_environment_when_no_key_is_given(monkeypatch):
     assert options.options_of(_config(None)) == options.KvxOptions(rotate=True, store="/env/store")
     assert options.options_of(_config({"kvx": {"rotate": False, "store": "/k"}})) == options.KvxOptions(store="/k")
     monkeypatch.setenv("KVX_PREFILL", "flash")
-    with pytest.raises(ValueError, match="KVX_PREFILL must be one of split, cache, got 'flash'"):
+    with pytest.raises(ValueError, match="KVX_PREFILL must be one of split, split_fused, cache, got 'flash'"):
         options.options_of(_config(None))
 
 

@@ -187,7 +187,9 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.format = get_format(check_config(vllm_config))
-        self.split_prefill = options_of(vllm_config).prefill == "split"
+        prefill = options_of(vllm_config).prefill
+        self.split_prefill = prefill in ("split", "split_fused")
+        self.dense_prefixes = prefill == "split"
         impls = [layer.impl for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase,
                                                                      layer_names).values()]
         params = {(impl.scale, impl.softcap, impl.window, impl.num_heads) for impl in impls}
@@ -233,11 +235,12 @@ class KvxMetadataBuilder(AttentionMetadataBuilder[KvxMetadata]):
     def _dense_buffer(self, spec: AttentionSpec, impls: list, device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The dense prefix route's K / V buffer (`prefill.DensePrefix`), `DENSE_PREFIX_BYTES` for both, reserved
-        once like the decode workspace; None where the route does not serve this group: off CUDA, the "cache"
-        prefill, sliding windows, rotated formats and layers whose keys a calibration smooths or centers."""
+        once like the decode workspace; None where the route does not serve this group: off CUDA, the "cache" and
+        "split_fused" prefills, sliding windows, rotated formats and layers whose keys a calibration smooths or
+        centers."""
         transformed = any(v is not None and (v[0] is not None or v[1] is not None)
                           for impl in impls for v in (getattr(impl, "_calibration", None) or ()))
-        if device.type != "cuda" or not self.split_prefill or self.window is not None or self.format.rotate \
+        if device.type != "cuda" or not self.dense_prefixes or self.window is not None or self.format.rotate \
                 or transformed:
             return None
         tokens = DENSE_PREFIX_BYTES // (2 * spec.num_kv_heads * spec.head_size * self.q_dtype.itemsize)

@@ -3,11 +3,13 @@
 Options under the "kvx" key of vLLM's `additional_config`:
 - `rotate` (bool, default false): Hadamard rotation of K/V (and Q) for kvx_nvfp4, kvx_mxfp4,
   kvx_int4 and kvx_k8v4 (not kvx_int8, whose error is already ~0.02% perplexity).
-- `prefill` ("split" or "cache", default "split"): how steps with new prompt tokens attend. "split": the new
-  tokens over their own unquantized K/V (FlashAttention on CUDA) merged by LSE with KVX over the cached prefix
-  (`prefill.SplitPrefill`; as fast as vLLM's BF16 prefill; a prefix-cache hit agrees with a miss within the
-  format's error). "cache": everything over the quantized pages with KVX's prefill kernel (bit-identical
-  prefix reuse; 3-5x slower attention in prefill).
+- `prefill` ("split", "split_fused" or "cache", default "split"): how steps with new prompt tokens attend. "split":
+  the new tokens over their own unquantized K/V (FlashAttention on CUDA) merged by LSE with KVX over the cached
+  prefix (`prefill.SplitPrefill`; as fast as vLLM's BF16 prefill; a prefix-cache hit agrees with a miss within the
+  format's error), the prefixes of requests with many new tokens dequantized once per layer and attended dense on
+  CUDA (`prefill.DensePrefix`). "split_fused": the same with every prefix on KVX's fused prefill kernel (no dense
+  buffer; the route before the dense one, for comparison or as a fallback). "cache": everything over the quantized
+  pages with KVX's prefill kernel (bit-identical prefix reuse; 3-5x slower attention in prefill).
 - `lm_head` ("mxfp4", default unset): the output projection quantized to MXFP4 after loading (`lm_head`), any
   cache dtype; CPU (torch reference) and NVIDIA Hopper (vLLM's Marlin over the codec's weight); see `lm_head` for
   what it refuses.
