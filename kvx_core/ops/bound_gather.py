@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import Status, require
-from .checks import IO_DTYPES
+from .checks import IO_DTYPES, check_no_alias
 from .dispatch import BoundLayer
 from .kernel_format import kernel_format
 from .triton.gather import INDEX_DTYPES, launch_gather
@@ -24,7 +24,8 @@ def gather_bound(layer: BoundLayer, block_table: torch.Tensor, seq_lens: torch.T
     values: `block_table` (int32 `[B, max_blocks]`, the kernel table of the layer's table format, whose ids the caller
     vouches for, like an engine's attention metadata), `seq_lens` and `cu_seqlens` (int32 / int64 `[B]` and `[B + 1]`,
     the output row where each sequence starts) are compared by shape, dtype and device only; `max_len` (a host int)
-    must be at least every length the caller wants whole. Rotated (`*_rot`) and key-transformed (smoothed / centered)
+    must be at least every length the caller wants whole. `out` must not overlap itself or the layer's pools (by
+    address range: INVALID_ARGUMENT, nothing written). Rotated (`*_rot`) and key-transformed (smoothed / centered)
     layers are refused: their values need a second pass (`gather_kv` serves them)."""
     h, bs, d = layer.geometry
     require(not layer.fmt.rotate and not layer.transforms_keys, Status.UNSUPPORTED,
@@ -49,6 +50,9 @@ def gather_bound(layer: BoundLayer, block_table: torch.Tensor, seq_lens: torch.T
     require(ok, Status.INVALID_ARGUMENT,
             f"gather_bound: out must be two bf16/fp16/fp32 [tokens, {h}, {d}] tensors on {dev} with a unit-stride "
             f"last dim, got {[_desc(t) for t in out] if isinstance(out, (tuple, list)) else type(out).__name__}")
+    check_no_alias({"out K": out[0], "out V": out[1]},  # host addresses only: a write into the cache is refused
+                   {"K data": layer.k_data, "K scales": layer.k_scales, "V data": layer.v_data,
+                    "V scales": layer.v_scales})
     if b and max_len:
         k_side = (layer.k_data, layer.k_scale_args, layer.k_global, out[0], kernel_format(layer.fmt.k))
         v_side = (layer.v_data, layer.v_scale_args, layer.v_global, out[1], kernel_format(layer.fmt.v))

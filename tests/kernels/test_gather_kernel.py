@@ -156,12 +156,26 @@ def test_bound_gather_refusals_change_nothing(device, kernels_here):
         ((bt, lens, cu, 13, (out[0], out[1][:, :1])), "out"),
         ((bt, lens, cu, 13, (out[0], out[1].to(torch.int32))), "out"),
         ((bt, lens, cu, 13, out[0]), "out"),
+        ((bt, lens, cu, 13, (out[0], out[0])), "overlap"),
+        ((bt, lens, cu, 13, (out[0], _alias(layer.v_data, out[1]))), "V data pool"),
+        ((bt, lens, cu, 13, (_alias(layer.k_scales, out[0]), out[1])), "K scales pool"),
     ]
+    pools = [t.clone() for t in (layer.k_data, layer.k_scales, layer.v_data, layer.v_scales)]
     for args, what in bad:
         with pytest.raises(KvxError) as e:
             gather_bound(layer, *args)
         assert e.value.status == Status.INVALID_ARGUMENT and what in e.value.message, (what, e.value.message)
         assert not out[0].any() and not out[1].any()
+    assert all(torch.equal(a, b) for a, b in zip(pools, (layer.k_data, layer.k_scales, layer.v_data, layer.v_scales),
+                                                 strict=True))
+
+
+def _alias(pool: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped and typed as `like` whose first elements are `pool`'s first bytes (a gather into it would
+    write into the cache)."""
+    t = torch.empty(0, dtype=like.dtype, device=like.device)
+    return t.set_(pool.untyped_storage(), pool.storage_offset() * pool.element_size() // like.element_size(),
+                  like.shape)
 
 
 @pytest.mark.gpu
