@@ -4,9 +4,14 @@ to the decode instance's first token, with KVX's connector and with vLLM's own N
     python benchmarks/bench_pd.py MODEL --connector kvx-nixl --consumer kvx_nvfp4 [--gpus 0,1] [--len 4096]
     python benchmarks/bench_pd.py MODEL --connector vllm-nixl --consumer auto        # vLLM's NixlConnector (peer)
     python benchmarks/bench_pd.py MODEL --connector kvx-store --store /dev/shm/kvx   # KVX's store directory
+    python benchmarks/bench_pd.py --geometry llama3-8b-8l --connector kvx-nixl       # a geometry, random weights
 
 MODEL is a checkpoint directory with its tokenizer (KvxConnector fingerprints the tokenizer), e.g. the demo's
-SmolLM2-135M (`kvx demo` builds it under ~/.cache/kvx). The producer (`--producer`, default `auto`) runs on the first
+SmolLM2-135M (`kvx demo` builds it under ~/.cache/kvx), or `--geometry NAME` (`model_geometries.MODELS`): that
+geometry with vLLM's dummy weights (uniform in +-1e-3 from vLLM's fixed seed 1234: both instances draw the same) and
+a word-level tokenizer written beside its config, so a GPU machine needs no checkpoint and the bundles have a real
+model's width (the Llama 3 8B geometry cut to 8 layers: 32 KiB of BF16 K/V per token; SmolLM2: 22.5 KiB), while the
+first-token gap means little (near-uniform logits). The producer (`--producer`, default `auto`) runs on the first
 of `--gpus`, the consumer on the second (on a CPU machine: vLLM CPU, both on the CPU). The parent process plays P/D's
 proxy: per request it asks the producer to prefill the prompt (one output token, `do_remote_decode`), passes the
 returned `kv_transfer_params` to the consumer, which generates the prompt's first token with them; then the consumer
@@ -33,9 +38,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from common import emit, env_info
+from model_geometries import MODELS, write_config
 
 CONNECTORS = ("kvx-nixl", "kvx-store", "vllm-nixl")
 
@@ -60,7 +67,8 @@ def _child(role: str, args) -> None:
     blocks = [int(b) for b in args.block_size.split(",")]
     block = blocks[0] if role == "kv_producer" else blocks[-1]
     transfer, extra = _transfer_config(args.connector, role, args)
-    llm = LLM(model=args.model, dtype="bfloat16", kv_cache_dtype=dtype, block_size=block,
+    dummy = {"load_format": "dummy", "skip_tokenizer_init": True} if args.geometry else {}
+    llm = LLM(model=args.model, dtype="bfloat16", kv_cache_dtype=dtype, block_size=block, **dummy,
               max_model_len=args.len + 16, max_num_seqs=4, enable_prefix_caching=True, seed=0,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.device == "cpu",
               kv_transfer_config=transfer, additional_config=extra)
@@ -136,7 +144,8 @@ def _gap(a: dict, b: dict) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="checkpoint directory with its tokenizer")
+    ap.add_argument("model", nargs="?", help="checkpoint directory with its tokenizer")
+    ap.add_argument("--geometry", choices=list(MODELS), help="instead of MODEL: this geometry, dummy weights")
     ap.add_argument("--connector", choices=CONNECTORS, default="kvx-nixl")
     ap.add_argument("--producer", default="auto", help="the prefill instance's --kv-cache-dtype")
     ap.add_argument("--consumer", default="kvx_nvfp4", help="the decode instance's --kv-cache-dtype")
@@ -151,16 +160,38 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when present")
     ap.add_argument("--out", help="append JSON lines here")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this role here
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)  # a child: the model directory the parent made
     args = ap.parse_args()
     if args.device is None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.one:
+        args.model = args.model_dir
         return _child(args.one, args)
+    if (args.model is None) == (args.geometry is None):
+        raise SystemExit("bench_pd: give a checkpoint directory or --geometry, not both")
     if args.connector == "vllm-nixl" and args.producer != args.consumer:
         raise SystemExit("bench_pd: vLLM's NixlConnector hands KV between instances of one cache dtype only")
-    argv = sys.argv[1:]
+    with tempfile.TemporaryDirectory() as d:
+        if args.geometry:
+            args.model = _geometry_dir(args.geometry, d)
+        _run(args, [*sys.argv[1:], "--model-dir", args.model])
+
+
+def _geometry_dir(name: str, d: str) -> str:
+    """`name`'s config.json and a word-level tokenizer.json of its vocabulary (what KvxConnector fingerprints) in
+    `d`."""
+    from tokenizers import Tokenizer, models
+
+    vocab = write_config(name, d)["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.save(os.path.join(d, "tokenizer.json"))
+    return d
+
+
+def _run(args, argv: list[str]) -> None:
+    """Both instances, the requests, one JSON line per request."""
     gpus = args.gpus.split(",") if args.device == "cuda" else [None, None]
     vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
     import torch
@@ -170,7 +201,8 @@ def main() -> None:
     prod = _Instance("kv_producer", gpus[0], 5600, argv)
     cons = _Instance("kv_consumer", gpus[1], 5601, argv)
     base = {**env_info(), "bench": "pd", "connector": args.connector, "producer": args.producer,
-            "consumer": args.consumer, "len": args.len, "model": os.path.basename(os.path.normpath(args.model)),
+            "consumer": args.consumer, "len": args.len,
+            "model": args.geometry or os.path.basename(os.path.normpath(args.model)),
             "device": args.device}
     try:
         prod.ready()
