@@ -23,7 +23,9 @@ first token: the transfer plus the consumer's step, as a proxy sees it; both clo
 NixlConnector loads asynchronously and its tokens do not show there (0 on vLLM CPU, where the consumer's step then
 took 0.14 s against 0.9-1.0 s computing a 256-token prompt): compare `consumer_s` with `local_s`), and
 `first_token_gap` (max |logprob difference| over the top-5 tokens of both first tokens, handed over vs computed: the
-cache format's error, reported, not judged).
+cache format's error, reported, not judged). `--breakdown` (KvxConnector over NIXL, TP=1): each instance's engine core
+runs in its process, where `PHASES` are timed (each up to a device sync): per request `producer_phases` (export source,
+publish) and `consumer_phases` (the NIXL READ, the import), in seconds.
 
 Transports: `kvx-nixl`, KvxConnector's NIXL transport (`nixl_memory`: `--nixl-memory host|device`); `kvx-store`,
 its store directory (`--store`, the same for both; /dev/shm for memory speed); `vllm-nixl`, vLLM's NixlConnector
@@ -59,9 +61,44 @@ def _transfer_config(connector: str, role: str, args) -> tuple[dict, dict]:
     return {"kv_connector": "KvxConnector", "kv_role": role}, {"kvx": kvx}
 
 
+PHASES = {"read_s": ("kvx_core.transfer.nixl", "NixlPeer", "fetch"),
+          "import_s": ("kvx_vllm.layer_kv", "LayerCaches", "load"),
+          "export_s": ("kvx_vllm.layer_kv", "LayerCaches", "export_source"),
+          "publish_s": ("kvx_core.transfer.nixl", "NixlPeer", "publish")}
+"""`--breakdown`: KvxConnector's phases timed inside an instance (its engine core in this process): the consumer's
+NIXL READ of the bundle and its import (every check, the conversion, the stores), the producer's export source and
+its publish (the bundle packed into its NIXL buffer)."""
+
+
+def _time_phases(spent: dict[str, float]) -> None:
+    """Wrap each phase's method so that its wall time, up to the device's completion of its work, adds to `spent`."""
+    import importlib
+
+    import torch
+
+    def timed(name, fn):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return run
+
+    for name, (module, cls, method) in PHASES.items():
+        owner = getattr(importlib.import_module(module), cls)
+        setattr(owner, method, timed(name, getattr(owner, method)))
+
+
 def _child(role: str, args) -> None:
     """One instance: build it, print BENCH_READY, then serve the parent's commands (one JSON object per line)."""
     from vllm import LLM, SamplingParams
+
+    spent: dict[str, float] = {}
+    if args.breakdown:
+        _time_phases(spent)
 
     dtype = args.producer if role == "kv_producer" else args.consumer
     blocks = [int(b) for b in args.block_size.split(",")]
@@ -94,6 +131,8 @@ def _child(role: str, args) -> None:
             o = r.outputs[0]
             reply = {"seconds": t1 - t0, "end": t1, "cached": r.num_cached_tokens, "finish": o.finish_reason,
                      "top": {str(k): v.logprob for k, v in o.logprobs[0].items()} if o.logprobs else {}}
+        reply["phases"] = {k: round(v, 5) for k, v in spent.items()}
+        spent.clear()
         print("BENCH_REPLY " + json.dumps(reply), flush=True)
 
 
@@ -105,6 +144,8 @@ class _Instance:
         # cannot inherit ("Cannot re-initialize CUDA in forked subprocess", the first run on 2x H200)
         env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
                "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        if "--breakdown" in argv:  # the engine core (the connector's worker side) in this process, to time it
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         self.role = role
@@ -159,6 +200,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when present")
     ap.add_argument("--out", help="append JSON lines here")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="KvxConnector's phases per request (`PHASES`; engine cores in-process, a sync per phase)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this role here
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)  # a child: the model directory the parent made
     args = ap.parse_args()
@@ -216,7 +259,9 @@ def _run(args, argv: list[str]) -> None:
             emit(args.out, {**base, "request": i, "prefill_s": round(p["prefill_s"], 4),
                             "handoff_s": round(d["end"] - p["end"], 4), "consumer_s": round(d["seconds"], 4),
                             "local_s": round(loc["seconds"], 4), "cached": d["cached"], "local_cached": loc["cached"],
-                            "finish": d["finish"], "first_token_gap": _gap(d["top"], loc["top"])})
+                            "finish": d["finish"], "first_token_gap": _gap(d["top"], loc["top"]),
+                            **({"producer_phases": p["phases"], "consumer_phases": d["phases"]}
+                               if args.breakdown else {})})
     finally:
         prod.close()
         cons.close()
