@@ -44,7 +44,7 @@ import tempfile
 import time
 
 from common import emit, env_info
-from model_geometries import MODELS, write_config
+from model_geometries import MODELS, write_config, write_tokenizer
 
 CONNECTORS = ("kvx-nixl", "kvx-store", "vllm-nixl")
 
@@ -213,7 +213,7 @@ def main() -> None:
         args.model = args.model_dir
         return _child(args.one, args)
     if (args.model is None) == (args.geometry is None):
-        raise SystemExit("bench_pd: give a checkpoint directory or --geometry, not both")
+        raise SystemExit("bench_pd: give either a checkpoint directory or --geometry")
     if args.connector == "vllm-nixl" and args.producer != args.consumer:
         raise SystemExit("bench_pd: vLLM's NixlConnector hands KV between instances of one cache dtype only")
     with tempfile.TemporaryDirectory() as d:
@@ -225,11 +225,7 @@ def main() -> None:
 def _geometry_dir(name: str, d: str) -> str:
     """`name`'s config.json and a word-level tokenizer.json of its vocabulary (what KvxConnector fingerprints) in
     `d`."""
-    from tokenizers import Tokenizer, models
-
-    vocab = write_config(name, d)["vocab_size"]
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.save(os.path.join(d, "tokenizer.json"))
+    write_tokenizer(d, write_config(name, d)["vocab_size"])
     return d
 
 

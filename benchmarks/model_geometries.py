@@ -84,6 +84,15 @@ def write_config(name: str, model_dir: str, **overrides) -> dict:
     return cfg
 
 
+def write_tokenizer(model_dir: str, vocab: int) -> None:
+    """`model_dir/tokenizer.json`: a word-level tokenizer of `vocab` tokens, for checkpoints of random weights served
+    from token ids; KvxConnector's model fingerprint hashes this file with config.json."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")).save(
+        os.path.join(model_dir, "tokenizer.json"))
+
+
 EMBEDDINGS = ("embed_tokens.weight", "embedding.weight")
 """Input-embedding parameter names: most models' and gpt-oss's (`model.embedding`)."""
 

@@ -24,8 +24,11 @@ import pytest
 import torch
 
 from ..procs import run as run_subprocess
-from .runs import parse
+from .runs import ROOT, parse
 from .test_vllm_tp import TP_ENV
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from model_geometries import write_tokenizer  # noqa: E402  (the benchmarks' checkpoints write the same file)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,14 +44,6 @@ shared, max gaps 0.51-0.84, mean 0.18-0.49 (the random model's logits are flat: 
 def prompts(vocab: int) -> list[list[int]]:
     ids = torch.randint(0, vocab, (160,), generator=torch.Generator().manual_seed(2)).tolist()
     return [ids, ids[10:110], ids[30:150]]
-
-
-def write_tokenizer(model_dir: Path, vocab: int) -> None:
-    """A word-level tokenizer.json of `vocab` tokens: what the connector's model fingerprint hashes."""
-    from tokenizers import Tokenizer, models
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.save(str(model_dir / "tokenizer.json"))
 
 
 def handoff(model: Path, store: Path, producer: tuple[str, int], consumer: tuple[str, int], vocab: int,
@@ -97,7 +92,7 @@ def tiny_model(tmp_path_factory) -> Path:
                          head_dim=32, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=512,
                          initializer_range=0.1, torch_dtype="bfloat16")
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
-    write_tokenizer(d, VOCAB)
+    write_tokenizer(str(d), VOCAB)
     return d
 
 

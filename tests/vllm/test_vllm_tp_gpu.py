@@ -39,7 +39,7 @@ import torch
 
 from ..procs import communicate
 from .runs import ROOT, parse, root_on_path
-from .test_vllm_connector_tp_engine import check_handoff, handoff, write_tokenizer
+from .test_vllm_connector_tp_engine import check_handoff, handoff
 from .test_vllm_tp import CONTROL_RATIO, TP_BOUND, _gaps, _summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
@@ -67,14 +67,14 @@ def _checkpoint(geometry: str, d: Path) -> Path:
     """The geometry's checkpoint (2 layers, VOCAB tokens, `realistic_weights`), made on the CPU: this process never
     touches CUDA, so vLLM's memory profiling sees free GPUs."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from model_geometries import realistic_weights, write_config
+    from model_geometries import realistic_weights, write_config, write_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     write_config(GEOMETRIES[geometry], str(d), num_hidden_layers=LAYERS, vocab_size=VOCAB)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), torch_dtype=torch.bfloat16)
     realistic_weights(model, seed=0)
     model.save_pretrained(d, safe_serialization=True)
-    write_tokenizer(d, VOCAB)  # hashed by the connector's model fingerprint
+    write_tokenizer(str(d), VOCAB)  # hashed by the connector's model fingerprint
     return d
 
 
