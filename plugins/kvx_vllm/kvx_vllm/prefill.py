@@ -69,28 +69,27 @@ prefix: 3.5x the fused kernel's speed on the H200) and not for a decode row's on
 not measured: 128 is a guess on that curve, stated as such."""
 
 
-def _new_tokens_attention_cuda(query, key, value, cu_seqlens, max_query_len, sm_scale, softcap, window):
-    """FlashAttention (the version vLLM picks for this GPU) over each request's new tokens, causally, with the
-    layer's window as vLLM's FlashAttention backend passes it (`window_size = (window_left, 0)`)."""
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+def _varlen_attention(query, key, value, cu_q: torch.Tensor, q_starts: list[int], max_q: int, cu_k: torch.Tensor,
+                      max_k: int, sm_scale: float, softcap: float | None, window: int | None, causal: bool):
+    """(out `[T, Hq, D]`, lse `[Hq, T]`) of each request's queries (rows `cu_q[b]..`) over its keys (rows `cu_k[b]..`):
+    `causal`, the request's new tokens over their own K/V with the layer's window as vLLM's FlashAttention backend
+    passes it (`window_size = (window_left, 0)`); else every key precedes the queries (a gathered prefix). On CUDA
+    FlashAttention (the version vLLM picks for this GPU); elsewhere KVX's FP64 reference core, request by request
+    (rows of a request without keys: 0, lse -inf)."""
+    if query.is_cuda:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
-    out, lse = flash_attn_varlen_func(q=query.contiguous(), k=key, v=value, cu_seqlens_q=cu_seqlens,
-                                      max_seqlen_q=max_query_len, cu_seqlens_k=cu_seqlens,
-                                      max_seqlen_k=max_query_len, softmax_scale=sm_scale,
-                                      causal=True, softcap=softcap or 0.0, return_softmax_lse=True,
+        return flash_attn_varlen_func(q=query.contiguous(), k=key, v=value, cu_seqlens_q=cu_q, max_seqlen_q=max_q,
+                                      cu_seqlens_k=cu_k, max_seqlen_k=max(max_k, 1), softmax_scale=sm_scale,
+                                      causal=causal, softcap=softcap or 0.0, return_softmax_lse=True,
                                       window_size=(-1, -1) if window is None else (window, 0),
                                       fa_version=get_flash_attn_version(head_size=query.shape[-1]))
-    return out, lse
-
-
-def _new_tokens_attention_reference(query, key, value, starts: list[int], sm_scale, softcap, window):
-    """The same attention with KVX's FP64 reference core, request by request (off CUDA)."""
-    out = torch.empty_like(query)
-    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
-    for q0, q1 in pairwise(starts):
-        if q1 > q0:
-            o, lse_t = attention.attend(query[q0:q1], key[q0:q1], value[q0:q1], torch.arange(q1 - q0), sm_scale,
-                                        softcap, window, True)
+    out = torch.zeros_like(query)
+    lse = torch.full((query.shape[1], query.shape[0]), float("-inf"), dtype=torch.float32, device=query.device)
+    for (q0, q1), (k0, k1) in zip(pairwise(q_starts), pairwise(cu_k.tolist()), strict=True):
+        if q1 > q0 and k1 > k0:
+            at = torch.arange(q1 - q0) if causal else torch.full((q1 - q0,), k1 - k0)  # the queries' positions
+            o, lse_t = attention.attend(query[q0:q1], key[k0:k1], value[k0:k1], at, sm_scale, softcap, window, True)
             out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), lse_t.t().float()
     return out, lse
 
@@ -133,32 +132,11 @@ class DensePrefix:
                             out_dtype=self.k.dtype)
             rows = got.key.shape[0]
             self.k[:rows], self.v[:rows] = got.key, got.value
-        if query.is_cuda:
-            from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
-
-            out, lse = flash_attn_varlen_func(q=query.contiguous(), k=self.k, v=self.v, cu_seqlens_q=cu_q,
-                                              max_seqlen_q=max_query_len, cu_seqlens_k=self.cu_k,
-                                              max_seqlen_k=max(self.max_len, 1), softmax_scale=sm_scale,
-                                              causal=False, softcap=softcap or 0.0, return_softmax_lse=True,
-                                              fa_version=get_flash_attn_version(head_size=query.shape[-1]))
-        else:
-            out, lse = _dense_attention_reference(query, self.k, self.v, starts, self.cu_k.tolist(), sm_scale,
-                                                  softcap)
+        out, lse = _varlen_attention(query, self.k, self.v, cu_q, starts, max_query_len, self.cu_k, self.max_len,
+                                     sm_scale, softcap, None, causal=False)
         out.masked_fill_(self.empty[:, None, None], 0.0)  # an empty piece's rows are undefined (vLLM's rule)
         lse.masked_fill_(self.empty[None, :], float("-inf"))
         return out, lse
-
-
-def _dense_attention_reference(query, k, v, starts: list[int], cu_k: list[int], sm_scale, softcap):
-    """Each request's queries over all of its gathered prefix rows, with KVX's FP64 reference core (off CUDA)."""
-    out = torch.zeros_like(query)
-    lse = torch.full((query.shape[1], query.shape[0]), float("-inf"), dtype=torch.float32, device=query.device)
-    for (q0, q1), (k0, k1) in zip(pairwise(starts), pairwise(cu_k), strict=True):
-        if q1 > q0 and k1 > k0:
-            o, lse_t = attention.attend(query[q0:q1], k[k0:k1], v[k0:k1], torch.full((q1 - q0,), k1 - k0),
-                                        sm_scale, softcap, None, True)
-            out[q0:q1], lse[:, q0:q1] = o.to(out.dtype), lse_t.t().float()
-    return out, lse
 
 
 @dataclass
@@ -182,12 +160,9 @@ class SplitPrefill:
         and the cached prefixes in `cache` (the new tokens are already written; the prefix plans do not read
         them), with the layer's attention `sinks` (FP32 `[Hq]` on the device, checked: `attention.sink_values`).
         `bound`: the layer as the kernels take it (`dispatch.bind`), for the dense piece's gather."""
-        if query.is_cuda:
-            part = _new_tokens_attention_cuda(query, key, value, self.cu_seqlens, self.max_query_len,
-                                              self.sm_scale, self.softcap, self.window)
-        else:
-            part = _new_tokens_attention_reference(query, key, value, self.starts, self.sm_scale,
-                                                   self.softcap, self.window)
+        part = _varlen_attention(query, key, value, self.cu_seqlens, self.starts, self.max_query_len,
+                                 self.cu_seqlens, self.max_query_len, self.sm_scale, self.softcap, self.window,
+                                 causal=True)
         pieces = []
         if self.prefix is not None:
             prefix_out = torch.empty_like(query)
