@@ -30,7 +30,7 @@ from ..ops import smoothing
 from ..ops.checks import WriteArgs, cache_global_scales, check_disjoint, check_write
 from ..ops.reference import write_kv
 from ..ops.rotation import rotate
-from .bundle import BundleReader, BundleWriter, TensorSpec, split_payload
+from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec, split_payload
 from .header import bundle_header, head_range, transform_flags
 from .host import HostBundle
 from .kernels import use_kernels
@@ -88,12 +88,15 @@ def checkpoint_fingerprint(directory: str) -> ModelFingerprint | None:
 
 
 def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
-                  token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None) -> dict:
+                  token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
+                  segment_bytes: int = SEGMENT_BYTES) -> dict:
     """Write the bundle of one sequence: `caches[i]` is layer i's cache, `slots` the sequence's token slots in
     order (shared by every layer). A tensor-parallel rank exports its shard: `kv_heads` = the model's KV heads its
-    caches hold, `[start, stop)`. Returns the header. Streams layer by layer, after every layer's cache and slots
-    are checked (a refused export writes nothing)."""
-    header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads)
+    caches hold, `[start, stop)`; `segment_bytes`: the checksum segment size the bundle declares. Returns the
+    header. Streams layer by layer, after every layer's cache and slots are checked (a refused export writes
+    nothing)."""
+    header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,
+                           segment_bytes=segment_bytes)
     slots, wheres, formats = layer_slots(caches, slots)
     w = BundleWriter(out, header)
     for cache, where, gs, fmt in zip(caches, wheres, layer_global_scales(caches, formats), formats, strict=True):

@@ -12,7 +12,7 @@ are checksummed on the GPU and only the header, chunk heads, checksums, tail seg
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -108,6 +108,63 @@ def _host_bytes(buf: torch.Tensor, what: str, cuda_ok: bool = False) -> None:
             f"{'' if cuda_ok else ' (pinned for GPU speed)'}")
 
 
+class _Export:
+    """What one export writes, fixed before a byte is: the header (every layer's cache and the slots checked), the
+    bundle's layout and each layer's slots, blocks and format."""
+
+    def __init__(self, caches: Sequence[CacheDesc], slots: torch.Tensor, model: ModelFingerprint,
+                 token_ids: Sequence[int] | None, kv_heads: tuple[int, int] | None, segment_bytes: int):
+        self.caches = caches
+        self.header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,
+                                    segment_bytes=segment_bytes)
+        self.layers, tokens, self.specs, self.segment = parse_specs(self.header)
+        self.prefix, self.seed = bundle_prefix(self.header)
+        self.first, self.size = len(self.prefix), sum(s.nbytes(tokens) for s in self.specs)
+        self.total = bundle_bytes(self.first, self.size, self.layers)
+        self.whole = self.size // self.segment * self.segment  # the bytes of whole checksum segments
+        self.stride = -(-self.size // 256) * 256  # a staged chunk's start, 256-byte aligned (the GPU hash reads words)
+        # each layer's blocks / offsets (block sizes may differ)
+        self.slots, self.wheres, self.formats = layer_slots(caches, slots)
+
+    def at(self, i: int) -> int:
+        """The offset of layer `i`'s payload in the bundle."""
+        return chunk_at(self.first, self.size, i) + 16
+
+    def staging(self, device: torch.device) -> StorageViews | None:
+        """One device buffer every layer's chunk is gathered into (`EXPORT_STAGE_BYTES`), or None: a chunk each."""
+        if use_kernels(device) and self.layers * self.stride <= EXPORT_STAGE_BYTES:
+            return StorageViews(torch.empty(self.layers * self.stride, dtype=torch.uint8, device=device))
+        return None
+
+    def chunks(self, stage: StorageViews | None) -> Iterator[tuple[int, torch.Tensor]]:
+        """(layer, its chunk payload on the caches' device), gathered in layer order (into `stage` when given)."""
+        layers = zip(self.caches, self.wheres, layer_global_scales(self.caches, self.formats), self.formats,
+                     strict=True)
+        for i, (cache, where, gs, fmt) in enumerate(layers):
+            yield i, read_chunk(cache, self.slots, self.specs, where=where, scales=gs,
+                                into=None if stage is None else (stage, i * self.stride), fmt=fmt)
+
+    def sums(self, gpu: list[list[int]], host: list[list[int]]) -> list[int]:
+        """Each chunk's checksum from its segments' digests: those hashed on the device, then the host's."""
+        return [combine_segments(i, g + h, self.seed) for i, (g, h) in enumerate(zip(gpu, host, strict=True))]
+
+    def small_bytes(self, sums: list[int]) -> list[tuple[int, bytes]]:
+        """(offset, bytes) of everything but the payloads: the prefix, chunk heads and checksums, the trailer."""
+        out = [(0, self.prefix)]
+        for i, c in enumerate(sums):
+            out += [(self.at(i) - 16, chunk_head(i, self.size)), (self.at(i) + self.size, c.to_bytes(8, "little"))]
+        return out + [(self.total - 24, trailer(sums, self.total - 24, self.seed))]
+
+
+def _digest_lists(digests: torch.Tensor | list[torch.Tensor], layers: int) -> list[list[int]]:
+    """Per layer, the device digests of its whole segments as Python ints (one host sync)."""
+    if isinstance(digests, list):
+        if not digests:
+            return [[] for _ in range(layers)]
+        digests = torch.stack(digests)
+    return [[int(d) for d in row] for row in digests.cpu().numpy().view(np.uint64).tolist()]
+
+
 def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
                    token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,22 +173,15 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     From CUDA caches the checksum segments are 64 KiB and hashed on the GPU before each chunk is copied out.
     Every check (caches, every layer's slots, `out`) passes before the first byte of `out` is written."""
     cuda = caches[0].k.tensor.device.type == "cuda" if caches else False
-    header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,
-                           segment_bytes=GPU_SEGMENT_BYTES if cuda else SEGMENT_BYTES)
-    layers, tokens, specs, segment = parse_specs(header)
-    prefix, seed = bundle_prefix(header)
-    first, size = len(prefix), sum(s.nbytes(tokens) for s in specs)
-    total = bundle_bytes(first, size, layers)
-    slots, wheres, formats = layer_slots(caches, slots)  # each layer's blocks / offsets (block sizes may differ)
+    e = _Export(caches, slots, model, token_ids, kv_heads, GPU_SEGMENT_BYTES if cuda else SEGMENT_BYTES)
     if out is None:
-        out = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+        out = torch.empty(e.total, dtype=torch.uint8, pin_memory=cuda)
     _host_bytes(out, "export_to_host: out")
-    require(out.numel() >= total, Status.OUT_OF_RANGE, f"export_to_host: the bundle needs {total} bytes, out has "
-                                                       f"{out.numel()}")
-    buf = out[:total]
+    require(out.numel() >= e.total, Status.OUT_OF_RANGE, f"export_to_host: the bundle needs {e.total} bytes, out "
+                                                         f"has {out.numel()}")
+    buf = out[:e.total]
     mem = buf.numpy()
-    mem[:first] = memoryview(prefix)
-    whole = size // segment * segment  # hashed on the GPU; the tail segment (if any) on the host
+    size, segment, seed = e.size, e.segment, e.seed
     pool, landed, futures, on_gpu = _hash_pool(), [], [], []
 
     def hash_landed(block: bool) -> None:
@@ -142,29 +192,21 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
                 if not block:
                     return
                 done.synchronize()
-            at = chunk_at(first, size, i) + 16
-            host = segments(size, segment) if not cuda else ([(whole, size)] if whole < size else [])
+            at = e.at(i)
+            host = segments(size, segment) if not cuda else ([(e.whole, size)] if e.whole < size else [])
             futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
     dev = caches[0].k.tensor.device
-    stride = -(-size // 256) * 256  # each layer's chunk 256-byte aligned (the GPU hash reads 8-byte words)
-    staged = use_kernels(dev) and layers * stride <= EXPORT_STAGE_BYTES
-    stage = StorageViews(torch.empty(layers * stride, dtype=torch.uint8, device=dev)) if staged else None
+    stage = e.staging(dev)
     host = StorageViews(buf)
-    # queue each layer's gather and copy; hash the landed
-    for i, (cache, where, gs, fmt) in enumerate(zip(caches, wheres, layer_global_scales(caches, formats), formats,
-                                                   strict=True)):
-        chunk = read_chunk(cache, slots, specs, where=where, scales=gs,
-                           into=None if stage is None else (stage, i * stride), fmt=fmt)
-        at = chunk_at(first, size, i)
-        mem[at:at + 16] = memoryview(chunk_head(i, size))
+    for i, chunk in e.chunks(stage):  # queue each layer's gather and copy; hash the landed
         if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
             side, ready, done = _copy_stream(dev), torch.cuda.Event(), torch.cuda.Event()
             ready.record()
             with torch.cuda.stream(side):
                 side.wait_event(ready)
                 if size:
-                    host.view(at + 16, torch.uint8, (size,)).copy_(chunk, non_blocking=True)
+                    host.view(e.at(i), torch.uint8, (size,)).copy_(chunk, non_blocking=True)
                 done.record(side)
             if size:
                 chunk.record_stream(side)
@@ -173,20 +215,55 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             landed.append(done)
         else:
             if size:
-                host.view(at + 16, torch.uint8, (size,)).copy_(chunk)
+                host.view(e.at(i), torch.uint8, (size,)).copy_(chunk)
             landed.append(None)
         hash_landed(block=False)
     if cuda and size and stage is not None:
-        on_gpu = gpu_chunk_digests(stage.buf, layers, stride, size, segment, seed)
+        on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)
     hash_landed(block=True)
-    gpu = (on_gpu if stage is not None else torch.stack(on_gpu)).cpu().numpy().view(np.uint64).tolist() \
-        if len(on_gpu) else [[] for _ in caches]
-    sums = [combine_segments(i, [int(d) for d in (gpu[i] if cuda else [])] + [f.result() for f in fs], seed)
-            for i, fs in enumerate(futures)]
-    for i, c in enumerate(sums):
-        at = chunk_at(first, size, i) + 16 + size
-        mem[at:at + 8] = memoryview(c.to_bytes(8, "little"))
-    mem[total - 24:] = memoryview(trailer(sums, total - 24, seed))
+    sums = e.sums(_digest_lists(on_gpu, e.layers), [[f.result() for f in fs] for fs in futures])
+    for at, b in e.small_bytes(sums):
+        mem[at:at + len(b)] = memoryview(b)
+    return buf
+
+
+def export_to_device(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
+                     token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
+                     out: torch.Tensor) -> torch.Tensor:
+    """The bundle of one sequence written into `out[:n]`, a uint8 buffer on the caches' own device (a NIXL VRAM
+    slot), without a round trip through host memory: each layer's chunk is gathered by the transfer kernel, its 64
+    KiB checksum segments hashed there and the payload copied device to device into place; only the digests and
+    the payloads' tail segments come to the host (one sync), and the prefix, chunk heads, checksums and trailer go
+    back in one scatter. The bytes are `export_to_host`'s from the same caches. Returns once they are all in `out`.
+    Every check passes before the first byte of `out` is written."""
+    dev = caches[0].k.tensor.device if caches else None
+    require(isinstance(out, torch.Tensor) and out.device == dev and out.dtype == torch.uint8 and out.dim() == 1
+            and out.is_contiguous(), Status.INVALID_ARGUMENT,
+            f"export_to_device: out must be a contiguous 1-D uint8 tensor on the caches' device {dev}")
+    require(use_kernels(dev), Status.UNSUPPORTED,
+            f"export_to_device: the caches on {dev} are not served by the transfer kernels (CUDA): export_to_host")
+    e = _Export(caches, slots, model, token_ids, kv_heads, GPU_SEGMENT_BYTES)
+    require(out.numel() >= e.total, Status.OUT_OF_RANGE, f"export_to_device: the bundle needs {e.total} bytes, out "
+                                                         f"has {out.numel()}")
+    buf, size = out[:e.total], e.size
+    stage, on_gpu, tails = e.staging(dev), [], []
+    for i, chunk in e.chunks(stage):
+        if size:
+            buf[e.at(i):e.at(i) + size].copy_(chunk)
+            tails.append(chunk[e.whole:])
+            if stage is None:
+                on_gpu.append(gpu_segment_digests(chunk, e.segment, e.seed))
+    if size and stage is not None:
+        on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, e.segment, e.seed)
+    host_tails = torch.stack(tails).cpu().numpy() if e.whole < size else None
+    sums = e.sums(_digest_lists(on_gpu, e.layers),
+                  [[] if host_tails is None else [segment_digest(host_tails[i], e.seed)] for i in range(e.layers)])
+    small = e.small_bytes(sums)
+    where = torch.from_numpy(np.concatenate([np.arange(at, at + len(b), dtype=np.int64) for at, b in small]))
+    data = torch.frombuffer(bytearray(b"".join(b for _, b in small)), dtype=torch.uint8)
+    buf.index_copy_(0, where.to(dev), data.to(dev))
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
     return buf
 
 

@@ -3,9 +3,10 @@
 A `NixlPeer` owns one NIXL agent and one registered buffer, cut into `slots` equal slots, in host memory
 (`memory="host"`: NIXL "DRAM", pinned when CUDA is available) or in a GPU's (`memory="device"`: NIXL "VRAM" on
 `device`; UCX moves it GPU to GPU over NVLink / PCIe by cuda_ipc, or cuda_copy). The sending peer `publish`es a
-sequence: it exports the bundle into a free slot (`host.export_to_host`; into device memory through a pinned staging
-buffer of one slot, then one copy to the GPU) and returns a `ticket`, a small JSON-safe dict that the application
-passes to the receiver out of band (an HTTP response, vLLM's `kv_transfer_params`):
+sequence: it exports the bundle into a free slot (`host.export_to_host`; into device memory from caches on that GPU
+by `host.export_to_device`, device to device; from caches elsewhere through a pinned staging buffer of one slot)
+and returns a `ticket`, a small JSON-safe dict that the application passes to the receiver out of band (an HTTP
+response, vLLM's `kv_transfer_params`):
 
     {"agent": name, "nbytes": bundle bytes, "addr": the bundle's address in the sender's buffer,
      "seq": the publish's number, "metadata": base64 of the sender agent's NIXL metadata,
@@ -49,7 +50,8 @@ from ..errors import KvxError, Status, require
 from ..formats.base import is_int
 from ..jsonsafe import loads_object
 from .handoff import ModelFingerprint, import_bundle
-from .host import export_to_host
+from .host import export_to_device, export_to_host
+from .kernels import use_kernels
 from .schema import short
 
 TIMEOUT_S = 60.0
@@ -205,7 +207,9 @@ class NixlPeer:
         out = self.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]
         if self.memory == "host":
             bundle = export_to_host(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads, out=out)
-        else:  # every check passes in the export, before the slot changes; the copy returns once it landed
+        elif caches and caches[0].k.tensor.device == self.buf.device and use_kernels(self.buf.device):  # on the GPU
+            bundle = export_to_device(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads, out=out)
+        else:  # caches elsewhere: exported into a pinned host stage, then one copy to the slot, landed on return
             if self._stage is None:
                 self._stage = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
             staged = export_to_host(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,

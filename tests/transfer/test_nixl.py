@@ -22,11 +22,13 @@ except ImportError:
 
 from kvx_core.errors import KvxError, Status  # noqa: E402
 from kvx_core.transfer import import_bundle  # noqa: E402
+from kvx_core.transfer.host import export_to_host  # noqa: E402
 from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
 from kvx_core.transfer.rows import read_rows  # noqa: E402
 
 from ..fuzz import run_capped  # noqa: E402
 from ..procs import communicate  # noqa: E402
+from . import caches  # noqa: E402
 from .caches import LAYERS, MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
 
 LOOPBACK_TLS = "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"
@@ -338,3 +340,13 @@ def test_device_memory_peers_hand_a_bundle_over_bit_for_bit(monkeypatch):
     with pytest.raises(KvxError, match="checksum"):
         receiver.receive(ticket, _descs(dst), back.to(dst.device), model=MODEL, token_ids=ids)
     assert _unchanged(dst, before)
+    # caches on the sender's GPU: exported straight into its VRAM slot (host.export_to_device), the bytes of the
+    # host export of the same caches, and read and imported like the staged bundle above
+    monkeypatch.setattr(caches, "DEVICE", "cuda")
+    on_gpu, _ = _cache("nvfp4", 16, 4, tokens=40)  # the same rows (seeded on the host), on the current GPU
+    direct = sender.publish(_descs(on_gpu), slots.cuda(), model=MODEL, token_ids=ids, seq=8)
+    at = direct["addr"] - sender.buf.data_ptr()
+    want = export_to_host(_descs(on_gpu), slots.cuda(), model=MODEL, token_ids=ids)
+    assert torch.equal(sender.buf[at:at + direct["nbytes"]].cpu(), want)
+    receiver.receive(direct, _descs(dst), back.to(dst.device), model=MODEL, token_ids=ids)
+    assert _unchanged(dst, before)  # the same rows stored again
