@@ -42,6 +42,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -134,6 +135,32 @@ def parse_ticket(ticket: dict | str | bytes) -> Ticket:
                   addr=_int_field(ticket, "addr", 0, 2**64), **where)
 
 
+def parse_ticket_set(ticket: dict | str | bytes) -> list[tuple[Ticket, tuple[int, int] | None]]:
+    """The shards a ticket names, as (`Ticket`, the model's KV heads `[start, stop)` that shard holds): a plain
+    ticket is one shard of every KV head (None), a tensor-parallel producer's ticket set `{"shards": [ticket +
+    "kv_heads": [start, stop], ...]}` one per distinct head range, 1 to `MAX_SHARDS` of them, the ranges disjoint.
+    KvxError INVALID_ARGUMENT for anything else (each shard's fields as `parse_ticket` checks them)."""
+    if isinstance(ticket, (str, bytes, bytearray)):
+        ticket = loads_object(ticket, "KVX NIXL ticket")
+    if not isinstance(ticket, dict) or "shards" not in ticket:
+        return [(parse_ticket(ticket), None)]
+    shards = ticket["shards"]
+    if set(ticket) != {"shards"} or not isinstance(shards, list) or not 0 < len(shards) <= MAX_SHARDS:
+        raise _bad_ticket(f"a ticket set is {{shards: [1 to {MAX_SHARDS} tickets]}}, got keys {short(sorted(ticket))}")
+    out = []
+    for shard in shards:
+        heads = shard.get("kv_heads") if isinstance(shard, dict) else None
+        if not (isinstance(heads, list) and len(heads) == 2 and all(is_int(h) for h in heads)
+                and 0 <= heads[0] < heads[1] <= MAX_KV_HEADS):
+            raise _bad_ticket(f"a shard's kv_heads must be [start, stop) within [0, {MAX_KV_HEADS}], got "
+                              f"{short(heads)}")
+        out.append((parse_ticket({k: v for k, v in shard.items() if k != "kv_heads"}), (heads[0], heads[1])))
+    ranges = sorted(r for _, r in out)
+    if any(a[1] > b[0] for a, b in pairwise(ranges)):
+        raise _bad_ticket(f"the shards' kv_heads overlap: {ranges}")
+    return out
+
+
 def _agent_class():
     try:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -159,8 +186,15 @@ def _buffer_device(memory: str, device: int | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if device is None else device)
 
 
-_READ_NOTIF = re.compile(rb"kvx-read ([0-9]{1,19})")
-"""The notification a reader's READ sends its sender when it completes: the `seq` of the bundle read."""
+_READ_NOTIF = re.compile(rb"kvx-read ([0-9]{1,19})(?: ([0-9]{1,4}))?")
+"""The notification a reader's READ sends its sender when it completes: the `seq` of the bundle read, and how many
+readers that bundle has (absent: one; the READs of a tensor-parallel consumer's ranks, each reading it)."""
+MAX_READERS = 1024
+"""A notification's reader count above this is refused (ignored)."""
+MAX_SHARDS = 64
+"""A ticket set (a tensor-parallel producer's) of more shards than this is refused."""
+MAX_KV_HEADS = 1 << 16
+"""A shard's KV-head range must lie in [0, MAX_KV_HEADS)."""
 
 
 class NixlPeer:
@@ -191,7 +225,8 @@ class NixlPeer:
         self._stage: torch.Tensor | None = None  # device memory: the pinned host slot bundles are exported into
         self.slot_bytes, self.hold_s = capacity // slots, float(hold_s)
         self._seq = [-1] * slots  # the seq of the bundle each slot holds (-1: none yet)
-        self._until = [0.0] * slots  # time.monotonic() until which each slot is held for its reader
+        self._until = [0.0] * slots  # time.monotonic() until which each slot is held for its readers
+        self._reads = [0] * slots  # READs of each slot's bundle completed so far
         self._published = 0
         self._remotes: dict[bytes, str] = {}
 
@@ -219,7 +254,7 @@ class NixlPeer:
         if seq is None:
             seq = self._published
         self._published = max(self._published, seq + 1)
-        self._seq[i], self._until[i] = seq, time.monotonic() + self.hold_s
+        self._seq[i], self._until[i], self._reads[i] = seq, time.monotonic() + self.hold_s, 0
         self.directory[i] = torch.tensor([seq + 1, bundle.data_ptr(), bundle.numel()])
         return {"agent": self.name, "nbytes": bundle.numel(), "addr": bundle.data_ptr(), "seq": seq,
                 "metadata": self._metadata(), **self._where()}
@@ -256,20 +291,30 @@ class NixlPeer:
         return min(free, key=lambda i: self._seq[i])
 
     def _collect_reads(self) -> None:
-        """Release the slots whose bundles' READs completed ("kvx-read <seq>" notifications; others ignored)."""
+        """Release the slots whose bundles' READs completed, all of its readers' ("kvx-read <seq> [<readers>]"
+        notifications; others ignored)."""
         for messages in self.agent.get_new_notifs().values():
             for message in messages:
                 m = _READ_NOTIF.fullmatch(message) if isinstance(message, bytes) else None
-                if m and int(m.group(1)) in self._seq:
-                    self._until[self._seq.index(int(m.group(1)))] = 0.0
+                readers = int(m.group(2) or 1) if m else 0
+                if m and int(m.group(1)) in self._seq and 0 < readers <= MAX_READERS:
+                    i = self._seq.index(int(m.group(1)))
+                    self._reads[i] += 1
+                    if self._reads[i] >= readers:
+                        self._until[i] = 0.0
 
-    def fetch(self, ticket: dict | str | bytes, timeout_s: float = TIMEOUT_S) -> torch.Tensor:
+    def fetch(self, ticket: dict | str | bytes | Ticket, timeout_s: float = TIMEOUT_S, *, at: int = 0,
+              readers: int = 1) -> torch.Tensor:
         """READ the bundle a ticket names (a lookup ticket: first the sender's directory, then the slot holding its
-        seq) into this peer's buffer; returns the bytes (a view of the buffer)."""
-        t = parse_ticket(ticket)
+        seq) into this peer's buffer from byte `at` (the shards of a ticket set side by side); returns the bytes (a
+        view of the buffer). `readers`: how many peers READ this bundle (a tensor-parallel consumer's ranks): its
+        sender releases the slot once that many READs completed."""
+        require(is_int(at) and 0 <= at and is_int(readers) and 0 < readers <= MAX_READERS, Status.INVALID_ARGUMENT,
+                f"NixlPeer.fetch: at must be >= 0 and readers in [1, {MAX_READERS}], got {at!r}, {readers!r}")
+        t = ticket if isinstance(ticket, Ticket) else parse_ticket(ticket)
         if t.directory is not None:
-            entries = self._read(t, t.directory, t.slots * _ENTRY * 8, ("DRAM", 0), b"",
-                                 timeout_s).view(torch.int64).view(-1, 3)
+            entries = self._read(t, t.directory, t.slots * _ENTRY * 8, ("DRAM", 0), b"", timeout_s,
+                                 at).view(torch.int64).view(-1, 3)
             found = [e for e in entries.tolist() if e[0] == t.seq + 1]
             require(bool(found), Status.INVALID_ARGUMENT,
                     f"the bundle of NIXL ticket seq {t.seq} is not published by {short(t.agent)} (not yet, failed, "
@@ -279,15 +324,16 @@ class NixlPeer:
                 raise _bad_ticket(f"the directory of {short(t.agent)} gives address {addr}, size {n}")
             t = Ticket(t.agent, t.seq, t.metadata, nbytes=n, addr=addr, memory=t.memory, device=t.device)
         where = ("VRAM", t.device) if t.memory == "device" else ("DRAM", 0)
-        return self._read(t, t.addr, t.nbytes, where, b"kvx-read %d" % t.seq, timeout_s)
+        notif = b"kvx-read %d" % t.seq if readers == 1 else b"kvx-read %d %d" % (t.seq, readers)
+        return self._read(t, t.addr, t.nbytes, where, notif, timeout_s, at)
 
     def _read(self, t: Ticket, addr: int, n: int, where: tuple[str, int], notif: bytes,
-              timeout_s: float) -> torch.Tensor:
+              timeout_s: float, at: int = 0) -> torch.Tensor:
         """One NIXL READ of `n` bytes at the sender's `addr` in its memory `where` (NIXL memory type, device) into
-        the start of this peer's buffer (`notif`: the notification the sender gets when it completes)."""
-        require(n <= self.buf.numel(), Status.OUT_OF_RANGE,
-                f"the bundle has {n} bytes; this peer's buffer holds {self.buf.numel()}")
-        local = self.buf[:n]
+        this peer's buffer at byte `at` (`notif`: the notification the sender gets when it completes)."""
+        require(at + n <= self.buf.numel(), Status.OUT_OF_RANGE,
+                f"the bundle has {n} bytes; this peer's buffer holds {self.buf.numel() - at} from byte {at}")
+        local = self.buf[at:at + n]
         try:  # NIXL parses the metadata and checks the remote range against what the sender registered
             if t.metadata not in self._remotes:
                 name = self.agent.add_remote_agent(t.metadata)

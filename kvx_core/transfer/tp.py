@@ -39,3 +39,9 @@ def writes_shard(num_kv_heads: int, tp_size: int, tp_rank: int) -> bool:
     """Whether `tp_rank` is the first rank holding its range (the one that exports it; its replicas do not)."""
     mine = tp_head_range(num_kv_heads, tp_size, tp_rank)
     return tp_rank == 0 or tp_head_range(num_kv_heads, tp_size, tp_rank - 1) != mine
+
+
+def ranks_reading(heads: tuple[int, int], num_kv_heads: int, tp_size: int) -> int:
+    """How many of `tp_size` ranks hold any of the KV heads `[start, stop)`: the readers of a shard holding them."""
+    return sum(a < heads[1] and heads[0] < b
+               for a, b in (tp_head_range(num_kv_heads, tp_size, r) for r in range(tp_size)))

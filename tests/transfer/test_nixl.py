@@ -23,7 +23,7 @@ except ImportError:
 from kvx_core.errors import KvxError, Status  # noqa: E402
 from kvx_core.transfer import import_bundle  # noqa: E402
 from kvx_core.transfer.host import export_to_host  # noqa: E402
-from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
+from kvx_core.transfer.nixl import MAX_SHARDS, NixlPeer, parse_ticket_set  # noqa: E402
 from kvx_core.transfer.rows import read_rows  # noqa: E402
 
 from ..fuzz import run_capped  # noqa: E402
@@ -70,6 +70,40 @@ def test_in_process_handoff_is_bit_identical_and_converts():
     receiver.receive(ticket, _descs(into_bf16), back, model=MODEL)
     import_bundle(receiver.fetch(ticket).clone(), _descs(oracle), back, model=MODEL)
     assert _rows_equal(into_bf16, back, oracle, back)
+
+
+def test_ticket_sets_and_reads_side_by_side():
+    """A tensor-parallel producer's ticket set: each shard parsed with its KV-head range, READ at its own offset of
+    the receiver's buffer; a set that is empty, too long, has other keys, or heads missing, reversed or overlapping
+    is refused; so are a negative offset, a reader count out of range and a READ past the buffer's end."""
+    src, slots = _cache("int8", 16, 4, tokens=20)
+    sender, receiver = NixlPeer("kvx-send-set", 1 << 20, slots=2), NixlPeer("kvx-recv-set", 1 << 16)
+    a = sender.publish(_descs(src), slots, model=MODEL, seq=1)
+    b = sender.publish(_descs(src), slots[:10], model=MODEL, seq=2)
+    plain = parse_ticket_set(json.dumps(a))
+    assert len(plain) == 1 and plain[0][1] is None and plain[0][0].seq == 1
+    shards = parse_ticket_set({"shards": [{**b, "kv_heads": [1, 2]}, {**a, "kv_heads": [0, 1]}]})
+    assert [(t.seq, h) for t, h in shards] == [(2, (1, 2)), (1, (0, 1))]
+    first = receiver.fetch(shards[1][0])
+    second = receiver.fetch(shards[0][0], at=-(-first.numel() // 256) * 256)
+    assert torch.equal(first, sender.buf[:a["nbytes"]]) and second.data_ptr() > first.data_ptr()
+    assert torch.equal(second, sender.buf[b["addr"] - sender.buf.data_ptr():][:b["nbytes"]])
+    for forged in ({"shards": []}, {"shards": [{**a, "kv_heads": [0, 1]}] * (MAX_SHARDS + 1)},
+                   {"shards": [{**a, "kv_heads": [0, 1]}], "seq": 1}, {"shards": [a]},
+                   {"shards": [{**a, "kv_heads": [1, 1]}]}, {"shards": [{**a, "kv_heads": [0, 1.0]}]},
+                   {"shards": [{**a, "kv_heads": [0, 2]}, {**b, "kv_heads": [1, 3]}]},
+                   {"shards": [{**a, "kv_heads": [0, 1]}, {**b, "kv_heads": [0, 1]}]},
+                   {"shards": [{**a, "agent": 7, "kv_heads": [0, 1]}]}):
+        with pytest.raises(KvxError, match="ticket") as e:
+            parse_ticket_set(forged)
+        assert e.value.status == Status.INVALID_ARGUMENT
+    for kw in ({"at": -1}, {"readers": 0}, {"readers": 1025}, {"at": 1.0}):
+        with pytest.raises(KvxError) as e:
+            receiver.fetch(a, **kw)
+        assert e.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(KvxError) as e:
+        receiver.fetch(a, at=(1 << 16) - 10)
+    assert e.value.status == Status.OUT_OF_RANGE
 
 
 def test_stale_ticket_bad_ticket_and_small_buffer_are_refused_untouched():

@@ -18,15 +18,18 @@ MODEL = ModelFingerprint("LlamaForCausalLM", LAYERS, H, D, {"rope_theta": 1e4}, 
 SLOTS = torch.arange(3, 3 + T)
 
 
-def _caches(fmt: str, heads: tuple[int, int], k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
-    """A cache of KV heads [a, b) holding those heads of `k`/`v` (and their global scales) in every layer."""
+def _caches(fmt: str, heads: tuple[int, int], k: torch.Tensor, v: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor,
+            slots: torch.Tensor = SLOTS, block_size: int = 8):
+    """A cache of KV heads [a, b) holding those heads of `k`/`v` (and their global scales) at `slots` in every
+    layer."""
     a, b = heads
-    c = PagedKVCache(fmt, num_layers=LAYERS, num_blocks=4, block_size=8, num_kv_heads=b - a, head_dim=D,
-                     per_head_global_scale=True)
+    c = PagedKVCache(fmt, num_layers=LAYERS, num_blocks=32 // block_size, block_size=block_size, num_kv_heads=b - a,
+                     head_dim=D, per_head_global_scale=True)
     for layer in range(LAYERS):
         if c.layers[layer].k_global is not None:
             c.set_global_scales(layer, gk[layer, a:b], gv[layer, a:b])
-        c.write(layer, k[layer][:, a:b], v[layer][:, a:b], SLOTS)
+        if k.shape[1]:
+            c.write(layer, k[layer][:, a:b], v[layer][:, a:b], slots)
     return c
 
 

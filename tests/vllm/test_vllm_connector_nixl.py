@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from types import SimpleNamespace
 from unittest import mock
@@ -26,6 +27,8 @@ except ImportError:
 
 from kvx_core.transfer import import_bundle  # noqa: E402
 from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
+from kvx_core.transfer.rows import read_rows  # noqa: E402
+from kvx_core.transfer.tp import tp_head_range  # noqa: E402
 from kvx_vllm.connector import KvxConnector  # noqa: E402
 from tests.fuzz import DEEP  # noqa: E402
 from tests.transfer.caches import MODEL, _cache, _descs, _snapshot, _unchanged  # noqa: E402
@@ -60,18 +63,21 @@ class _Caches:
 
 
 def _connector(cache, block_size: int, *, producer: bool, consumer: bool, slots: int = 2,
-               hold_s: int = 3600) -> KvxConnector:
-    """A connector of transport nixl in the state its `__init__` and `register_kv_caches` leave (TP=1)."""
+               hold_s: int = 3600, model=MODEL, tp: tuple[int, int] = (1, 0)) -> KvxConnector:
+    """A connector of transport nixl in the state its `__init__` and `register_kv_caches` leave: rank `tp[1]` of
+    `tp[0]` (TP=1 by default; a TP=1 producer's scheduler has its worker's handshake)."""
     c = KvxConnector.__new__(KvxConnector)
     c.nixl = SimpleNamespace(nixl_buffer=1 << 20, nixl_slots=slots, nixl_hold_s=hold_s, nixl_memory="host")
-    c.store, c.model, c.block_size, c.kv_heads = None, MODEL, block_size, (0, MODEL.num_kv_heads)
+    c.store, c.model, c.block_size = None, model, block_size
+    c.tp_size, c.tp_rank = tp
+    c.kv_heads = tp_head_range(model.num_kv_heads, *tp)
     c.producer, c.consumer = producer, consumer
-    c._blocks, c._prompts, c._loads, c._publish, c._tickets, c._directory, c._seq = {}, {}, {}, set(), {}, None, 0
+    c._blocks, c._prompts, c._loads, c._publish, c._tickets, c._directories, c._seq = {}, {}, {}, set(), {}, {}, 0
     c._failed, c._caches, c._connector_metadata = set(), _Caches(cache), None
     name = f"kvx-test-{uuid.uuid4().hex}"
     c._sender = NixlPeer(name + "-send", 1 << 20, slots=slots, hold_s=hold_s) if producer else None
     c._receiver = NixlPeer(name + "-recv", 1 << 20) if consumer else None
-    if producer:  # vLLM's startup handshake: the worker's metadata to the scheduler
+    if producer and tp[0] == 1:  # vLLM's startup handshake: the worker's metadata to the scheduler
         c.set_xfer_handshake_metadata({0: c.get_handshake_metadata()})
     return c
 
@@ -210,12 +216,11 @@ def test_a_producer_with_every_slot_held_publishes_nothing_and_keeps_the_held_bu
     assert (n, failed) == (len(PROMPT) - 1, set()) and _rows_equal(src, src_slots[:n], dst, _consumer_slots(n))
 
 
-@pytest.mark.parametrize("opts, tp, reason", [(SimpleNamespace(store="/dev/shm/kvx", kvtc=None), 1, "no store"),
-                                              (SimpleNamespace(store=None, kvtc="/cal"), 1, "no store"),
-                                              (SimpleNamespace(store=None, kvtc=None), 2, "tensor-parallel-size 1")])
-def test_nixl_startup_refusals(opts, tp, reason):
-    with pytest.raises(ValueError, match=reason):
-        KvxConnector._check_nixl(opts, tp)
+@pytest.mark.parametrize("opts", [SimpleNamespace(store="/dev/shm/kvx", kvtc=None),
+                                  SimpleNamespace(store=None, kvtc="/cal")])
+def test_nixl_startup_refusals(opts):
+    with pytest.raises(ValueError, match="no store"):
+        KvxConnector._check_nixl(opts)
 
 
 def test_the_connector_starts_with_transport_nixl(checkpoint, tmp_path):
@@ -232,7 +237,7 @@ def test_the_connector_starts_with_transport_nixl(checkpoint, tmp_path):
         worker.register_kv_caches({})
     assert sched.store is None and worker._sender.directory.shape[0] == 3 and worker._receiver is not None
     sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
-    assert sched._directory["agent"] == worker._sender.name and "seq" not in sched._directory
+    assert sched._directories[0]["agent"] == worker._sender.name and "seq" not in sched._directories[0]
 
 
 @pytest.mark.parametrize("kvx, store, refused", [
@@ -269,3 +274,124 @@ def test_more_slots_than_a_peer_takes_are_refused_when_the_worker_starts(checkpo
                           KVConnectorRole.WORKER)
     with mock.patch.object(connector, "LayerCaches"), pytest.raises(ValueError, match="slots must be"):
         worker.register_kv_caches({})
+
+
+# ---------------------------------------------------------------- tensor parallelism over NIXL
+TP_PRODUCER_BLOCKS, TP_CONSUMER_BLOCKS = [2, 0, 3], [7, 5, 3, 1, 0]  # 8-token producer blocks, 4-token consumer ones
+
+
+def _tp_slots(blocks: list[int], block_size: int, n: int) -> torch.Tensor:
+    t = torch.arange(n)
+    return torch.tensor(blocks)[t // block_size] * block_size + t % block_size
+
+
+def _tp_step(ranks: list[KvxConnector], rid: str, prompt: list[int], blocks: list[int], computed: int = 0):
+    """One scheduler step (rank 0's connector is the scheduler's) whose metadata every worker rank runs."""
+    meta = _step(ranks[0], rid, prompt, blocks, computed)
+    for r in ranks[1:]:
+        r.bind_connector_metadata(meta)
+    return meta
+
+
+@pytest.mark.parametrize("producer_tp, consumer_tp", [(2, 1), (4, 2), (1, 2), (8, 4), (2, 4)])
+def test_a_tensor_parallel_handoff_loads_every_consumer_rank_bit_for_bit(producer_tp, consumer_tp):
+    """A TP=M producer publishes one shard per distinct KV-head range (TP 8 over 4 heads: ranks 0, 2, 4, 6) from
+    each rank's own peer; the scheduler's ticket set names them; each rank of a TP=N consumer READs the shards
+    holding its heads and imports them. Oracle: one full cache of the same K/V, sliced by head (nvfp4, same
+    scales: bit for bit)."""
+    from tests.transfer import test_tensor_parallel as tp
+
+    data = tp._data(producer_tp)
+    n, ids = tp.T - 1, list(range(500, 500 + tp.T))
+    src_slots = _tp_slots(TP_PRODUCER_BLOCKS, 8, tp.T)
+    full = tp._caches("nvfp4", (0, tp.H), *data, slots=src_slots)
+    producers = [_connector(tp._caches("nvfp4", tp_head_range(tp.H, producer_tp, r), *data, slots=src_slots), 8,
+                            producer=True, consumer=False, model=tp.MODEL, tp=(producer_tp, r))
+                 for r in range(producer_tp)]
+    producers[0].set_xfer_handshake_metadata({r: p.get_handshake_metadata() for r, p in enumerate(producers)})
+    req = SimpleNamespace(request_id="t1", prompt_token_ids=ids, kv_transfer_params={"do_remote_decode": True},
+                          sampling_params=None)
+    producers[0].get_num_new_matched_tokens(req, 0)
+    _tp_step(producers, "t1", ids, TP_PRODUCER_BLOCKS)
+    for p in producers:
+        p.wait_for_save()
+        p.clear_connector_metadata()
+    _, params = producers[0].request_finished(req, [])
+    ticket = json.loads(json.dumps(params))["kvx_ticket"]
+    publishers = sorted({min(r for r in range(producer_tp) if tp_head_range(tp.H, producer_tp, r) == h)
+                         for h in (tp_head_range(tp.H, producer_tp, r) for r in range(producer_tp))})
+    assert [1 in p._sender._seq for p in producers] == [r in publishers for r in range(producer_tp)]  # seq 1
+    assert len(ticket.get("shards", [ticket])) == len(publishers)
+
+    empty = torch.zeros(tp.LAYERS, 0, tp.H, tp.D)
+    consumers = [_connector(tp._caches("nvfp4", tp_head_range(tp.H, consumer_tp, r), empty, empty, *data[2:],
+                                       block_size=4), 4, producer=False, consumer=True, model=tp.MODEL,
+                            tp=(consumer_tp, r)) for r in range(consumer_tp)]
+    creq = SimpleNamespace(request_id="t1", prompt_token_ids=ids, kv_transfer_params={"kvx_ticket": ticket},
+                           sampling_params=None)
+    assert consumers[0].get_num_new_matched_tokens(creq, 0) == (n, False)
+    consumers[0].update_state_after_alloc(creq, None, n)
+    _tp_step(consumers, "t1", ids, TP_CONSUMER_BLOCKS, computed=n)
+    dst_slots = _tp_slots(TP_CONSUMER_BLOCKS, 4, n)
+    for c in consumers:
+        reads, fetch = [], c._receiver.fetch
+        c._receiver.fetch = lambda t, fetch=fetch, reads=reads, **kw: reads.append(kw) or fetch(t, **kw)
+        c.start_load_kv(None)
+        assert c.get_block_ids_with_load_errors() == set()
+        a, b = c.kv_heads
+        held = [tp_head_range(tp.H, producer_tp, r) for r in publishers]
+        assert len(reads) == sum(h[0] < b and a < h[1] for h in held)  # only the shards holding its heads
+        for layer in range(tp.LAYERS):
+            got = read_rows(c._caches.cache.descriptor(layer), dst_slots)
+            want = read_rows(full.descriptor(layer), src_slots[:n])
+            for name, t in got.items():
+                w = want[name][a:b] if name.endswith("global") else want[name][:, a:b]
+                assert torch.equal(t.view(torch.uint8), w.contiguous().view(torch.uint8)), (c.tp_rank, layer, name)
+    for r in publishers:  # every consumer rank that read a shard told its sender: all its slots released
+        _wait_released(producers[r]._sender, 0)
+
+
+def test_a_shard_read_by_two_consumer_ranks_is_held_until_both_read():
+    """TP=1 producer, TP=2 consumer: each consumer rank READs the one bundle (readers=2 in its notification); the
+    producer's slot stays held after the first READ and is released after the second."""
+    from tests.transfer import test_tensor_parallel as tp
+
+    data = tp._data(5)
+    ids, src_slots = list(range(600, 600 + tp.T)), _tp_slots(TP_PRODUCER_BLOCKS, 8, tp.T)
+    p = _connector(tp._caches("nvfp4", (0, tp.H), *data, slots=src_slots), 8, producer=True, consumer=False,
+                   model=tp.MODEL)
+    req = SimpleNamespace(request_id="h1", prompt_token_ids=ids, kv_transfer_params={"do_remote_decode": True},
+                          sampling_params=None)
+    p.get_num_new_matched_tokens(req, 0)
+    _step(p, "h1", ids, TP_PRODUCER_BLOCKS)
+    p.wait_for_save()
+    _, params = p.request_finished(req, [])
+    empty = torch.zeros(tp.LAYERS, 0, tp.H, tp.D)
+    ranks = [_connector(tp._caches("nvfp4", tp_head_range(tp.H, 2, r), empty, empty, *data[2:], block_size=4), 4,
+                        producer=False, consumer=True, model=tp.MODEL, tp=(2, r)) for r in range(2)]
+    first = ranks[0]._fetch(params["kvx_ticket"])
+    assert len(first) == 1
+    time.sleep(0.5)  # the first READ's notification has had time to arrive
+    assert p._sender.held_slots() == 1
+    ranks[1]._fetch(params["kvx_ticket"])
+    _wait_released(p._sender, 0)
+
+
+@pytest.mark.parametrize("forged", [
+    {"shards": []}, {"shards": "x"}, {"shards": [{"kv_heads": [0, 2]}]}, {"shards": [], "agent": "a"},
+    "overlap", "no heads", "bad heads"])
+def test_a_forged_ticket_set_is_a_logged_miss(caplog, forged):
+    from tests.transfer import test_tensor_parallel as tp
+
+    p = _connector(tp._caches("nvfp4", (0, tp.H), *tp._data(1)), 8, producer=True, consumer=False, model=tp.MODEL)
+    good = {**p._directories[0], "seq": 1}
+    forged = {"overlap": {"shards": [{**good, "kv_heads": [0, 2]}, {**good, "kv_heads": [1, 3]}]},
+              "no heads": {"shards": [good]},
+              "bad heads": {"shards": [{**good, "kv_heads": [2, 1]}]}}.get(forged, forged) \
+        if isinstance(forged, str) else forged
+    c = _connector(tp._caches("nvfp4", (0, tp.H), *tp._data(1)), 8, producer=False, consumer=True, model=tp.MODEL)
+    req = SimpleNamespace(request_id="f1", prompt_token_ids=list(range(tp.T)),
+                          kv_transfer_params={"kvx_ticket": forged}, sampling_params=None)
+    with caplog.at_level(logging.WARNING):
+        assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "kvx_ticket is refused" in caplog.text

@@ -29,8 +29,12 @@ ticket is a lookup ticket (the scheduler mints it before the worker exports, fro
 directory, which the worker hands the scheduler at startup: vLLM's handshake metadata). The consumer's scheduler
 parses it strictly (a bad ticket is a logged miss) and loads all but the prompt's last token; its worker READs the
 bundle and imports it with every check, all or nothing; a failure (refused ticket, bundle gone, its slot reused,
-damaged) is a failed load as above. A slot is held until the consumer's READ completes or `nixl_hold_s` passes;
-with every one of `nixl_slots` held the prompt is not published (logged) and its consumer fails the load. TP=1 only.
+damaged) is a failed load as above. A slot is held until the consumer's READ completes (every consumer rank's that
+reads it) or `nixl_hold_s` passes; with every one of `nixl_slots` held the prompt is not published (logged) and its
+consumer fails the load. A tensor-parallel producer's ticket is a ticket set (`nixl.parse_ticket_set`): one lookup
+ticket per distinct KV-head range, each published by the first rank holding that range from its own worker's buffer
+(the scheduler has every rank's handshake); each consumer rank READs the shards holding its own KV heads, side by
+side in its buffer, and imports them through the bundle resharding (any producer and consumer TP sizes vLLM allows).
 `nixl_memory: device` puts both workers' NIXL buffers in the GPU memory of their caches (UCX then moves bundles GPU
 to GPU), default `host` (pinned host memory); refused at startup without CUDA.
 
@@ -62,8 +66,8 @@ from vllm.logger import init_logger
 from kvx_core.errors import KvxError
 from kvx_core.transfer import BundleStore
 from kvx_core.transfer.kvtc_bundle import calibration_for
-from kvx_core.transfer.nixl import NixlPeer, parse_ticket
-from kvx_core.transfer.tp import tp_head_range
+from kvx_core.transfer.nixl import NixlPeer, parse_ticket_set
+from kvx_core.transfer.tp import ranks_reading, tp_head_range, writes_shard
 
 from .fingerprint import model_fingerprint
 from .layer_kv import LayerCaches
@@ -134,7 +138,7 @@ class KvxConnector(KVConnectorBase_V1):
         opts = options_of(vllm_config)
         self.nixl = opts if opts.transport == "nixl" else None
         if self.nixl is not None:
-            self._check_nixl(opts, par.tensor_parallel_size)
+            self._check_nixl(opts)
         elif not opts.store:
             raise ValueError('KVX connector: set the store directory, e.g. --additional-config \'{"kvx": {"store": '
                              '"/dev/shm/kvx"}}\' or KVX_STORE=/dev/shm/kvx')
@@ -160,7 +164,7 @@ class KvxConnector(KVConnectorBase_V1):
         self._loads: dict[str, tuple[int, int, list[int], dict | str | None]] = {}
         self._publish: set[str] = set()  # NIXL: requests whose prompts are to be published
         self._tickets: dict[str, dict] = {}  # NIXL: the tickets of the prompts published for these requests
-        self._directory: dict | None = None  # NIXL: the producer worker's lookup ticket but its seq (handshake)
+        self._directories: dict[int, dict] = {}  # NIXL: each worker rank's lookup ticket but its seq (handshake)
         self._seq = 0
         # worker side
         self._sender: NixlPeer | None = None
@@ -171,14 +175,11 @@ class KvxConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
 
     @staticmethod
-    def _check_nixl(opts: Any, tp_size: int) -> None:
+    def _check_nixl(opts: Any) -> None:
         """The NIXL transport's startup refusals (ValueError, as vLLM's config checks raise)."""
         if opts.store or opts.kvtc:
             raise ValueError('KVX connector: transport "nixl" takes no store (nor kvtc, a store coding); unset '
                              'them, or use transport "store"')
-        if tp_size > 1:
-            raise ValueError('KVX connector: transport "nixl" serves --tensor-parallel-size 1 only for now; use '
-                             'transport "store" for tensor-parallel instances')
         try:
             import nixl._api  # noqa: F401
         except ImportError:
@@ -221,7 +222,7 @@ class KvxConnector(KVConnectorBase_V1):
         if not self.consumer or ticket is None:
             return 0, False
         try:
-            parse_ticket(ticket)
+            parse_ticket_set(ticket)
         except KvxError as e:
             logger.warning("KVX connector: request %s: its kvx_ticket is refused (%s); computing the prompt", rid, e)
             return 0, False
@@ -275,13 +276,33 @@ class KvxConnector(KVConnectorBase_V1):
             if (self.model, prompt) not in self.store:
                 meta.saves.append(Transfer(rid, prompt, self._slots(rid, 0, len(prompt))))
         elif rid in self._publish:
-            if self._directory is None:
-                logger.error("KVX connector: request %s: no NIXL worker handshake reached the scheduler; its prompt "
-                             "is not published", rid)
+            ticket = self._ticket(self._seq + 1)
+            if ticket is None:
+                logger.error("KVX connector: request %s: the NIXL handshakes of worker ranks %s did not reach the "
+                             "scheduler; its prompt is not published", rid, self._publishers(missing=True))
                 return
             self._seq += 1
-            self._tickets[rid] = {**self._directory, "seq": self._seq}
+            self._tickets[rid] = ticket
             meta.saves.append(Transfer(rid, prompt, self._slots(rid, 0, len(prompt)), seq=self._seq))
+
+    def _publishers(self, missing: bool = False) -> list[int]:
+        """The worker ranks that publish a prompt: the first rank of each distinct KV-head range (`missing`: those
+        of them whose handshake the scheduler lacks)."""
+        ranks = [r for r in range(self.tp_size) if writes_shard(self.model.num_kv_heads, self.tp_size, r)]
+        return [r for r in ranks if r not in self._directories] if missing else ranks
+
+    def _ticket(self, seq: int) -> dict | None:
+        """The ticket of the prompt the workers publish under `seq`: one rank's lookup ticket when one range holds
+        every KV head, else a ticket set of one lookup ticket per range; None while a publisher's handshake is
+        missing."""
+        if self._publishers(missing=True):
+            return None
+        ranks = self._publishers()
+        if len(ranks) == 1:
+            return {**self._directories[ranks[0]], "seq": seq}
+        heads = self.model.num_kv_heads
+        return {"shards": [{**self._directories[r], "seq": seq, "kv_heads": list(tp_head_range(heads, self.tp_size, r))}
+                           for r in ranks]}
 
     def _slots(self, rid: str, start: int, stop: int) -> list[int]:
         blocks, b = self._blocks[rid], self.block_size
@@ -300,10 +321,9 @@ class KvxConnector(KVConnectorBase_V1):
         return False, None if ticket is None else {"kvx_ticket": ticket}
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        """NIXL: the producer worker's agent and slot directory, from which the scheduler mints tickets."""
-        handshake = metadata.get(0)
-        if isinstance(handshake, KvxNixlHandshake):
-            self._directory = handshake.ticket
+        """NIXL: each producer worker rank's agent and slot directory (keyed by TP rank), from which the scheduler
+        mints tickets."""
+        self._directories = {r: h.ticket for r, h in metadata.items() if isinstance(h, KvxNixlHandshake)}
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -340,7 +360,7 @@ class KvxConnector(KVConnectorBase_V1):
         for t in meta.loads:
             try:  # opening is reading outside bytes too (a KVTC entry decodes, an entry may be forged or unreadable)
                 if t.ticket is not None:  # NIXL: READ, then import with every check
-                    self._caches.load(self._receiver.fetch(t.ticket), torch.tensor(t.slots, dtype=torch.int64),
+                    self._caches.load(self._fetch(t.ticket), torch.tensor(t.slots, dtype=torch.int64),
                                       model=self.model, token_ids=t.token_ids, token_range=t.token_range,
                                       kv_heads=self.kv_heads)
                     continue
@@ -356,6 +376,18 @@ class KvxConnector(KVConnectorBase_V1):
                 logger.error("KVX connector: request %s: loading %d bundled tokens failed, nothing written: %s",
                              t.req_id, len(t.slots), e)
                 self._failed.update({s // self.block_size for s in t.slots})
+
+    def _fetch(self, ticket: dict | str) -> list[torch.Tensor]:
+        """NIXL: READ the shards of a ticket holding any of this rank's KV heads, side by side (256-byte aligned) in
+        this worker's buffer; each READ tells its sender how many consumer ranks read that shard."""
+        heads, out, at = self.model.num_kv_heads, [], 0
+        a, b = self.kv_heads
+        for t, held in parse_ticket_set(ticket):
+            held = held or (0, heads)
+            if held[0] < b and a < held[1]:
+                out.append(self._receiver.fetch(t, at=at, readers=ranks_reading(held, heads, self.tp_size)))
+                at += -(-out[-1].numel() // 256) * 256
+        return out
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -373,6 +405,8 @@ class KvxConnector(KVConnectorBase_V1):
             slots = torch.tensor(t.slots, dtype=torch.int64)
             try:
                 if t.seq is not None:
+                    if not writes_shard(self.model.num_kv_heads, self.tp_size, self.tp_rank):
+                        continue  # an earlier rank publishes these KV heads
                     caches, at = self._caches.export_source(slots)
                     self._sender.publish(caches, at, model=self.model, token_ids=t.token_ids,
                                          kv_heads=self.kv_heads, seq=t.seq)
