@@ -1,6 +1,8 @@
 """`KvxConnector` between real vLLM engines of different tensor-parallel sizes and cache dtypes: a TP=2 `auto`
 producer hands each prompt's KV to a TP=1 `kvx_nvfp4` consumer through the store (the producer's entry is a shard
-set, one bundle per rank's KV-head range; the consumer reads both shards and reshards them).
+set, one bundle per rank's KV-head range; the consumer reads both shards and reshards them), and over NIXL (both
+instances at once, UCX TCP loopback: the producer's ticket set names each rank's bundle in that rank's NIXL buffer;
+the consumer READs both and reshards them).
 
 `vllm_tp_run.py` in its connector mode (`KVX_TP_RUN_KV`) runs each instance; the model is a tiny random Llama
 (8 query / 4 KV heads, head_dim 32, 2 layers, weights N(0, 0.1) as test_vllm_tp.py's) with a word-level tokenizer
@@ -17,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ..procs import run as run_subprocess
+from ..procs import communicate, run as run_subprocess
 from .runs import ROOT, parse
 from .test_vllm_tp import TP_ENV
 
@@ -46,6 +49,30 @@ def prompts(vocab: int) -> list[list[int]]:
     return [ids, ids[10:110], ids[30:150]]
 
 
+def handoff_over_nixl(model: Path, producer: tuple[str, int], consumer: tuple[str, int], vocab: int,
+                      env: dict) -> dict:
+    """Run the producer (dtype, TP) and the consumer at once over NIXL, the tickets passed as a P/D proxy does."""
+    from .test_vllm_connector_nixl_run import _line  # that module skips itself without NIXL
+
+    procs, logs = {}, {}
+    for role, (dtype, tp) in (("kv_producer", producer), ("kv_consumer", consumer)):
+        run_env = {**env, "KVX_TP_RUN_KV": json.dumps({"role": role, "nixl": True})}
+        procs[role] = subprocess.Popen([sys.executable, str(RUNNER), str(model), dtype, str(tp),
+                                        json.dumps(prompts(vocab))], env=run_env, stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p, c = procs["kv_producer"], procs["kv_consumer"]
+    try:
+        params = _line(p, "KVX_PARAMS", logs.setdefault("kv_producer", []))
+        c.stdin.write(params)
+        c.stdin.flush()
+        consumed = json.loads(_line(c, "KVX_RESULT", logs.setdefault("kv_consumer", [])))
+    finally:
+        communicate(c, "the NIXL consumer instance", "")
+        communicate(p, "the NIXL producer instance", "done\n")
+    assert p.returncode == 0 and c.returncode == 0, "".join(logs.get("kv_consumer", []) + logs["kv_producer"])[-4000:]
+    return {"params": json.loads(params), "kv_consumer": consumed}
+
+
 def handoff(model: Path, store: Path, producer: tuple[str, int], consumer: tuple[str, int], vocab: int,
             env: dict, gpus: tuple[str, str] | None = None) -> dict:
     """Run the producer (dtype, TP) then the consumer on `store`; their results. `gpus`: each one's
@@ -60,13 +87,17 @@ def handoff(model: Path, store: Path, producer: tuple[str, int], consumer: tuple
     return out
 
 
-def check_handoff(r: dict, store: Path, vocab: int) -> list[dict]:
-    """The assertions above; per prompt, the consumer's numbers (for the record)."""
+def check_handoff(r: dict, store: Path | None, vocab: int) -> list[dict]:
+    """The assertions above (`store` None: over NIXL, a ticket set of both ranks' shards per prompt); per prompt, the
+    consumer's numbers (for the record)."""
     ps = prompts(vocab)
-    assert r["kv_producer"]["produced"] == [len(p) for p in ps]
-    names = sorted(f.name for f in store.iterdir())
-    assert len([n for n in names if re.fullmatch(r".*\.tp2-[01]\.kvx", n)]) == 2 * len(ps), names
-    assert len([n for n in names if n.endswith(".kvxset")]) == len(ps), names
+    if store is None:
+        assert all([s["kv_heads"] for s in p["kvx_ticket"]["shards"]] == [[0, 2], [2, 4]] for p in r["params"])
+    else:
+        assert r["kv_producer"]["produced"] == [len(p) for p in ps]
+        names = sorted(f.name for f in store.iterdir())
+        assert len([n for n in names if re.fullmatch(r".*\.tp2-[01]\.kvx", n)]) == 2 * len(ps), names
+        assert len([n for n in names if n.endswith(".kvxset")]) == len(ps), names
     rows = []
     for row in r["kv_consumer"]["consumed"]:
         h, loc = row["handoff"], row["local"]
@@ -103,3 +134,13 @@ def test_tp2_auto_producer_hands_off_to_a_tp1_nvfp4_consumer(tiny_model, tmp_pat
     print(rows)
     if os.environ.get("KVX_VLLM_TP_HANDOFF_RESULTS"):
         Path(os.environ["KVX_VLLM_TP_HANDOFF_RESULTS"]).write_text(json.dumps(rows))
+
+
+def test_tp2_auto_producer_hands_off_over_nixl_to_a_tp1_nvfp4_consumer(tiny_model):
+    """The NIXL transport with a tensor-parallel producer: each rank publishes its KV heads from its own NIXL buffer,
+    the scheduler's ticket set names both; the TP=1 consumer READs both shards and reshards them."""
+    from ..transfer.test_nixl import LOOPBACK_TLS
+
+    env = {**TP_ENV, "UCX_TLS": LOOPBACK_TLS, "UCX_NET_DEVICES": "lo"}
+    r = handoff_over_nixl(tiny_model, ("auto", 2), ("kvx_nvfp4", 1), VOCAB, env)
+    print(check_handoff(r, None, VOCAB))

@@ -15,7 +15,10 @@ as benchmarks/bench_vllm.py serves), instead of eager mode.
 prompt log-probabilities: vLLM computes those only for prompts it prefills itself). A `kv_producer` prefills every
 prompt (one output token), which stores its KV; a `kv_consumer` takes each prompt alone to its first output token with
 the KV loaded from the store, then computing the prompt itself (`skip_reading_prefix_cache`): wall times, cached
-tokens and the first token's top-20 log-probabilities of both.
+tokens and the first token's top-20 log-probabilities of both. `{"role": ROLE, "nixl": true}`: the NIXL transport
+instead of a store, both instances running at once: the producer marks its prompts `do_remote_decode`, prints
+"KVX_PARAMS <json>" (their returned `kv_transfer_params`: the tickets) and keeps them published until a line arrives
+on stdin; the consumer reads that line (a P/D proxy's part) and hands each prompt its ticket.
 """
 from __future__ import annotations
 
@@ -57,23 +60,31 @@ def _inspected(llm, graphs: bool) -> dict:
             "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
 
 
-def _handoff(llm, prompts: list[list[int]], role: str) -> dict:
+def _handoff(llm, prompts: list[list[int]], role: str, nixl: bool) -> dict:
     """The producer's prompt lengths, or per prompt the consumer's handed-over and local first token."""
     import time
 
     from vllm import SamplingParams
 
     if role == "kv_producer":
+        extra = {"extra_args": {"kv_transfer_params": {"do_remote_decode": True}}} if nixl else {}
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+                            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **extra), use_tqdm=False)
+        if nixl:
+            params = [r.kv_transfer_params for r in outs]
+            print("KVX_PARAMS " + json.dumps(params), flush=True)
+            sys.stdin.readline()  # the bundles stay published until the consumer is done
+            return {"produced": [len(r.prompt_token_ids) for r in outs], "params": params}
         return {"produced": [len(r.prompt_token_ids) for r in outs]}
+    tickets = json.loads(sys.stdin.readline()) if nixl else [None] * len(prompts)
     # warm up (kernels, graphs, the first step's allocations) on a prompt the store does not hold
     llm.generate([{"prompt_token_ids": list(range(1, 33))}], SamplingParams(max_tokens=2, detokenize=False),
                  use_tqdm=False)
     rows = []
-    for ids in prompts:
+    for ids, ticket in zip(prompts, tickets, strict=True):
         row = {}
-        for how, extra in (("handoff", {}), ("local", {"skip_reading_prefix_cache": True})):
+        handed = {"extra_args": {"kv_transfer_params": ticket}} if ticket else {}
+        for how, extra in (("handoff", handed), ("local", {"skip_reading_prefix_cache": True})):
             t0 = time.perf_counter()
             r = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20,
                                                                          detokenize=False, **extra),
@@ -98,13 +109,14 @@ def main(model_dir: str, cache_dtype: str, tp: int, prompts: list[list[int]], kv
         policy = "fail" if vllm.__version__.startswith("0.26") else "recompute"  # as vllm_pd_run.py
         mode.update(kv_transfer_config={"kv_connector": "KvxConnector", "kv_role": kv["role"],
                                         "kv_load_failure_policy": policy})
-        kvx = {**kvx, "store": kv["store"]}
+        kvx = {**kvx, **({"transport": "nixl", "nixl_buffer": "64MiB", "nixl_slots": 8, "nixl_hold_s": 600}
+                         if kv.get("nixl") else {"store": kv["store"]})}
     llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, max_model_len=256, **mode,
               max_num_seqs=len(prompts), max_num_batched_tokens=64, enable_prefix_caching=bool(kv), seed=0,
               skip_tokenizer_init=True, tensor_parallel_size=tp, distributed_executor_backend="mp",
               additional_config={"kvx": kvx})
     if kv:
-        return {**_handoff(llm, prompts, kv["role"]), **_inspected(llm, graphs)}
+        return {**_handoff(llm, prompts, kv["role"], bool(kv.get("nixl"))), **_inspected(llm, graphs)}
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                         SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True, prompt_logprobs=5, logprobs=5,
                                        detokenize=False), use_tqdm=False)
