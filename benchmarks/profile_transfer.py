@@ -2,9 +2,12 @@
 
     python benchmarks/profile_transfer.py --device cuda [--tokens 1024] [--layers 32] [--pairs nvfp4:nvfp4,...]
                                           [--path new|old] [--runs 3] [--top 15] [--out FILE.jsonl]
+                                          [--bundle-memory host|device]
 
 `bench_transfer.py`'s caches (8 KV heads x 128, block size 16, slots 0 .. tokens - 1 given in host memory as an
-engine gives them) and its "host" path: `export_to_host` into a reused pinned buffer, `import_bundle` from it. Each
+engine gives them) and its "host" path: `export_to_host` into a reused pinned buffer, `import_bundle` from it
+(`--bundle-memory device`: `export_to_device` into a reused buffer in GPU memory and `import_bundle` from it, the path
+of a P/D handoff over NIXL with `nixl_memory: device`, less the READ). Each
 pair's export and import run once to warm up (kernels compiled, descriptors bound), are timed `--runs` times (best),
 then run once more under torch.profiler (CPU and, on CUDA, CUDA activities). One line per (pair, op) is printed and
 written as JSON (`--out`), per layer where it says so:
@@ -44,7 +47,7 @@ from bench_transfer import KERNEL_PATHS, _cache, _filled  # noqa: E402
 from common import emit, env_info  # noqa: E402
 
 from kvx_core.transfer import ModelFingerprint, import_bundle  # noqa: E402
-from kvx_core.transfer.host import export_to_host  # noqa: E402
+from kvx_core.transfer.host import export_to_device, export_to_host  # noqa: E402
 from kvx_core.transfer.kernels import kernel_path  # noqa: E402
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -138,13 +141,15 @@ def main() -> None:
                     "(new, the default on CUDA; the CPU runs the torch path)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--bundle-memory", choices=("host", "device"), default="host",
+                    help="where the bundle is: pinned host memory, or GPU memory (the NIXL device path; CUDA only)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (use --device cpu)")
     path = a.path or ("new" if a.device == "cuda" else "old")
-    if a.device == "cpu" and path == "new":
-        ap.error("--path new needs CUDA (the transfer kernels)")
+    if a.device == "cpu" and (path == "new" or a.bundle_memory == "device"):
+        ap.error("--path new and --bundle-memory device need CUDA (the transfer kernels)")
     pairs = [tuple(p.split(":")) for p in a.pairs.split(",")]
     if any(len(p) != 2 for p in pairs):
         ap.error(f"--pairs {a.pairs!r}: SRC:DST,...")
@@ -152,15 +157,19 @@ def main() -> None:
     slots = torch.arange(a.tokens)  # in host memory, as bench_transfer and the engines' connectors give them
     shape = SimpleNamespace(tokens=a.tokens, layers=a.layers, device=a.device)
     env = {**env_info(), "bench": "profile_transfer", "device": a.device, "layers": a.layers, "tokens": a.tokens,
-           "path": path}
+           "path": path, "bundle_memory": a.bundle_memory}
     for src_fmt, dst_fmt in pairs:
         src, dst = _filled(src_fmt, shape, torch.Generator().manual_seed(0)), _cache(dst_fmt, shape)
         srcs = [src.descriptor(i) for i in range(a.layers)]
         dsts = [dst.descriptor(i) for i in range(a.layers)]
         with kernel_path(KERNEL_PATHS[path]):
             pinned = export_to_host(srcs, slots, model=model)  # reused, as a transport's registered buffer
-            ops = {"export": partial(export_to_host, srcs, slots, model=model, out=pinned),
-                   "import": partial(import_bundle, pinned, dsts, slots, model=model)}
+            export = partial(export_to_host, srcs, slots, model=model, out=pinned)
+            if a.bundle_memory == "device":
+                pinned = torch.empty(pinned.numel(), dtype=torch.uint8, device="cuda")
+                export = partial(export_to_device, srcs, slots, model=model, out=pinned)
+                export()
+            ops = {"export": export, "import": partial(import_bundle, pinned, dsts, slots, model=model)}
             for op, fn in ops.items():
                 rec = {**env, "src": src_fmt, "dst": dst_fmt, "op": op, "bundle_bytes": pinned.numel(),
                        **profile_op(fn, a.device, a.layers, a.runs, a.top)}
