@@ -250,7 +250,8 @@ def export_to_device(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model:
     for i, chunk in e.chunks(stage):
         if size:
             buf[e.at(i):e.at(i) + size].copy_(chunk)
-            tails.append(chunk[e.whole:])
+            if e.whole < size:  # a chunk of its own is freed after its layer: keep a copy of its tail only
+                tails.append(chunk[e.whole:] if stage is not None else chunk[e.whole:].clone())
             if stage is None:
                 on_gpu.append(gpu_segment_digests(chunk, e.segment, e.seed))
     if size and stage is not None:

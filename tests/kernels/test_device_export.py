@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvx_core.errors import KvxError, Status
-from kvx_core.transfer import export_bundle, import_bundle
+from kvx_core.transfer import export_bundle, host, import_bundle
 from kvx_core.transfer.host import GPU_SEGMENT_BYTES, HostBundle, export_to_device
 from kvx_core.transfer.rows import read_rows
 
@@ -31,8 +31,13 @@ def _stream(caches, slots, ids) -> bytes:
         return out.getvalue()
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "chunk_per_layer"])
 @pytest.mark.parametrize("fmt,tokens", CASES)
-def test_device_export_is_the_stream_bundle_byte_for_byte(fmt, tokens):
+def test_device_export_is_the_stream_bundle_byte_for_byte(fmt, tokens, staged, monkeypatch):
+    """Both gathers: every layer into one staging buffer, and (a bundle above EXPORT_STAGE_BYTES) each layer into a
+    chunk of its own, freed after its layer."""
+    if not staged:
+        monkeypatch.setattr(host, "EXPORT_STAGE_BYTES", 0)
     src, slots = _cache(fmt, 16, 80, tokens=tokens)
     ids = list(range(tokens))
     want = _stream(_descs(src), slots, ids)
