@@ -31,8 +31,8 @@ def _stream(caches, slots, ids) -> bytes:
         return out.getvalue()
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "chunk_per_layer"])
-@pytest.mark.parametrize("fmt,tokens", CASES)
+@pytest.mark.parametrize("fmt,tokens,staged", [(*c, True) for c in CASES] + [("bf16", 300, False),
+                                                                              ("nvfp4", 1000, False)])
 def test_device_export_is_the_stream_bundle_byte_for_byte(fmt, tokens, staged, monkeypatch):
     """Both gathers: every layer into one staging buffer, and (a bundle above EXPORT_STAGE_BYTES) each layer into a
     chunk of its own, freed after its layer."""
