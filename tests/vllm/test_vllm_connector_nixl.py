@@ -25,6 +25,7 @@ except ImportError:
         raise
     pytest.skip("NIXL not installed: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1", allow_module_level=True)
 
+from kvx_core.errors import KvxError  # noqa: E402
 from kvx_core.transfer import import_bundle  # noqa: E402
 from kvx_core.transfer.nixl import NixlPeer  # noqa: E402
 from kvx_core.transfer.rows import read_rows  # noqa: E402
@@ -375,6 +376,19 @@ def test_a_shard_read_by_two_consumer_ranks_is_held_until_both_read():
     assert p._sender.held_slots() == 1
     ranks[1]._fetch(params["kvx_ticket"])
     _wait_released(p._sender, 0)
+
+
+def test_a_ticket_set_holding_none_of_a_ranks_heads_is_a_failed_load(caplog):
+    """A well-formed set whose shards miss this consumer rank's KV heads: nothing is READ, the load fails, said."""
+    from tests.transfer import test_tensor_parallel as tp
+
+    p = _connector(tp._caches("nvfp4", (0, tp.H), *tp._data(1)), 8, producer=True, consumer=False, model=tp.MODEL)
+    empty = torch.zeros(tp.LAYERS, 0, tp.H, tp.D)
+    c = _connector(tp._caches("nvfp4", (2, 4), empty, empty, *tp._data(1)[2:], block_size=4), 4, producer=False,
+                   consumer=True, model=tp.MODEL, tp=(2, 1))
+    ticket = {"shards": [{**p._directories[0], "seq": 1, "kv_heads": [0, 2]}]}
+    with pytest.raises(KvxError, match=r"none of this rank's KV heads \[2, 4\)"):
+        c._fetch(ticket)
 
 
 @pytest.mark.parametrize("forged", [

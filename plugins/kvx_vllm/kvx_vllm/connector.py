@@ -63,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from kvx_core.errors import KvxError
+from kvx_core.errors import KvxError, Status
 from kvx_core.transfer import BundleStore
 from kvx_core.transfer.kvtc_bundle import calibration_for
 from kvx_core.transfer.nixl import NixlPeer, parse_ticket_set
@@ -387,6 +387,8 @@ class KvxConnector(KVConnectorBase_V1):
             if held[0] < b and a < held[1]:
                 out.append(self._receiver.fetch(t, at=at, readers=ranks_reading(held, heads, self.tp_size)))
                 at += -(-out[-1].numel() // 256) * 256
+        if not out:
+            raise KvxError(Status.INVALID_ARGUMENT, f"the ticket's shards hold none of this rank's KV heads [{a}, {b})")
         return out
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -157,8 +157,9 @@ class LayerCaches:
         caches, at = self.export_source(slots)
         return export_bundle(out, caches, at, model=model, token_ids=token_ids, kv_heads=kv_heads)
 
-    def load(self, src: BinaryIO | Sequence[BinaryIO] | torch.Tensor, slots: torch.Tensor, *, model: ModelFingerprint,
-             token_ids: Sequence[int], token_range: tuple[int, int], kv_heads: tuple[int, int] | None = None) -> None:
+    def load(self, src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tensor], slots: torch.Tensor, *,
+             model: ModelFingerprint, token_ids: Sequence[int], token_range: tuple[int, int],
+             kv_heads: tuple[int, int] | None = None) -> None:
         """Store the bundled tokens `token_range` at `slots`, converted into this cache, from a bundle or the
         shards of a tensor-parallel producer (`kv_heads`: the model's KV heads this cache holds); all or nothing."""
         if self.kind != "cpu":
