@@ -138,14 +138,13 @@ def test_tp2_auto_producer_hands_off_to_a_tp1_nvfp4_consumer(tiny_model, tmp_pat
         Path(os.environ["KVX_VLLM_TP_HANDOFF_RESULTS"]).write_text(json.dumps(rows))
 
 
-@pytest.mark.parametrize("producer, consumer", [(("auto", 2), ("kvx_nvfp4", 1)), (("auto", 1), ("kvx_nvfp4", 2))],
-                         ids=["tp2_to_tp1", "tp1_to_tp2"])
-def test_a_tensor_parallel_handoff_over_nixl(tiny_model, producer, consumer):
+def test_a_tensor_parallel_handoff_over_nixl(tiny_model):
     """The NIXL transport between instances of different TP sizes: a TP=2 producer's ranks publish their KV heads
     from their own NIXL buffers and the scheduler's ticket set names both, which the TP=1 consumer READs and
-    reshards; a TP=1 producer's one bundle is READ by both ranks of a TP=2 consumer, each importing its heads."""
+    reshards. (TP=1 -> TP=2, both consumer ranks reading one bundle, passed here too: first-token gaps 0.53-0.86; it
+    runs in process in test_vllm_connector_nixl.py, which keeps this suite's time.)"""
     from ..transfer.test_nixl import LOOPBACK_TLS
 
     env = {**TP_ENV, "UCX_TLS": LOOPBACK_TLS, "UCX_NET_DEVICES": "lo"}
-    r = handoff_over_nixl(tiny_model, producer, consumer, VOCAB, env)
+    r = handoff_over_nixl(tiny_model, ("auto", 2), ("kvx_nvfp4", 1), VOCAB, env)
     print(check_handoff(r, None, VOCAB))
