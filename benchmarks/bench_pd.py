@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 
-from common import emit, env_info
+from common import emit, env_info, time_calls
 from model_geometries import MODELS, write_config, write_tokenizer
 
 CONNECTORS = ("kvx-nixl", "kvx-store", "vllm-nixl")
@@ -75,24 +75,9 @@ def _time_phases(spent: dict[str, float]) -> None:
     that of its own, adds to `spent` (the syncs slow the instance: phase times, not the handoff's latency)."""
     import importlib
 
-    import torch
-
-    def timed(name, fn):
-        def run(*a, **k):
-            if torch.cuda.is_available():  # the step's queued work (the forward) is not the phase's
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
-        return run
-
     for name, (module, cls, method) in PHASES.items():
-        owner = getattr(importlib.import_module(module), cls)
-        setattr(owner, method, timed(name, getattr(owner, method)))
+        time_calls(getattr(importlib.import_module(module), cls), method,
+                   lambda s, name=name: spent.__setitem__(name, spent.get(name, 0.0) + s), sync=True)
 
 
 def _child(role: str, args) -> None:

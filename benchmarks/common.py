@@ -90,6 +90,27 @@ def env_info() -> dict:
     return info
 
 
+def time_calls(owner: type, name: str, record, sync: bool = False) -> None:
+    """Replace method `name` of class `owner` by a wrapper passing each call's wall seconds to `record(seconds)`;
+    with `sync`, the device's queued work is waited for before the call (it is not the call's) and after it (the
+    call's device work is)."""
+    fn = getattr(owner, name)
+    sync = sync and torch.cuda.is_available()
+
+    def timed(*args, **kwargs):
+        if sync:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if sync:
+                torch.cuda.synchronize()
+            record(time.perf_counter() - t)
+
+    setattr(owner, name, timed)
+
+
 def emit(path: str | None, rec: dict) -> None:
     line = json.dumps(rec, sort_keys=True)
     print(line, flush=True)

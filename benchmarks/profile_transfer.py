@@ -163,15 +163,15 @@ def main() -> None:
         srcs = [src.descriptor(i) for i in range(a.layers)]
         dsts = [dst.descriptor(i) for i in range(a.layers)]
         with kernel_path(KERNEL_PATHS[path]):
-            pinned = export_to_host(srcs, slots, model=model)  # reused, as a transport's registered buffer
-            export = partial(export_to_host, srcs, slots, model=model, out=pinned)
+            bundle = export_to_host(srcs, slots, model=model)  # reused, as a transport's registered buffer
+            export = partial(export_to_host, srcs, slots, model=model, out=bundle)
             if a.bundle_memory == "device":
-                pinned = torch.empty(pinned.numel(), dtype=torch.uint8, device="cuda")
-                export = partial(export_to_device, srcs, slots, model=model, out=pinned)
+                bundle = torch.empty(bundle.numel(), dtype=torch.uint8, device="cuda")
+                export = partial(export_to_device, srcs, slots, model=model, out=bundle)
                 export()
-            ops = {"export": export, "import": partial(import_bundle, pinned, dsts, slots, model=model)}
+            ops = {"export": export, "import": partial(import_bundle, bundle, dsts, slots, model=model)}
             for op, fn in ops.items():
-                rec = {**env, "src": src_fmt, "dst": dst_fmt, "op": op, "bundle_bytes": pinned.numel(),
+                rec = {**env, "src": src_fmt, "dst": dst_fmt, "op": op, "bundle_bytes": bundle.numel(),
                        **profile_op(fn, a.device, a.layers, a.runs, a.top)}
                 print(f"{src_fmt}->{dst_fmt} {op}: host {rec['host_us_per_layer']} us/layer, wall "
                       f"{rec['wall_us_per_layer']} us/layer, GPU kernels {rec['gpu_kernel_us_per_layer']} us/layer, "

@@ -24,6 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vllm import _prompts  # noqa: E402
+from common import time_calls  # noqa: E402
 from model_geometries import DEFAULT, MODELS, write_config  # noqa: E402
 
 
@@ -74,19 +75,11 @@ def main() -> None:
 def _time_builders(spent: dict[str, list[float]]) -> None:
     """Wrap `build` of every attention metadata builder class vLLM has imported so its calls and host seconds add
     to `spent[class name]`."""
-    import time
-
     from vllm.v1.attention.backend import AttentionMetadataBuilder
 
-    def timed(name, fn):
-        def build(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                row = spent.setdefault(name, [0, 0.0])
-                row[0], row[1] = row[0] + 1, row[1] + time.perf_counter() - t
-        return build
+    def add(name: str, seconds: float) -> None:
+        row = spent.setdefault(name, [0, 0.0])
+        row[0], row[1] = row[0] + 1, row[1] + seconds
 
     todo, seen = list(AttentionMetadataBuilder.__subclasses__()), set()
     while todo:
@@ -96,7 +89,7 @@ def _time_builders(spent: dict[str, list[float]]) -> None:
         seen.add(cls)
         todo += cls.__subclasses__()
         if "build" in cls.__dict__:
-            cls.build = timed(cls.__name__, cls.__dict__["build"])
+            time_calls(cls, "build", lambda s, name=cls.__name__: add(name, s))
 
 
 def host_side(a) -> None:

@@ -48,10 +48,10 @@ def _line(p: subprocess.Popen, tag: str, log: list[str]) -> str:
     raise AssertionError(f"no {tag} line:\n{''.join(log)[-4000:]}")
 
 
-def _handoff(checkpoint: str, producer_env: dict, consumer_env: dict) -> dict:
-    """Producer kvx_int8 block 128 and consumer auto block 32 at once; the tickets passed as a proxy does."""
-    producer = _start(checkpoint, "kvx_int8", 128, "producer", producer_env)
-    consumer = _start(checkpoint, "auto", 32, "consumer", consumer_env)  # starts up while the producer prefills
+def proxy(producer: subprocess.Popen, consumer: subprocess.Popen) -> tuple[list, dict, str]:
+    """A P/D proxy between two running instances: the producer's "KVX_PARAMS" line (its requests' returned
+    kv_transfer_params) passed to the consumer's stdin, the consumer's "KVX_RESULT", then both closed (the producer
+    keeps its bundles published until then) -> (params, result, the consumer's output before its result)."""
     plog, clog = [], []
     try:
         params = _line(producer, "KVX_PARAMS", plog)
@@ -62,7 +62,15 @@ def _handoff(checkpoint: str, producer_env: dict, consumer_env: dict) -> dict:
         communicate(consumer, "the NIXL consumer instance", "")
         communicate(producer, "the NIXL producer instance", "done\n")
     assert consumer.returncode == 0 and producer.returncode == 0, "".join(clog + plog)[-4000:]
-    return {"params": json.loads(params), **result, "log": "".join(clog)}
+    return json.loads(params), result, "".join(clog)
+
+
+def _handoff(checkpoint: str, producer_env: dict, consumer_env: dict) -> dict:
+    """Producer kvx_int8 block 128 and consumer auto block 32 at once; the tickets passed as a proxy does."""
+    producer = _start(checkpoint, "kvx_int8", 128, "producer", producer_env)
+    consumer = _start(checkpoint, "auto", 32, "consumer", consumer_env)  # starts up while the producer prefills
+    params, result, log = proxy(producer, consumer)
+    return {"params": params, **result, "log": log}
 
 
 @pytest.fixture(scope="module")

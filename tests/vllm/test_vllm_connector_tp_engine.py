@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..procs import communicate, run as run_subprocess
+from ..procs import run as run_subprocess
 from .runs import ROOT, parse
 from .test_vllm_tp import TP_ENV
 
@@ -52,25 +52,14 @@ def prompts(vocab: int) -> list[list[int]]:
 def handoff_over_nixl(model: Path, producer: tuple[str, int], consumer: tuple[str, int], vocab: int,
                       env: dict) -> dict:
     """Run the producer (dtype, TP) and the consumer at once over NIXL, the tickets passed as a P/D proxy does."""
-    from .test_vllm_connector_nixl_run import _line  # that module skips itself without NIXL
+    from .test_vllm_connector_nixl_run import proxy  # that module skips itself without NIXL
 
-    procs, logs = {}, {}
-    for role, (dtype, tp) in (("kv_producer", producer), ("kv_consumer", consumer)):
-        run_env = {**env, "KVX_TP_RUN_KV": json.dumps({"role": role, "nixl": True})}
-        procs[role] = subprocess.Popen([sys.executable, str(RUNNER), str(model), dtype, str(tp),
-                                        json.dumps(prompts(vocab))], env=run_env, stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    p, c = procs["kv_producer"], procs["kv_consumer"]
-    try:
-        params = _line(p, "KVX_PARAMS", logs.setdefault("kv_producer", []))
-        c.stdin.write(params)
-        c.stdin.flush()
-        consumed = json.loads(_line(c, "KVX_RESULT", logs.setdefault("kv_consumer", [])))
-    finally:
-        communicate(c, "the NIXL consumer instance", "")
-        communicate(p, "the NIXL producer instance", "done\n")
-    assert p.returncode == 0 and c.returncode == 0, "".join(logs.get("kv_consumer", []) + logs["kv_producer"])[-4000:]
-    return {"params": json.loads(params), "kv_consumer": consumed}
+    procs = [subprocess.Popen([sys.executable, str(RUNNER), str(model), dtype, str(tp), json.dumps(prompts(vocab))],
+                              env={**env, "KVX_TP_RUN_KV": json.dumps({"role": role, "nixl": True})},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for role, (dtype, tp) in (("kv_producer", producer), ("kv_consumer", consumer))]
+    params, consumed, _ = proxy(*procs)
+    return {"params": params, "kv_consumer": consumed}
 
 
 def handoff(model: Path, store: Path, producer: tuple[str, int], consumer: tuple[str, int], vocab: int,

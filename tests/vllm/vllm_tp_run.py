@@ -71,10 +71,8 @@ def _handoff(llm, prompts: list[list[int]], role: str, nixl: bool) -> dict:
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                             SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **extra), use_tqdm=False)
         if nixl:
-            params = [r.kv_transfer_params for r in outs]
-            print("KVX_PARAMS " + json.dumps(params), flush=True)
+            print("KVX_PARAMS " + json.dumps([r.kv_transfer_params for r in outs]), flush=True)
             sys.stdin.readline()  # the bundles stay published until the consumer is done
-            return {"produced": [len(r.prompt_token_ids) for r in outs], "params": params}
         return {"produced": [len(r.prompt_token_ids) for r in outs]}
     tickets = json.loads(sys.stdin.readline()) if nixl else [None] * len(prompts)
     # warm up (kernels, graphs, the first step's allocations) on a prompt the store does not hold

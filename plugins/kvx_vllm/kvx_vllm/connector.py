@@ -278,26 +278,25 @@ class KvxConnector(KVConnectorBase_V1):
         elif rid in self._publish:
             ticket = self._ticket(self._seq + 1)
             if ticket is None:
+                missing = [r for r in self._publishers() if r not in self._directories]
                 logger.error("KVX connector: request %s: the NIXL handshakes of worker ranks %s did not reach the "
-                             "scheduler; its prompt is not published", rid, self._publishers(missing=True))
+                             "scheduler; its prompt is not published", rid, missing)
                 return
             self._seq += 1
             self._tickets[rid] = ticket
             meta.saves.append(Transfer(rid, prompt, self._slots(rid, 0, len(prompt)), seq=self._seq))
 
-    def _publishers(self, missing: bool = False) -> list[int]:
-        """The worker ranks that publish a prompt: the first rank of each distinct KV-head range (`missing`: those
-        of them whose handshake the scheduler lacks)."""
-        ranks = [r for r in range(self.tp_size) if writes_shard(self.model.num_kv_heads, self.tp_size, r)]
-        return [r for r in ranks if r not in self._directories] if missing else ranks
+    def _publishers(self) -> list[int]:
+        """The worker ranks that publish a prompt: the first rank of each distinct KV-head range."""
+        return [r for r in range(self.tp_size) if writes_shard(self.model.num_kv_heads, self.tp_size, r)]
 
     def _ticket(self, seq: int) -> dict | None:
         """The ticket of the prompt the workers publish under `seq`: one rank's lookup ticket when one range holds
         every KV head, else a ticket set of one lookup ticket per range; None while a publisher's handshake is
         missing."""
-        if self._publishers(missing=True):
-            return None
         ranks = self._publishers()
+        if any(r not in self._directories for r in ranks):
+            return None
         if len(ranks) == 1:
             return {**self._directories[ranks[0]], "seq": seq}
         heads = self.model.num_kv_heads
