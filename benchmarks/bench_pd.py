@@ -25,7 +25,9 @@ took 0.14 s against 0.9-1.0 s computing a 256-token prompt): compare `consumer_s
 `first_token_gap` (max |logprob difference| over the top-5 tokens of both first tokens, handed over vs computed: the
 cache format's error, reported, not judged). `--breakdown` (KvxConnector over NIXL, TP=1): each instance's engine core
 runs in its process, where `PHASES` are timed (each up to a device sync): per request `producer_phases` (export source,
-publish) and `consumer_phases` (the NIXL READ, the import), in seconds.
+publish) and `consumer_phases` (the NIXL READ, the import), in seconds; with `--profile-phases` also each phase's
+`--top` functions by own time under cProfile (`producer_profile` / `consumer_profile`: `[function, own us, calls]`,
+cProfile's overhead included: where the host time goes, not how long it takes).
 
 Transports: `kvx-nixl`, KvxConnector's NIXL transport (`nixl_memory`: `--nixl-memory host|device`); `kvx-store`,
 its store directory (`--store`, the same for both; /dev/shm for memory speed); `vllm-nixl`, vLLM's NixlConnector
@@ -35,6 +37,8 @@ its store directory (`--store`, the same for both; /dev/shm for memory speed); `
 from __future__ import annotations
 
 import argparse
+import cProfile
+import importlib
 import json
 import os
 import signal
@@ -43,7 +47,7 @@ import sys
 import tempfile
 import time
 
-from common import emit, env_info, time_calls
+from common import emit, env_info, time_calls, top_functions
 from model_geometries import MODELS, write_config, write_tokenizer
 
 CONNECTORS = ("kvx-nixl", "kvx-store", "vllm-nixl")
@@ -70,11 +74,20 @@ NIXL READ of the bundle and its import (every check, the conversion, the stores)
 its publish (the bundle packed into its NIXL buffer)."""
 
 
+def _profile_phases(profiles: dict[str, cProfile.Profile]) -> None:
+    """Wrap each phase's method so that it runs under its phase's profiler in `profiles` (made on first use)."""
+    for name, (module, cls, method) in PHASES.items():
+        owner = getattr(importlib.import_module(module), cls)
+        fn = getattr(owner, method)
+
+        def profiled(*args, _fn=fn, _name=name, **kwargs):
+            return profiles.setdefault(_name, cProfile.Profile()).runcall(_fn, *args, **kwargs)
+        setattr(owner, method, profiled)
+
+
 def _time_phases(spent: dict[str, float]) -> None:
     """Wrap each phase's method so that its wall time, from the device's completion of the work queued before it to
     that of its own, adds to `spent` (the syncs slow the instance: phase times, not the handoff's latency)."""
-    import importlib
-
     for name, (module, cls, method) in PHASES.items():
         time_calls(getattr(importlib.import_module(module), cls), method,
                    lambda s, name=name: spent.__setitem__(name, spent.get(name, 0.0) + s), sync=True)
@@ -85,6 +98,9 @@ def _child(role: str, args) -> None:
     from vllm import LLM, SamplingParams
 
     spent: dict[str, float] = {}
+    profiles: dict[str, cProfile.Profile] = {}
+    if args.profile_phases:
+        _profile_phases(profiles)  # inside the timer: the syncs are not profiled
     if args.breakdown:
         _time_phases(spent)
 
@@ -120,7 +136,9 @@ def _child(role: str, args) -> None:
             reply = {"seconds": t1 - t0, "end": t1, "cached": r.num_cached_tokens, "finish": o.finish_reason,
                      "top": {str(k): v.logprob for k, v in o.logprobs[0].items()} if o.logprobs else {}}
         reply["phases"] = {k: round(v, 5) for k, v in spent.items()}
+        reply["profile"] = {k: top_functions(p, args.top) for k, p in profiles.items()}
         spent.clear()
+        profiles.clear()
         print("BENCH_REPLY " + json.dumps(reply), flush=True)
 
 
@@ -190,6 +208,9 @@ def main() -> None:
     ap.add_argument("--out", help="append JSON lines here")
     ap.add_argument("--breakdown", action="store_true",
                     help="KvxConnector's phases per request (`PHASES`; engine cores in-process, a sync per phase)")
+    ap.add_argument("--profile-phases", action="store_true",
+                    help="with --breakdown: each phase's --top functions by own time under cProfile, per request")
+    ap.add_argument("--top", type=int, default=25, help="--profile-phases: functions per phase")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this role here
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)  # a child: the model directory the parent made
     args = ap.parse_args()
@@ -202,6 +223,8 @@ def main() -> None:
         return _child(args.one, args)
     if (args.model is None) == (args.geometry is None):
         raise SystemExit("bench_pd: give either a checkpoint directory or --geometry")
+    if args.profile_phases and not args.breakdown:
+        raise SystemExit("bench_pd: --profile-phases profiles the --breakdown phases: give --breakdown too")
     if args.connector == "vllm-nixl" and args.producer != args.consumer:
         raise SystemExit("bench_pd: vLLM's NixlConnector hands KV between instances of one cache dtype only")
     with tempfile.TemporaryDirectory() as d:
@@ -245,7 +268,9 @@ def _run(args, argv: list[str]) -> None:
                             "local_s": round(loc["seconds"], 4), "cached": d["cached"], "local_cached": loc["cached"],
                             "finish": d["finish"], "first_token_gap": _gap(d["top"], loc["top"]),
                             **({"producer_phases": p["phases"], "consumer_phases": d["phases"]}
-                               if args.breakdown else {})})
+                               if args.breakdown else {}),
+                            **({"producer_profile": p["profile"], "consumer_profile": d["profile"]}
+                               if args.profile_phases else {})})
     finally:
         prod.close()
         cons.close()

@@ -1,8 +1,10 @@
 """Shared benchmark helpers: L2-flushed event timing (median), copy-bandwidth probe, JSON-lines output."""
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import signal
 import statistics
 import subprocess
@@ -109,6 +111,12 @@ def time_calls(owner: type, name: str, record, sync: bool = False) -> None:
             record(time.perf_counter() - t)
 
     setattr(owner, name, timed)
+
+
+def top_functions(profile: cProfile.Profile, top: int) -> list[list]:
+    """The `top` functions of a cProfile run by own time: `[file:line(function), own us, calls]`."""
+    own = sorted(pstats.Stats(profile).stats.items(), key=lambda kv: -kv[1][2])[:top]  # (file, line, name): stats
+    return [[f"{os.path.basename(f)}:{line}({name})", round(st[2] * 1e6, 1), st[1]] for (f, line, name), st in own]
 
 
 def emit(path: str | None, rec: dict) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
-import pstats
 import sys
 import time
 from functools import partial
@@ -44,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_transfer import KERNEL_PATHS, _cache, _filled  # noqa: E402
-from common import emit, env_info  # noqa: E402
+from common import emit, env_info, top_functions  # noqa: E402
 
 from kvx_core.transfer import ModelFingerprint, import_bundle  # noqa: E402
 from kvx_core.transfer.host import export_to_device, export_to_host  # noqa: E402
@@ -101,13 +100,11 @@ def profile_op(fn, device: str, layers: int, runs: int, top: int) -> dict:
     python = cProfile.Profile()
     python.runcall(fn)
     _sync(device)
-    own = sorted(pstats.Stats(python).stats.items(), key=lambda kv: -kv[1][2])[:top]  # (file, line, name): stats
     rec = {"host_us_per_layer": round(host * 1e6 / layers, 1), "wall_us_per_layer": round(wall * 1e6 / layers, 1),
            "untraced_host_us_per_layer": round(max(untraced, 0.0) / layers, 1),
            "top_host_ops": [[a.key, round(a.self_cpu_time_total, 1), a.count] for a in ops
                             if a.device_type == DeviceType.CPU][:top],
-           "top_python": [[f"{os.path.basename(f)}:{line}({name})", round(st[2] * 1e6, 1), st[1]]
-                          for (f, line, name), st in own],
+           "top_python": top_functions(python, top),
            **dict.fromkeys(("gpu_kernel_us_per_layer", "kernels", "top_kernels", "launch_calls", "launches_per_layer",
                             "memcpy", "host_alloc", "syncs"))}
     if cuda:

@@ -48,7 +48,9 @@ def loads(data: bytes | bytearray | memoryview | str, what: str) -> object:
         text = data if isinstance(data, str) else bytes(data).decode("utf-8")
     except UnicodeDecodeError as e:
         raise KvxError(Status.INVALID_ARGUMENT, f"{what} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if _depth(text) > MAX_DEPTH:
+    # nesting is at most the count of opening brackets (counted in C): the scan in Python only when that is not
+    # already within the bound (a bundle header with 4096 token ids spent 1.4 ms in the scan)
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(text) > MAX_DEPTH:
         raise KvxError(Status.INVALID_ARGUMENT, f"{what} nests deeper than {MAX_DEPTH} levels")
     try:
         return json.loads(text, parse_constant=_no_constant)

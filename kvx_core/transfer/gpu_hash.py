@@ -32,15 +32,19 @@ def _round(acc, lane, p1, p2):
     return _rotl(acc + lane * p2, 31) * p1
 
 
-@triton.jit
-def _xxh64_segments(buf, out, seed, row_words, SEG_WORDS: tl.constexpr):
+# The seed differs per bundle, so it is not specialized (seed % 16 == 0 would compile another variant inside a
+# request: a 280 ms compile in a P/D handoff on the H200, bench_pd --profile-phases) and comes as its two 32-bit
+# halves in int32 bits (`_i32`): Triton types an int argument by its value (int32, int64 or uint64), each a variant.
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+def _xxh64_segments(buf, out, seed_lo, seed_hi, row_words, SEG_WORDS: tl.constexpr):
     """out[r, s] = xxh64 (seeded) of the s-th segment of SEG_WORDS 8-byte words (a multiple of 4: whole stripes) of
     the chunk starting at word r * row_words."""
     s = tl.program_id(0)
     p1 = tl.full([4], P1, tl.uint64)
     p2 = tl.full([4], P2, tl.uint64)
     lane = tl.arange(0, 4)
-    sd = tl.full([4], 0, tl.uint64) + seed.to(tl.uint64)
+    seed = (seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+    sd = tl.full([4], 0, tl.uint64) + seed
     init = tl.where(lane == 0, sd + p1 + p2, tl.where(lane == 1, sd + p2, tl.where(lane == 2, sd, sd - p1)))
     acc = init
     base = buf + tl.program_id(1).to(tl.int64) * row_words + s.to(tl.int64) * SEG_WORDS
@@ -62,6 +66,12 @@ def _xxh64_segments(buf, out, seed, row_words, SEG_WORDS: tl.constexpr):
     h = h * tl.full([], P3, tl.uint64)
     h = h ^ (h >> 32)
     tl.store(out + tl.program_id(1).to(tl.int64) * tl.num_programs(0) + s, h.to(tl.int64, bitcast=True))
+
+
+def _i32(x: int) -> int:
+    """The low 32 bits of `x` as a signed int32 value (what Triton always types int32)."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
 
 
 def segment_digests(buf: torch.Tensor, segment: int, seed: int) -> torch.Tensor:
@@ -91,6 +101,7 @@ def chunk_digests(buf: torch.Tensor, count: int, stride: int, size: int | None, 
     out = torch.empty(count, n, dtype=torch.int64, device=buf.device)
     if n and count:
         words = buf[:buf.numel() // 8 * 8].view(torch.int64)
-        _xxh64_segments[(n, count)](words, out, seed & (2**64 - 1), stride // 8, SEG_WORDS=segment // 8, num_warps=1)
+        _xxh64_segments[(n, count)](words, out, _i32(seed), _i32(seed >> 32), stride // 8, SEG_WORDS=segment // 8,
+                                    num_warps=1)
     return out
 

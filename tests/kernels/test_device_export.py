@@ -88,3 +88,36 @@ def test_refused_device_exports_leave_the_buffer_untouched():
     with _path("torch"), pytest.raises(KvxError) as e:  # caches the transfer kernels do not serve
         export_to_device(_descs(src), slots, model=MODEL, out=big)
     assert e.value.status == Status.UNSUPPORTED and (big == 7).all()
+
+
+def _compiled_variants() -> int:
+    """Compiled variants of every KVX Triton kernel on this process's CUDA device (Triton's per-device cache)."""
+    import sys
+
+    import triton
+
+    fns = {id(f): f for name, m in list(sys.modules.items()) if name.startswith("kvx_core") and m is not None
+           for f in vars(m).values() if isinstance(f, triton.runtime.JITFunction)}
+    return sum(len(f.device_caches[torch.cuda.current_device()][0]) for f in fns.values())
+
+
+@pytest.mark.gpu
+def test_bundles_of_new_lengths_and_seeds_compile_nothing():
+    """After one handoff of each route (same format, converted), bundles of lengths never met (1 token, multiples of
+    16 and not: Triton specializes integers == 1 and % 16 == 0) and so of other checksum seeds run the kernels
+    already compiled: a compile takes ~280 ms, and inside a P/D handoff it was one (bench_pd --profile-phases)."""
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA GPU")
+    lengths = (100, 1, 16, 17, 64, 333)
+    with _path("triton"):  # every cache filled first: their writes compile what they compile before the count
+        runs = [(n, _cache("bf16", 16, 40, tokens=n), _cache(fmt, 16, 40, seed=3)[0])
+                for fmt in ("bf16", "nvfp4") for n in lengths]
+        out = torch.zeros(1 << 22, dtype=torch.uint8, device=DEVICE)
+        variants = None
+        for i, (n, (src, slots), dst) in enumerate(runs):
+            bundle = export_to_device(_descs(src), slots, model=MODEL, token_ids=list(range(n)), out=out)
+            import_bundle(bundle, _descs(dst), torch.arange(n), model=MODEL)
+            torch.cuda.synchronize()
+            if i % len(lengths) == 0:  # the first handoff of a route: what its kernels compile
+                variants = _compiled_variants()
+            assert _compiled_variants() == variants, (i, n)

@@ -26,7 +26,7 @@ from .launch import as_bytes, check_device, global_scale_arg, interpreting, pool
 from .write import _encode_rows, _side
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compiled variant for every bundle length (`rows._rows_kernel`)
 def _convert_kernel(
     SLOT, T, H,
     KR, s_kr, KRS, s_krs, KRG, VR, s_vr, VRS, s_vrs, VRG, KX, VX,

@@ -122,7 +122,9 @@ def _copy(F, C, N, e0, BE: tl.constexpr):
     tl.store(C + e, tl.load(F + e, mask=e < N), mask=e < N)
 
 
-@triton.jit
+# T not specialized (Triton would compile T == 1 and T % 16 == 0 apart): a bundle length never met before must not
+# compile a kernel inside a request (a 280 ms compile inside a P/D handoff on the H200, bench_pd --profile-phases)
+@triton.jit(do_not_specialize=["T"])
 def _rows_kernel(
     SLOT, T, BS,
     P0, b0, g0, o0, h0, d0, p0, C0, X0, R0,
