@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..errors import Status, require
+from ..ops.triton.launch import on_device
 
 P1 = tl.constexpr(11400714785074694791)
 P2 = tl.constexpr(14029467366897019727)
@@ -101,7 +102,8 @@ def chunk_digests(buf: torch.Tensor, count: int, stride: int, size: int | None, 
     out = torch.empty(count, n, dtype=torch.int64, device=buf.device)
     if n and count:
         words = buf[:buf.numel() // 8 * 8].view(torch.int64)
-        _xxh64_segments[(n, count)](words, out, _i32(seed), _i32(seed >> 32), stride // 8, SEG_WORDS=segment // 8,
-                                    num_warps=1)
+        with on_device(buf.device):
+            _xxh64_segments[(n, count)](words, out, _i32(seed), _i32(seed >> 32), stride // 8,
+                                        SEG_WORDS=segment // 8, num_warps=1)
     return out
 

@@ -38,12 +38,13 @@ from .rows import (
     KEY_TRANSFORMS,
     LAYER_TENSORS,
     bound,
+    checked_once,
     format_specs,
     key_transforms,
     layer_global_scales,
     layer_slots,
     on_device,
-    prepare_write_rows,
+    prepare_write_layers,
     read_chunk,
 )
 from .schema import ModelFingerprint, header_transforms, read_flags, token_hash
@@ -87,6 +88,7 @@ def checkpoint_fingerprint(directory: str) -> ModelFingerprint | None:
     return fingerprint_from_files(cfg, tok) if os.path.isfile(cfg) and os.path.isfile(tok) else None
 
 
+@checked_once
 def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
                   token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
                   segment_bytes: int = SEGMENT_BYTES) -> dict:
@@ -224,14 +226,12 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
 
 
 def _prepare(rows: dict[str, torch.Tensor], src: CacheFormat, cache: CacheDesc, slots: torch.Tensor,
-             where: tuple[torch.Tensor, torch.Tensor], fmt: CacheFormat, same: bool,
+             where: tuple[torch.Tensor, torch.Tensor], fmt: CacheFormat,
              scales: tuple[torch.Tensor | None, torch.Tensor | None], scratch: dict):
-    """The store of one layer's bundled `rows` (source format `src`) into `cache` (of format `fmt`) at `slots`
-    (`where`: their `check_slots` in this cache; `same`, `scales`: `_same_rows`' answers), checked and converted
-    now; the returned callable only stores. `scratch`: the import's conversion buffers (`_prepare_on_device`)."""
-    if same:
-        return prepare_write_rows(cache, slots, {k: v for k, v in rows.items() if k not in LAYER_TENSORS},
-                                  where=where, fmt=fmt)
+    """The store of one layer's bundled `rows` (source format `src`) into `cache` (of format `fmt`, whose stored
+    bytes mean something else: `_same_rows`) at `slots` (`where`: their `check_slots` in this cache; `scales`:
+    `_same_rows`' answer), checked and converted now; the returned callable only stores. `scratch`: the import's
+    conversion buffers (`_prepare_on_device`)."""
     dev = cache.k.tensor.device
     if use_kernels(dev):
         return _prepare_on_device(rows, src, cache, slots, where, fmt, scales, scratch)
@@ -274,6 +274,7 @@ def _prepare_on_device(rows: dict[str, torch.Tensor], src: CacheFormat, cache: C
     return lambda: dispatch.write_kv(cache, write, check=False)
 
 
+@checked_once
 def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tensor], caches: Sequence[CacheDesc],
                   slots: torch.Tensor, *, model: ModelFingerprint, token_ids: Sequence[int] | None = None,
                   kv_heads: tuple[int, int] | None = None, token_range: tuple[int, int] | None = None) -> list[dict]:
@@ -326,9 +327,12 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     src = readers[0].format
     same, scales = _same_rows(rows, src, caches, formats)
     scratch: dict = {}
-    stores = [_prepare(layer_rows, src, cache, slots, where, fmt, ok, gs, scratch)
-              for layer_rows, cache, where, fmt, ok, gs in zip(rows, caches, wheres, formats, same, scales,
-                                                              strict=True)]
+    kept = [i for i, ok in enumerate(same) if ok]  # stored as they are: the scatters of one geometry in one launch
+    stores = [prepare_write_layers([caches[i] for i in kept], slots,
+                                   [{k: v for k, v in rows[i].items() if k not in LAYER_TENSORS} for i in kept],
+                                   [wheres[i] for i in kept], [formats[i] for i in kept])]
+    stores += [_prepare(rows[i], src, caches[i], slots, wheres[i], formats[i], scales[i], scratch)
+               for i in range(len(caches)) if not same[i]]
     for store in stores:
         store()
     return [r.header for r in readers]

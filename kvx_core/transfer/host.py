@@ -39,7 +39,7 @@ from .bundle import (
 )
 from .header import bundle_header
 from .kernels import use_kernels
-from .rows import layer_global_scales, layer_slots, read_chunk
+from .rows import checked_once, layer_global_scales, layer_slots, read_chunk, read_chunks
 from .schema import ModelFingerprint, check_layers
 from .views import StorageViews
 
@@ -137,12 +137,15 @@ class _Export:
         return None
 
     def chunks(self, stage: StorageViews | None) -> Iterator[tuple[int, torch.Tensor]]:
-        """(layer, its chunk payload on the caches' device), gathered in layer order (into `stage` when given)."""
-        layers = zip(self.caches, self.wheres, layer_global_scales(self.caches, self.formats), self.formats,
-                     strict=True)
-        for i, (cache, where, gs, fmt) in enumerate(layers):
-            yield i, read_chunk(cache, self.slots, self.specs, where=where, scales=gs,
-                                into=None if stage is None else (stage, i * self.stride), fmt=fmt)
+        """(layer, its chunk payload on the caches' device), gathered in layer order; into `stage` when given, every
+        layer's gather queued first (one launch for the layers of one geometry: `rows.read_chunks`)."""
+        scales = layer_global_scales(self.caches, self.formats)
+        if stage is not None:
+            yield from enumerate(read_chunks(self.caches, self.slots, self.specs, stage, self.stride, scales,
+                                             self.formats))
+            return
+        for i, (cache, where, gs, fmt) in enumerate(zip(self.caches, self.wheres, scales, self.formats, strict=True)):
+            yield i, read_chunk(cache, self.slots, self.specs, where=where, scales=gs, fmt=fmt)
 
     def sums(self, gpu: list[list[int]], host: list[list[int]]) -> list[int]:
         """Each chunk's checksum from its segments' digests: those hashed on the device, then the host's."""
@@ -165,6 +168,7 @@ def _digest_lists(digests: torch.Tensor | list[torch.Tensor], layers: int) -> li
     return [[int(d) for d in row] for row in digests.cpu().numpy().view(np.uint64).tolist()]
 
 
+@checked_once
 def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
                    token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,6 +231,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     return buf
 
 
+@checked_once
 def export_to_device(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
                      token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
                      out: torch.Tensor) -> torch.Tensor:
@@ -248,14 +253,16 @@ def export_to_device(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model:
     buf, size = out[:e.total], e.size
     stage, on_gpu, tails = e.staging(dev), [], []
     for i, chunk in e.chunks(stage):
-        if size:
+        if size and stage is None:
             buf[e.at(i):e.at(i) + size].copy_(chunk)
             if e.whole < size:  # a chunk of its own is freed after its layer: keep a copy of its tail only
-                tails.append(chunk[e.whole:] if stage is not None else chunk[e.whole:].clone())
-            if stage is None:
-                on_gpu.append(gpu_segment_digests(chunk, e.segment, e.seed))
-    if size and stage is not None:
+                tails.append(chunk[e.whole:].clone())
+            on_gpu.append(gpu_segment_digests(chunk, e.segment, e.seed))
+    if size and stage is not None:  # the staged payloads land in one strided copy, their tails come in one too
+        staged = stage.buf.view(e.layers, e.stride)[:, :size]
+        buf.as_strided((e.layers, size), (e.at(1) - e.at(0), 1), buf.storage_offset() + e.at(0)).copy_(staged)
         on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, e.segment, e.seed)
+        tails = list(staged[:, e.whole:])
     host_tails = torch.stack(tails).cpu().numpy() if e.whole < size else None
     sums = e.sums(_digest_lists(on_gpu, e.layers),
                   [[] if host_tails is None else [segment_digest(host_tails[i], e.seed)] for i in range(e.layers)])
@@ -351,11 +358,18 @@ class HostBundle:
         come to the host in one copy and are checked there."""
         n, layers, buf = self.size, self.num_layers, self.buf
         whole = n // self.segment * self.segment
-        at = [chunk_at(self.first, n, i) for i in range(layers)]
-        pieces = ([(a, a + 16) for a in at] + [(a + 16 + n, a + 24 + n) for a in at]
-                  + [(a + 16 + whole, a + 16 + n) for a in at if whole < n] + [(self.total - 24, self.total)])
-        small = torch.cat([buf[a:b] for a, b in pieces]).cpu().numpy()
-        ends = np.cumsum([0] + [b - a for a, b in pieces]).tolist()
+        step, at0 = chunk_at(0, n, 1), buf.storage_offset() + chunk_at(self.first, n, 0)
+
+        def every_layer(start: int, size: int) -> torch.Tensor:
+            """Bytes [start, start + size) of every chunk (from its head), as one strided `[layers, size]` view."""
+            return buf.as_strided((layers, size), (step, 1), at0 + start)
+
+        # the chunk heads, checksums, tail segments and trailer, in that order, in one copy to the host
+        tail_bytes = [every_layer(16 + whole, n - whole)] if whole < n else []
+        parts = [every_layer(0, 16), every_layer(16 + n, 8), *tail_bytes, buf[self.total - 24:]]
+        small = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()
+        sizes = [16] * layers + [8] * layers + [n - whole] * (layers if tail_bytes else 0) + [24]
+        ends = np.cumsum([0] + sizes).tolist()
 
         def piece(k: int) -> bytes:
             return bytes(small[ends[k]:ends[k + 1]])
@@ -364,15 +378,14 @@ class HostBundle:
             check_chunk_head(piece(i), i, n)
         stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
         staged = torch.empty(layers * stride, dtype=torch.uint8, device=device)
-        for i, a in enumerate(at):
-            if n:
-                staged[i * stride:i * stride + n].copy_(buf[a + 16:a + 16 + n])
+        if n:  # every payload in one strided copy
+            staged.view(layers, stride)[:, :n].copy_(every_layer(16, n))
         digests = gpu_chunk_digests(staged, layers, stride, n, self.segment, self.seed).cpu().numpy().view(
-            np.uint64).tolist() if n else [[] for _ in at]
+            np.uint64).tolist() if n else [[] for _ in range(layers)]
         tails = [[segment_digest(piece(2 * layers + i), self.seed)] if whole < n else [] for i in range(layers)]
         sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in digests[i]] + tails[i], self.seed),
                                 piece(layers + i)) for i in range(layers)]
-        check_trailer(piece(len(pieces) - 1), layers, self.total - 24, sums, self.seed)
+        check_trailer(piece(len(sizes) - 1), layers, self.total - 24, sums, self.seed)
         out = split_chunks(staged, 0, stride, layers, self.specs, self.tokens)
         check_layers(out, self.format)  # one host sync for the bundle
         return out

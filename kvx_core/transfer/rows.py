@@ -6,8 +6,11 @@ centering) live per layer.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
-from collections.abc import Callable, Collection, Sequence
+import functools
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -134,12 +137,47 @@ class Binding:
         return self.derived[name]
 
 
+_CALL: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kvx_transfer_call", default=None)
+"""Within one export or import (`one_call`): {id(descriptor): (descriptor, its binding)} already checked."""
+
+
+@contextlib.contextmanager
+def one_call() -> Iterator[None]:
+    """One export or import: each descriptor's binding is checked once (`binding`), not at each of the call's steps
+    (slots, scales, rows: three times per layer, ~5 us each); nothing else runs between them that could change it."""
+    token = _CALL.set({})
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
+def checked_once(fn: Callable) -> Callable:
+    """`fn` run as `one_call` (an export or import entry point)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with one_call():
+            return fn(*args, **kwargs)
+    return call
+
+
 def binding(cache: CacheDesc) -> Binding:
     """`cache` validated (`CacheDesc.validate`, `format_of`, the global scales' types and shapes) once per state of
     its fields and pool tensors, not per layer and call: the binding kept on the descriptor is reused while every
     field is the same object and every tensor keeps its storage, dtype, device, shape and strides; any change (a
     pool re-allocated or resized, a field reassigned) validates it again. The key-transform vectors' values are not
-    checked here (`layer_slots` checks them per call)."""
+    checked here (`layer_slots` checks them per call). Inside `one_call`, checked once per call."""
+    memo = _CALL.get()
+    if memo is not None and id(cache) in memo:
+        return memo[id(cache)][1]
+    held = _binding(cache)
+    if memo is not None:
+        memo[id(cache)] = (cache, held)  # the descriptor kept: its id is not reused during the call
+    return held
+
+
+def _binding(cache: CacheDesc) -> Binding:
+    """`binding` outside a call's memo."""
     fields = _fields(cache)
     held = cache.__dict__.get(_BOUND)
     if held is not None and held.holds(cache, fields):
@@ -307,6 +345,32 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
     if where is None:
         cache.validate()
         check_slots(cache, slots)
+    chunk, moves = _chunk_moves(cache, slots, specs, scales, into, fmt)
+    _plan_layers(cache, slots, [moves], scatter=False)()
+    return chunk
+
+
+def read_chunks(caches: Sequence[CacheDesc], slots: torch.Tensor, specs: Sequence, into: StorageViews, stride: int,
+                scales: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
+                formats: Sequence[CacheFormat]) -> list[torch.Tensor]:
+    """`read_chunk` of every layer of `caches` (on a kernel device, checked by `layer_slots` with `slots`, its
+    answer) into `into` at byte offsets `0, stride, 2 * stride, ...`: the gathers of every layer of one geometry in
+    one launch (`ops.triton.rows.plan_layer_rows`). Returns each layer's chunk."""
+    chunks, moves = [], []
+    for i, (cache, gs, fmt) in enumerate(zip(caches, scales, formats, strict=True)):
+        chunk, m = _chunk_moves(cache, slots, specs, gs, (into, i * stride), fmt)
+        chunks.append(chunk)
+        moves.append(m)
+    if caches:
+        _plan_layers(caches[0], slots, moves, scatter=False)()
+    return chunks
+
+
+def _chunk_moves(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
+                 scales: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+                 into: tuple[StorageViews, int] | None, fmt: CacheFormat | None) -> tuple[torch.Tensor, object]:
+    """(The chunk `read_chunk` fills, the layer's moves into it as `plan_layer_rows` takes them) for a checked
+    `cache` on a kernel device."""
     from ..ops.triton.rows import _INT
 
     held = binding(cache)
@@ -324,8 +388,7 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
     kg, vg = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False) if scales is None else scales
     layer = {"k_global": kg, "v_global": vg, **{k.tensor: k.of(cache) for k in KEY_TRANSFORMS}}
     flat = [(layer[n], parts[n]) for n in LAYER_TENSORS if n in parts]  # FP32 (`QuantDesc` validation)
-    _plan_rows(cache, held, slots, parts, scatter=False, flat=flat)()
-    return chunk
+    return chunk, _layer_moves(cache, held, parts, flat)
 
 
 def _pool_rows(cache: CacheDesc, held: Binding) -> tuple:
@@ -344,17 +407,23 @@ def _pool_rows(cache: CacheDesc, held: Binding) -> tuple:
     return held.derive("pool_rows", build)
 
 
-def _plan_rows(cache: CacheDesc, held: Binding, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, scatter: bool,
-               flat: list = ()) -> Callable[[], None]:
-    """`ops.triton.rows.plan_rows` between the pools of `cache` (bound as `held`) and `rows` (`{name: contiguous
-    [T, H, X]}` on the cache's device, every pool of the format), for `slots` already checked."""
-    from ..ops.triton.rows import plan_rows
+def _layer_moves(cache: CacheDesc, held: Binding, rows: dict[str, torch.Tensor], flat: list = ()):
+    """The moves between the pools of `cache` (bound as `held`) and `rows` (`{name: contiguous [T, H, X]}` on the
+    cache's device, every pool of the format), as `ops.triton.rows.plan_layer_rows` takes a layer."""
+    from ..ops.triton.rows import LayerRows
 
-    pairs = [(pool, rows[name]) for name, pool in _pool_rows(cache, held)]
-    dev = cache.k.tensor.device
+    return LayerRows(cache.block_size, [(pool, rows[name]) for name, pool in _pool_rows(cache, held)], list(flat))
+
+
+def _plan_layers(first: CacheDesc, slots: torch.Tensor, moves: list, *, scatter: bool) -> Callable[[], None]:
+    """`ops.triton.rows.plan_layer_rows` of layers' `moves` for `slots` already checked (moved to the device of
+    `first`, the first layer's cache, as int64 where they are not)."""
+    from ..ops.triton.rows import plan_layer_rows
+
+    dev = first.k.tensor.device
     if slots.device != dev or slots.dtype != torch.int64:
         slots = slots.to(device=dev, dtype=torch.int64)
-    return plan_rows(slots, cache.block_size, pairs, scatter=scatter, flat=flat)
+    return plan_layer_rows(slots, moves, scatter=scatter)
 
 
 def format_specs(fmt, num_kv_heads: int, head_dim: int, transforms: Collection[str] = ()
@@ -390,18 +459,10 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
     if where is None:
         cache.validate()
     held = binding(cache)
-    fmt = held.fmt if fmt is None else fmt
     blk, off = check_slots(cache, slots) if where is None else where
-    for name, (dtype, shape) in format_specs(fmt, cache.num_kv_heads, cache.head_dim).items():
-        if name in LAYER_TENSORS:
-            continue
-        t = rows.get(name)
-        require(isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == (slots.numel(), *shape),
-                Status.INVALID_ARGUMENT, f"rows[{name!r}] must be {dtype} {(slots.numel(), *shape)}")
+    _check_rows(cache, held.fmt if fmt is None else fmt, slots.numel(), rows)
     if kernels.use_kernels(cache.k.tensor.device):  # one scatter kernel; the rows staged on the device first
-        dev = cache.k.tensor.device
-        staged = {n: on_device(t, dev) for n, t in rows.items() if n not in LAYER_TENSORS}
-        return _plan_rows(cache, held, slots, staged, scatter=True)
+        return _plan_layers(cache, slots, [_staged_moves(cache, held, rows)], scatter=True)
     pools = _sides(cache, held)
     moves = [(p, rows[f"{w}_data"], rows.get(f"{w}_scales")) for w, p in zip(("k", "v"), pools, strict=True)]
 
@@ -411,3 +472,42 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
             if p.scales is not None:
                 p.scales[blk, off] = scales.to(p.data.device).reshape(-1, *p.scales.shape[2:])
     return store
+
+
+def prepare_write_layers(caches: Sequence[CacheDesc], slots: torch.Tensor, rows: Sequence[dict[str, torch.Tensor]],
+                         wheres: Sequence[tuple[torch.Tensor, torch.Tensor]], formats: Sequence[CacheFormat]):
+    """`prepare_write_rows` of several layers (checked by `layer_slots`, whose answers `slots`, `wheres` and
+    `formats` are): on a kernel device the scatters of every layer of one geometry in one launch
+    (`ops.triton.rows.plan_layer_rows`); the store runs them all."""
+    if not caches:
+        return lambda: None
+    if not kernels.use_kernels(caches[0].k.tensor.device):
+        stores = [prepare_write_rows(c, slots, r, where=w, fmt=f)
+                  for c, r, w, f in zip(caches, rows, wheres, formats, strict=True)]
+
+        def store() -> None:
+            for s in stores:
+                s()
+        return store
+    moves = []
+    for cache, layer, fmt in zip(caches, rows, formats, strict=True):
+        held = binding(cache)
+        _check_rows(cache, fmt, slots.numel(), layer)
+        moves.append(_staged_moves(cache, held, layer))
+    return _plan_layers(caches[0], slots, moves, scatter=True)
+
+
+def _check_rows(cache: CacheDesc, fmt: CacheFormat, tokens: int, rows: dict[str, torch.Tensor]) -> None:
+    """`rows` hold every per-token tensor a cache of `fmt` stores, of its dtype and shape for `tokens` tokens."""
+    for name, (dtype, shape) in format_specs(fmt, cache.num_kv_heads, cache.head_dim).items():
+        if name in LAYER_TENSORS:
+            continue
+        t = rows.get(name)
+        require(isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == (tokens, *shape),
+                Status.INVALID_ARGUMENT, f"rows[{name!r}] must be {dtype} {(tokens, *shape)}")
+
+
+def _staged_moves(cache: CacheDesc, held: Binding, rows: dict[str, torch.Tensor]):
+    """`_layer_moves` of a scatter: the rows contiguous on the cache's device first."""
+    dev = cache.k.tensor.device
+    return _layer_moves(cache, held, {n: on_device(t, dev) for n, t in rows.items() if n not in LAYER_TENSORS})

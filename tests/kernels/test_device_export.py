@@ -108,11 +108,11 @@ def test_bundles_of_new_lengths_and_seeds_compile_nothing():
     already compiled: a compile takes ~280 ms, and inside a P/D handoff it was one (bench_pd --profile-phases)."""
     if not torch.cuda.is_available():
         pytest.fail("needs a CUDA GPU")
-    lengths = (100, 1, 16, 17, 64, 333)
+    lengths = (1000, 1, 16, 17, 64, 333, 2048)  # the first: payloads of whole 64 KiB segments (the hash kernel runs)
     with _path("triton"):  # every cache filled first: their writes compile what they compile before the count
-        runs = [(n, _cache("bf16", 16, 40, tokens=n), _cache(fmt, 16, 40, seed=3)[0])
+        runs = [(n, _cache("bf16", 16, 160, tokens=n), _cache(fmt, 16, 160, seed=3)[0])
                 for fmt in ("bf16", "nvfp4") for n in lengths]
-        out = torch.zeros(1 << 22, dtype=torch.uint8, device=DEVICE)
+        out = torch.zeros(1 << 23, dtype=torch.uint8, device=DEVICE)
         variants = None
         for i, (n, (src, slots), dst) in enumerate(runs):
             bundle = export_to_device(_descs(src), slots, model=MODEL, token_ids=list(range(n)), out=out)

@@ -59,21 +59,20 @@ def _path(path: str):
 
 
 @pytest.fixture
-def launches(monkeypatch) -> list[str]:
-    """The row kernels launched ("gather" / "scatter"), in order."""
+def launches(monkeypatch) -> list[tuple[str, int]]:
+    """The row kernel's launches in order: ("gather" / "scatter", the layers it moved)."""
     from kvx_core.ops.triton import rows
 
-    seen, plan = [], rows.plan_rows
+    seen, kernel = [], rows._rows_kernel
 
-    def spy(*a, scatter: bool, **kw):
-        launch = plan(*a, scatter=scatter, **kw)
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, SCATTER: bool, **kw):
+                seen.append(("scatter" if SCATTER else "gather", grid[1] // rows.MOVES.value))
+                kernel[grid](*args, SCATTER=SCATTER, **kw)
+            return launch
 
-        def counted() -> None:
-            seen.append("scatter" if scatter else "gather")
-            launch()
-        return counted
-
-    monkeypatch.setattr(rows, "plan_rows", spy)
+    monkeypatch.setattr(rows, "_rows_kernel", Counted())
     return seen
 
 
@@ -113,11 +112,11 @@ def test_the_kernels_serve_cuda_and_the_override():
 @pytest.mark.parametrize("fmt", list_formats())
 @pytest.mark.parametrize("page_buffer", [False, True])
 def test_kernel_export_is_the_torch_export_byte_for_byte(fmt, page_buffer, launches):
-    """Ragged slots over random blocks of 4 tokens, from separate pools and from regions of one page buffer; one
-    gather launch per layer."""
+    """Ragged slots over random blocks of 4 tokens, from separate pools and from regions of one page buffer; the
+    stream export gathers each layer in a launch of its own, the host export every layer in one launch."""
     src, slots = _cache(fmt, 4, 12, page_buffer=page_buffer, tokens=13)
     assert _same_bytes(_exports(_descs(src), slots, token_ids=list(range(13))))
-    assert launches == ["gather"] * 2 * LAYERS
+    assert launches == [("gather", 1)] * LAYERS + [("gather", LAYERS)]
 
 
 @cpu_only
@@ -201,8 +200,8 @@ def _assert_same_pools(a: PagedKVCache, b: PagedKVCache) -> None:
 
 @pytest.mark.parametrize("fmt", list_formats())
 def test_kernel_import_of_the_same_format_stores_the_rows(fmt, launches):
-    """Same format and global scales: the scatter kernel (one launch per layer) stores the bundle's rows into a
-    page-buffer cache of another block size, exactly where the torch import stores them (and nowhere else)."""
+    """Same format and global scales: the scatter kernel (one launch for every layer) stores the bundle's rows into
+    a page-buffer cache of another block size, exactly where the torch import stores them (and nowhere else)."""
     blob, src, slots = tb._bundle(fmt, tokens=19)
 
     def dst():
@@ -216,7 +215,7 @@ def test_kernel_import_of_the_same_format_stores_the_rows(fmt, launches):
     dst_slots = torch.randperm(48, generator=torch.Generator().manual_seed(5))[:19]
     launches.clear()  # on CUDA the bundle's export above ran the gather kernel
     torch_dst, kernel_dst = _import_both(blob, dst, dst_slots)
-    assert launches == ["scatter"] * LAYERS
+    assert launches == [("scatter", LAYERS)]
     _assert_same_pools(kernel_dst, torch_dst)
     for layer in range(LAYERS):
         a, b = read_rows(src.descriptor(layer), slots), read_rows(kernel_dst.descriptor(layer), dst_slots)
@@ -533,3 +532,49 @@ def kernel_imports(rng: random.Random) -> None:
 @cpu_only
 def test_fuzz_kernel_imports():
     run_capped("tests.kernels.test_transfer_kernels:kernel_imports", cases=100)
+
+
+def test_layers_of_other_geometries_or_shared_pools_scatter_in_launches_of_their_own(launches):
+    """An import's same-format layers scatter in one launch per geometry (block size, strides); a layer whose pools
+    share a storage with a layer of that launch (here: the same cache given twice) goes in a later launch, so the
+    later layer's rows land last, as the torch path stores them (the oracle: every pool equal)."""
+    from kvx_core.transfer import ModelFingerprint
+
+    model = ModelFingerprint("LlamaForCausalLM", 4, tb.HEADS, tb.DIM, {}, "c" * 64, "t" * 64)
+
+    def caches(seed: int) -> tuple[PagedKVCache, PagedKVCache]:
+        a = PagedKVCache("bf16", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=tb.HEADS, head_dim=tb.DIM,
+                         device=DEVICE)
+        b = PagedKVCache("bf16", num_layers=1, num_blocks=32, block_size=4, num_kv_heads=tb.HEADS, head_dim=tb.DIM,
+                         device=DEVICE)
+        g = torch.Generator().manual_seed(seed)
+        for c, layers in ((a, 2), (b, 1)):
+            for layer in range(layers):
+                kv = torch.randn(2, 120, tb.HEADS, tb.DIM, generator=g)
+                c.write(layer, kv[0].to(DEVICE), kv[1].to(DEVICE), torch.arange(120, device=DEVICE))
+        return a, b
+
+    src = PagedKVCache("bf16", num_layers=4, num_blocks=8, block_size=16, num_kv_heads=tb.HEADS, head_dim=tb.DIM,
+                       device=DEVICE)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(4):
+        kv = torch.randn(2, 21, tb.HEADS, tb.DIM, generator=g)
+        src.write(layer, kv[0].to(DEVICE), kv[1].to(DEVICE), torch.arange(21, device=DEVICE))
+    with _path("torch"):
+        bundle = export_to_host([src.descriptor(i) for i in range(4)], torch.arange(21), model=model)
+    at = torch.randperm(64, generator=torch.Generator().manual_seed(2))[:21]
+    got = {}
+    for path in PATHS:
+        a, b = caches(3)
+        launches.clear()
+        with _path(path):
+            import_bundle(bundle, [a.descriptor(0), a.descriptor(1), b.descriptor(0), a.descriptor(0)], at,
+                          model=model)
+            last = read_rows(a.descriptor(0), at)
+        with _path("torch"):  # the cache given twice holds the rows of the later layer, bundled layer 3
+            want = read_rows(src.descriptor(3), torch.arange(21))
+        assert all(torch.equal(last[n], want[n]) for n in ("k_data", "v_data")), path
+        got[path] = [t.clone() for c in (a, b) for p in c.layers for t in (p.k_data, p.v_data)]
+        if path == "triton":
+            assert launches == [("scatter", 2), ("scatter", 1), ("scatter", 1)]
+    assert all(torch.equal(x, y) for x, y in zip(*got.values(), strict=True))

@@ -22,7 +22,7 @@ from ...formats import CacheFormat
 from ..checks import WriteArgs
 from ..kernel_format import kernel_format
 from .gather import _decode_rows
-from .launch import as_bytes, check_device, global_scale_arg, interpreting, pool_geometry
+from .launch import as_bytes, check_device, global_scale_arg, interpreting, on_device, pool_geometry
 from .write import _encode_rows, _side
 
 
@@ -87,14 +87,15 @@ def _launch(src: CacheFormat, rows: dict[str, torch.Tensor], d: int, hkv: int, o
     slots, kargs, vargs, kc, vc, bs = encode or (out[0], unused, unused, off, off, 1)
     dp = triton.next_power_of_2(d)
     bt = block_t or max(1, min(64, 4096 // dp))
-    _convert_kernel[(triton.cdiv(t, bt), hkv, 2)](
-        slots, t, hkv, *kr, *vr, out[0], out[1], *kargs, *vargs,
-        D=d, DP=dp, BT=bt, BS=bs,
-        SKF=skc[0], SKGRP=skc[1], SKNGP=skc[2], SKE5=skc[3], SVF=svc[0], SVGRP=svc[1], SVNGP=svc[2], SVE5=svc[3],
-        KF=kc[0], KGRP=kc[1], KNGP=kc[2], KE5=kc[3], KRCEIL=kc[4],
-        VF=vc[0], VGRP=vc[1], VNGP=vc[2], VE5=vc[3], VRCEIL=vc[4],
-        ENCODE=encode is not None, ASM=not interpreting(), num_warps=4, enable_fp_fusion=False,
-    )
+    with on_device(out[0].device):
+        _convert_kernel[(triton.cdiv(t, bt), hkv, 2)](
+            slots, t, hkv, *kr, *vr, out[0], out[1], *kargs, *vargs,
+            D=d, DP=dp, BT=bt, BS=bs,
+            SKF=skc[0], SKGRP=skc[1], SKNGP=skc[2], SKE5=skc[3], SVF=svc[0], SVGRP=svc[1], SVNGP=svc[2], SVE5=svc[3],
+            KF=kc[0], KGRP=kc[1], KNGP=kc[2], KE5=kc[3], KRCEIL=kc[4],
+            VF=vc[0], VGRP=vc[1], VNGP=vc[2], VE5=vc[3], VRCEIL=vc[4],
+            ENCODE=encode is not None, ASM=not interpreting(), num_warps=4, enable_fp_fusion=False,
+        )
 
 
 @torch.no_grad()

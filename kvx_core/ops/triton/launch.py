@@ -6,6 +6,7 @@ installs the interpreter shim (`_interp.py`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -24,6 +25,13 @@ def interpreting() -> bool:
 if interpreting():
     from ._interp import install as _install_interp_shim
     _install_interp_shim()
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The launch context of a kernel over tensors on `device`: that CUDA device made current (Triton launches on the
+    current device's current stream, and refuses or, with peer access, reads across devices out of stream order
+    for tensors of another); nothing on the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def as_format(fmt: CacheFormat | str) -> CacheFormat:

@@ -12,18 +12,25 @@ A pool is addressed through its 5-D block view `[blocks, block_size, H, Dp, pack
 `block*s_b + (offset // G)*s_g + (offset % G)*s_o + head*s_h + dp*s_d + p*s_p`. Grid `(cdiv(T, BT), 8,
 cdiv(max row, BE))`: axis 1 picks one of four pools or four flat tensors; absent ones return at once. A pool whose
 token rows are contiguous (`PoolRows.flat`) skips the index arithmetic.
+
+Layers of one geometry (an engine's layers: the same pool strides and row shapes, each in its own allocation) move
+in the same launch (`plan_layer_rows`): axis 1 runs over 8 x layers, and each layer's pointers are layer 0's plus
+that layer's element offsets, read from a small device table (`[layers, 16]` int64: pools, chunk rows, flat sources,
+flat destinations). One launch per bundle instead of one per layer: the host work and launch latency of a layer
+(~40-60 us of Python per launch) no longer scale with the layers, which is what a short prompt's handoff pays.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ...errors import Status, require
-from .launch import check_device
+from .launch import check_device, on_device
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer dtype rows of each element width move as."""
@@ -31,6 +38,10 @@ MAX_POOLS = 4
 """Pools of one layer: K and V payload, K and V scales."""
 MAX_FLAT = 4
 """Per-layer tensors a gather copies whole: K / V global scales, key smoothing, key centering."""
+MOVES = tl.constexpr(MAX_POOLS + MAX_FLAT)
+"""Programs of one layer on grid axis 1: a pool or a flat tensor each."""
+LAYER_COLUMNS = tl.constexpr(2 * (MAX_POOLS + MAX_FLAT))
+"""Element offsets per layer in a launch's layer table: pools, chunk rows, flat sources, flat destinations."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,7 @@ def _copy(F, C, N, e0, BE: tl.constexpr):
 # compile a kernel inside a request (a 280 ms compile inside a P/D handoff on the H200, bench_pd --profile-phases)
 @triton.jit(do_not_specialize=["T"])
 def _rows_kernel(
-    SLOT, T, BS,
+    SLOT, T, BS, LT,
     P0, b0, g0, o0, h0, d0, p0, C0, X0, R0,
     P1, b1, g1, o1, h1, d1, p1, C1, X1, R1,
     P2, b2, g2, o2, h2, d2, p2, C2, X2, R2,
@@ -138,33 +149,34 @@ def _rows_kernel(
     BT: tl.constexpr, BE: tl.constexpr, SCATTER: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BT
-    which = tl.program_id(1)
+    which = tl.program_id(1) % MOVES
+    lt = LT + (tl.program_id(1) // MOVES).to(tl.int64) * LAYER_COLUMNS  # this layer's element offsets
     e0 = tl.program_id(2) * BE
     if which == 0:
         if e0 < R0:
-            _move(P0, b0, g0, o0, h0, d0, p0, C0, SLOT, T, t0, e0, X0, R0, BS, G0, K0, L0, BT,
-                  BE, SCATTER)
+            _move(P0 + tl.load(lt), b0, g0, o0, h0, d0, p0, C0 + tl.load(lt + 4), SLOT, T, t0, e0, X0, R0, BS, G0,
+                  K0, L0, BT, BE, SCATTER)
     elif which == 1:
         if e0 < R1:
-            _move(P1, b1, g1, o1, h1, d1, p1, C1, SLOT, T, t0, e0, X1, R1, BS, G1, K1, L1, BT,
-                  BE, SCATTER)
+            _move(P1 + tl.load(lt + 1), b1, g1, o1, h1, d1, p1, C1 + tl.load(lt + 5), SLOT, T, t0, e0, X1, R1, BS, G1,
+                  K1, L1, BT, BE, SCATTER)
     elif which == 2:
         if e0 < R2:
-            _move(P2, b2, g2, o2, h2, d2, p2, C2, SLOT, T, t0, e0, X2, R2, BS, G2, K2, L2, BT,
-                  BE, SCATTER)
+            _move(P2 + tl.load(lt + 2), b2, g2, o2, h2, d2, p2, C2 + tl.load(lt + 6), SLOT, T, t0, e0, X2, R2, BS, G2,
+                  K2, L2, BT, BE, SCATTER)
     elif which == 3:
         if e0 < R3:
-            _move(P3, b3, g3, o3, h3, d3, p3, C3, SLOT, T, t0, e0, X3, R3, BS, G3, K3, L3, BT,
-                  BE, SCATTER)
+            _move(P3 + tl.load(lt + 3), b3, g3, o3, h3, d3, p3, C3 + tl.load(lt + 7), SLOT, T, t0, e0, X3, R3, BS, G3,
+                  K3, L3, BT, BE, SCATTER)
     elif tl.program_id(0) == 0:
         if which == 4:
-            _copy(F0, FC0, N0, e0, BE)
+            _copy(F0 + tl.load(lt + 8), FC0 + tl.load(lt + 12), N0, e0, BE)
         elif which == 5:
-            _copy(F1, FC1, N1, e0, BE)
+            _copy(F1 + tl.load(lt + 9), FC1 + tl.load(lt + 13), N1, e0, BE)
         elif which == 6:
-            _copy(F2, FC2, N2, e0, BE)
+            _copy(F2 + tl.load(lt + 10), FC2 + tl.load(lt + 14), N2, e0, BE)
         else:
-            _copy(F3, FC3, N3, e0, BE)
+            _copy(F3 + tl.load(lt + 11), FC3 + tl.load(lt + 15), N3, e0, BE)
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -175,25 +187,129 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (t if t.dim() else t.reshape(1)).view(dtype)
 
 
+class LayerRows(NamedTuple):
+    """One layer's moves (`plan_layer_rows`): its cache's block size, its `(pool, rows)` pairs and its flat
+    `(src, dst)` tensors."""
+
+    block_size: int
+    pools: list[tuple[PoolRows, torch.Tensor]]
+    flat: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, torch.Tensor]], *, scatter: bool,
               flat: list[tuple[torch.Tensor, torch.Tensor]] = (), block_t: int = 16,
               block_e: int = 1024) -> Callable[[], None]:
-    """The launch that gathers (`scatter=False`: pools -> chunk rows) or scatters (`True`: chunk rows -> pools) the
-    rows of `slots` (int64 `[T]`, checked by the caller: in range and distinct) for up to four `(pool, rows)` pairs,
-    `rows` a contiguous `[T, H, X]` tensor of the pool's element width; `flat`: up to four `(src, dst)` tensors of
-    equal bytes (`dst` contiguous) copied whole (gather only). Everything is checked and built here; the returned
-    callable only launches (one launch)."""
-    require(len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat), Status.INVALID_ARGUMENT,
-            f"plan_rows: at most {MAX_POOLS} pools and {MAX_FLAT} flat tensors (gather only)")
+    """`plan_layer_rows` of one layer."""
+    return plan_layer_rows(slots, [LayerRows(block_size, pools, list(flat))], scatter=scatter, block_t=block_t,
+                           block_e=block_e)
+
+
+def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool, block_t: int = 16,
+                    block_e: int = 1024) -> Callable[[], None]:
+    """The launches that gather (`scatter=False`: pools -> chunk rows) or scatter (`True`: chunk rows -> pools) the
+    rows of `slots` (int64 `[T]`, checked by the caller: in range and distinct) for every layer of `layers`: per layer
+    up to four `(pool, rows)` pairs, `rows` a contiguous `[T, H, X]` tensor of the pool's element width, and up to
+    four flat `(src, dst)` tensors of equal bytes (`dst` contiguous) copied whole (gather only). Layers of one
+    geometry launch together (`_group`); everything is checked and built here, the returned callable only launches
+    (one launch for an engine's layers)."""
     t = int(slots.numel())
-    check_device(slots, *(c for _, c in pools), *(x for f in flat for x in f))
+    # a flat source is read from its start: a strided one (a key vector given as a view) is copied first
+    layers = [LayerRows(bs, pools, [(s if s.is_contiguous() else s.contiguous(), d) for s, d in flat])
+              for bs, pools, flat in layers]
+    for _, pools, flat in layers:
+        require(len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat),
+                Status.INVALID_ARGUMENT, f"plan_rows: at most {MAX_POOLS} pools and {MAX_FLAT} flat tensors "
+                                         "(gather only)")
+        check_device(slots, *(c for _, c in pools), *(x for f in flat for x in f))
+        for i, (p, c) in enumerate(pools):
+            require(c.is_contiguous() and c.numel() * c.element_size() == t * p.row * p.base.element_size(),
+                    Status.INVALID_ARGUMENT, f"plan_rows: rows {i} must be contiguous [{t}, {p.heads}, {p.x}] "
+                                             f"elements of {p.base.element_size()} bytes")
+        for i, (src, dst) in enumerate(flat):
+            require(dst.is_contiguous() and src.numel() * src.element_size() == dst.numel() * dst.element_size(),
+                    Status.INVALID_ARGUMENT, f"plan_rows: flat tensor {i}: a contiguous destination of equal bytes")
+    launches = [_plan_group(slots, t, group, scatter, block_t, block_e)
+                for group in _group(layers, scatter)]
+    launches = [f for f in launches if f is not None]
+
+    def launch() -> None:
+        for f in launches:
+            f()
+    return launch
+
+
+def _signature(layer: LayerRows) -> tuple:
+    """What layers launched together share: the block size, each pool's addressing and element width, each flat
+    tensor's bytes."""
+    block_size, pools, flat = layer
+    return (block_size, tuple((p.block, p.group, p.offset, p.head, p.dp, p.pack, p.g, p.heads, p.x, p.pk, p.base.dtype)
+                  for p, _ in pools),
+            tuple(src.numel() * src.element_size() for src, _ in flat))
+
+
+def _group(layers: Sequence[LayerRows], scatter: bool) -> list[list[LayerRows]]:
+    """`layers` in launch groups of one `_signature`, in order. A scatter never puts two layers whose pools share a
+    storage in one group (their stores would race; in separate launches the later layer's land last, as one launch
+    per layer did); a gather only reads the pools."""
+    groups: list[tuple[tuple, set, list[LayerRows]]] = []
+    for layer in layers:
+        sig = _signature(layer)
+        storages = {p.base.untyped_storage().data_ptr() for p, _ in layer.pools} if scatter else set()
+        # the last group of this signature, unless a later group aliases this layer (ordering: it must run after)
+        home = None
+        for g in reversed(groups):
+            if g[0] == sig and not (storages & g[1]):
+                home = g
+                break
+            if storages & g[1]:
+                break
+        if home is None:
+            home = (sig, set(), [])
+            groups.append(home)
+        home[1].update(storages)
+        home[2].append(layer)
+    return [g[2] for g in groups]
+
+
+_ZERO_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _layer_table(group: list[LayerRows], device: torch.device) -> torch.Tensor:
+    """`[layers, LAYER_COLUMNS]` int64 on `device`: each layer's element offsets from the group's first layer, per
+    pool, chunk rows, flat source and flat destination (a single layer: zeros, kept per device)."""
+    if len(group) == 1:
+        if device not in _ZERO_TABLES:
+            _ZERO_TABLES[device] = torch.zeros(1, LAYER_COLUMNS.value, dtype=torch.int64, device=device)
+        return _ZERO_TABLES[device]
+
+    def ptrs(layer: LayerRows) -> list[tuple[int, int]]:
+        _, pools, flat = layer
+        cols = [(p.base.data_ptr(), p.base.element_size()) for p, _ in pools] + [(0, 1)] * (MAX_POOLS - len(pools))
+        cols += [(c.data_ptr(), p.base.element_size()) for p, c in pools] + [(0, 1)] * (MAX_POOLS - len(pools))
+        cols += [(s.data_ptr(), 1) for s, _ in flat] + [(0, 1)] * (MAX_FLAT - len(flat))
+        return cols + [(d.data_ptr(), 1) for _, d in flat] + [(0, 1)] * (MAX_FLAT - len(flat))
+
+    first = ptrs(group[0])
+    rows = []
+    for layer in group:
+        row = []
+        for (a, size), (b, _) in zip(ptrs(layer), first, strict=True):
+            require((a - b) % size == 0, Status.INTERNAL_ERROR, "plan_layer_rows: a layer's tensor is not aligned "
+                                                                "to its element width relative to the first layer's")
+            row.append((a - b) // size)
+        rows.append(row)
+    cuda = device.type == "cuda"
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
+def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bool, block_t: int, block_e: int
+                ) -> Callable[[], None] | None:
+    """One launch moving every layer of `group` (layers of one `_signature`, checked), or None: nothing to move."""
+    block_size, pools, flat = group[0]
     pargs, consts, widest = [], [], 0
     for i in range(MAX_POOLS):
         if i < len(pools):
             p, c = pools[i]
-            require(c.is_contiguous() and c.numel() * c.element_size() == t * p.row * p.base.element_size(),
-                    Status.INVALID_ARGUMENT, f"plan_rows: rows {i} must be contiguous [{t}, {p.heads}, {p.x}] "
-                                             f"elements of {p.base.element_size()} bytes")
             pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, _as_dtype(c, p.base.dtype), p.x, p.row]
             consts.append((p.g, p.pk, p.flat))
             widest = max(widest, p.row)
@@ -204,21 +320,23 @@ def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, 
     for i in range(MAX_FLAT):
         if i < len(flat):
             src, dst = flat[i]
-            require(dst.is_contiguous() and src.numel() * src.element_size() == dst.numel() * dst.element_size(),
-                    Status.INVALID_ARGUMENT, f"plan_rows: flat tensor {i}: a contiguous destination of equal bytes")
-            src = _as_dtype(src.contiguous(), torch.uint8)
+            src = _as_dtype(src, torch.uint8)
             fargs += [src, _as_dtype(dst, torch.uint8), src.numel()]
             widest = max(widest, src.numel())
         else:
             fargs += [slots, slots, 0]
     if widest == 0 or (t == 0 and not flat):
-        return lambda: None
-    grid = (max(1, triton.cdiv(t, block_t)), MAX_POOLS + MAX_FLAT, triton.cdiv(widest, block_e))
+        return None
+    require(len(group) * (MAX_POOLS + MAX_FLAT) < 65536, Status.INVALID_ARGUMENT,
+            f"plan_layer_rows: {len(group)} layers in one launch exceed the grid (at most 8191)")
+    table = _layer_table(group, slots.device)
+    grid = (max(1, triton.cdiv(t, block_t)), len(group) * (MAX_POOLS + MAX_FLAT), triton.cdiv(widest, block_e))
 
     def launch() -> None:
-        _rows_kernel[grid](slots, t, block_size, *pargs, *fargs,
-                           G0=consts[0][0], G1=consts[1][0], G2=consts[2][0], G3=consts[3][0],
-                           K0=consts[0][1], K1=consts[1][1], K2=consts[2][1], K3=consts[3][1],
-                           L0=consts[0][2], L1=consts[1][2], L2=consts[2][2], L3=consts[3][2],
-                           BT=block_t, BE=block_e, SCATTER=scatter, num_warps=4)
+        with on_device(slots.device):
+            _rows_kernel[grid](slots, t, block_size, table, *pargs, *fargs,
+                               G0=consts[0][0], G1=consts[1][0], G2=consts[2][0], G3=consts[3][0],
+                               K0=consts[0][1], K1=consts[1][1], K2=consts[2][1], K3=consts[3][1],
+                               L0=consts[0][2], L1=consts[1][2], L2=consts[2][2], L3=consts[3][2],
+                               BT=block_t, BE=block_e, SCATTER=scatter, num_warps=4)
     return launch
