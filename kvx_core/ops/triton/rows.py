@@ -62,6 +62,9 @@ class PoolRows:
     heads: int
     x: int
     pk: int
+    narrow: PoolRows | None = None
+    """A pool `widened` to wider elements: the pool as its own elements (what a chunk not aligned to the wide
+    elements moves with)."""
 
     @property
     def row(self) -> int:
@@ -90,6 +93,28 @@ def block_rows(view5: torch.Tensor) -> PoolRows:
     sb, so, sh, sd, sp = view5.stride()
     _, _, h, dp, pk = view5.shape
     return PoolRows(int_view(view5), sb, so, 0, sh, sd, sp, 1, h, dp * pk, pk)
+
+
+def widened(p: PoolRows) -> PoolRows:
+    """`p` as the widest integers (up to 8 bytes) its token rows can move in: a flat pool (`PoolRows.flat`) whose
+    row bytes, block and token strides and first byte are multiples of that width is one row of `row bytes / width`
+    wide elements per token (an NVFP4 payload pool's rows move as 8-byte words, not bytes: the kernel's loads and
+    stores are 8x fewer); otherwise `p` itself. Chunk rows not aligned to the width move with `narrow`."""
+    e = p.base.element_size()
+    if not p.flat:
+        return p
+    first = p.base.storage_offset() * e  # bytes from the storage's start
+    for w in (8, 4, 2):
+        if w <= e:
+            break
+        if (p.row * e) % w or (p.block * e) % w or (p.group * e) % w or (p.base.data_ptr() % w):
+            continue
+        storage = p.base.untyped_storage()
+        base = torch.empty(0, dtype=_INT[w], device=p.base.device).set_(storage, first // w,
+                                                                         ((storage.nbytes() - first) // w,), (1,))
+        x = p.row * e // w
+        return PoolRows(base, p.block * e // w, p.group * e // w, 0, x, 1, 1, 1, 1, x, 1, narrow=p)
+    return p
 
 
 def interleaved_rows(pool: torch.Tensor, group: int) -> PoolRows:
@@ -184,7 +209,7 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     1-D: the kernel takes only its start (one tensor op at most per tensor and launch)."""
     if t.dtype == dtype:
         return t
-    return (t if t.dim() else t.reshape(1)).view(dtype)
+    return (t if t.dim() == 1 else t.reshape(-1)).view(dtype)
 
 
 class LayerRows(NamedTuple):
@@ -213,8 +238,11 @@ def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter
     geometry launch together (`_group`); everything is checked and built here, the returned callable only launches
     (one launch for an engine's layers)."""
     t = int(slots.numel())
-    # a flat source is read from its start: a strided one (a key vector given as a view) is copied first
-    layers = [LayerRows(bs, pools, [(s if s.is_contiguous() else s.contiguous(), d) for s, d in flat])
+    # a flat source is read from its start: a strided one (a key vector given as a view) is copied first; chunk
+    # rows not aligned to a widened pool's elements move as the pool's own
+    layers = [LayerRows(bs, [(p if p.narrow is None or c.data_ptr() % p.base.element_size() == 0 else p.narrow, c)
+                             for p, c in pools],
+                        [(s if s.is_contiguous() else s.contiguous(), d) for s, d in flat])
               for bs, pools, flat in layers]
     for _, pools, flat in layers:
         require(len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat),
