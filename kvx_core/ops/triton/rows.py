@@ -222,15 +222,15 @@ class LayerRows(NamedTuple):
 
 
 def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, torch.Tensor]], *, scatter: bool,
-              flat: list[tuple[torch.Tensor, torch.Tensor]] = (), block_t: int = 16,
-              block_e: int = 1024) -> Callable[[], None]:
+              flat: list[tuple[torch.Tensor, torch.Tensor]] = (), block_t: int | None = None,
+              block_e: int | None = None) -> Callable[[], None]:
     """`plan_layer_rows` of one layer."""
     return plan_layer_rows(slots, [LayerRows(block_size, pools, list(flat))], scatter=scatter, block_t=block_t,
                            block_e=block_e)
 
 
-def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool, block_t: int = 16,
-                    block_e: int = 1024) -> Callable[[], None]:
+def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool,
+                    block_t: int | None = None, block_e: int | None = None) -> Callable[[], None]:
     """The launches that gather (`scatter=False`: pools -> chunk rows) or scatter (`True`: chunk rows -> pools) the
     rows of `slots` (int64 `[T]`, checked by the caller: in range and distinct) for every layer of `layers`: per layer
     up to four `(pool, rows)` pairs, `rows` a contiguous `[T, H, X]` tensor of the pool's element width, and up to
@@ -330,8 +330,13 @@ def _layer_table(group: list[LayerRows], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
-def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bool, block_t: int, block_e: int
-                ) -> Callable[[], None] | None:
+PROGRAM_BYTES = 16384
+"""Bytes one program moves at most (BT tokens x BE elements): more and its registers spill (8-byte words in blocks of
+16 x 1024 did: every format's transfer ran slower on the H200)."""
+
+
+def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bool, block_t: int | None,
+                block_e: int | None) -> Callable[[], None] | None:
     """One launch moving every layer of `group` (layers of one `_signature`, checked), or None: nothing to move."""
     block_size, pools, flat = group[0]
     pargs, consts, widest = [], [], 0
@@ -358,6 +363,10 @@ def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bo
     require(len(group) * (MAX_POOLS + MAX_FLAT) < 65536, Status.INVALID_ARGUMENT,
             f"plan_layer_rows: {len(group)} layers in one launch exceed the grid (at most 8191)")
     table = _layer_table(group, slots.device)
+    # a block of a row's elements (the widest row, at most 1024), and as many tokens as fit PROGRAM_BYTES
+    block_e = block_e or min(1024, triton.next_power_of_2(widest))
+    width = max([p.base.element_size() for p, _ in pools] + [1])
+    block_t = block_t or max(1, min(64, PROGRAM_BYTES // (block_e * width)))
     grid = (max(1, triton.cdiv(t, block_t)), len(group) * (MAX_POOLS + MAX_FLAT), triton.cdiv(widest, block_e))
 
     def launch() -> None:
