@@ -394,15 +394,15 @@ def _chunk_moves(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
 def _pool_rows(cache: CacheDesc, held: Binding) -> tuple:
     """The pools of `cache` as the row kernel addresses them (`ops.triton.rows.PoolRows`): K payload, K scales,
     V payload, V scales (those the format has), derived once per binding (`held`, `binding(cache)`)."""
-    from ..ops.triton.rows import block_rows, interleaved_rows, widened
+    from ..ops.triton.rows import block_rows, interleaved_rows
 
     def build() -> tuple:
         out = []
         for which, p in zip(("k", "v"), _sides(cache, held), strict=True):
-            out.append((f"{which}_data", widened(block_rows(p.data))))
+            out.append((f"{which}_data", block_rows(p.data)))
             if p.scales is not None:
                 out.append((f"{which}_scales", interleaved_rows(p.scales.pool, GROUP)
-                            if isinstance(p.scales, Interleave4Rows) else widened(block_rows(p.scales))))
+                            if isinstance(p.scales, Interleave4Rows) else block_rows(p.scales)))
         return tuple(out)
     return held.derive("pool_rows", build)
 

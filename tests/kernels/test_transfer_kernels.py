@@ -578,26 +578,3 @@ def test_layers_of_other_geometries_or_shared_pools_scatter_in_launches_of_their
         if path == "triton":
             assert launches == [("scatter", 2), ("scatter", 1), ("scatter", 1)]
     assert all(torch.equal(x, y) for x, y in zip(*got.values(), strict=True))
-
-
-@pytest.mark.parametrize("shift", [0, 1, 4])
-def test_byte_pools_move_as_wide_words_and_misaligned_chunks_as_bytes(shift):
-    """A byte pool whose token rows are contiguous (NVFP4 payload and scales) moves as 8-byte words; a chunk that
-    does not start on a word moves as the pool's own bytes: both gather and scatter what torch indexing does."""
-    from kvx_core.ops.triton.rows import block_rows, plan_rows, widened
-
-    g = torch.Generator().manual_seed(shift)
-    pool = torch.randint(0, 256, (6, 4, 2, 12), generator=g, dtype=torch.uint8).to(DEVICE)  # [blocks, bs, H, 12]
-    wide = widened(block_rows(pool.unsqueeze(-1)))
-    assert wide.base.element_size() == 8 and wide.narrow is not None  # 24-byte rows: three words per token
-    slots = torch.tensor([5, 0, 22, 13, 7], device=DEVICE)
-    want = pool.flatten(0, 1)[slots.cpu()].to(DEVICE)  # [T, H, 12]
-    buf = torch.zeros(want.numel() + 8, dtype=torch.uint8, device=DEVICE)
-    chunk = buf[shift:shift + want.numel()]
-    with _path("triton"):
-        plan_rows(slots, 4, [(wide, chunk)], scatter=False)()
-        assert torch.equal(chunk.view(want.shape).cpu(), want.cpu())
-        pool.zero_()
-        plan_rows(slots, 4, [(wide, chunk)], scatter=True)()
-    assert torch.equal(pool.flatten(0, 1)[slots.cpu()].cpu(), want.cpu())
-    assert int(pool.count_nonzero()) == int(want.count_nonzero())  # nothing stored beside the rows

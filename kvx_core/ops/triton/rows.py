@@ -62,9 +62,6 @@ class PoolRows:
     heads: int
     x: int
     pk: int
-    narrow: PoolRows | None = None
-    """A pool `widened` to wider elements: the pool as its own elements (what a chunk not aligned to the wide
-    elements moves with)."""
 
     @property
     def row(self) -> int:
@@ -93,28 +90,6 @@ def block_rows(view5: torch.Tensor) -> PoolRows:
     sb, so, sh, sd, sp = view5.stride()
     _, _, h, dp, pk = view5.shape
     return PoolRows(int_view(view5), sb, so, 0, sh, sd, sp, 1, h, dp * pk, pk)
-
-
-def widened(p: PoolRows) -> PoolRows:
-    """`p` as the widest integers (up to 8 bytes) its token rows can move in: a flat pool (`PoolRows.flat`) whose
-    row bytes, block and token strides and first byte are multiples of that width is one row of `row bytes / width`
-    wide elements per token (an NVFP4 payload pool's rows move as 8-byte words, not bytes: the kernel's loads and
-    stores are 8x fewer); otherwise `p` itself. Chunk rows not aligned to the width move with `narrow`."""
-    e = p.base.element_size()
-    if not p.flat:
-        return p
-    first = p.base.storage_offset() * e  # bytes from the storage's start
-    for w in (8, 4, 2):
-        if w <= e:
-            break
-        if (p.row * e) % w or (p.block * e) % w or (p.group * e) % w or (p.base.data_ptr() % w):
-            continue
-        storage = p.base.untyped_storage()
-        base = torch.empty(0, dtype=_INT[w], device=p.base.device).set_(storage, first // w,
-                                                                         ((storage.nbytes() - first) // w,), (1,))
-        x = p.row * e // w
-        return PoolRows(base, p.block * e // w, p.group * e // w, 0, x, 1, 1, 1, 1, x, 1, narrow=p)
-    return p
 
 
 def interleaved_rows(pool: torch.Tensor, group: int) -> PoolRows:
@@ -209,7 +184,7 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     1-D: the kernel takes only its start (one tensor op at most per tensor and launch)."""
     if t.dtype == dtype:
         return t
-    return (t if t.dim() == 1 else t.reshape(-1)).view(dtype)
+    return (t if t.dim() else t.reshape(1)).view(dtype)
 
 
 class LayerRows(NamedTuple):
@@ -222,15 +197,15 @@ class LayerRows(NamedTuple):
 
 
 def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, torch.Tensor]], *, scatter: bool,
-              flat: list[tuple[torch.Tensor, torch.Tensor]] = (), block_t: int | None = None,
-              block_e: int | None = None) -> Callable[[], None]:
+              flat: list[tuple[torch.Tensor, torch.Tensor]] = (), block_t: int = 16,
+              block_e: int = 1024) -> Callable[[], None]:
     """`plan_layer_rows` of one layer."""
     return plan_layer_rows(slots, [LayerRows(block_size, pools, list(flat))], scatter=scatter, block_t=block_t,
                            block_e=block_e)
 
 
-def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool,
-                    block_t: int | None = None, block_e: int | None = None) -> Callable[[], None]:
+def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool, block_t: int = 16,
+                    block_e: int = 1024) -> Callable[[], None]:
     """The launches that gather (`scatter=False`: pools -> chunk rows) or scatter (`True`: chunk rows -> pools) the
     rows of `slots` (int64 `[T]`, checked by the caller: in range and distinct) for every layer of `layers`: per layer
     up to four `(pool, rows)` pairs, `rows` a contiguous `[T, H, X]` tensor of the pool's element width, and up to
@@ -238,11 +213,8 @@ def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter
     geometry launch together (`_group`); everything is checked and built here, the returned callable only launches
     (one launch for an engine's layers)."""
     t = int(slots.numel())
-    # a flat source is read from its start: a strided one (a key vector given as a view) is copied first; chunk
-    # rows not aligned to a widened pool's elements move as the pool's own
-    layers = [LayerRows(bs, [(p if p.narrow is None or c.data_ptr() % p.base.element_size() == 0 else p.narrow, c)
-                             for p, c in pools],
-                        [(s if s.is_contiguous() else s.contiguous(), d) for s, d in flat])
+    # a flat source is read from its start: a strided one (a key vector given as a view) is copied first
+    layers = [LayerRows(bs, pools, [(s if s.is_contiguous() else s.contiguous(), d) for s, d in flat])
               for bs, pools, flat in layers]
     for _, pools, flat in layers:
         require(len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat),
@@ -330,13 +302,8 @@ def _layer_table(group: list[LayerRows], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
-PROGRAM_BYTES = 16384
-"""Bytes one program moves at most (BT tokens x BE elements): more and its registers spill (8-byte words in blocks of
-16 x 1024 did: every format's transfer ran slower on the H200)."""
-
-
-def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bool, block_t: int | None,
-                block_e: int | None) -> Callable[[], None] | None:
+def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bool, block_t: int, block_e: int
+                ) -> Callable[[], None] | None:
     """One launch moving every layer of `group` (layers of one `_signature`, checked), or None: nothing to move."""
     block_size, pools, flat = group[0]
     pargs, consts, widest = [], [], 0
@@ -363,10 +330,6 @@ def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bo
     require(len(group) * (MAX_POOLS + MAX_FLAT) < 65536, Status.INVALID_ARGUMENT,
             f"plan_layer_rows: {len(group)} layers in one launch exceed the grid (at most 8191)")
     table = _layer_table(group, slots.device)
-    # a block of a row's elements (the widest row, at most 1024), and as many tokens as fit PROGRAM_BYTES
-    block_e = block_e or min(1024, triton.next_power_of_2(widest))
-    width = max([p.base.element_size() for p, _ in pools] + [1])
-    block_t = block_t or max(1, min(64, PROGRAM_BYTES // (block_e * width)))
     grid = (max(1, triton.cdiv(t, block_t)), len(group) * (MAX_POOLS + MAX_FLAT), triton.cdiv(widest, block_e))
 
     def launch() -> None:
