@@ -328,8 +328,7 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     same, scales = _same_rows(rows, src, caches, formats)
     scratch: dict = {}
     kept = [i for i, ok in enumerate(same) if ok]  # stored as they are: the scatters of one geometry in one launch
-    stores = [prepare_write_layers([caches[i] for i in kept], slots,
-                                   [{k: v for k, v in rows[i].items() if k not in LAYER_TENSORS} for i in kept],
+    stores = [prepare_write_layers([caches[i] for i in kept], slots, [rows[i] for i in kept],
                                    [wheres[i] for i in kept], [formats[i] for i in kept])]
     stores += [_prepare(rows[i], src, caches[i], slots, wheres[i], formats[i], scales[i], scratch)
                for i in range(len(caches)) if not same[i]]

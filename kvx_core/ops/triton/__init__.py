@@ -8,7 +8,7 @@ tensors out):
                raw-pool entry `decode_pools`: `kvx_core/ops/decode.py`)
 - `merge.py`   the split merge of the decode kernels (Triton and CUDA)
 - `prefill.py` `prefill_pools`: causal prefill/extend attention over the quantized pools, and its plan
-- `rows.py`    `plan_rows`: a KV bundle chunk's rows gathered from / scattered into every pool of a layer
+- `rows.py`    `plan_layer_rows`: a KV bundle's chunk rows gathered from / scattered into every pool of its layers
 - `convert.py` `plan_convert` / `decode_rows`: bundled rows decoded and re-encoded into another format's pools
 - `launch.py`  argument checks and kernel arguments shared by the launchers; `dequant.py` / `quant.py` the
                `@triton.jit` format decoders / encoders

@@ -2,7 +2,7 @@
 
 A bundle chunk holds each pool's rows of the requested slots, packed `[T, H, X]` in the pool's own dtype
 (`transfer.rows.read_rows`). The kernel copies those rows between the pools and per-pool chunk buffers, both ways
-(`plan_rows`): gather (export: pools -> chunk) and scatter (import: chunk -> pools), plus on gather up to four
+(`plan_layer_rows`): gather (export: pools -> chunk) and scatter (import: chunk -> pools), plus on gather up to four
 per-layer tensors (global scales, key vectors) copied whole. Bits are moved as integers of the element's width (no float
 arithmetic), so the chunk is bit-identical to the torch gather.
 
@@ -196,14 +196,6 @@ class LayerRows(NamedTuple):
     flat: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def plan_rows(slots: torch.Tensor, block_size: int, pools: list[tuple[PoolRows, torch.Tensor]], *, scatter: bool,
-              flat: list[tuple[torch.Tensor, torch.Tensor]] = (), block_t: int = 16,
-              block_e: int = 1024) -> Callable[[], None]:
-    """`plan_layer_rows` of one layer."""
-    return plan_layer_rows(slots, [LayerRows(block_size, pools, list(flat))], scatter=scatter, block_t=block_t,
-                           block_e=block_e)
-
-
 def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool, block_t: int = 16,
                     block_e: int = 1024) -> Callable[[], None]:
     """The launches that gather (`scatter=False`: pools -> chunk rows) or scatter (`True`: chunk rows -> pools) the
@@ -218,16 +210,17 @@ def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter
               for bs, pools, flat in layers]
     for _, pools, flat in layers:
         require(len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat),
-                Status.INVALID_ARGUMENT, f"plan_rows: at most {MAX_POOLS} pools and {MAX_FLAT} flat tensors "
+                Status.INVALID_ARGUMENT, f"plan_layer_rows: at most {MAX_POOLS} pools and {MAX_FLAT} flat tensors "
                                          "(gather only)")
         check_device(slots, *(c for _, c in pools), *(x for f in flat for x in f))
         for i, (p, c) in enumerate(pools):
             require(c.is_contiguous() and c.numel() * c.element_size() == t * p.row * p.base.element_size(),
-                    Status.INVALID_ARGUMENT, f"plan_rows: rows {i} must be contiguous [{t}, {p.heads}, {p.x}] "
+                    Status.INVALID_ARGUMENT, f"plan_layer_rows: rows {i} must be contiguous [{t}, {p.heads}, {p.x}] "
                                              f"elements of {p.base.element_size()} bytes")
         for i, (src, dst) in enumerate(flat):
             require(dst.is_contiguous() and src.numel() * src.element_size() == dst.numel() * dst.element_size(),
-                    Status.INVALID_ARGUMENT, f"plan_rows: flat tensor {i}: a contiguous destination of equal bytes")
+                    Status.INVALID_ARGUMENT,
+                    f"plan_layer_rows: flat tensor {i}: a contiguous destination of equal bytes")
     launches = [_plan_group(slots, t, group, scatter, block_t, block_e)
                 for group in _group(layers, scatter)]
     launches = [f for f in launches if f is not None]
