@@ -13,7 +13,7 @@ import torch
 from kvx_core.errors import KvxError, Status
 from kvx_core.formats import get_format
 from kvx_core.ops.cuda import build, mirror_mismatch, nvcc_path
-from kvx_core.ops.cuda.decode import DecodeParams, supports
+from kvx_core.ops.cuda.decode import DecodeParams, pool_reason, supports
 from kvx_core.ops.decode import decode_pools
 from kvx_core.ops.graphs import capture
 from kvx_core.ops.kernel_format import MIXED, CudaCode, FormatCode, kernel_format
@@ -104,6 +104,26 @@ def test_supports_names_the_reason():
     assert supports(q, get_format("k8v4"), kd, ks, kd, ks) == "not a CUDA tensor"  # k8v4 is served
 
 
+@pytest.mark.parametrize("pool", ["kd", "ks", "vd", "vs"])
+def test_pools_whose_page_stride_reaches_2_31_bytes_are_not_served(pool):
+    """The kernel multiplies a block id by a page stride in 32 x 32 -> 64 bits: a stride of 2**31 bytes goes to
+    Triton with the reason (meta tensors: only strides are read)."""
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    shapes = {"kd": (2, 1, 16, 64), "ks": (2, 1, 16, 8), "vd": (2, 1, 16, 64), "vs": (2, 1, 16, 8)}
+    pools = {}
+    for name, shape in shapes.items():
+        stride = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
+        if name == pool:
+            stride = (2**31,) + stride[1:]
+        pools[name] = torch.empty_strided(shape, stride, dtype=torch.uint8, device="meta")
+    reason = pool_reason(q, get_format("nvfp4"), pools["kd"], pools["ks"], pools["vd"], pools["vs"])
+    side, what = ("K" if pool[0] == "k" else "V"), ("payload" if pool[1] == "d" else "scale")
+    assert reason == f"{side} {what} page stride {2**31} reaches 2**31 bytes"
+    pools[pool] = torch.empty_strided(shapes[pool], (2**31 - 64,) + pools[pool].stride()[1:], dtype=torch.uint8,
+                                      device="meta")
+    assert pool_reason(q, get_format("nvfp4"), pools["kd"], pools["ks"], pools["vd"], pools["vs"]) is None
+
+
 # ------------------------------------------------------------------ GPU: every served case vs the oracle
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", CUDA_FORMATS)
@@ -155,8 +175,14 @@ def test_cuda_decode_softcap_window(name):
     ("int8", 1e6, 1.0),         # bf16 queries far outside the f16 range (int8 also runs f16 operands)
     ("k8v4", 1e6, 1.0),         # the same for k8v4's FP8 keys; its NVFP4 values run f16 operands too
     ("k8v4", 1.0, 1e-3),        # E4M3 subnormal keys, tiny NVFP4 values
+    ("nvfp4", 1e6, 1.0),        # NVFP4 and INT4 keys run f16 operands for bf16 queries too
+    ("nvfp4", 1e-6, 1.0),
+    ("nvfp4", 1.0, 1e-3),       # tiny NVFP4 values: products down to 2^-24, the smallest f16 subnormal
+    ("int4", 1e6, 1.0),
+    ("int4", 1e-6, 1.0),
+    ("int4", 1.0, 1e-3),
 ])
-def test_cuda_decode_fp8_ranges(name, q_scale, kv_scale):
+def test_cuda_decode_f16_operand_ranges(name, q_scale, kv_scale):
     o, lse, ro, rl = _run(name, [300, 17], q_scale=q_scale, kv_scale=kv_scale, splits=2)
     _check(o, lse, ro, rl)
 

@@ -98,6 +98,10 @@ def plan_reason(fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, ba
     return None
 
 
+PAGE_STRIDE_LIMIT = 2**31
+"""The kernel multiplies a block id by a page stride in 32 x 32 -> 64 bits (one instruction per pool and tile)."""
+
+
 def pool_reason(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_scales) -> str | None:
     """None when the kernel can address these tensors (dense, word-aligned rows), else the reason it cannot."""
     d = q.shape[2]
@@ -109,6 +113,9 @@ def pool_reason(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_s
             return f"{name} payload rows not aligned for word loads"
         if data.stride(2) != row:
             return f"{name} rows of a page are not dense (token stride {data.stride(2)} != {row} bytes)"
+        for what, t in (("payload", data), ("scale", scales))[:2 if kf.has_scales else 1]:
+            if t.stride(0) >= PAGE_STRIDE_LIMIT:
+                return f"{name} {what} page stride {t.stride(0)} reaches 2**31 bytes"
         if kf.has_scales:
             width = 4 if kf.affine else max(1, (d // part) // kf.group)  # INT: fp16 scale | min words
             if not _aligned(scales, width):

@@ -9,17 +9,20 @@
 // are permuted so that a thread's V fragment comes from the same word of two tokens (one PRMT). Q and
 // O carry the same permutations, which is free (Q is loaded once, O stored once).
 //
-// Exactness: every dequantized operand is exact in the mma operand type (f16 or bf16 = query dtype).
-//   NVFP4: e2m1 placed in the f16 / bf16 bit pattern reads as e2m1 * 2^-14 / e2m1 * 2^-126; times the
-//          E4M3 group scale pre-multiplied by 2^7 / 2^119 it is e2m1 * s * 2^-7 exactly (<= 6
-//          significant bits, normal). 2^7 and the FP32 global scale are applied to scores / output.
+// Exactness: every dequantized operand is exact in the mma operand type (f16, or bf16 for MXFP4).
+//   NVFP4: f16 operands (bf16 queries scaled into the f16 range, QB below). e2m1 placed in the f16 bit pattern reads
+//          as e2m1 * 2^-14; times the E4M3 group scale (one cvt) it is e2m1 * s * 2^-14 exactly (<= 6 significant
+//          bits, a multiple of 2^-24, the smallest f16 subnormal). 2^14 and the FP32 global scale are applied to
+//          scores / output.
 //   MXFP4: (raw * 2^126) * 2^(E-127) in bf16, the exponent range of the fp32 reference (bf16 queries).
-//   INT4 / INT8: codes c via the magic-number trick ((c | M) - M, exact); the fp16 per-token scale and
+//   INT4 / INT8: f16 operands (INT4's values bf16 for bf16 queries); codes c via the magic-number trick ((c | M) - M, exact); the fp16 per-token scale and
 //          min are applied in fp32: s = sc * (q . c) + mn * sum(q); o = sum_t (p_t sc_t) c_t + sum_t p_t mn_t.
-//   FP8:   cvt.rn.f16x2.e4m3x2 / e5m2x2 (exact). Byte formats run f16 operands; bf16 queries are scaled
-//          by a power of two into the f16 range (QB) and the scores undo it.
+//   FP8:   cvt.rn.f16x2.e4m3x2 / e5m2x2 (exact). f16 operands.
+//   bf16 queries on f16 key operands are scaled by a power of two into the f16 range (QB) and the scores undo it.
 //   K8V4:  K and V are template parameters apart (KF / VF, operand types TK / TV): E4M3 keys as FP8 above,
-//          NVFP4 values on f16 operands (exact: e2m1 * s * 2^-7 >= 2^-17 in steps of 2^-17) with P in f16.
+//          NVFP4 values as NVFP4 above.
+//   (NVFP4 / INT4 ran bf16 operands for bf16 queries until the H200's issue-bound decode: the f16 forms take one cvt
+//   per scale pair instead of six instructions, and INT4's odd nibbles need no shift.)
 // One CTA = (split, KV head, query row; a row is one query token, `rows_per_seq` rows share a block-table row). Its warps take 16-token tiles round-robin, each with its own
 // online softmax (a warp's next tile's words are loaded while its current tile is computed), and are merged through
 // shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
@@ -28,6 +31,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <type_traits>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -122,11 +126,14 @@ struct Op<__half> {
   static __device__ __forceinline__ float to_f32(uint32_t bits16) {
     return __half2float(__ushort_as_half((unsigned short)bits16));
   }
-  // E4M3 scale pair (two bytes) -> operand pair s * 2^7 (exact: |s| <= 448 -> <= 57344).
+  // E4M3 scale pair (two bytes) -> operand pair s: one cvt, exact (E4M3 is a subset of f16). Times the raw e2m1
+  // operand (e2m1 * 2^-14) the product e2m1 * s * 2^-14 is exact too: <= 6 significant bits, a multiple of 2^-24
+  // (the smallest f16 subnormal: 0.5 * 2^-9 * 2^-14), at most 6 * 448 * 2^-14; NV_FAC = 2^14 comes back in the scores
+  // and the output.
   static __device__ __forceinline__ uint32_t nv_scale2(uint32_t two_bytes) {
     uint32_t h;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two_bytes));
-    return fma2(h, 0x58005800u, NEG_ZERO2);
+    return h;
   }
   static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -140,10 +147,10 @@ struct Op<__half> {
 template <>
 struct Op<__nv_bfloat16> {
   static constexpr int EM_POS = 6;  // -> bf16 bits [8:6]: reads as e2m1 * 2^-126
-  static constexpr uint32_t EM_MASK = 0x01C001C0u;
   static constexpr uint32_t MAGIC = 0x43004300u;      // 128.0
   static constexpr uint32_t NEG_MAGIC = 0xC300C300u;  // -128.0
   static constexpr uint32_t ONE = 0x3F803F80u;
+  static constexpr uint32_t EM_MASK = 0x01C001C0u;
   static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
     uint32_t d;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -155,14 +162,6 @@ struct Op<__nv_bfloat16> {
     return d;
   }
   static __device__ __forceinline__ float to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
-  // E4M3 scale pair -> operand pair s * 2^119 (exact: 448 * 2^119 < bf16 max).
-  static __device__ __forceinline__ uint32_t nv_scale2(uint32_t two_bytes) {
-    uint32_t h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two_bytes));
-    const float lo = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu))) * 0x1p119f;
-    const float hi = __half2float(__ushort_as_half((unsigned short)(h >> 16))) * 0x1p119f;
-    return pack(lo, hi);
-  }
   static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -191,11 +190,21 @@ __device__ __forceinline__ uint32_t e2m1_pair(uint32_t u) {
   return (em & Op<T>::EM_MASK) | (sg & 0x80008000u);
 }
 
-// Two u4 codes at nibble R of each half -> the exact operand pair (c_lo, c_hi).
+// Two u4 codes at nibble R of each half -> the exact operand pair (c_lo, c_hi): (c | MAGIC) reads as MAGIC + c.
+// f16: odd nibbles stay in place, (16 c | MAGIC) reads as 1024 + 16 c, times 1/16 minus 64 (one exact fma); nibbles
+// 2 / 3 shift by a byte first: one shift per two pairs. bf16 (INT4 values for bf16 queries: P * sc keeps bf16's
+// range) has 7 mantissa bits, so every nibble shifts down.
 template <typename T, int R>
 __device__ __forceinline__ uint32_t u4_pair(uint32_t u) {
-  const uint32_t x = ((u >> (4 * R)) & 0x000F000Fu) | Op<T>::MAGIC;
-  return Op<T>::fma2(x, Op<T>::ONE, Op<T>::NEG_MAGIC);
+  if constexpr (std::is_same_v<T, __half>) {
+    const uint32_t y = R >= 2 ? u >> 8 : u;
+    if constexpr (R % 2 == 0)
+      return Op<T>::fma2((y & 0x000F000Fu) | Op<T>::MAGIC, Op<T>::ONE, Op<T>::NEG_MAGIC);
+    else
+      return Op<T>::fma2((y & 0x00F000F0u) | Op<T>::MAGIC, 0x2C002C00u /* 1/16 */, 0xD400D400u /* -64 */);
+  } else {
+    return Op<T>::fma2(((u >> (4 * R)) & 0x000F000Fu) | Op<T>::MAGIC, Op<T>::ONE, Op<T>::NEG_MAGIC);
+  }
 }
 
 template <int FMT, typename T, int R>
@@ -242,6 +251,23 @@ __device__ __forceinline__ uint32_t scale2(uint32_t two_bytes) {
   if constexpr (FMT == F_NVFP4) return Op<T>::nv_scale2(two_bytes);
   else if constexpr (FMT == F_MXFP4) return mx_scale2(two_bytes);
   else return 0u;
+}
+
+// One token's group scale bytes (N of them, in `bytes`) -> N operand pairs (s_e, s_e) for its K rows. NVFP4 converts
+// two scales per cvt and spreads each over both halves.
+template <int FMT, typename T, int N>
+__device__ __forceinline__ void row_scales(uint32_t bytes, uint32_t (&out)[N]) {
+#pragma unroll
+  for (int e = 0; e < N; e += (FMT == F_NVFP4 ? 2 : 1)) {
+    if constexpr (FMT == F_NVFP4) {
+      const uint32_t h = Op<T>::nv_scale2((bytes >> (8 * e)) & 0xFFFFu);  // (s_e, s_e+1)
+      out[e] = __byte_perm(h, 0u, 0x1010u);
+      if (e + 1 < N) out[e + 1] = __byte_perm(h, 0u, 0x3232u);
+    } else {
+      const uint32_t byte = (bytes >> (8 * e)) & 0xFFu;
+      out[e] = scale2<FMT, T>(byte | (byte << 8));
+    }
+  }
 }
 
 template <int N>
@@ -291,7 +317,7 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {  // 8x8 b16 fragm
 // heads (GQA groups of up to 8 need no padding rows): S^T = K Q^T (A = K tile, B = Q^T), then
 // O^T += V^T P^T (A = V^T tile, B = P^T, moved from the S^T accumulator layout by MOVMATRIX).
 // NH = blocks of 8 query heads (1 when qh <= 8, else 2).
-// QB: the query is bf16 while the operands are f16 (FP8 caches): q is scaled by a power of two that
+// QB: the query is bf16 while the key operands are f16 (every format but MXFP4): q is scaled by a power of two that
 // keeps it inside the f16 range (exact for every element >= 2^-14 of the largest) and the scores undo it.
 template <int KF, int VF, typename TK, typename TV, int D, int GROUP, int NH, bool QB>
 __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> || kByte<VF> ? 3 : 4) : 1)
@@ -377,36 +403,43 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   }
 
   float k_fac = p.sm_scale / q_mul, v_fac = 1.f;  // NVFP4: the 2^7 of the scale operands; FP8: global scales
-  if constexpr (KF == F_NVFP4) k_fac *= 128.f * (p.kg ? p.kg[h] : 1.f);
+  if constexpr (KF == F_NVFP4) k_fac *= 16384.f * (p.kg ? p.kg[h] : 1.f);  // NV_FAC (Op<__half>::nv_scale2)
   if constexpr (KBYTE) k_fac *= p.kg ? p.kg[h] : 1.f;
-  if constexpr (VF == F_NVFP4) v_fac = 128.f * (p.vg ? p.vg[h] : 1.f);
+  if constexpr (VF == F_NVFP4) v_fac = 16384.f * (p.vg ? p.vg[h] : 1.f);
   if constexpr (VBYTE) v_fac = p.vg ? p.vg[h] : 1.f;
   const bool softcap = p.softcap > 0.f;
   if (softcap) k_fac /= p.softcap; else k_fac *= LOG2E;  // scores go to the log2 domain
   const float cap_log2 = p.softcap * LOG2E;
 
   // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so a thread's
-  // loads are its per-CTA base + page offset + compile-time row offsets.
+  // loads are the CTA's pool base (uniform registers) + page offset + the thread's 32-bit offset + compile-time row
+  // offsets: per-thread 64-bit bases made the compiler recompute them in every tile (register pressure). Page
+  // strides are below 2^31 (`pool_reason`), so a page's offset is one 32 x 32 -> 64-bit multiply per pool.
   constexpr int KROW = KBYTE ? D : D / 2, VROW = VBYTE ? D : D / 2;
   constexpr int KSROW = KAFF ? 4 : D / GROUP, VSROW = VAFF ? 4 : D / GROUP;
   const int32_t* bt = p.bt + (int64_t)(b / p.rows_per_seq) * p.bt_sb;  // row b is token b % rows_per_seq of its sequence
-  const uint8_t* kbase = p.kd + (int64_t)h * p.kd_sh + g * KROW + t * (KROW / 4);
-  const uint8_t* vbase = p.vd + (int64_t)h * p.vd_sh + 2 * t * VROW + g * (VROW / 8);
-  const uint8_t* ksbase = p.ks + (int64_t)h * p.ks_sh + g * KSROW + (KAFF ? 0 : (t * (D / 4)) / GROUP);
-  const uint8_t* vsbase = p.vs + (int64_t)h * p.vs_sh +
-                          (VAFF ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP);
+  const uint8_t* const kcta = p.kd + (int64_t)h * p.kd_sh;
+  const uint8_t* const vcta = p.vd + (int64_t)h * p.vd_sh;
+  const uint8_t* const kscta = p.ks + (int64_t)h * p.ks_sh;
+  const uint8_t* const vscta = p.vs + (int64_t)h * p.vs_sh;
+  const int koff = g * KROW + t * (KROW / 4), voff = 2 * t * VROW + g * (VROW / 8);
+  const int ksoff = g * KSROW + (KAFF ? 0 : (t * (D / 4)) / GROUP);
+  const int vsoff = VAFF ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP;
   const int bs_log2 = (p.bs & (p.bs - 1)) == 0 ? __ffs(p.bs) - 1 : -1;
 
-  auto load_tile = [&](TileT& x, int start) {
+  // EDGE (a compile-time bool_constant): the tile has tokens outside [lo, hi), whose V rows load as zeros (p = 0
+  // must not meet a NaN); interior tiles (all but a split's first and last) skip the checks.
+  auto load_tile = [&](TileT& x, int start, auto edge_tile) {
+    constexpr bool EDGE = decltype(edge_tile)::value;
     int pidx, off;
     if (bs_log2 >= 0) { pidx = start >> bs_log2; off = start & (p.bs - 1); }
     else { pidx = start / p.bs; off = start - pidx * p.bs; }
-    const int64_t page = bt[pidx];
-    const uint8_t* kp = kbase + page * p.kd_sb + off * KROW;
-    const uint8_t* vp = vbase + page * p.vd_sb + off * VROW;
-    const uint8_t* ksp = ksbase + page * p.ks_sb + off * KSROW;
-    const uint8_t* vsp = vsbase + page * p.vs_sb + off * VSROW;
-    const bool edge = start < lo || start + 16 > hi;
+    const uint32_t page = (uint32_t)bt[pidx];  // block ids of a sequence's tokens are >= 0
+    const uint8_t* kp = kcta + (uint64_t)page * (uint32_t)p.kd_sb + (uint32_t)(koff + off * KROW);
+    const uint8_t* vp = vcta + (uint64_t)page * (uint32_t)p.vd_sb + (uint32_t)(voff + off * VROW);
+    const uint8_t* ksp = kscta + (uint64_t)page * (uint32_t)p.ks_sb + (uint32_t)(ksoff + off * KSROW);
+    const uint8_t* vsp = vscta + (uint64_t)page * (uint32_t)p.vs_sb + (uint32_t)(vsoff + off * VSROW);
+    constexpr bool edge = EDGE;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // K rows (and INT4 V scale rows) of tokens g + 8j
       ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
@@ -447,12 +480,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
     uint32_t ks2[2][KGRP ? KSB : 1];
     if constexpr (KGRP) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < KSB; ++e) {
-          const uint32_t byte = (x.ksc[j] >> (8 * e)) & 0xFFu;
-          ks2[j][e] = scale2<KF, TK>(byte | (byte << 8));
-        }
+      for (int j = 0; j < 2; ++j) row_scales<KF, TK>(x.ksc[j], ks2[j]);
     }
     float s[NH][4];
 #pragma unroll
@@ -590,13 +618,17 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   constexpr int STEP = 16 * NW;
   int start = (lo & ~15) + 16 * warp;
   TileT ta, tb;  // ping-pong: one tile computes while the next one's words are in flight
-  if (start < hi) load_tile(ta, start);
+  auto load = [&](TileT& x, int at) {
+    if (at < lo || at + 16 > hi) load_tile(x, at, std::true_type{});
+    else load_tile(x, at, std::false_type{});
+  };
+  if (start < hi) load(ta, start);
   while (start < hi) {
-    if (start + STEP < hi) load_tile(tb, start + STEP);
+    if (start + STEP < hi) load(tb, start + STEP);
     compute_tile(ta, start);
     start += STEP;
     if (start >= hi) break;
-    if (start + STEP < hi) load_tile(ta, start + STEP);
+    if (start + STEP < hi) load(ta, start + STEP);
     compute_tile(tb, start);
     start += STEP;
   }
@@ -886,11 +918,12 @@ static int decode_only(const kvx::DecodeParams* p, int kfmt, int vfmt, int bf16,
   if (kfmt != vfmt) return (int)cudaErrorInvalidValue;
   const int fmt = kfmt;
   if (fmt == F_NVFP4 && group == 16)
-    return bf16 ? (int)same<F_NVFP4, bf, 16>(*p, d, b, hkv, s) : (int)same<F_NVFP4, __half, 16>(*p, d, b, hkv, s);
+    return bf16 ? (int)same<F_NVFP4, __half, 16, true>(*p, d, b, hkv, s) : (int)same<F_NVFP4, __half, 16>(*p, d, b, hkv, s);
   if (fmt == F_MXFP4 && bf16 && group == 16) return (int)same<F_MXFP4, bf, 16>(*p, d, b, hkv, s);
   if (fmt == F_MXFP4 && bf16 && group == 32) return (int)same<F_MXFP4, bf, 32>(*p, d, b, hkv, s);
   if (fmt == F_INT4)
-    return bf16 ? (int)same<F_INT4, bf, 16>(*p, d, b, hkv, s) : (int)same<F_INT4, __half, 16>(*p, d, b, hkv, s);
+    return bf16 ? (int)by_dim<F_INT4, F_INT4, __half, bf, 16, true>(*p, d, b, hkv, s)
+                : (int)same<F_INT4, __half, 16>(*p, d, b, hkv, s);
   if (fmt == F_INT8)
     return bf16 ? (int)same<F_INT8, __half, 16, true>(*p, d, b, hkv, s) : (int)same<F_INT8, __half, 16>(*p, d, b, hkv, s);
   if (fmt == F_E4M3)
