@@ -297,6 +297,13 @@ __device__ __forceinline__ void ld_words(const uint8_t* p, uint32_t* w) {  // N 
   }
 }
 
+// 16 bytes of shared memory, loaded at every call (volatile: the compiler may not keep the values in registers).
+__device__ __forceinline__ ulonglong2 lds_u64x2(const ulonglong2* p) {
+  ulonglong2 v;
+  asm volatile("ld.shared.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "r"((uint32_t)__cvta_generic_to_shared(p)));
+  return v;
+}
+
 template <int N>
 __device__ __forceinline__ uint32_t ld_bytes(const uint8_t* p) {  // N in {1, 2, 4}, N-aligned
   if constexpr (N == 1) return __ldg(p);
@@ -305,6 +312,11 @@ __device__ __forceinline__ uint32_t ld_bytes(const uint8_t* p) {  // N in {1, 2,
 }
 
 // ------------------------------------------------------------------ per-thread tile of raw words
+// Dynamic shared memory of a decode CTA: the warps' merge (floats; a multiple of 4, so what follows is 16-byte
+// aligned), then each thread's pool bases (3 x 16 bytes).
+__host__ __device__ constexpr int merge_floats(int qh, int d) { return NW * (32 + qh * d); }
+constexpr int THREAD_BASES_BYTES = NW * 32 * 3 * 16;
+
 template <int KF, int VF, int D, int GROUP>
 struct Tile {
   static constexpr int KW = kByte<KF> ? D / 16 : D / 32;  // K words per thread per token (a quarter row)
@@ -342,7 +354,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int qh = p.qh;
-  extern __shared__ float smem[];  // m [NW][16], l [NW][16], o [NW][qh][D]
+  extern __shared__ float smem[];  // m [NW][16], l [NW][16], o [NW][qh][D] (the warps' merge), then the thread bases
 
   // ---- this split's token range
   const int seq_len = p.seq[b];
@@ -422,20 +434,26 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   if (softcap) k_fac /= p.softcap; else k_fac *= LOG2E;  // scores go to the log2 domain
   const float cap_log2 = p.softcap * LOG2E;
 
-  // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so a thread's
-  // loads are the CTA's pool base (uniform registers) + page offset + the thread's 32-bit offset + compile-time row
-  // offsets: per-thread 64-bit bases made the compiler recompute them in every tile (register pressure). Page
-  // strides are below 2^31 (`pool_reason`), so a page's offset is one 32 x 32 -> 64-bit multiply per pool.
+  // Token rows inside a page are dense (row stride = row bytes; `supports` checks it), so a thread's loads are its
+  // base in each pool (the CTA's head + the thread's rows) + page offset + compile-time row offsets. The bases and the
+  // block-table row are kept in shared memory, one 16-byte load per two: in registers (128 per thread for 4 CTAs per
+  // SM) the compiler recomputed them in every tile, ~55 instructions. Page strides are below 2^31 (`pool_reason`), so
+  // a page's offset is one 32 x 32 -> 64-bit multiply-add per pool.
   constexpr int KROW = KBYTE ? D : D / 2, VROW = VBYTE ? D : D / 2;
   constexpr int KSROW = KAFF ? 4 : D / GROUP, VSROW = VAFF ? 4 : D / GROUP;
-  const int32_t* bt = p.bt + (int64_t)(b / p.rows_per_seq) * p.bt_sb;  // row b is token b % rows_per_seq of its sequence
-  const uint8_t* const kcta = p.kd + (int64_t)h * p.kd_sh;
-  const uint8_t* const vcta = p.vd + (int64_t)h * p.vd_sh;
-  const uint8_t* const kscta = p.ks + (int64_t)h * p.ks_sh;
-  const uint8_t* const vscta = p.vs + (int64_t)h * p.vs_sh;
-  const int koff = g * KROW + t * (KROW / 4), voff = 2 * t * VROW + g * (VROW / 8);
-  const int ksoff = g * KSROW + (KAFF ? 0 : (t * (D / 4)) / GROUP);
-  const int vsoff = VAFF ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP;
+  // per thread: (K payload, V payload), (K scales, V scales), (block-table row, -); 16-byte aligned (merge_floats)
+  auto thread_bases = reinterpret_cast<ulonglong2(*)[3]>(smem + merge_floats(qh, D));
+  {
+    const int koff = g * KROW + t * (KROW / 4), voff = 2 * t * VROW + g * (VROW / 8);
+    const int ksoff = g * KSROW + (KAFF ? 0 : (t * (D / 4)) / GROUP);
+    const int vsoff = VAFF ? g * VSROW : 2 * t * VSROW + (g * (D / 8)) / GROUP;
+    ulonglong2* mine = thread_bases[threadIdx.x];  // written and read by this thread only
+    mine[0] = make_ulonglong2((uint64_t)(p.kd + (int64_t)h * p.kd_sh + koff), (uint64_t)(p.vd + (int64_t)h * p.vd_sh + voff));
+    mine[1] = make_ulonglong2((uint64_t)(p.ks + (int64_t)h * p.ks_sh + ksoff),
+                              (uint64_t)(p.vs + (int64_t)h * p.vs_sh + vsoff));
+    // row b is token b % rows_per_seq of its sequence
+    mine[2] = make_ulonglong2((uint64_t)(p.bt + (int64_t)(b / p.rows_per_seq) * p.bt_sb), 0ull);
+  }
   const int bs_log2 = (p.bs & (p.bs - 1)) == 0 ? __ffs(p.bs) - 1 : -1;
 
   // EDGE (a compile-time bool_constant): the tile has tokens outside [lo, hi), whose V rows load as zeros (p = 0
@@ -445,11 +463,14 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
     int pidx, off;
     if (bs_log2 >= 0) { pidx = start >> bs_log2; off = start & (p.bs - 1); }
     else { pidx = start / p.bs; off = start - pidx * p.bs; }
-    const uint32_t page = (uint32_t)bt[pidx];  // block ids of a sequence's tokens are >= 0
-    const uint8_t* kp = kcta + (uint64_t)page * (uint32_t)p.kd_sb + (uint32_t)(koff + off * KROW);
-    const uint8_t* vp = vcta + (uint64_t)page * (uint32_t)p.vd_sb + (uint32_t)(voff + off * VROW);
-    const uint8_t* ksp = kscta + (uint64_t)page * (uint32_t)p.ks_sb + (uint32_t)(ksoff + off * KSROW);
-    const uint8_t* vsp = vscta + (uint64_t)page * (uint32_t)p.vs_sb + (uint32_t)(vsoff + off * VSROW);
+    const ulonglong2* mine = thread_bases[threadIdx.x];
+    const ulonglong2 data = lds_u64x2(mine), scales = lds_u64x2(mine + 1);
+    const uint32_t page = (uint32_t)__ldg(reinterpret_cast<const int32_t*>(lds_u64x2(mine + 2).x) + pidx);  // >= 0
+    const uint32_t uoff = (uint32_t)off;  // >= 0: unsigned, so the 64-bit adds need no sign extension
+    const uint8_t* kp = reinterpret_cast<const uint8_t*>(data.x + (uint64_t)page * (uint32_t)p.kd_sb) + uoff * KROW;
+    const uint8_t* vp = reinterpret_cast<const uint8_t*>(data.y + (uint64_t)page * (uint32_t)p.vd_sb) + uoff * VROW;
+    const uint8_t* ksp = reinterpret_cast<const uint8_t*>(scales.x + (uint64_t)page * (uint32_t)p.ks_sb) + uoff * KSROW;
+    const uint8_t* vsp = reinterpret_cast<const uint8_t*>(scales.y + (uint64_t)page * (uint32_t)p.vs_sb) + uoff * VSROW;
     constexpr bool edge = EDGE;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // K rows (and INT4 V scale rows) of tokens g + 8j
@@ -696,7 +717,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
 
 template <int KF, int VF, typename TK, typename TV, int D, int GROUP, bool QB>
 cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
-  const size_t smem = (size_t)NW * (32 + (size_t)p.qh * D) * sizeof(float);
+  const size_t smem = (size_t)merge_floats(p.qh, D) * sizeof(float) + THREAD_BASES_BYTES;
   auto kern = p.qh > 8 ? decode_kernel<KF, VF, TK, TV, D, GROUP, 2, QB> : decode_kernel<KF, VF, TK, TV, D, GROUP, 1, QB>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
