@@ -15,14 +15,15 @@
 //          bits, a multiple of 2^-24, the smallest f16 subnormal). 2^14 and the FP32 global scale are applied to
 //          scores / output.
 //   MXFP4: (raw * 2^126) * 2^(E-127) in bf16, the exponent range of the fp32 reference (bf16 queries).
-//   INT4 / INT8: f16 operands (INT4's values bf16 for bf16 queries); codes c via the magic-number trick ((c | M) - M, exact); the fp16 per-token scale and
-//          min are applied in fp32: s = sc * (q . c) + mn * sum(q); o = sum_t (p_t sc_t) c_t + sum_t p_t mn_t.
+//   INT4 / INT8: f16 operands (INT4's values bf16 for bf16 queries); codes c via the magic-number trick ((c | M) - M,
+//          exact); the fp16 per-token scale and min are applied in fp32: s = sc * (q . c) + mn * sum(q);
+//          o = sum_t (p_t sc_t) c_t + sum_t p_t mn_t.
 //   FP8:   cvt.rn.f16x2.e4m3x2 / e5m2x2 (exact). f16 operands.
 //   bf16 queries on f16 key operands are scaled by a power of two into the f16 range (QB) and the scores undo it.
 //   K8V4:  K and V are template parameters apart (KF / VF, operand types TK / TV): E4M3 keys as FP8 above,
 //          NVFP4 values as NVFP4 above.
-//   (NVFP4 / INT4 ran bf16 operands for bf16 queries until the H200's issue-bound decode: the f16 forms take one cvt
-//   per scale pair instead of six instructions, and INT4's odd nibbles need no shift.)
+//   Why f16 keys for bf16 queries on NVFP4 / INT4 (they were bf16): an NVFP4 scale pair is one cvt instead of six
+//   instructions, and INT4's odd nibbles need no shift (the H200's decode is issue-bound).
 // One CTA = (split, KV head, query row; a row is one query token, `rows_per_seq` rows share a block-table row). Its warps take 16-token tiles round-robin, each with its own
 // online softmax (a warp's next tile's words are loaded while its current tile is computed), and are merged through
 // shared memory. The CTA writes the split's normalised output and log2-sum-exp in the layout of the
@@ -147,10 +148,10 @@ struct Op<__half> {
 template <>
 struct Op<__nv_bfloat16> {
   static constexpr int EM_POS = 6;  // -> bf16 bits [8:6]: reads as e2m1 * 2^-126
+  static constexpr uint32_t EM_MASK = 0x01C001C0u;
   static constexpr uint32_t MAGIC = 0x43004300u;      // 128.0
   static constexpr uint32_t NEG_MAGIC = 0xC300C300u;  // -128.0
   static constexpr uint32_t ONE = 0x3F803F80u;
-  static constexpr uint32_t EM_MASK = 0x01C001C0u;
   static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
     uint32_t d;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -425,8 +426,8 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
     }
   }
 
-  float k_fac = p.sm_scale / q_mul, v_fac = 1.f;  // NVFP4: the 2^7 of the scale operands; FP8: global scales
-  if constexpr (KF == F_NVFP4) k_fac *= 16384.f * (p.kg ? p.kg[h] : 1.f);  // NV_FAC (Op<__half>::nv_scale2)
+  float k_fac = p.sm_scale / q_mul, v_fac = 1.f;  // NVFP4: the 2^14 of the operands (Op<__half>::nv_scale2); FP8: global scales
+  if constexpr (KF == F_NVFP4) k_fac *= 16384.f * (p.kg ? p.kg[h] : 1.f);
   if constexpr (KBYTE) k_fac *= p.kg ? p.kg[h] : 1.f;
   if constexpr (VF == F_NVFP4) v_fac = 16384.f * (p.vg ? p.vg[h] : 1.f);
   if constexpr (VBYTE) v_fac = p.vg ? p.vg[h] : 1.f;
@@ -471,7 +472,6 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
     const uint8_t* vp = reinterpret_cast<const uint8_t*>(data.y + (uint64_t)page * (uint32_t)p.vd_sb) + uoff * VROW;
     const uint8_t* ksp = reinterpret_cast<const uint8_t*>(scales.x + (uint64_t)page * (uint32_t)p.ks_sb) + uoff * KSROW;
     const uint8_t* vsp = reinterpret_cast<const uint8_t*>(scales.y + (uint64_t)page * (uint32_t)p.vs_sb) + uoff * VSROW;
-    constexpr bool edge = EDGE;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // K rows (and INT4 V scale rows) of tokens g + 8j
       ld_words<KW>(kp + 8 * j * KROW, x.k[j]);
@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
       if constexpr (VAFF) {
         x.vint[j] = ld_bytes<4>(vsp + 8 * j * VSROW);
         const int tok = start + g + 8 * j;
-        if (edge && (tok < lo || tok >= hi)) x.vint[j] = 0u;  // masked token: finite zeros (p = 0)
+        if (EDGE && (tok < lo || tok >= hi)) x.vint[j] = 0u;  // masked token: finite zeros (p = 0)
       }
     }
 #pragma unroll
@@ -488,7 +488,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
       ld_words<VW>(vp + r * VROW, x.v[i]);
       if constexpr (VGRP) x.vsc[i] = ld_bytes<VSB>(vsp + r * VSROW);
       const int tok = start + 2 * t + r;
-      if (edge && (tok < lo || tok >= hi)) {
+      if (EDGE && (tok < lo || tok >= hi)) {
 #pragma unroll
         for (int w = 0; w < VW; ++w) x.v[i][w] = 0u;
         x.vsc[i] = 0u;
