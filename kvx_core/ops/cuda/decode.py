@@ -113,7 +113,7 @@ def pool_reason(q: torch.Tensor, fmt: CacheFormat, k_data, k_scales, v_data, v_s
             return f"{name} payload rows not aligned for word loads"
         if data.stride(2) != row:
             return f"{name} rows of a page are not dense (token stride {data.stride(2)} != {row} bytes)"
-        for what, t in (("payload", data), ("scale", scales))[:2 if kf.has_scales else 1]:
+        for what, t in [("payload", data)] + ([("scale", scales)] if kf.has_scales else []):
             if t.stride(0) >= PAGE_STRIDE_LIMIT:
                 return f"{name} {what} page stride {t.stride(0)} reaches 2**31 bytes"
         if kf.has_scales:

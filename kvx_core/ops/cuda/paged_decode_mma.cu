@@ -314,9 +314,10 @@ __device__ __forceinline__ uint32_t ld_bytes(const uint8_t* p) {  // N in {1, 2,
 
 // ------------------------------------------------------------------ per-thread tile of raw words
 // Dynamic shared memory of a decode CTA: the warps' merge (floats; a multiple of 4, so what follows is 16-byte
-// aligned), then each thread's pool bases (3 x 16 bytes).
+// aligned), then each thread's pool bases: (K payload, V payload), (K scales, V scales), (block-table row, -).
 __host__ __device__ constexpr int merge_floats(int qh, int d) { return NW * (32 + qh * d); }
-constexpr int THREAD_BASES_BYTES = NW * 32 * 3 * 16;
+using ThreadBases = ulonglong2[3];
+constexpr int THREAD_BASES_BYTES = NW * 32 * (int)sizeof(ThreadBases);
 
 template <int KF, int VF, int D, int GROUP>
 struct Tile {
@@ -442,8 +443,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   // a page's offset is one 32 x 32 -> 64-bit multiply-add per pool.
   constexpr int KROW = KBYTE ? D : D / 2, VROW = VBYTE ? D : D / 2;
   constexpr int KSROW = KAFF ? 4 : D / GROUP, VSROW = VAFF ? 4 : D / GROUP;
-  // per thread: (K payload, V payload), (K scales, V scales), (block-table row, -); 16-byte aligned (merge_floats)
-  auto thread_bases = reinterpret_cast<ulonglong2(*)[3]>(smem + merge_floats(qh, D));
+  auto thread_bases = reinterpret_cast<ThreadBases*>(smem + merge_floats(qh, D));  // 16-byte aligned (merge_floats)
   {
     const int koff = g * KROW + t * (KROW / 4), voff = 2 * t * VROW + g * (VROW / 8);
     const int ksoff = g * KSROW + (KAFF ? 0 : (t * (D / 4)) / GROUP);
