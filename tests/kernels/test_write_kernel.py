@@ -10,15 +10,19 @@ from kvx_core.formats import get_format, list_formats, rotate
 from kvx_core.ops import write as ops_write
 from kvx_core.ops.cuda import write as cuda_write
 
+from . import host_write
 from .helpers import adversarial
 
 ALL = list_formats()
 POISON = 0xA5
-BACKENDS = ["triton", pytest.param("cuda", marks=pytest.mark.gpu)]
+# "cuda_host": the CUDA write's source compiled for the CPU (host_write.py), so CI checks the kernel's logic too
+BACKENDS = ["triton", "cuda_host", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request):
+def backend(request, device):
+    if request.param == "cuda_host" and device != "cpu":
+        pytest.skip("the host build runs on CPU tensors (on a GPU the kernel itself runs: backend cuda)")
     return request.param
 
 
@@ -33,6 +37,9 @@ def _backend_for(backend, fmt, key, value, kd, vd):
 
 def write_kv(k, v, slots, kd, ks, vd, vs, fmt, k_gs=None, v_gs=None, backend="triton", **kw):
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    if backend == "cuda_host":
+        host_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, k_gs, v_gs, **kw)
+        return
     chosen = _backend_for(backend, fmt, k, v, kd, vd)
     ops_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, k_gs, v_gs, backend=chosen, **kw)
 
@@ -129,6 +136,35 @@ def test_fp8_rounding_every_boundary(fmt_name, mbits, device, backend):
     ref, _ = fmt.k.encode(x)
     assert torch.equal(kd.cpu().view(torch.uint8)[:, 0, 0], ref.view(torch.uint8)[:, 0])
     assert torch.equal(vd.cpu().view(torch.uint8), kd.cpu().view(torch.uint8))
+
+
+@pytest.mark.parametrize("anchor", [4.0, 6.0])
+def test_e2m1_rounding_every_boundary(anchor, device, backend):
+    """Every E2M1 value up to the anchor, every midpoint between neighbours (the RNE ties), one and two FP32 ulps
+    either side, FP32 subnormals and 2**16 random magnitudes, both signs, as MXFP4 groups of one anchor (RCEIL scale
+    2**0 for anchors 4 and 6, so each code is the E2M1 rounding of the value itself) and 15 probes."""
+    vals = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    mids = (vals[1:] + vals[:-1]) / 2
+
+    def ulp(m, s):
+        return (m.view(torch.int32) + s).view(torch.float32)
+
+    tiny = torch.tensor([2.0 ** -149, 2.0 ** -126, 0.25 * (1 - 2.0 ** -24)])
+    rand = torch.rand(1 << 16, generator=torch.Generator().manual_seed(5)) * anchor
+    probes = torch.cat([vals, mids] + [ulp(mids, s) for s in (-2, -1, 1, 2)] + [tiny, rand])
+    probes = probes[probes <= anchor]
+    probes = torch.cat([probes, -probes])
+    probes = torch.cat([probes, probes.new_zeros((-probes.numel()) % 15)]).view(-1, 15)
+    x = torch.cat([torch.full((probes.shape[0], 1), anchor), probes], 1)
+    x = torch.cat([x, x.new_zeros((-x.shape[0]) % 8, 16)]).view(-1, 1, 128)
+    fmt = get_format("mxfp4")
+    kd, ks = _pools(fmt.k, x.shape[0], 1, 1, 128, device)
+    vd, vs = _pools(fmt.v, x.shape[0], 1, 1, 128, device)
+    slots = torch.arange(x.shape[0], device=device)
+    write_kv(x.to(device), x.to(device), slots, kd, ks, vd, vs, fmt, backend=backend)
+    ref, sc = fmt.k.encode(x)
+    assert torch.equal(kd.cpu()[:, 0, 0], ref[:, 0]) and torch.equal(ks.cpu()[:, 0, 0], sc[:, 0])
+    assert torch.equal(vd.cpu(), kd.cpu()) and torch.equal(vs.cpu(), ks.cpu())
 
 
 # Divisions of the write whose operand or quotient is an FP32 subnormal (< 2**-126), with the bytes IEEE division
@@ -356,26 +392,41 @@ def test_cuda_e2m1_code_every_float32(anchor):
 def test_cuda_write_strided_input_int32_slots_odd_block_size(name):
     """K/V as views of a fused QKV projection (row stride 3 * H * D), int32 slots, block size 12 (not a power of
     two: the kernel divides), 3 heads: bytes equal the Triton write's and the encode's."""
+    _strided_odd_block_case(name, "cuda", ("cuda", "triton"))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "int8", "fp8_e4m3", "mxfp4_32", "k8v4"])
+def test_cuda_host_write_strided_input_int32_slots_odd_block_size(name):
+    """The same case through the CUDA write's host build (on the CPU): bytes equal the encode's."""
+    _strided_odd_block_case(name, "cpu", ("cuda_host",))
+
+
+def _strided_odd_block_case(name, device, backends):
     fmt = get_format(name)
     t, h, d, bs = 777, 3, 128, 12
-    g = torch.Generator(device="cuda").manual_seed(7)
-    qkv = torch.randn(t, 3 * h, d, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    g = torch.Generator(device=device).manual_seed(7)
+    qkv = torch.randn(t, 3 * h, d, device=device, generator=g, dtype=torch.bfloat16) * 3
     k, v = qkv[:, h:2 * h], qkv[:, 2 * h:]
     nb = (t + bs - 1) // bs + 3
-    slots = torch.randperm(nb * bs, device="cuda", generator=g)[:t].to(torch.int32)
+    slots = torch.randperm(nb * bs, device=device, generator=g)[:t].to(torch.int32)
     slots[::5] = -1
-    gk = torch.tensor([0.5, 0.25, 2.0], device="cuda") if fmt.k.uses_global_scale else None
-    gv = torch.tensor([1.5, 0.125, 1.0], device="cuda") if fmt.v.uses_global_scale else None
+    gk = torch.tensor([0.5, 0.25, 2.0], device=device) if fmt.k.uses_global_scale else None
+    gv = torch.tensor([1.5, 0.125, 1.0], device=device) if fmt.v.uses_global_scale else None
     out = {}
-    for be in ("cuda", "triton"):
-        kd, ks = _pools(fmt.k, nb, h, bs, d, "cuda")
-        vd, vs = _pools(fmt.v, nb, h, bs, d, "cuda")
-        ops_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, gk, gv, backend=be)
-        out[be] = [x.view(torch.uint8).cpu() for x in (kd, ks, vd, vs) if x is not None]
-    assert all(torch.equal(a, b) for a, b in zip(out["cuda"], out["triton"], strict=True))
+    for be in backends:
+        kd, ks = _pools(fmt.k, nb, h, bs, d, device)
+        vd, vs = _pools(fmt.v, nb, h, bs, d, device)
+        if be == "cuda_host":
+            assert host_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, gk, gv) == "cuda_host"
+        else:
+            ops_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, gk, gv, backend=be)
+        out[be] = [None if x is None else x.view(torch.uint8).cpu() for x in (kd, ks, vd, vs)]
+    first = out[backends[0]]
+    for other in backends[1:]:
+        assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(first, out[other], strict=True))
     keep = slots >= 0
     blk, off = (slots[keep] // bs).long().cpu(), (slots[keep] % bs).long().cpu()
-    v_data = out["cuda"][-2 if fmt.v.scale_dim(d) else -1]
-    for tf, x, data, gs in ((fmt.k, k, out["cuda"][0], gk), (fmt.v, v, v_data, gv)):
-        payload, _ = tf.encode(x[keep].float().cpu(), None if gs is None else gs.cpu())
+    for tf, x, data, scales, gs in ((fmt.k, k, first[0], first[1], gk), (fmt.v, v, first[2], first[3], gv)):
+        payload, sc = tf.encode(x[keep].float().cpu(), None if gs is None else gs.cpu())
         assert torch.equal(data[blk, :, off], payload.view(torch.uint8))
+        assert scales is None or torch.equal(scales[blk, :, off], sc.view(torch.uint8))

@@ -53,6 +53,35 @@ constexpr int THREADS = 256;
 constexpr int N = 16;  // elements per thread
 constexpr unsigned FULL = 0xFFFFFFFFu;
 
+// ------------------------------------------------------------------ the PTX pieces
+// The kernel's only inline PTX. tests/kernels/host_write.cpp compiles this file for the host (KVX_HOST_EMULATION)
+// with its own versions of these, so the CPU suite checks the kernel's logic against the formats' encode; the GPU
+// tests check these on the hardware, exhaustively where they round.
+#ifndef KVX_HOST_EMULATION
+// FP32 pair (|x| <= the format's max finite) -> FP8 bytes (lo = first element), RNE, sign kept.
+template <bool E5M2>
+__device__ __forceinline__ uint32_t f8x2(float lo, float hi) {
+  unsigned short d;
+  if (E5M2)
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ float e4m3_value(uint32_t byte) {  // exact
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)byte));
+  return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
+}
+
+__device__ __forceinline__ float rcp_approx(float d) {  // ~1 ulp; ftz: callers pass d in [2^-40, 2^40]
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+  return y;
+}
+#endif
+
 // ------------------------------------------------------------------ loads: 16 elements -> FP32 (exact)
 // A thread's 16 elements, their largest magnitude and whether all are finite. For bf16 / fp16 input the last two
 // come from the raw 16-bit words, two elements per instruction: |x| bit patterns order as the magnitudes do, and
@@ -124,23 +153,6 @@ __device__ __forceinline__ void load16<float>(const float* p, Chunk& c) {
 // ------------------------------------------------------------------ exact scalar pieces
 __device__ __forceinline__ bool finite(float x) { return fabsf(x) < __int_as_float(0x7F800000); }
 
-// FP32 pair (|x| <= the format's max finite) -> FP8 bytes (lo = first element), RNE, sign kept.
-template <bool E5M2>
-__device__ __forceinline__ uint32_t f8x2(float lo, float hi) {
-  unsigned short d;
-  if (E5M2)
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  else
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
-__device__ __forceinline__ float e4m3_value(uint32_t byte) {  // exact
-  uint32_t h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)byte));
-  return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFF)));
-}
-
 // |y| (NaN: callers' values that saturate, see Divider) -> E2M1 magnitude code 0..7, RNE, saturating at 6
 // (formats.codes.e2m1_encode). |y| >= 1: keep one mantissa bit by integer RNE on the FP32 bits (a carry into the
 // exponent is the right rounding); the result's (exponent, bit) is the code + 252. |y| < 1: the code is rint(2|y|)
@@ -184,8 +196,7 @@ __device__ __forceinline__ bool fast_divisor(float d) { return d >= 0x1p-40f && 
 
 __device__ __forceinline__ void divide(const float* x, float d, float* q, bool fast) {
   if (fast) {
-    float y0;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(d));
+    const float y0 = rcp_approx(d);
     const float y = __fmaf_rn(y0, __fmaf_rn(-d, y0, 1.0f), y0);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -387,8 +398,12 @@ template <typename TX, int EK, int EV>
 cudaError_t launch(const WriteParams& p, int heads, cudaStream_t stream) {
   const int rows = THREADS >> p.lanes_log2;
   const dim3 grid((p.tokens + rows - 1) / rows, heads, 2);
+#ifdef KVX_HOST_EMULATION
+  return host_launch(write_kernel<TX, EK, EV>, grid, THREADS, p);  // the grid on CPU threads (host_write.cpp)
+#else
   write_kernel<TX, EK, EV><<<grid, THREADS, 0, stream>>>(p);
   return cudaGetLastError();
+#endif
 }
 
 template <int EK, int EV>

@@ -58,6 +58,17 @@ def _aligned(t: torch.Tensor, width: int, dims: int) -> bool:
 def reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data: torch.Tensor,
            v_data: torch.Tensor) -> str | None:
     """None when the CUDA write serves a checked write of this K/V into these pools, else why not."""
+    if key.device.type != "cuda":
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(key.device) < (8, 9):
+        return "needs compute capability >= 8.9"
+    return layout_reason(key, value, fmt, k_data, v_data)
+
+
+def layout_reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data: torch.Tensor,
+                  v_data: torch.Tensor) -> str | None:
+    """`reason` without the device: the formats, dtypes, shapes and alignments the kernel serves (the CPU suite's
+    host build of the kernel, tests/kernels/host_write.cpp, serves what this accepts)."""
     try:
         kk, kv = kernel_format(fmt.k), kernel_format(fmt.v)
     except KvxError:
@@ -65,10 +76,6 @@ def reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data: tor
     ek, ev = kk.encoder, kv.encoder
     if ek is None or ev is None or (ek != ev and (kk.cuda_code, kv.cuda_code) not in MIXED):  # k8v4
         return f"format {fmt.name}: the CUDA write serves fp8 / int8 / int4 / nvfp4 / mxfp4 / k8v4"
-    if key.device.type != "cuda":
-        return "not a CUDA tensor"
-    if torch.cuda.get_device_capability(key.device) < (8, 9):
-        return "needs compute capability >= 8.9"
     if key.dtype != value.dtype:
         return f"K is {key.dtype}, V {value.dtype} (one input dtype per launch)"
     d = int(key.shape[2])
