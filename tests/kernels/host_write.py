@@ -10,53 +10,21 @@ hardware.
 from __future__ import annotations
 
 import ctypes
-import functools
-import re
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from unittest import mock
-
-import pytest
 
 import kvx_core.ops.cuda as kvx_cuda
 from kvx_core.formats import CacheFormat, get_format
 from kvx_core.ops import write as ops_write
 from kvx_core.ops.checks import check_write_args
-from kvx_core.ops.cuda import toolchain, write as cuda_write
+from kvx_core.ops.cuda import write as cuda_write
 from kvx_core.ops.triton.launch import pool_geometry
 
-HERE = Path(__file__).parent
+from .host_build import host_library
 
 
-def _cuda_include() -> Path | None:
-    """The CUDA headers nvcc itself uses (its `--dryrun` TOP: nvcc may be a wrapper script outside the toolkit)."""
-    nvcc = toolchain.nvcc_path()
-    if nvcc is None:
-        return None
-    out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"], capture_output=True,
-                         text=True, check=False).stderr
-    top = re.search(r"^#\$ TOP=(.+)$", out, re.M)
-    inc = Path(top.group(1).strip()) / "include" if top else None
-    return inc if inc is not None and (inc / "cuda_fp16.h").is_file() else None
-
-
-@functools.cache
 def library() -> ctypes.CDLL:
-    """The host build (once per process); skips without g++ or the CUDA headers (CI has both: it fails there)."""
-    inc, gxx = _cuda_include(), shutil.which("g++")
-    if inc is None or gxx is None:
-        pytest.skip("the host build of the CUDA write needs g++ and the CUDA toolkit's headers")
-    source = Path(kvx_cuda.__file__).parent / "paged_write.cu"
-    out = Path(tempfile.mkdtemp(prefix="kvx_write_host_")) / "libkvx_write_host.so"
-    # -fno-strict-aliasing: the kernel reads words as __half2 through casts, as CUDA code may (nvcc keeps them)
-    cmd = [gxx, "-std=c++20", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread",
-           "-DKVX_HOST_EMULATION", f'-DKVX_WRITE_SOURCE="{source}"', f"-I{inc}", str(HERE / "host_write.cpp"), "-o",
-           str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lib = ctypes.CDLL(str(out))
+    """The host build with `kvx_paged_write`'s signature set and the ctypes mirror checked against its struct."""
+    lib = host_library("host_write.cpp", "paged_write.cu")
     fn = lib.kvx_paged_write
     fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
     why = kvx_cuda.mirror_mismatch(lib, "kvx_write_params_size", cuda_write.WriteParams)

@@ -1,7 +1,8 @@
 """The CUDA 4-bit paged decode (kvx_core/ops/cuda) vs the float64 torch oracle over the same pools.
 
 GPU tests run the kernel with `backend="cuda"` (so a silent fallback to Triton cannot pass them). The
-CPU tests compile the CUDA source with nvcc for sm_90a and check the ctypes mirror against it.
+CPU tests compile the CUDA source with nvcc for sm_90a and check the ctypes mirror against it, and run the kernels'
+own source built for the host (`cuda_host`, host_decode.py) on a smaller set of the GPU tests' cases.
 """
 import ctypes
 import math
@@ -18,6 +19,7 @@ from kvx_core.ops.decode import decode_pools
 from kvx_core.ops.graphs import capture
 from kvx_core.ops.kernel_format import MIXED, CudaCode, FormatCode, kernel_format
 
+from . import host_decode
 from .oracle import make_pools, make_table, ref_decode
 
 CUDA_FORMATS = ["nvfp4", "nvfp4_rot", "mxfp4", "mxfp4_32", "mxfp4_rot", "int4", "int4_rot", "int8", "fp8_e4m3",
@@ -30,19 +32,27 @@ def _gs(fmt, hkv, seed, k):
 
 
 def _run(name, lens, hkv=2, qh=4, d=128, bs=16, q_dtype=torch.bfloat16, splits=None, softcap=None, window=None,
-         seed=0, pools=None, q_scale=1.0, kv_scale=1.0):
+         seed=0, pools=None, q_scale=1.0, kv_scale=1.0, backend="cuda"):
+    """The CUDA decode (`backend` "cuda": the kernel on the GPU; "cuda_host": its source built for the CPU,
+    host_decode.py) and the oracle over the same pools."""
     fmt = get_format(name)
+    dev = "cuda" if backend == "cuda" else "cpu"
     nb = sum(math.ceil(L / bs) for L in lens) + 3
     kg, vg = _gs(fmt, hkv, seed, True), _gs(fmt, hkv, seed, False)
-    kd, ks, vd, vs = pools(fmt, nb, hkv, bs, d, seed) if pools else \
-        make_pools(fmt, nb, hkv, bs, d, device="cuda", seed=seed, k_gs=kg, v_gs=vg, scale=kv_scale)
-    bt = make_table(lens, bs, nb, device="cuda", seed=seed)
-    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kd, ks, vd, vs = [t.to(dev) for t in pools(fmt, nb, hkv, bs, d, seed)] if pools else \
+        make_pools(fmt, nb, hkv, bs, d, device=dev, seed=seed, k_gs=kg, v_gs=vg, scale=kv_scale)
+    bt = make_table(lens, bs, nb, device=dev, seed=seed)
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = torch.randn(len(lens), hkv * qh, d, generator=torch.Generator().manual_seed(seed + 3))
-    q = (q * q_scale).to(q_dtype).cuda()
-    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    o, lse = decode_pools(q, kd, ks, vd, vs, None if kg is None else kg.cuda(), None if vg is None else vg.cuda(),
-                          bt, sl, fmt, softcap=softcap, window=window, num_splits=splits, out=out, backend="cuda")
+    q = (q * q_scale).to(q_dtype).to(dev)
+    kgd, vgd = (None if g is None else g.to(dev) for g in (kg, vg))
+    if backend == "cuda_host":
+        o, lse = host_decode.decode(q, kd, ks, vd, vs, kgd, vgd, bt, sl, fmt, num_splits=splits or 1,
+                                    softcap=softcap, window=window)
+    else:
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+        o, lse = decode_pools(q, kd, ks, vd, vs, kgd, vgd, bt, sl, fmt, softcap=softcap, window=window,
+                              num_splits=splits, out=out, backend="cuda")
     ro, rl = ref_decode(q, fmt, kd, ks, vd, vs, kg, vg, bt, sl, softcap=softcap, window=window)
     return o.cpu().double(), lse.cpu().double(), ro, rl
 
@@ -209,7 +219,7 @@ def _raw_pools(scale_lo, scale_hi):
                 scales = sc.view(torch.uint8)
             else:
                 scales = torch.randint(scale_lo, scale_hi + 1, (nb, hkv, bs, sk), generator=g, dtype=torch.uint8)
-            out += [data.cuda(), scales.cuda()]
+            out += [data, scales]
         return out
     return make
 
@@ -231,6 +241,49 @@ def test_cuda_decode_all_bit_patterns(name, lo, hi):
         assert torch.all(o == 0)
     else:
         _check(o, lse, ro, rl)
+
+
+# ------------------------------------------------------------------ CPU: the kernels' source built for the host
+@pytest.mark.parametrize("name", CUDA_FORMATS)
+def test_cuda_host_decode_formats(name):
+    """Every served format: ragged lengths incl. 0 and 1, GQA 4, three splits (the merge), rotated formats through
+    the library's own query rotation and output rotation."""
+    o, lse, ro, rl = _run(name, [37, 1, 0, 300], splits=3, backend="cuda_host")
+    _check(o, lse, ro, rl)
+    assert torch.all(o[2] == 0) and torch.all(torch.isneginf(lse[2]))
+
+
+@pytest.mark.parametrize("name,d,q_dtype,qh,hkv,bs", [
+    ("nvfp4", 64, torch.bfloat16, 4, 2, 16), ("int8", 256, torch.bfloat16, 4, 2, 16),
+    ("int4", 128, torch.float16, 4, 2, 16), ("k8v4", 128, torch.float16, 4, 2, 16),
+    ("fp8_e5m2", 128, torch.float16, 4, 2, 16), ("nvfp4", 128, torch.bfloat16, 16, 1, 16),
+    ("mxfp4_32", 128, torch.bfloat16, 5, 1, 16), ("int4", 128, torch.bfloat16, 1, 4, 48),
+    ("fp8_e4m3", 128, torch.bfloat16, 8, 2, 32)])
+def test_cuda_host_decode_geometries(name, d, q_dtype, qh, hkv, bs):
+    """Head dims 64 / 256, f16 queries, 16 query heads per KV head (two mma column blocks), odd GQA, block sizes
+    32 / 48."""
+    o, lse, ro, rl = _run(name, [bs * 3 + 5, 2 * bs - 1, 7], d=d, q_dtype=q_dtype, qh=qh, hkv=hkv, bs=bs, splits=2,
+                          seed=d + bs, backend="cuda_host")
+    _check(o, lse, ro, rl)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int4", "k8v4"])
+def test_cuda_host_decode_softcap_window(name):
+    o, lse, ro, rl = _run(name, [50, 3, 200, 129], softcap=5.0, window=37, splits=2, backend="cuda_host")
+    _check(o, lse, ro, rl)
+
+
+@pytest.mark.parametrize("name,q_scale,kv_scale", [("nvfp4", 1e6, 1.0), ("nvfp4", 1.0, 1e-3), ("int4", 1e-6, 1.0),
+                                                   ("fp8_e4m3", 1.0, 1e-3), ("k8v4", 1e6, 1.0)])
+def test_cuda_host_decode_f16_operand_ranges(name, q_scale, kv_scale):
+    o, lse, ro, rl = _run(name, [150, 17], q_scale=q_scale, kv_scale=kv_scale, splits=2, backend="cuda_host")
+    _check(o, lse, ro, rl)
+
+
+@pytest.mark.parametrize("name,lo,hi", [("nvfp4", 0x00, 0x7E), ("mxfp4", 0, 4), ("int4", 0, 0)])
+def test_cuda_host_decode_all_bit_patterns(name, lo, hi):
+    o, lse, ro, rl = _run(name, [100, 33], pools=_raw_pools(lo, hi), splits=2, backend="cuda_host")
+    _check(o, lse, ro, rl)
 
 
 @pytest.mark.gpu

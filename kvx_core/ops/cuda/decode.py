@@ -77,13 +77,21 @@ def plan_reason(fmt: CacheFormat, q_dtype: torch.dtype, device: torch.device, ba
                 num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
     """None when the CUDA kernel can serve a step of this geometry (the pools are checked by `pool_reason` at
     launch), else the reason it cannot."""
+    if _served(fmt) is not None:
+        if device.type != "cuda":
+            return "not a CUDA tensor"
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return "needs compute capability >= 8.9"
+    return geometry_reason(fmt, q_dtype, batch, num_qo_heads, num_kv_heads, head_dim, block_size)
+
+
+def geometry_reason(fmt: CacheFormat, q_dtype: torch.dtype, batch: int, num_qo_heads: int, num_kv_heads: int,
+                    head_dim: int, block_size: int) -> str | None:
+    """`plan_reason` without the device: the formats, query dtypes and geometries the kernel serves (the CPU suite's
+    host build of the kernel, tests/kernels/host_decode.cpp, serves what this accepts)."""
     served = _served(fmt)
     if served is None:
         return f"format {fmt.name}: the CUDA decode serves nvfp4 / mxfp4 / int4 / int8 / fp8 / k8v4"
-    if device.type != "cuda":
-        return "not a CUDA tensor"
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return "needs compute capability >= 8.9"
     mx = any(kf.code == FormatCode.MXFP4 for kf in served)
     if q_dtype not in (torch.float16, torch.bfloat16) or (mx and q_dtype != torch.bfloat16):
         return f"{q_dtype} queries (MXFP4 needs bf16, the others f16 or bf16)"

@@ -96,11 +96,72 @@ struct DecodeParams {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int NW = 4;  // warps per CTA (decode.py WARPS); launch bounds and splits were tuned for it
 
+// ------------------------------------------------------------------ the PTX pieces
+// The kernels' only inline PTX. tests/kernels/host_decode.cpp compiles this file for the host (KVX_HOST_EMULATION)
+// with its own versions of these (the tensor-core product and MOVMATRIX as warp-wide exchanges, the dynamic shared
+// memory as one buffer per block), so the CPU suite checks the kernels' logic against the float64 oracle; the GPU
+// tests run these on the hardware.
+#ifndef KVX_HOST_EMULATION
 __device__ __forceinline__ float ex2(float x) {  // 2^x, -inf -> 0 (MUFU.EX2 without the denormal fix-ups)
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ uint32_t fma_f16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+template <bool E5M2>  // two FP8 bytes -> f16x2, exact
+__device__ __forceinline__ uint32_t fp8x2_f16x2(unsigned short v) {
+  uint32_t d;
+  if constexpr (E5M2) asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(d) : "h"(v));
+  else asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(v));
+  return d;
+}
+__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 16 bytes of shared memory, loaded at every call (volatile: the compiler may not keep the values in registers).
+__device__ __forceinline__ ulonglong2 lds_u64x2(const ulonglong2* p) {
+  ulonglong2 v;
+  asm volatile("ld.shared.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "r"((uint32_t)__cvta_generic_to_shared(p)));
+  return v;
+}
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {  // 8x8 b16 fragment -> its transpose
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]  // the launch's dynamic shared memory
+#endif
+
 constexpr uint32_t NEG_ZERO2 = 0x80008000u;  // fma(a, b, -0) == a * b exactly (signed zeros kept)
 
 // ------------------------------------------------------------------ operand types (f16 / bf16)
@@ -114,16 +175,8 @@ struct Op<__half> {
   static constexpr uint32_t MAGIC = 0x64006400u;      // 1024.0: (c | MAGIC) reads as 1024 + c
   static constexpr uint32_t NEG_MAGIC = 0xE400E400u;  // -1024.0
   static constexpr uint32_t ONE = 0x3C003C00u;
-  static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    uint32_t d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-  }
+  static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) { return fma_f16x2(a, b, c); }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_f16x2(lo, hi); }
   static __device__ __forceinline__ float to_f32(uint32_t bits16) {
     return __half2float(__ushort_as_half((unsigned short)bits16));
   }
@@ -132,16 +185,10 @@ struct Op<__half> {
   // (the smallest f16 subnormal: 0.5 * 2^-9 * 2^-14), at most 6 * 448 * 2^-14; NV_FAC = 2^14 comes back in the scores
   // and the output.
   static __device__ __forceinline__ uint32_t nv_scale2(uint32_t two_bytes) {
-    uint32_t h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two_bytes));
-    return h;
+    return fp8x2_f16x2<false>((unsigned short)two_bytes);
   }
   static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_f16(c, a, b0, b1);
   }
 };
 
@@ -152,23 +199,11 @@ struct Op<__nv_bfloat16> {
   static constexpr uint32_t MAGIC = 0x43004300u;      // 128.0
   static constexpr uint32_t NEG_MAGIC = 0xC300C300u;  // -128.0
   static constexpr uint32_t ONE = 0x3F803F80u;
-  static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    uint32_t d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-  }
+  static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) { return fma_bf16x2(a, b, c); }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
   static __device__ __forceinline__ float to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
   static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_bf16(c, a, b0, b1);
   }
 };
 
@@ -232,11 +267,7 @@ __device__ __forceinline__ uint32_t byte_pair(uint32_t u, int hi) {
     const uint32_t x = __byte_perm(u, 0x64646464u, hi ? 0x4342u : 0x4140u);
     return Op<__half>::fma2(x, Op<__half>::ONE, Op<__half>::NEG_MAGIC);
   } else {
-    const unsigned short v = (unsigned short)(hi ? u >> 16 : u & 0xFFFFu);
-    uint32_t d;
-    if constexpr (FMT == F_E4M3) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(v));
-    else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(d) : "h"(v));
-    return d;
+    return fp8x2_f16x2<FMT == F_E5M2>((unsigned short)(hi ? u >> 16 : u & 0xFFFFu));
   }
 }
 
@@ -298,13 +329,6 @@ __device__ __forceinline__ void ld_words(const uint8_t* p, uint32_t* w) {  // N 
   }
 }
 
-// 16 bytes of shared memory, loaded at every call (volatile: the compiler may not keep the values in registers).
-__device__ __forceinline__ ulonglong2 lds_u64x2(const ulonglong2* p) {
-  ulonglong2 v;
-  asm volatile("ld.shared.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "r"((uint32_t)__cvta_generic_to_shared(p)));
-  return v;
-}
-
 template <int N>
 __device__ __forceinline__ uint32_t ld_bytes(const uint8_t* p) {  // N in {1, 2, 4}, N-aligned
   if constexpr (N == 1) return __ldg(p);
@@ -332,12 +356,6 @@ struct Tile {
   uint32_t vint[2];   // INT4: V fp16 sc | mn of tokens g, g+8
 };
 
-__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {  // 8x8 b16 fragment -> its transpose
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-
 // Both products run "swapped" so the 16 mma rows are tokens / head dims and the 8 columns are query
 // heads (GQA groups of up to 8 need no padding rows): S^T = K Q^T (A = K tile, B = Q^T), then
 // O^T += V^T P^T (A = V^T tile, B = P^T, moved from the S^T accumulator layout by MOVMATRIX).
@@ -356,7 +374,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int qh = p.qh;
-  extern __shared__ float smem[];  // m [NW][16], l [NW][16], o [NW][qh][D] (the warps' merge), then the thread bases
+  DYNAMIC_SHARED(float, smem);  // m [NW][16], l [NW][16], o [NW][qh][D] (the warps' merge), then the thread bases
 
   // ---- this split's token range
   const int seq_len = p.seq[b];
@@ -509,7 +527,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
 
   auto compute_tile = [&](const TileT& x, int start) {
     // ---- S^T = K Q^T: C(token g | g+8, head 2t | 2t+1)
-    uint32_t ks2[2][KGRP ? KSB : 1];
+    uint32_t ks2[2][kGroup<KF> ? TileT::KSB : 1];  // Tile's: g++ 12 fails on captured ones
     if constexpr (KGRP) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) row_scales<KF, TK>(x.ksc[j], ks2[j]);
@@ -607,7 +625,7 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
       pb[nh][1] = transpose8x8(Op<TV>::pack(s[nh][2], s[nh][3]));  // (head g, tokens 2t+8, 2t+9)
     }
     // ---- O^T += V^T P^T: m-tile i rows g / g+8 = this thread's dims 2i / 2i+1 of its eighth
-    uint32_t vs01[VSB], vs23[VSB];
+    uint32_t vs01[TileT::VSB], vs23[TileT::VSB];
     if constexpr (VGRP) {
 #pragma unroll
       for (int e = 0; e < VSB; ++e) {
@@ -715,16 +733,26 @@ __global__ void __launch_bounds__(NW * 32, (D <= 128 && NH == 1) ? (kByte<KF> ||
   }
 }
 
+// Every launch of this file (the host build runs the grid on CPU threads instead: tests/kernels/host_decode.cpp).
+cudaError_t launch_kernel(void (*kernel)(DecodeParams), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                          const DecodeParams& p) {
+#ifdef KVX_HOST_EMULATION
+  return host_launch(kernel, grid, threads, smem, p);
+#else
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<grid, threads, smem, stream>>>(p);
+  return cudaGetLastError();
+#endif
+}
+
 template <int KF, int VF, typename TK, typename TV, int D, int GROUP, bool QB>
 cudaError_t launch(const DecodeParams& p, int batch, int hkv, cudaStream_t stream) {
   const size_t smem = (size_t)merge_floats(p.qh, D) * sizeof(float) + THREAD_BASES_BYTES;
   auto kern = p.qh > 8 ? decode_kernel<KF, VF, TK, TV, D, GROUP, 2, QB> : decode_kernel<KF, VF, TK, TV, D, GROUP, 1, QB>;
-  if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-  }
-  kern<<<dim3(p.num_splits, hkv, batch), NW * 32, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kern, dim3(p.num_splits, hkv, batch), NW * 32, smem, stream, p);
 }
 
 // KF / VF: K and V formats; TK / TV: the operand types of the QK^T and PV products.
@@ -875,28 +903,23 @@ template <typename T>
 cudaError_t rotate_q_by_dim(const DecodeParams& p, int d, int batch, int hq, cudaStream_t stream) {
   const dim3 grid(hq, batch);
   switch (d) {
-    case 64: rotate_q_kernel<T, 64><<<grid, MW * 32, 0, stream>>>(p); break;
-    case 128: rotate_q_kernel<T, 128><<<grid, MW * 32, 0, stream>>>(p); break;
-    case 256: rotate_q_kernel<T, 256><<<grid, MW * 32, 0, stream>>>(p); break;
+    case 64: return launch_kernel(rotate_q_kernel<T, 64>, grid, MW * 32, 0, stream, p);
+    case 128: return launch_kernel(rotate_q_kernel<T, 128>, grid, MW * 32, 0, stream, p);
+    case 256: return launch_kernel(rotate_q_kernel<T, 256>, grid, MW * 32, 0, stream, p);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 template <typename TO>
 cudaError_t merge_by_dim(const DecodeParams& p, int d, int batch, int hq, cudaStream_t stream) {
-  if (!p.rotate_out) {
-    merge_kernel<TO><<<dim3(d / 32, hq, batch), MW * 32, 0, stream>>>(p);
-    return cudaGetLastError();
-  }
+  if (!p.rotate_out) return launch_kernel(merge_kernel<TO>, dim3(d / 32, hq, batch), MW * 32, 0, stream, p);
   const dim3 grid(1, hq, batch);
   switch (d) {
-    case 64: merge_rotate_kernel<TO, 64><<<grid, MW * 32, 0, stream>>>(p); break;
-    case 128: merge_rotate_kernel<TO, 128><<<grid, MW * 32, 0, stream>>>(p); break;
-    case 256: merge_rotate_kernel<TO, 256><<<grid, MW * 32, 0, stream>>>(p); break;
+    case 64: return launch_kernel(merge_rotate_kernel<TO, 64>, grid, MW * 32, 0, stream, p);
+    case 128: return launch_kernel(merge_rotate_kernel<TO, 128>, grid, MW * 32, 0, stream, p);
+    case 256: return launch_kernel(merge_rotate_kernel<TO, 256>, grid, MW * 32, 0, stream, p);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t launch_merge(const DecodeParams& p, int d, int batch, int hq, cudaStream_t stream) {
