@@ -2,7 +2,7 @@
 
 With N = 2**bits - 1 and FP32 arithmetic (x computed in FP32; finite FP64 inputs beyond the FP32 range
 enter as +-FP32 max, so they saturate like any row whose range overflows FP16):
-  mn, mx = min(x), max(x) over head_dim
+  mn, mx = min(x), max(x) over head_dim, each + 0.0 (a zero as +0: not the reduction order's sign)
   scale  = f16(clamp((mx - mn) / N, max=65504))        (RNE; saturates instead of overflowing to inf)
   min    = f16(clamp(mn, -65504, 65504))
   q      = clamp(round_half_even((x - f32(min)) / f32(scale)), 0, N)   (q = 0 when scale == 0)
@@ -73,8 +73,9 @@ class IntFormat(TensorFormat):
         xf = self._check_input(x)
         self._global_scale(global_scale, int(x.shape[-2]), x.device)
         finite = torch.isfinite(xf).all(dim=-1)
-        mn = xf.amin(dim=-1)
-        mx = xf.amax(dim=-1)
+        # + 0.0: a zero extreme as +0 (which signed zero amin / amax return depends on the reduction order)
+        mn = xf.amin(dim=-1) + 0.0
+        mx = xf.amax(dim=-1) + 0.0
         scale_h = div_exact(mx - mn, self.levels).clamp(max=F16_MAX).to(torch.float16)
         min_h = mn.clamp(-F16_MAX, F16_MAX).to(torch.float16)
         nan_h = torch.full_like(scale_h, float("nan"))

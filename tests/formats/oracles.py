@@ -125,8 +125,8 @@ def int_encode(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nda
     n = F32(2 ** bits - 1)
     finite = np.isfinite(x).all(-1)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        mn = x.min(-1)
-        mx = x.max(-1)
+        mn = x.min(-1) + F32(0)  # a zero extreme as +0
+        mx = x.max(-1) + F32(0)
         s = ((mx - mn).astype(F32) / n).astype(F32)
         s_h = np.minimum(s, F32(65504)).astype(np.float16)
         m_h = np.clip(mn, F32(-65504), F32(65504)).astype(np.float16)

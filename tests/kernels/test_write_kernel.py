@@ -167,6 +167,29 @@ def test_e2m1_rounding_every_boundary(anchor, device, backend):
     assert torch.equal(vd.cpu(), kd.cpu()) and torch.equal(vs.cpu(), ks.cpu())
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_int_rows_with_signed_zero_extremes_store_positive_zeros(name, device, backend):
+    """Rows whose min or max is a zero of both signs (all zeros; zeros and positives; zeros and negatives): the
+    min and scale store +0 whichever zero a reduction meets first (each kernel's lanes and torch's amin reduce in
+    their own orders), so every backend stores the same bytes as the encode."""
+    fmt = get_format(name)
+    d = 64
+    x = torch.zeros(6, 1, d)
+    x[:, :, 1::2] = -0.0
+    x[1, 0, 5::7], x[2, 0, 9::5] = 1.5, -2.25  # min +-0 with positives; max +-0 with negatives
+    x[3, 0, ::2] = -0.0  # every zero negative
+    x[4] = x[4].flip(-1)
+    x[5, 0, 3] = 3.0
+    kd, ks = _pools(fmt.k, 2, 1, 4, d, device)
+    vd, vs = _pools(fmt.v, 2, 1, 4, d, device)
+    write_kv(x.to(device), x.to(device), torch.arange(6, device=device), kd, ks, vd, vs, fmt, backend=backend)
+    ref, sc = fmt.k.encode(x)
+    f16 = sc.view(6, 1, 2, 2).view(torch.float16)
+    assert not torch.signbit(f16[[0, 1, 3, 4, 5], 0, 1]).any() and not torch.signbit(f16[:, 0, 0]).any()
+    got = ks.cpu().reshape(8, 1, -1)[:6]
+    assert torch.equal(got, sc) and torch.equal(kd.cpu().reshape(8, 1, -1)[:6], ref.view(6, 1, -1))
+
+
 # Divisions of the write whose operand or quotient is an FP32 subnormal (< 2**-126), with the bytes IEEE division
 # stores (hand values) and, in the comments, what a flushing division stores instead: PTX div.rn.ftz.f32, which is
 # what `tl.math.div_rn` compiles to under Triton <= 3.5 (libdevice with nvvm-reflect-ftz). Per format: the two heads'

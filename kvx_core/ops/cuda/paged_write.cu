@@ -262,6 +262,9 @@ __device__ __forceinline__ void encode_int(const Chunk& ch, const Row& r) {
     mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
     fin &= __shfl_xor_sync(FULL, (unsigned)fin, o) != 0;
   }
+  // a zero extreme as +0 (formats.integer): which signed zero a min / max returns depends on the reduction order
+  mn = __fadd_rn(mn, 0.0f);
+  mx = __fadd_rn(mx, 0.0f);
   const __half sc_h = __float2half_rn(fminf(__fdiv_rn(__fsub_rn(mx, mn), (float)LEVELS), 65504.0f));
   const __half mn_h = __float2half_rn(fminf(fmaxf(mn, -65504.0f), 65504.0f));
   const float s_raw = __half2float(sc_h);

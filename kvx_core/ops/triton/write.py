@@ -47,6 +47,8 @@ F16_NAN_BITS = tl.constexpr(0x7E00)
 @triton.jit
 def _int_params(mn, mx, fin, LEVELS: tl.constexpr, ASM: tl.constexpr):
     """Row min/max -> (fp16 scale bits, fp16 min bits, f32 scale, f32 min, usable) as formats.integer."""
+    mn = mn + 0.0  # a zero extreme as +0 (formats.integer)
+    mx = mx + 0.0
     sc_h = tl.minimum(div_ieee(mx - mn, LEVELS, ASM), F16_MAX).to(tl.float16)
     mn_h = tl.minimum(tl.maximum(mn, -F16_MAX), F16_MAX).to(tl.float16)
     sc_bits = tl.where(fin, sc_h.to(tl.uint16, bitcast=True).to(tl.int32), F16_NAN_BITS)
