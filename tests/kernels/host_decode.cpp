@@ -59,8 +59,9 @@ inline uint32_t fp8x2_f16x2(unsigned short v) { return fp8_f16<E5M2>(v & 0xFFu) 
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: lane l (group g = l / 4, t = l % 4) holds A[g + 8 (i % 2)]
 // [2t + 8 (i / 2) + j] in half j of a[i], B[2t + 8 i + j][g] in half j of b_i, and C / D[g + 8 (i / 2)][2t + i % 2]
 // in c[i].
-template <float (*VALUE)(uint32_t)>
-inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+template <bool BF16>
+inline void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  constexpr auto VALUE = BF16 ? bf16_value : f16_value;
   const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
   const unsigned l = lane();
   const auto d = exchange(mine, 6, [&](auto& s) {
@@ -80,8 +81,6 @@ inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
   });
   for (int i = 0; i < 4; ++i) c[i] = d[i];
 }
-inline void mma_f16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) { mma<f16_value>(c, a, b0, b1); }
-inline void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) { mma<bf16_value>(c, a, b0, b1); }
 
 // movmatrix.sync.aligned.m8n8.trans.b16: lane l holds row l / 4, columns 2 (l % 4) + j (half j); the result is the
 // transpose, held the same way.
