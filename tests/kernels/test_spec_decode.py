@@ -18,6 +18,7 @@ from kvx_core.formats import get_format, list_formats
 from kvx_core.ops import attention, dispatch
 from kvx_core.ops.decode import plan_decode, workspace_size
 
+from . import host_decode
 from .helpers import filled_cache
 from .oracle import make_pools, make_table, ref_decode, with_sinks
 
@@ -73,6 +74,23 @@ def test_multi_row_decode_every_format(name, device):
     """Every format (rotated ones included): 4 rows per sequence over ragged lengths (exactly 4, across pages,
     one page), two splits."""
     _check(*_run(name, device, [37, 4, 70, 16], 4, splits=2))
+
+
+@pytest.mark.parametrize("name,sinks", [("nvfp4", False), ("int4_rot", False), ("k8v4", True), ("mxfp4_32", True)])
+def test_multi_row_decode_cuda_host(name, sinks):
+    """The CUDA decode's source built for the CPU (host_decode.py): 4 rows per sequence (each row's causal length
+    from the plan's `row_lens`, as engines pass them), two splits, attention sinks in the merge."""
+    lens, r, hkv, qh, d = [37, 4, 70, 16], 4, 2, 4, 128
+    fmt, pools, (kg, vg), _, bt, sl, q = _pools(name, "cpu", lens, hkv, qh, d, 16, 5, len(lens) * r)
+    sk = torch.tensor([0.5, -1.0, 3.0, 0.0, -20.0, 1.5, 2.0, -0.25]) if sinks else None
+    plan = plan_decode(fmt, batch=len(lens) * r, num_qo_heads=hkv * qh, num_kv_heads=hkv, head_dim=d, block_size=16,
+                       q_dtype=q.dtype, device="cpu", max_seq_len=max(lens), backend="triton", rows_per_seq=r)
+    o, lse = host_decode.decode(q, *pools, kg, vg, bt, plan.row_lens(sl), fmt, num_splits=2, sinks=sk,
+                                rows_per_seq=r)
+    ro, rl = ref_decode(q, fmt, *pools, kg, vg, bt, sl, rows_per_seq=r)
+    if sk is not None:
+        ro, rl = with_sinks(ro, rl, sk)
+    _check(o.double(), lse.double(), ro, rl)
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "nvfp4", "int4_rot"])
