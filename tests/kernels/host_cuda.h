@@ -70,6 +70,19 @@ inline T from_bits(uint32_t b) {
   return v;
 }
 
+// An FP8 byte's value (E4M3: bias 7, 3 mantissa bits, S.1111.111 NaN; E5M2: bias 15, 2 mantissa bits, IEEE
+// infinities and NaNs), exact in FP32.
+template <bool E5M2>
+inline float fp8_value(uint32_t byte) {
+  constexpr int MBITS = E5M2 ? 2 : 3, BIAS = E5M2 ? 15 : 7, EMAX = E5M2 ? 31 : 15;
+  const int e = (int)((byte >> MBITS) & EMAX), m = (int)(byte & ((1u << MBITS) - 1));
+  float v;
+  if (E5M2 && e == EMAX) v = m ? NAN : INFINITY;
+  else if (!E5M2 && e == EMAX && m == 7) v = NAN;
+  else v = e ? std::ldexp(1.0f + m / float(1 << MBITS), e - BIAS) : std::ldexp(m / float(1 << MBITS), 1 - BIAS);
+  return (byte & 0x80) ? -v : v;
+}
+
 // The grid, block by block: each thread of a block a CPU thread running `kernel(p)`.
 template <typename K, typename P>
 cudaError_t launch(K kernel, dim3 grid, int threads, size_t smem_bytes, const P& p) {

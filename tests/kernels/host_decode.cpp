@@ -48,10 +48,8 @@ inline uint32_t pack_bf16x2(float lo, float hi) { return bf16_bits(lo) | (bf16_b
 template <bool E5M2>
 inline uint32_t fp8_f16(uint32_t byte) {
   if (E5M2) return byte << 8;
-  const uint32_t sign = (byte & 0x80u) << 8, e = (byte >> 3) & 0xF, m = byte & 7;
-  if (e == 15 && m == 7) return sign | 0x7E00u;  // NaN
-  const float v = e ? std::ldexp(1.0f + m / 8.0f, (int)e - 7) : std::ldexp(m / 8.0f, -6);
-  return sign | f16_bits(v);
+  const float v = kvx_host::fp8_value<false>(byte);
+  return std::isnan(v) ? ((byte & 0x80u) << 8) | 0x7E00u : f16_bits(v);
 }
 template <bool E5M2>
 inline uint32_t fp8x2_f16x2(unsigned short v) { return fp8_f16<E5M2>(v & 0xFFu) | (fp8_f16<E5M2>(v >> 8) << 16); }

@@ -12,14 +12,10 @@ namespace kvx_write {
 // (ties to the even code, whose last mantissa bit is 0), the largest for magnitudes beyond it, the sign kept.
 template <bool E5M2>
 static uint32_t f8_code(float x) {
-  const int mbits = E5M2 ? 2 : 3, bias = E5M2 ? 15 : 7;
   const uint32_t top = E5M2 ? 0x7B : 0x7E;  // the largest finite code
   const uint32_t sign = (__float_as_uint(x) >> 24) & 0x80;
   const double a = std::fabs((double)x);
-  auto value = [&](uint32_t c) {
-    const int e = (int)(c >> mbits), m = (int)(c & ((1u << mbits) - 1));
-    return e ? std::ldexp(1.0 + m / (double)(1 << mbits), e - bias) : std::ldexp(m / (double)(1 << mbits), 1 - bias);
-  };
+  auto value = [](uint32_t c) { return (double)kvx_host::fp8_value<E5M2>(c); };
   uint32_t lo = 0, hi = top;  // the last code whose value is <= a
   if (a >= value(top)) return sign | top;
   while (lo < hi) {
@@ -34,11 +30,7 @@ static uint32_t f8_code(float x) {
 template <bool E5M2>
 static inline uint32_t f8x2(float lo, float hi) { return f8_code<E5M2>(lo) | (f8_code<E5M2>(hi) << 8); }
 
-static inline float e4m3_value(uint32_t byte) {  // exact (no NaN byte is decoded by the kernel)
-  const int e = (int)((byte >> 3) & 0xF), m = (int)(byte & 7);
-  const float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
-  return (byte & 0x80) ? -v : v;
-}
+static inline float e4m3_value(uint32_t byte) { return kvx_host::fp8_value<false>(byte); }
 
 static inline float rcp_approx(float d) { return 1.0f / d; }
 

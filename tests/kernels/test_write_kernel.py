@@ -115,6 +115,11 @@ def test_write_non_power_of_two_and_small_and_large_head_dims(name, d, device, b
     _check(name, device, d=d, seed=d, backend=backend)
 
 
+def _ulp(m: torch.Tensor, steps: int) -> torch.Tensor:
+    """FP32 values `steps` units in the last place from `m` (same sign)."""
+    return (m.view(torch.int32) + steps).view(torch.float32)
+
+
 @pytest.mark.parametrize("fmt_name,mbits", [("fp8_e4m3", 3), ("fp8_e5m2", 2)])
 def test_fp8_rounding_every_boundary(fmt_name, mbits, device, backend):
     """Every FP8 value, every midpoint between neighbours and one FP32 ulp either side of it."""
@@ -123,10 +128,7 @@ def test_fp8_rounding_every_boundary(fmt_name, mbits, device, backend):
     vals = vals[torch.isfinite(vals)].unique()
     mids = (vals[1:] + vals[:-1]) / 2
 
-    def ulp(m, s):
-        return (m.view(torch.int32) + s).view(torch.float32)
-
-    x = torch.cat([vals, mids, ulp(mids, 1), ulp(mids, -1), -mids, vals * 1.0000001])
+    x = torch.cat([vals, mids, _ulp(mids, 1), _ulp(mids, -1), -mids, vals * 1.0000001])
     x = torch.cat([x, x.new_zeros((-x.numel()) % 64)]).view(-1, 1, 64)
     fmt = get_format(fmt_name)
     kd, _ = _pools(fmt.k, x.shape[0], 1, 1, 64, device)
@@ -146,12 +148,9 @@ def test_e2m1_rounding_every_boundary(anchor, device, backend):
     vals = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     mids = (vals[1:] + vals[:-1]) / 2
 
-    def ulp(m, s):
-        return (m.view(torch.int32) + s).view(torch.float32)
-
     tiny = torch.tensor([2.0 ** -149, 2.0 ** -126, 0.25 * (1 - 2.0 ** -24)])
     rand = torch.rand(1 << 16, generator=torch.Generator().manual_seed(5)) * anchor
-    probes = torch.cat([vals, mids] + [ulp(mids, s) for s in (-2, -1, 1, 2)] + [tiny, rand])
+    probes = torch.cat([vals, mids] + [_ulp(mids, s) for s in (-2, -1, 1, 2)] + [tiny, rand])
     probes = probes[probes <= anchor]
     probes = torch.cat([probes, -probes])
     probes = torch.cat([probes, probes.new_zeros((-probes.numel()) % 15)]).view(-1, 15)
