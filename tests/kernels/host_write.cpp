@@ -1,12 +1,26 @@
 // The CUDA write (kvx_core/ops/cuda/paged_write.cu) compiled for the host, so the CPU suite runs the kernel's own
 // code against the formats' encode (tests/kernels/test_write_kernel.py, backend "cuda_host"); the execution model and
-// the intrinsics: host_cuda.h. Emulated here: the write's PTX pieces (FP8 encode and decode, the reciprocal
-// estimate), each by its PTX definition. The estimate is the correctly rounded 1 / d (the hardware's is within an ulp
-// of it; the Newton step and the corrected quotient that follow make the division's result the same for both: the
-// exhaustive GPU tests check the hardware's).
+// the intrinsics: host_cuda.h. Emulated here: the write's PTX pieces (byte permute, FP8 encode and decode, the
+// reciprocal estimate), each by its PTX definition. The estimate is the correctly rounded 1 / d (the hardware's is
+// within an ulp of it; the Newton step and the corrected quotient that follow make the division's result the same
+// for both: the exhaustive GPU tests check the hardware's).
 #include "host_cuda.h"
 
 namespace kvx_write {
+
+// prmt.b32, default mode: byte n of the result is byte (sel >> 4n) & 7 of {b, a}, or its top bit replicated when
+// bit 3 of that selector nibble is set.
+static inline uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  const uint64_t x = ((uint64_t)b << 32) | a;
+  uint32_t d = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t s = (sel >> (4 * n)) & 0xF;
+    uint32_t byte = (uint32_t)(x >> (8 * (s & 7))) & 0xFF;
+    if (s & 8) byte = (byte & 0x80) ? 0xFF : 0;
+    d |= byte << (8 * n);
+  }
+  return d;
+}
 
 // FP8 (E4M3 / E5M2) code of a finite FP32 value by cvt.rn.satfinite: the nearest of the format's finite values
 // (ties to the even code, whose last mantissa bit is 0), the largest for magnitudes beyond it, the sign kept.

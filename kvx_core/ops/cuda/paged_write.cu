@@ -4,15 +4,16 @@
 // Why CUDA and not the Triton write (benchmarks/results/write_bandwidth_h100.jsonl: 1.5-1.8x its bandwidth): the
 // Triton kernel spends ~60 thread instructions per element (benchmarks/results/ncu_write_nvfp4_32k_h200.txt: NVFP4,
 // ALU pipe 78%, DRAM 21%): its layouts route rows through shuffles and shared memory, each element pays a full
-// IEEE division and its E2M1 code is a 7-compare ladder. This kernel: 26-28 per element for the 4-bit formats,
-// 19 for FP8 (ncu_write_cuda_32k_h100.txt). Here a thread reads 16 consecutive elements of a row (two 16-byte
-// words of bf16 / fp16) into registers, so an NVFP4 / MXFP4-16 group is one thread's (MXFP4-32: two lanes, INT
-// rows: D / 16 lanes, reduced by xor shuffles); a thread stores its payload as one 8-byte (4-bit formats) or
-// 16-byte (byte formats) word; a divisor shared by a row or group is inverted once (see `Divider`).
+// IEEE division and its E2M1 code is a 7-compare ladder. Here a thread reads 32 consecutive elements of a row
+// (four 16-byte words of bf16 / fp16) into registers, so its per-thread work (slot, addresses, scales) is spread
+// over 32 elements and an NVFP4 / MXFP4 group is one thread's (two groups of 16 or one of 32; INT rows: D / 32
+// lanes, reduced by xor shuffles); a divisor shared by a row or group is inverted once (see `divide`). The ALU
+// pipe bounded the first version (ncu_write_cuda_32k_h100.txt: 26-28 instructions per element for the 4-bit
+// formats), so the rounding to E2M1 / INT codes runs on the FMA pipe (`e2m1_biased`, `MAGIC`).
 //
 // Exactness: bit-identical to `kvx_core.formats` encode (tests/kernels/test_write_kernel.py runs every case on
 // both backends). The same FP32 operations in the same order, each correctly rounded (__fdiv_rn / __fmul_rn /
-// __fsub_rn / __fmaf_rn are never contracted). E2M1 codes by exact bit arithmetic (e2m1_code, checked for every
+// __fsub_rn / __fmaf_rn are never contracted). E2M1 codes by exact saturated FMAs (e2m1_biased, checked for every
 // FP32 input up to 6 by test_cuda_e2m1_code_every_float32). FP32 -> FP8 by the hardware `cvt.rn.satfinite` on
 // values already clamped to the format's range: RNE with the sign kept, the rounding of torch's casts (checked
 // for every FP32 input of the range, with power-of-two and other global scales, by
@@ -46,18 +47,26 @@ struct WriteParams {
   int32_t tokens;        // T
   int32_t bs;            // block size
   int32_t bs_log2;       // log2(block size) when it is a power of two, else -1
-  int32_t lanes_log2;    // log2 of the threads per row (D / 16): 1..4
+  int32_t lanes_log2;    // log2 of the threads per row (D / 32): 0..3
 };
 
 constexpr int THREADS = 256;
-constexpr int N = 16;  // elements per thread
+constexpr int N = 32;      // elements per thread: two 16-element halves (the fixed per-thread work over 32)
+constexpr int HALVES = N / 16;
 constexpr unsigned FULL = 0xFFFFFFFFu;
 
 // ------------------------------------------------------------------ the PTX pieces
 // The kernel's only inline PTX. tests/kernels/host_write.cpp compiles this file for the host (KVX_HOST_EMULATION)
-// with its own versions of these, so the CPU suite checks the kernel's logic against the formats' encode; the GPU
-// tests check these on the hardware, exhaustively where they round.
+// with its own versions of these four, so the CPU suite checks the kernel's logic against the formats' encode; the
+// GPU tests check these on the hardware, exhaustively where they round.
 #ifndef KVX_HOST_EMULATION
+// prmt.b32 in its default mode: a selector nibble with bit 3 set gives 0xFF or 0x00 by the chosen byte's top bit.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
 // FP32 pair (|x| <= the format's max finite) -> FP8 bytes (lo = first element), RNE, sign kept.
 template <bool E5M2>
 __device__ __forceinline__ uint32_t f8x2(float lo, float hi) {
@@ -82,18 +91,20 @@ __device__ __forceinline__ float rcp_approx(float d) {  // ~1 ulp; ftz: callers 
 }
 #endif
 
-// ------------------------------------------------------------------ loads: 16 elements -> FP32 (exact)
-// A thread's 16 elements, their largest magnitude and whether all are finite. For bf16 / fp16 input the last two
-// come from the raw 16-bit words, two elements per instruction: |x| bit patterns order as the magnitudes do, and
-// inf / NaN patterns lie above every finite one.
+// ------------------------------------------------------------------ loads: 32 elements -> FP32 (exact)
+// A thread's 32 elements and, per 16-element half, their largest magnitude and whether all are finite. For bf16 /
+// fp16 input the last two come from the raw 16-bit words, two elements per instruction: |x| bit patterns order as
+// the magnitudes do, and inf / NaN patterns lie above every finite one.
 struct Chunk {
   float v[N];
-  float amax;  // max |v| (meaningful when fin)
-  bool fin;
+  float amax[HALVES];    // max |v| of each half (meaningful when fin)
+  bool fin[HALVES];
+  uint32_t signs[N / 8];  // element i's sign bit at bit 4 (i % 8) + 3 of word i / 8: E2M1's nibble order
 };
 
+// Half h (elements 16 h .. 16 h + 15) of the chunk from p (its first element).
 template <typename TX>
-__device__ __forceinline__ void load16(const TX* p, Chunk& c);
+__device__ __forceinline__ void load16(const TX* p, Chunk& c, int h);
 
 __device__ __forceinline__ uint32_t abs_max_bits16(const uint4& a, const uint4& b) {
   const uint32_t ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
@@ -103,49 +114,65 @@ __device__ __forceinline__ uint32_t abs_max_bits16(const uint4& a, const uint4& 
   return max(m & 0xFFFFu, m >> 16);
 }
 
+// The sign bits of 16 16-bit values (two per word, bits 15 and 31) in E2M1's nibble order (Chunk::signs): six
+// ALU instructions per eight elements where shifting each bit into place takes two per element.
+__device__ __forceinline__ void signs16(const uint32_t* ws, uint32_t* signs) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    // bytes 0xFF where negative: x = elements (0, 2, 1, 3) of the word's eight, y = (4, 6, 5, 7)
+    const uint32_t x = prmt(ws[4 * j], ws[4 * j + 1], 0xFBD9u), y = prmt(ws[4 * j + 2], ws[4 * j + 3], 0xFBD9u);
+    const uint32_t even = prmt(x, y, 0x5410u), odd = prmt(x, y, 0x7632u);  // elements (0, 2, 4, 6), (1, 3, 5, 7)
+    signs[j] = (even & 0x08080808u) | (odd & 0x80808080u);
+  }
+}
+
 template <>
-__device__ __forceinline__ void load16<__nv_bfloat16>(const __nv_bfloat16* p, Chunk& c) {
+__device__ __forceinline__ void load16<__nv_bfloat16>(const __nv_bfloat16* p, Chunk& c, int h) {
   const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
   const uint32_t ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    c.v[2 * i] = __uint_as_float(ws[i] << 16);
-    c.v[2 * i + 1] = __uint_as_float(ws[i] & 0xFFFF0000u);
+    c.v[16 * h + 2 * i] = __uint_as_float(ws[i] << 16);
+    c.v[16 * h + 2 * i + 1] = __uint_as_float(ws[i] & 0xFFFF0000u);
   }
+  signs16(ws, c.signs + 2 * h);
   const uint32_t m = abs_max_bits16(a, b);
-  c.fin = m < 0x7F80u;
-  c.amax = __uint_as_float(m << 16);
+  c.fin[h] = m < 0x7F80u;
+  c.amax[h] = __uint_as_float(m << 16);
 }
 
 template <>
-__device__ __forceinline__ void load16<__half>(const __half* p, Chunk& c) {
+__device__ __forceinline__ void load16<__half>(const __half* p, Chunk& c, int h) {
   const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
   const uint32_t ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[i]));
-    c.v[2 * i] = f.x;
-    c.v[2 * i + 1] = f.y;
+    c.v[16 * h + 2 * i] = f.x;
+    c.v[16 * h + 2 * i + 1] = f.y;
   }
+  signs16(ws, c.signs + 2 * h);
   const uint32_t m = abs_max_bits16(a, b);
-  c.fin = m < 0x7C00u;
-  c.amax = __half2float(__ushort_as_half((unsigned short)m));
+  c.fin[h] = m < 0x7C00u;
+  c.amax[h] = __half2float(__ushort_as_half((unsigned short)m));
 }
 
 template <>
-__device__ __forceinline__ void load16<float>(const float* p, Chunk& c) {
+__device__ __forceinline__ void load16<float>(const float* p, Chunk& c, int h) {
   const float4* q = reinterpret_cast<const float4*>(p);
-  c.amax = 0.0f;
-  c.fin = true;
+  c.amax[h] = 0.0f;
+  c.fin[h] = true;
+  c.signs[2 * h] = c.signs[2 * h + 1] = 0u;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float4 f = q[i];
     const float e[4] = {f.x, f.y, f.z, f.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      c.v[4 * i + j] = e[j];
-      c.amax = fmaxf(c.amax, fabsf(e[j]));
-      c.fin &= fabsf(e[j]) < __int_as_float(0x7F800000);
+      c.v[16 * h + 4 * i + j] = e[j];
+      c.signs[2 * h + i / 2] |= (__float_as_uint(e[j]) >> 31) << (4 * (4 * (i % 2) + j) + 3);
+      c.amax[h] = fmaxf(c.amax[h], fabsf(e[j]));
+      c.fin[h] &= fabsf(e[j]) < __int_as_float(0x7F800000);
     }
   }
 }
@@ -153,19 +180,25 @@ __device__ __forceinline__ void load16<float>(const float* p, Chunk& c) {
 // ------------------------------------------------------------------ exact scalar pieces
 __device__ __forceinline__ bool finite(float x) { return fabsf(x) < __int_as_float(0x7F800000); }
 
-// |y| (NaN: callers' values that saturate, see Divider) -> E2M1 magnitude code 0..7, RNE, saturating at 6
-// (formats.codes.e2m1_encode). |y| >= 1: keep one mantissa bit by integer RNE on the FP32 bits (a carry into the
-// exponent is the right rounding); the result's (exponent, bit) is the code + 252. |y| < 1: the code is rint(2|y|)
-// (0, 0.5, 1.0), read from the low bits of 2|y| + 1.5 * 2^23.
-__device__ __forceinline__ uint32_t e2m1_magnitude(float y) {
-  const float a = fminf(fabsf(y), 6.0f);
-  const uint32_t b = __float_as_uint(a);
-  const uint32_t big = ((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252u;
-  const uint32_t small = __float_as_uint(__fadd_rn(__fmul_rn(a, 2.0f), 12582912.0f)) - 0x4B400000u;
-  return a >= 1.0f ? big : small;
-}
+// Small integers by FP32 rounding: x + 1.5 * 2^23 (whose last place is 1) is rint(x) (RNE) in its low mantissa bits
+// for |x| < 2^22, on the FMA pipe (this kernel is bound by the ALU pipe, and FRND / F2I run at a quarter rate).
+constexpr float MAGIC = 12582912.0f;
+constexpr uint32_t MAGIC_BITS = 0x4B400000u;  // its bits; the low 22 are zero
 
-__device__ __forceinline__ uint32_t sign_bit3(float x) { return (__float_as_uint(x) >> 28) & 8u; }
+// |y| (not NaN; inf saturates) -> MAGIC_BITS + its E2M1 magnitude code 0..7, RNE, saturating at 6
+// (formats.codes.e2m1_encode), in six FMA-pipe instructions: codes 0..4 are rint(2 min(|y|, 2)), 4..6 add
+// rint(clamp(|y|, 2, 4) - 2) and 6..7 add rint((clamp(|y|, 4, 6) - 4) / 2). Each clamp is a saturated FMA of
+// |y| / 2, exact where unsaturated (|y| / 2 - 1 and |y| / 2 - 2 are multiples of 2^-23 and 2^-22 in [0, 1]), and
+// each piece is rounded by adding it to the running sum MAGIC + code: a tie of a later piece (|y| = 2.5, 3.5, 5)
+// meets an even sum (code 4 or 6), so rounding the sum is rounding the piece to even. Checked against the
+// threshold ladder for every FP32 value (a host loop of these operations) and on the GPU
+// (test_cuda_e2m1_code_every_float32).
+__device__ __forceinline__ uint32_t e2m1_biased(float y) {
+  const float a = fabsf(y);
+  const float lo = __fmaf_rn(__saturatef(__fmul_rn(a, 0.5f)), 4.0f, MAGIC);
+  const float mid = __fmaf_rn(__saturatef(__fmaf_rn(a, 0.5f, -1.0f)), 2.0f, lo);
+  return __float_as_uint(__fadd_rn(__saturatef(__fmaf_rn(a, 0.5f, -2.0f)), mid));
+}
 
 __device__ __forceinline__ int floor_log2(float v) {  // positive finite v, subnormals included
   const uint32_t b = __float_as_uint(v);
@@ -187,33 +220,55 @@ __device__ __forceinline__ int ceil_log2(float v) {
 //    reciprocal computed once. It equals __fdiv_rn(x, d) wherever div.rn's range check (FCHK) takes the fast
 //    path, which covers |x| in [2^-60, 2^60] (all intermediates normal). Outside that: |x| < 2^-60 gives
 //    |q| < 2^-18 (callers round it to 0 like the exact quotient), |x| > 2^60 gives |q| > 2^19 or NaN (an
-//    overflowed x * (1/d) minus itself; the exact quotient is then ~ +-inf); callers take magnitudes through a
-//    NaN-absorbing fminf and the sign from x (d > 0: the exact quotient has x's sign, zeros included).
+//    overflowed x * (1/d) minus itself; the exact quotient is then ~ +-inf); callers take the sign from x (d > 0:
+//    the exact quotient has x's sign, zeros included) and either take magnitudes through a NaN-absorbing fminf
+//    (FP8) or use the fast range only when every |x| is at most 2^60 (NVFP4, whose E2M1 rounding needs no NaN).
 //  * otherwise: __fdiv_rn per value.
 // INT rows (whose |x - min| may exceed 2^60 while d is small) use the fast range only when every |x - min| of the
 // row is below 2^61 (`encode_int`).
 __device__ __forceinline__ bool fast_divisor(float d) { return d >= 0x1p-40f && d <= 0x1p40f; }
 
+template <int M>  // values
 __device__ __forceinline__ void divide(const float* x, float d, float* q, bool fast) {
   if (fast) {
     const float y0 = rcp_approx(d);
     const float y = __fmaf_rn(y0, __fmaf_rn(-d, y0, 1.0f), y0);
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
+    for (int i = 0; i < M; ++i) {
       const float q0 = __fmul_rn(x[i], y);
       q[i] = __fmaf_rn(y, __fmaf_rn(-d, q0, x[i]), q0);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) q[i] = __fdiv_rn(x[i], d);
+    for (int i = 0; i < M; ++i) q[i] = __fdiv_rn(x[i], d);
   }
 }
 
-// ------------------------------------------------------------------ one thread's 16 elements of one row
+// ------------------------------------------------------------------ stores of a thread's codes
+// Byte formats: 32 bytes as two 16-byte words; 4-bit formats: 16 bytes as two 8-byte words (pool rows are 16- /
+// 8-byte aligned: write.py `reason`).
+__device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t* w) {
+  reinterpret_cast<uint4*>(p)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  reinterpret_cast<uint4*>(p)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+__device__ __forceinline__ void store_nibbles(uint8_t* p, const uint32_t* w) {
+  reinterpret_cast<uint2*>(p)[0] = make_uint2(w[0], w[1]);
+  reinterpret_cast<uint2*>(p)[1] = make_uint2(w[2], w[3]);
+}
+
+__device__ __forceinline__ bool all_finite(const Chunk& c) {
+  bool fin = true;
+#pragma unroll
+  for (int h = 0; h < HALVES; ++h) fin &= c.fin[h];
+  return fin;
+}
+
+// ------------------------------------------------------------------ one thread's 32 elements of one row
 struct Row {  // where one thread's row lives
   uint8_t* pd;     // the row's payload bytes
   uint8_t* ps;     // the row's scale bytes
-  int c;           // the thread's 16-element chunk in the row
+  int c;           // the thread's 32-element chunk in the row
   int lanes_log2;  // threads per row (log2)
   float g;         // the head's global scale (formats with one)
   bool store;      // the row has a slot (else it is encoded with its warp and not stored)
@@ -224,10 +279,11 @@ __device__ __forceinline__ void encode_fp8(const Chunk& ch, const Row& r) {
   const float* v = ch.v;
   const float fmax = E5M2 ? 57344.0f : 448.0f;
   float q[N];
-  divide(v, r.g, q, fast_divisor(r.g));
-  uint32_t w[4];
+  divide<N>(v, r.g, q, fast_divisor(r.g));
+  const bool fin = all_finite(ch);
+  uint32_t w[N / 4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < N / 4; ++i) {
     uint32_t word = 0;
 #pragma unroll
     for (int j = 0; j < 4; j += 2) {
@@ -235,7 +291,7 @@ __device__ __forceinline__ void encode_fp8(const Chunk& ch, const Row& r) {
       const float y0 = copysignf(fminf(fabsf(q[4 * i + j]), fmax), x0);  // fminf: NaN -> fmax (see divide)
       const float y1 = copysignf(fminf(fabsf(q[4 * i + j + 1]), fmax), x1);
       uint32_t pair = f8x2<E5M2>(y0, y1);
-      if (!ch.fin) {  // NaN / inf elements store the NaN byte
+      if (!fin) {  // NaN / inf elements store the NaN byte
         if (!finite(x0)) pair = (pair & 0xFF00u) | 0x7Fu;
         if (!finite(x1)) pair = (pair & 0x00FFu) | 0x7F00u;
       }
@@ -243,7 +299,7 @@ __device__ __forceinline__ void encode_fp8(const Chunk& ch, const Row& r) {
     }
     w[i] = word;
   }
-  if (r.store) *reinterpret_cast<uint4*>(r.pd + N * r.c) = make_uint4(w[0], w[1], w[2], w[3]);
+  if (r.store) store_bytes(r.pd + N * r.c, w);
 }
 
 // INT8 / INT4: codes (x - min) / scale over the whole row, fp16 scale and min in 4 scale bytes.
@@ -251,7 +307,7 @@ template <int LEVELS>
 __device__ __forceinline__ void encode_int(const Chunk& ch, const Row& r) {
   const float* v = ch.v;
   float mn = v[0], mx = v[0];
-  bool fin = ch.fin;
+  bool fin = all_finite(ch);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     mn = fminf(mn, v[i]);
@@ -274,23 +330,28 @@ __device__ __forceinline__ void encode_int(const Chunk& ch, const Row& r) {
 #pragma unroll
   for (int i = 0; i < N; ++i) d[i] = __fsub_rn(v[i], m);
   // fp16 scales lie in [2^-24, 65504]; |x - m| <= max(|mn|, |mx|) + 65504 < 2^61 keeps NaN out (see divide)
-  divide(d, s, q, fmaxf(fabsf(mn), fabsf(mx)) <= 0x1p60f);
-  uint32_t c[N];
+  divide<N>(d, s, q, fmaxf(fabsf(mn), fabsf(mx)) <= 0x1p60f);
+  // clamp(rint(q), 0, LEVELS) = rint(clamp(q, 0, LEVELS)) (integer bounds); the lower clamp is a saturated multiply
+  // by 1 / (LEVELS + 1) (a power of two: exact), the rounding MAGIC's, and the codes are packed with their biases,
+  // taken off once per word (see encode_fp4). q is never NaN: the fast range has no overflowed quotient, and
+  // __fdiv_rn of a finite or infinite x - m by s > 0 is not NaN.
+  constexpr int PER_WORD = LEVELS == 255 ? 4 : 8, BITS = 32 / PER_WORD;
+  constexpr uint32_t BIAS = MAGIC_BITS * (LEVELS == 255 ? 0x01010101u : 0x11111111u);
+  uint32_t w[N / PER_WORD];
 #pragma unroll
-  for (int i = 0; i < N; ++i)  // fmaxf: NaN -> 0 cannot occur here (no overflowed quotient in the fast range)
-    c[i] = usable ? (uint32_t)fminf(fmaxf(rintf(q[i]), 0.0f), (float)LEVELS) : 0u;
-  if (!r.store) return;
-  if (LEVELS == 255) {
-    uint32_t w[4];
+  for (int j = 0; j < N / PER_WORD; ++j) {
+    uint32_t word = 0u - BIAS;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = c[4 * i] | (c[4 * i + 1] << 8) | (c[4 * i + 2] << 16) | (c[4 * i + 3] << 24);
-    *reinterpret_cast<uint4*>(r.pd + N * r.c) = make_uint4(w[0], w[1], w[2], w[3]);
-  } else {
-    uint32_t w[2] = {0u, 0u};
-#pragma unroll
-    for (int i = 0; i < N; ++i) w[i / 8] |= c[i] << (4 * (i % 8));
-    *reinterpret_cast<uint2*>(r.pd + (N / 2) * r.c) = make_uint2(w[0], w[1]);
+    for (int k = 0; k < PER_WORD; ++k)
+      word += __float_as_uint(__fmaf_rn(__saturatef(__fmul_rn(fminf(q[PER_WORD * j + k], (float)LEVELS), 1.0f / (LEVELS + 1))),
+                                        (float)(LEVELS + 1), MAGIC)) << (BITS * k);
+    w[j] = usable ? word : 0u;
   }
+  if (!r.store) return;
+  if (LEVELS == 255)
+    store_bytes(r.pd + N * r.c, w);
+  else
+    store_nibbles(r.pd + (N / 2) * r.c, w);
   if (r.c == 0) {
     const uint32_t sb = fin ? __half_as_ushort(sc_h) : 0x7E00u, mb = fin ? __half_as_ushort(mn_h) : 0x7E00u;
     r.ps[0] = sb & 0xFF;
@@ -300,56 +361,70 @@ __device__ __forceinline__ void encode_int(const Chunk& ch, const Row& r) {
   }
 }
 
-// NVFP4 (group 16: one thread) and MXFP4 (16 / 32: one / two threads): E2M1 codes of x / scale, a scale byte per
-// group stored by the group's first thread.
+// NVFP4 (group 16) and MXFP4 (16 / 32): E2M1 codes of x / scale, a scale byte per group; a thread's 32 elements
+// are two groups of 16 or one of 32.
 template <int E>
 __device__ __forceinline__ void encode_fp4(const Chunk& ch, const Row& r) {
   constexpr bool NV = E == E_NVFP4;
-  constexpr int GL = (E == E_MXFP4_32 || E == E_MXFP4_32_FLOOR) ? 2 : 1;  // threads per group
+  constexpr int GS = (E == E_MXFP4_32 || E == E_MXFP4_32_FLOOR) ? 32 : 16;  // group size
+  constexpr int G = N / GS;                                                 // groups per thread
   constexpr bool RCEIL = E == E_MXFP4 || E == E_MXFP4_32;
-  const float* v = ch.v;
-  float amax = ch.amax;
-  bool fin = ch.fin;
-  if (GL == 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 1));
-    fin &= __shfl_xor_sync(FULL, (unsigned)fin, 1) != 0;
-  }
-  amax = fin ? amax : 0.0f;
-  uint32_t sbyte;
-  float y[N];
-  if (NV) {
-    float s = __fdiv_rn(amax, __fmul_rn(6.0f, r.g));
-    s = s == 0.0f ? 1.0f : s;
-    s = fminf(fmaxf(s, 0.001953125f), 448.0f);
-    sbyte = f8x2<false>(s, 0.0f) & 0xFFu;
-    const float big_s = __fmul_rn(e4m3_value(sbyte), r.g);
-    divide(v, big_s, y, fast_divisor(big_s));
-    if (big_s == 0.0f) {  // a global scale below ~2^-140: 0 / 0 is NaN, whose code is 0 (e2m1_encode)
+  uint32_t w[N / 8];
+  uint8_t sbytes[G];
 #pragma unroll
-      for (int i = 0; i < N; ++i) y[i] = v[i] == 0.0f ? 0.0f : y[i];
+  for (int gi = 0; gi < G; ++gi) {
+    const float* v = ch.v + GS * gi;
+    float amax = ch.amax[GS / 16 * gi];
+    bool fin = ch.fin[GS / 16 * gi];
+    if (GS == 32) {
+      amax = fmaxf(amax, ch.amax[1]);
+      fin &= ch.fin[1];
     }
-  } else {
-    int e;
-    if (RCEIL) {
-      const float dd = __fdiv_rn(amax, 6.0f);
-      e = dd > 0.0f ? ceil_log2(dd) : -127;
+    amax = fin ? amax : 0.0f;
+    uint32_t sbyte;
+    float y[GS];
+    if (NV) {
+      float s = __fdiv_rn(amax, __fmul_rn(6.0f, r.g));
+      s = s == 0.0f ? 1.0f : s;
+      s = fminf(fmaxf(s, 0.001953125f), 448.0f);
+      sbyte = f8x2<false>(s, 0.0f) & 0xFFu;
+      const float big_s = __fmul_rn(e4m3_value(sbyte), r.g);
+      divide<GS>(v, big_s, y, fast_divisor(big_s) && amax <= 0x1p60f);
+      if (big_s == 0.0f) {  // a global scale below ~2^-140: 0 / 0 is NaN, whose code is 0 (e2m1_encode)
+#pragma unroll
+        for (int i = 0; i < GS; ++i) y[i] = v[i] == 0.0f ? 0.0f : y[i];
+      }
     } else {
-      e = floor_log2(amax > 0.0f ? amax : 1.0f) - 2;
+      int e;
+      if (RCEIL) {
+        const float dd = __fdiv_rn(amax, 6.0f);
+        e = dd > 0.0f ? ceil_log2(dd) : -127;
+      } else {
+        e = floor_log2(amax > 0.0f ? amax : 1.0f) - 2;
+      }
+      e = amax > 0.0f ? e : -127;
+      e = min(max(e, -127), 127);
+      sbyte = (uint32_t)(e + 127);
+      const uint32_t k = (uint32_t)(127 - e);  // 2^-e as FP32: exact (k = 0 is the subnormal 2^-127)
+      const float inv = __uint_as_float(k ? k << 23 : 0x00400000u);
+#pragma unroll
+      for (int i = 0; i < GS; ++i) y[i] = __fmul_rn(v[i], inv);
     }
-    e = amax > 0.0f ? e : -127;
-    e = min(max(e, -127), 127);
-    sbyte = (uint32_t)(e + 127);
-    const uint32_t k = (uint32_t)(127 - e);  // 2^-e as FP32: exact (k = 0 is the subnormal 2^-127)
-    const float inv = __uint_as_float(k ? k << 23 : 0x00400000u);
+    // Each code sits in the low bits of its MAGIC_BITS-biased word: the eight biases leave the packed sum as one
+    // constant, taken off once (mod 2^32).
 #pragma unroll
-    for (int i = 0; i < N; ++i) y[i] = __fmul_rn(v[i], inv);
+    for (int j = 0; j < GS / 8; ++j) {
+      uint32_t word = ch.signs[GS / 8 * gi + j] - MAGIC_BITS * 0x11111111u;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) word += e2m1_biased(y[8 * j + k]) << (4 * k);
+      w[GS / 8 * gi + j] = fin ? word : 0u;
+    }
+    sbytes[gi] = (uint8_t)(fin ? sbyte : (NV ? 0x7Fu : 0xFFu));
   }
-  uint32_t w[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < N; ++i) w[i / 8] |= (e2m1_magnitude(y[i]) | sign_bit3(v[i])) << (4 * (i % 8));
   if (!r.store) return;
-  *reinterpret_cast<uint2*>(r.pd + (N / 2) * r.c) = fin ? make_uint2(w[0], w[1]) : make_uint2(0u, 0u);
-  if (r.c % GL == 0) r.ps[r.c / GL] = (uint8_t)(fin ? sbyte : (NV ? 0x7Fu : 0xFFu));
+  store_nibbles(r.pd + (N / 2) * r.c, w);
+#pragma unroll
+  for (int gi = 0; gi < G; ++gi) r.ps[G * r.c + gi] = sbytes[gi];
 }
 
 template <int E>
@@ -375,12 +450,19 @@ __global__ void __launch_bounds__(THREADS) write_kernel(const WriteParams p) {
   Chunk c;
   if (t < p.tokens) {
     slot = p.slots_64 ? static_cast<const int64_t*>(p.slots)[t] : static_cast<const int32_t*>(p.slots)[t];
-    load16<TX>(static_cast<const TX*>(s.x) + t * s.x_st + h * s.x_sh + N * r.c, c);
+    const TX* x = static_cast<const TX*>(s.x) + t * s.x_st + h * s.x_sh + N * r.c;
+#pragma unroll
+    for (int hf = 0; hf < HALVES; ++hf) load16<TX>(x + 16 * hf, c, hf);
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) c.v[i] = 0.0f;
-    c.amax = 0.0f;
-    c.fin = true;
+#pragma unroll
+    for (int hf = 0; hf < HALVES; ++hf) {
+      c.amax[hf] = 0.0f;
+      c.fin[hf] = true;
+    }
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) c.signs[i] = 0u;
   }
   r.store = slot >= 0;
   int64_t blk = 0, off = 0;
@@ -430,7 +512,7 @@ int kvx_write_params_size(void) { return (int)sizeof(kvx_write::WriteParams); }
 int kvx_paged_write(const kvx_write::WriteParams* p, int kenc, int venc, int x_dtype, int heads, void* stream) {
   using namespace kvx_write;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (p->lanes_log2 < 1 || p->lanes_log2 > 4 || heads < 1 || heads > 65535 || p->bs < 1 || p->tokens < 0 ||
+  if (p->lanes_log2 < 0 || p->lanes_log2 > 3 || heads < 1 || heads > 65535 || p->bs < 1 || p->tokens < 0 ||
       (p->bs_log2 >= 0 && (1 << p->bs_log2) != p->bs))
     return (int)cudaErrorInvalidValue;
   if (p->tokens == 0) return 0;

@@ -83,7 +83,7 @@ def layout_reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_da
         return f"head_dim {d} (32 / 64 / 128 / 256)"
     if key.shape[0] >= 2**30 or key.shape[1] > 65535:
         return "too many tokens or heads for the grid"
-    for kf, data in ((kk, k_data), (kv, v_data)):  # a thread stores 16 elements: 8 or 16 bytes
+    for kf, data in ((kk, k_data), (kv, v_data)):  # a thread stores 32 elements: two 8- or 16-byte words
         if not _aligned(data, 8 if kf.packed else 16, 3):
             return "pool rows not aligned for word stores"
     return None
@@ -129,7 +129,7 @@ def layer_write(fmt: CacheFormat, k_data, k_scales, v_data, v_scales, k_gs, v_gs
     d = int(k_data.shape[3]) * (2 if kernel_format(fmt.k).packed else 1)
     p.bs = bs
     p.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
-    p.lanes_log2 = (d // 16).bit_length() - 1  # 16 elements per thread
+    p.lanes_log2 = (d // 32).bit_length() - 1  # 32 elements per thread
     return LayerWrite(p, (codes[0], codes[1]), hkv, k_data.device, kernel_library(k_data.device).kvx_paged_write)
 
 
