@@ -54,6 +54,12 @@ class EncoderCode(enum.IntEnum):
 #: (K, V) CUDA codes of different formats that the CUDA decode and write are instantiated for (k8v4).
 MIXED: frozenset[tuple[CudaCode, CudaCode]] = frozenset({(CudaCode.E4M3, CudaCode.NVFP4)})
 
+#: (K, V) encoders the CUDA write rotates rows for, in the kernel (`paged_write.cu` `by_format<true>`): the `_rot`
+#: formats' (FP4 / INT4, and k8v4).
+ROTATING_ENCODERS: frozenset[tuple[EncoderCode, EncoderCode]] = frozenset(
+    {(e, e) for e in (EncoderCode.NVFP4, EncoderCode.MXFP4, EncoderCode.MXFP4_32, EncoderCode.INT4)}
+    | {(EncoderCode.E4M3, EncoderCode.NVFP4)})
+
 
 @dataclass(frozen=True)
 class KernelFormat:

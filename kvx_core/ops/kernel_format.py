@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from ..errors import KvxError, Status
 from ..formats import TensorFormat
-from ..formats.kernel_facts import MIXED, CudaCode, EncoderCode, FormatCode, KernelFormat
+from ..formats.kernel_facts import MIXED, ROTATING_ENCODERS, CudaCode, EncoderCode, FormatCode, KernelFormat
 
-__all__ = ["MIXED", "CudaCode", "EncoderCode", "FormatCode", "KernelFormat", "kernel_format"]
+__all__ = ["MIXED", "ROTATING_ENCODERS", "CudaCode", "EncoderCode", "FormatCode", "KernelFormat", "kernel_format"]
 
 
 def kernel_format(tf: TensorFormat) -> KernelFormat:

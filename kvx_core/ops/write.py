@@ -16,7 +16,6 @@ from ..formats import CacheFormat
 from .checks import WriteArgs, check_write_args
 from .cuda import Choice, choose, write as cuda_write
 from .kernel_format import kernel_format
-from .rotation import rotate_kv
 from .triton import write as triton_write
 from .triton.launch import (
     as_format,
@@ -69,8 +68,6 @@ def launch_chosen(backend: str, key: torch.Tensor, value: torch.Tensor, args: Wr
         scale_args(name, scales, data, kf, tf, d)
     if key.shape[0] == 0:
         return
-    if fmt.rotate:  # the reference's own rotation, as the Triton write does
-        key, value = rotate_kv(key, value)
     cuda_write.launch(key, value, args, k_data, k_scales, v_data, v_scales, fmt)
 
 
@@ -86,15 +83,12 @@ def bind_write(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_data,
 
 def launch_bound(launch: tuple[Choice, object], key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data,
                  k_scales, v_data, v_scales, fmt: CacheFormat) -> None:
-    """The write into a bound layer as `bind_write` chose it: the CUDA write kernel alone at `args.slots` (after the
-    `_rot` formats' rotation: one launch when V follows K in one buffer), or the Triton launcher (`args`, the
-    pools)."""
+    """The write into a bound layer as `bind_write` chose it: the CUDA write kernel alone at `args.slots` (it rotates
+    the `_rot` formats' rows itself), or the Triton launcher (`args`, the pools)."""
     choice, layer = launch
     if layer is None:
         launch_chosen(choice.backend, key, value, args, k_data, k_scales, v_data, v_scales, fmt)
     elif key.shape[0]:
-        if fmt.rotate:
-            key, value = rotate_kv(key, value)
         cuda_write.launch_layer(layer, key, value, args.slots)
 
 

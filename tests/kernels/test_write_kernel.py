@@ -26,11 +26,15 @@ def backend(request, device):
     return request.param
 
 
+def _cuda_serves(fmt, key) -> bool:
+    """The CUDA write must serve this call: quantized K and V (rotated or not) of a head dim it takes."""
+    return key.shape[2] in (32, 64, 128, 256) and fmt.k.quant != 0 and fmt.v.quant != 0
+
+
 def _backend_for(backend, fmt, key, value, kd, vd):
     """"cuda" only where the CUDA write serves the call (asserted for the shapes it must serve), else "triton"."""
     if backend == "cuda" and cuda_write.reason(key, value, fmt, kd, vd) is not None:
-        assert key.shape[2] not in (32, 64, 128, 256) or fmt.k.quant == 0 or fmt.v.quant == 0, \
-            cuda_write.reason(key, value, fmt, kd, vd)
+        assert not _cuda_serves(fmt, key), cuda_write.reason(key, value, fmt, kd, vd)
         return "triton"
     return backend
 
@@ -38,7 +42,8 @@ def _backend_for(backend, fmt, key, value, kd, vd):
 def write_kv(k, v, slots, kd, ks, vd, vs, fmt, k_gs=None, v_gs=None, backend="triton", **kw):
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     if backend == "cuda_host":
-        host_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, k_gs, v_gs, **kw)
+        ran = host_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, k_gs, v_gs, **kw)
+        assert ran == "cuda_host" or not _cuda_serves(fmt, k), cuda_write.layout_reason(k, v, fmt, kd, vd)
         return
     chosen = _backend_for(backend, fmt, k, v, kd, vd)
     ops_write.write_pools(k, v, slots, kd, ks, vd, vs, fmt, k_gs, v_gs, backend=chosen, **kw)
@@ -62,11 +67,11 @@ def _same(a: torch.Tensor, b: torch.Tensor, plain: bool) -> bool:
 
 
 def _check(name, device, x_dtype=torch.float32, t=9, h=2, d=64, bs=4, per_head=True, seed=0, slots=None,
-           backend="triton"):
+           backend="triton", rows=adversarial):
     fmt = get_format(name)
     nb = (t + bs - 1) // bs + 2
-    k = adversarial(t, h, d, seed).to(x_dtype)
-    v = adversarial(t, h, d, seed + 1).flip(0).to(x_dtype)
+    k = rows(t, h, d, seed).to(x_dtype)
+    v = rows(t, h, d, seed + 1).flip(0).to(x_dtype)
     if slots is None:
         perm = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(seed))[:t]
         slots = torch.where(torch.arange(t) % 3 == 1, -1, perm)
@@ -102,6 +107,37 @@ def _check(name, device, x_dtype=torch.float32, t=9, h=2, d=64, bs=4, per_head=T
 @pytest.mark.parametrize("name", ALL)
 def test_write_bit_identical(name, x_dtype, device, backend):
     _check(name, device, x_dtype, backend=backend)
+
+
+def _rotation_rows(dtype):
+    """`rows` for `_check` in `dtype` whose rotations reach every stage's corner: random rows with outliers (magnitudes
+    1e-3..1e3 per row), rows of the dtype's largest value (FP32: saturated to FP32_MAX / D before the butterfly; fp16:
+    the all-positive row's rotation saturates at 65504 after it), signed zeros, the dtype's subnormals, one NaN and
+    one inf (each poisons its whole rotated row)."""
+    big, tiny = torch.finfo(dtype).max, torch.finfo(dtype).smallest_normal * 2.0 ** -3
+
+    def rows(t, h, d, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(t, h, d, generator=g) * 10.0 ** (torch.rand(t, h, 1, generator=g) * 6 - 3)
+        x[:, :, ::7] *= 50.0
+        x[0, 0] = big
+        x[0, h - 1] = big * torch.randn(d, generator=g).sign()
+        x[1, 0] = torch.where(torch.rand(d, generator=g) < 0.5, -0.0, 0.0)
+        x[1, h - 1] = tiny * torch.randint(-7, 8, (d,), generator=g)
+        x[2, 0, 5] = float("nan")
+        x[2, h - 1, d - 1] = float("inf")
+        return x
+    return rows
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name,d", [("nvfp4_rot", 32), ("nvfp4_rot", 128), ("nvfp4_rot", 256), ("k8v4_rot", 128),
+                                    ("k8v4_rot", 256), ("int4_rot", 128), ("mxfp4_32_rot", 256), ("mxfp4_rot", 64)])
+def test_write_rotated_rows(name, d, x_dtype, device, backend):
+    """`_rot` formats: the bytes of the encode of `formats.rotate(x)` (the torch butterfly) for every head dim the CUDA
+    write serves (its rotation runs 0..3 stages between a row's lanes) and every input dtype, on rows that reach the
+    rotation's saturations, zeros, subnormals and NaN / inf."""
+    _check(name, device, x_dtype, t=7, d=d, seed=d, backend=backend, rows=_rotation_rows(x_dtype))
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "k8v4"])

@@ -9,7 +9,9 @@
 // over 32 elements and an NVFP4 / MXFP4 group is one thread's (two groups of 16 or one of 32; INT rows: D / 32
 // lanes, reduced by xor shuffles); a divisor shared by a row or group is inverted once (see `divide`). The ALU
 // pipe bounded the first version (ncu_write_cuda_32k_h100.txt: 26-28 instructions per element for the 4-bit
-// formats), so the rounding to E2M1 / INT codes runs on the FMA pipe (`e2m1_biased`, `MAGIC`).
+// formats), so the rounding to E2M1 / INT codes runs on the FMA pipe (`e2m1_biased`, `MAGIC`). The `_rot` formats'
+// Hadamard rotation runs on the loaded registers (`rotate`: butterfly stages in the thread, then between the row's
+// lanes), not as a separate pass over memory.
 //
 // Exactness: bit-identical to `kvx_core.formats` encode (tests/kernels/test_write_kernel.py runs every case on
 // both backends). The same FP32 operations in the same order, each correctly rounded (__fdiv_rn / __fmul_rn /
@@ -22,6 +24,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 namespace kvx_write {
 
@@ -48,6 +52,8 @@ struct WriteParams {
   int32_t bs;            // block size
   int32_t bs_log2;       // log2(block size) when it is a power of two, else -1
   int32_t lanes_log2;    // log2 of the threads per row (D / 32): 0..3
+  float rotate_scale;    // `_rot` formats: 1 / sqrt(D) in FP32 (formats.rotation.inv_sqrt), rows rotated before
+                         // their encode; 0: no rotation
 };
 
 constexpr int THREADS = 256;
@@ -102,12 +108,7 @@ struct Chunk {
   uint32_t signs[N / 8];  // element i's sign bit at bit 4 (i % 8) + 3 of word i / 8: E2M1's nibble order
 };
 
-// Half h (elements 16 h .. 16 h + 15) of the chunk from p (its first element).
-template <typename TX>
-__device__ __forceinline__ void load16(const TX* p, Chunk& c, int h);
-
-__device__ __forceinline__ uint32_t abs_max_bits16(const uint4& a, const uint4& b) {
-  const uint32_t ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+__device__ __forceinline__ uint32_t abs_max_bits16(const uint32_t* ws) {
   uint32_t m = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) m = __vmaxu2(m, ws[i] & 0x7FFF7FFFu);
@@ -126,25 +127,26 @@ __device__ __forceinline__ void signs16(const uint32_t* ws, uint32_t* signs) {
   }
 }
 
+// Half h (elements 16 h .. 16 h + 15) of the chunk from eight words of 16-bit values (element 2 i in the low half
+// of word i), as loaded or as the rotation rounds them.
+template <typename TX>
+__device__ __forceinline__ void from_words(const uint32_t* ws, Chunk& c, int h);
+
 template <>
-__device__ __forceinline__ void load16<__nv_bfloat16>(const __nv_bfloat16* p, Chunk& c, int h) {
-  const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
-  const uint32_t ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+__device__ __forceinline__ void from_words<__nv_bfloat16>(const uint32_t* ws, Chunk& c, int h) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     c.v[16 * h + 2 * i] = __uint_as_float(ws[i] << 16);
     c.v[16 * h + 2 * i + 1] = __uint_as_float(ws[i] & 0xFFFF0000u);
   }
   signs16(ws, c.signs + 2 * h);
-  const uint32_t m = abs_max_bits16(a, b);
+  const uint32_t m = abs_max_bits16(ws);
   c.fin[h] = m < 0x7F80u;
   c.amax[h] = __uint_as_float(m << 16);
 }
 
 template <>
-__device__ __forceinline__ void load16<__half>(const __half* p, Chunk& c, int h) {
-  const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
-  const uint32_t ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+__device__ __forceinline__ void from_words<__half>(const uint32_t* ws, Chunk& c, int h) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[i]));
@@ -152,28 +154,38 @@ __device__ __forceinline__ void load16<__half>(const __half* p, Chunk& c, int h)
     c.v[16 * h + 2 * i + 1] = f.y;
   }
   signs16(ws, c.signs + 2 * h);
-  const uint32_t m = abs_max_bits16(a, b);
+  const uint32_t m = abs_max_bits16(ws);
   c.fin[h] = m < 0x7C00u;
   c.amax[h] = __half2float(__ushort_as_half((unsigned short)m));
 }
 
-template <>
-__device__ __forceinline__ void load16<float>(const float* p, Chunk& c, int h) {
-  const float4* q = reinterpret_cast<const float4*>(p);
+// Half h of the chunk from 16 FP32 values.
+__device__ __forceinline__ void from_floats(const float* e, Chunk& c, int h) {
   c.amax[h] = 0.0f;
   c.fin[h] = true;
   c.signs[2 * h] = c.signs[2 * h + 1] = 0u;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 f = q[i];
-    const float e[4] = {f.x, f.y, f.z, f.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      c.v[16 * h + 4 * i + j] = e[j];
-      c.signs[2 * h + i / 2] |= (__float_as_uint(e[j]) >> 31) << (4 * (4 * (i % 2) + j) + 3);
-      c.amax[h] = fmaxf(c.amax[h], fabsf(e[j]));
-      c.fin[h] &= fabsf(e[j]) < __int_as_float(0x7F800000);
-    }
+  for (int i = 0; i < 16; ++i) {
+    c.v[16 * h + i] = e[i];
+    c.signs[2 * h + i / 8] |= (__float_as_uint(e[i]) >> 31) << (4 * (i % 8) + 3);
+    c.amax[h] = fmaxf(c.amax[h], fabsf(e[i]));
+    c.fin[h] &= fabsf(e[i]) < __int_as_float(0x7F800000);
+  }
+}
+
+// Half h of the chunk from p (its first element): 16-byte loads.
+template <typename TX>
+__device__ __forceinline__ void load16(const TX* p, Chunk& c, int h) {
+  if constexpr (sizeof(TX) == 4) {
+    const float4 f[4] = {reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1],
+                         reinterpret_cast<const float4*>(p)[2], reinterpret_cast<const float4*>(p)[3]};
+    const float e[16] = {f[0].x, f[0].y, f[0].z, f[0].w, f[1].x, f[1].y, f[1].z, f[1].w,
+                         f[2].x, f[2].y, f[2].z, f[2].w, f[3].x, f[3].y, f[3].z, f[3].w};
+    from_floats(e, c, h);
+  } else {
+    const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+    const uint32_t ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    from_words<TX>(ws, c, h);
   }
 }
 
@@ -435,9 +447,78 @@ __device__ __forceinline__ void encode(const Chunk& c, const Row& r) {
   else encode_fp4<E>(c, r);
 }
 
+// ------------------------------------------------------------------ the `_rot` formats' rotation, in registers
+// formats/rotation.py's Hadamard rotation of each row before its encode, the same bits as ops.rotation.rotate (the
+// torch butterfly, the fused Triton kernel, the decode's rotate_row), so the encode sees the reference's rotated
+// input: finite values saturated to FP32_MAX / D; stage h = 1, 2, 4, ... maps each pair (a, b) = (y[i], y[i + h]) of
+// a 2h-block to (a + b, a - b) -- stages 1..16 inside a thread's 32 elements, stage 32 * 2^k with lane c ^ 2^k of the
+// row (the lower lane holds a) --; then times s = 1 / sqrt(D) rounded to FP32, finite results saturated to TX's largest
+// value and rounded to TX (nearest even), from which the chunk is made as from loaded words.
+__device__ __forceinline__ float saturate_finite(float y, float lim) {
+  return finite(y) ? fminf(fmaxf(y, -lim), lim) : y;
+}
+
+template <typename TX>
+__device__ __forceinline__ uint32_t round_pair(float lo, float hi);  // two values rounded to TX, lo in bits 0..15
+
+template <>
+__device__ __forceinline__ uint32_t round_pair<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+template <>
+__device__ __forceinline__ uint32_t round_pair<__half>(float lo, float hi) {
+  const __half2 b = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+template <typename TX>
+__device__ __forceinline__ void rotate(Chunk& c, const Row& r, float s) {
+  float* v = c.v;
+  const float lim = __uint_as_float(0x7F7FFFFFu - ((uint32_t)(5 + r.lanes_log2) << 23));  // FP32_MAX / D, exact
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = saturate_finite(v[i], lim);
+#pragma unroll
+  for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (i & h) continue;
+      const float a = v[i], b = v[i + h];
+      v[i] = __fadd_rn(a, b);
+      v[i + h] = __fsub_rn(a, b);
+    }
+  }
+  for (int k = 0; k < r.lanes_log2; ++k) {
+    const bool upper = (r.c >> k) & 1;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float o = __shfl_xor_sync(FULL, v[i], 1 << k);
+      v[i] = upper ? __fsub_rn(o, v[i]) : __fadd_rn(v[i], o);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < HALVES; ++h) {
+    if constexpr (sizeof(TX) == 4) {
+      float e[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) e[i] = saturate_finite(__fmul_rn(v[16 * h + i], s), 0x1.fffffep127f);
+      from_floats(e, c, h);
+    } else {
+      const float top = std::is_same<TX, __half>::value ? 65504.0f : 0x1.fep127f;  // the largest fp16 / bf16
+      uint32_t ws[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        ws[i] = round_pair<TX>(saturate_finite(__fmul_rn(v[16 * h + 2 * i], s), top),
+                               saturate_finite(__fmul_rn(v[16 * h + 2 * i + 1], s), top));
+      from_words<TX>(ws, c, h);
+    }
+  }
+}
+
 // One CTA: THREADS / lanes token rows of one (head, side); grid = (cdiv(T, rows per CTA), H, 2). Every lane
 // encodes (rows past T or with a negative slot encode zeros and store nothing), so shuffles run on full warps.
-template <typename TX, int EK, int EV>
+template <typename TX, int EK, int EV, bool ROT>
 __global__ void __launch_bounds__(THREADS) write_kernel(const WriteParams p) {
   const int h = blockIdx.y, sd = blockIdx.z;
   const Side& s = p.side[sd];
@@ -464,6 +545,7 @@ __global__ void __launch_bounds__(THREADS) write_kernel(const WriteParams p) {
 #pragma unroll
     for (int i = 0; i < N / 8; ++i) c.signs[i] = 0u;
   }
+  if constexpr (ROT) rotate<TX>(c, r, p.rotate_scale);
   r.store = slot >= 0;
   int64_t blk = 0, off = 0;
   if (p.bs_log2 >= 0) {
@@ -479,26 +561,51 @@ __global__ void __launch_bounds__(THREADS) write_kernel(const WriteParams p) {
   else encode<EV>(c, r);
 }
 
-template <typename TX, int EK, int EV>
+template <typename TX, int EK, int EV, bool ROT>
 cudaError_t launch(const WriteParams& p, int heads, cudaStream_t stream) {
   const int rows = THREADS >> p.lanes_log2;
   const dim3 grid((p.tokens + rows - 1) / rows, heads, 2);
 #ifdef KVX_HOST_EMULATION
-  return host_launch(write_kernel<TX, EK, EV>, grid, THREADS, p);  // the grid on CPU threads (host_write.cpp)
+  return host_launch(write_kernel<TX, EK, EV, ROT>, grid, THREADS, p);  // the grid on CPU threads (host_write.cpp)
 #else
-  write_kernel<TX, EK, EV><<<grid, THREADS, 0, stream>>>(p);
+  write_kernel<TX, EK, EV, ROT><<<grid, THREADS, 0, stream>>>(p);
   return cudaGetLastError();
 #endif
 }
 
-template <int EK, int EV>
+template <int EK, int EV, bool ROT>
 cudaError_t by_input(const WriteParams& p, int x_dtype, int heads, cudaStream_t s) {
   switch (x_dtype) {
-    case 0: return launch<float, EK, EV>(p, heads, s);
-    case 1: return launch<__half, EK, EV>(p, heads, s);
-    case 2: return launch<__nv_bfloat16, EK, EV>(p, heads, s);
+    case 0: return launch<float, EK, EV, ROT>(p, heads, s);
+    case 1: return launch<__half, EK, EV, ROT>(p, heads, s);
+    case 2: return launch<__nv_bfloat16, EK, EV, ROT>(p, heads, s);
     default: return cudaErrorInvalidValue;
   }
+}
+
+// ROT: the `_rot` formats' encoders (FP4 / INT4, and k8v4), rows rotated in the kernel.
+template <bool ROT>
+cudaError_t by_format(const WriteParams& p, int kenc, int venc, int x_dtype, int heads, cudaStream_t s) {
+  if (kenc == E_E4M3 && venc == E_NVFP4) return by_input<E_E4M3, E_NVFP4, ROT>(p, x_dtype, heads, s);
+  if (kenc != venc) return cudaErrorInvalidValue;
+  switch (kenc) {
+    case E_NVFP4: return by_input<E_NVFP4, E_NVFP4, ROT>(p, x_dtype, heads, s);
+    case E_MXFP4: return by_input<E_MXFP4, E_MXFP4, ROT>(p, x_dtype, heads, s);
+    case E_MXFP4_32: return by_input<E_MXFP4_32, E_MXFP4_32, ROT>(p, x_dtype, heads, s);
+    case E_INT4: return by_input<E_INT4, E_INT4, ROT>(p, x_dtype, heads, s);
+    default: break;
+  }
+  if constexpr (!ROT) {
+    switch (kenc) {
+      case E_MXFP4_FLOOR: return by_input<E_MXFP4_FLOOR, E_MXFP4_FLOOR, false>(p, x_dtype, heads, s);
+      case E_MXFP4_32_FLOOR: return by_input<E_MXFP4_32_FLOOR, E_MXFP4_32_FLOOR, false>(p, x_dtype, heads, s);
+      case E_INT8: return by_input<E_INT8, E_INT8, false>(p, x_dtype, heads, s);
+      case E_E4M3: return by_input<E_E4M3, E_E4M3, false>(p, x_dtype, heads, s);
+      case E_E5M2: return by_input<E_E5M2, E_E5M2, false>(p, x_dtype, heads, s);
+      default: break;
+    }
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace kvx_write
@@ -507,8 +614,8 @@ extern "C" {
 
 int kvx_write_params_size(void) { return (int)sizeof(kvx_write::WriteParams); }
 
-// kenc / venc: encoder codes (enum above); K and V share one, or K is E4M3 and V NVFP4 (k8v4). x_dtype: 0 fp32,
-// 1 fp16, 2 bf16. Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
+// kenc / venc: encoder codes (enum above); K and V share one, or K is E4M3 and V NVFP4 (k8v4); with p->rotate_scale only
+// the `_rot` formats' (NVFP4, MXFP4 16 / 32 RCEIL, INT4, k8v4). x_dtype: 0 fp32, 1 fp16, 2 bf16. Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
 int kvx_paged_write(const kvx_write::WriteParams* p, int kenc, int venc, int x_dtype, int heads, void* stream) {
   using namespace kvx_write;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
@@ -516,20 +623,8 @@ int kvx_paged_write(const kvx_write::WriteParams* p, int kenc, int venc, int x_d
       (p->bs_log2 >= 0 && (1 << p->bs_log2) != p->bs))
     return (int)cudaErrorInvalidValue;
   if (p->tokens == 0) return 0;
-  if (kenc == E_E4M3 && venc == E_NVFP4) return (int)by_input<E_E4M3, E_NVFP4>(*p, x_dtype, heads, s);
-  if (kenc != venc) return (int)cudaErrorInvalidValue;
-  switch (kenc) {
-    case E_NVFP4: return (int)by_input<E_NVFP4, E_NVFP4>(*p, x_dtype, heads, s);
-    case E_MXFP4: return (int)by_input<E_MXFP4, E_MXFP4>(*p, x_dtype, heads, s);
-    case E_MXFP4_32: return (int)by_input<E_MXFP4_32, E_MXFP4_32>(*p, x_dtype, heads, s);
-    case E_MXFP4_FLOOR: return (int)by_input<E_MXFP4_FLOOR, E_MXFP4_FLOOR>(*p, x_dtype, heads, s);
-    case E_MXFP4_32_FLOOR: return (int)by_input<E_MXFP4_32_FLOOR, E_MXFP4_32_FLOOR>(*p, x_dtype, heads, s);
-    case E_INT4: return (int)by_input<E_INT4, E_INT4>(*p, x_dtype, heads, s);
-    case E_INT8: return (int)by_input<E_INT8, E_INT8>(*p, x_dtype, heads, s);
-    case E_E4M3: return (int)by_input<E_E4M3, E_E4M3>(*p, x_dtype, heads, s);
-    case E_E5M2: return (int)by_input<E_E5M2, E_E5M2>(*p, x_dtype, heads, s);
-    default: return (int)cudaErrorInvalidValue;
-  }
+  return (int)(p->rotate_scale != 0.0f ? by_format<true>(*p, kenc, venc, x_dtype, heads, s)
+                         : by_format<false>(*p, kenc, venc, x_dtype, heads, s));
 }
 
 }  // extern "C"

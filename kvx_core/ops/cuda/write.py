@@ -1,7 +1,8 @@
 """Launcher of the CUDA fused write (`paged_write.cu`): which calls it serves, and the launch.
 
 It serves FP8 E4M3/E5M2, INT8, INT4, NVFP4 and MXFP4 (16 / 32, RCEIL or floor) caches whose K and V share a format,
-and k8v4 (E4M3 keys, NVFP4 values), rotated variants too (rotated before the kernel, as the Triton write does);
+and k8v4 (E4M3 keys, NVFP4 values), and their `_rot` variants (the kernel rotates each row in registers: the bits of
+`ops.rotation.rotate`, which the Triton write runs before its kernel);
 head_dim 32 / 64 / 128 / 256; fp32 / fp16 / bf16 K/V whose rows are 16-byte aligned; pools whose rows are aligned
 for word stores. Anything else goes to the Triton write (`reason` says why). Both write the bytes of the formats'
 encode (tests/kernels/test_write_kernel.py runs every case on every backend).
@@ -15,8 +16,9 @@ import torch
 
 from ...errors import KvxError, Status
 from ...formats import CacheFormat
+from ...formats.rotation import inv_sqrt
 from ..checks import WriteArgs
-from ..kernel_format import MIXED, kernel_format
+from ..kernel_format import MIXED, ROTATING_ENCODERS, kernel_format
 from . import checked_library, cuda_error_name, launch_on_stream
 
 _X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -39,7 +41,7 @@ class WriteParams(ctypes.Structure):
     _fields_ = [
         ("side", WriteSide * 2), ("slots", ctypes.c_void_p), ("slots_64", ctypes.c_int32),
         ("tokens", ctypes.c_int32), ("bs", ctypes.c_int32), ("bs_log2", ctypes.c_int32),
-        ("lanes_log2", ctypes.c_int32),
+        ("lanes_log2", ctypes.c_int32), ("rotate_scale", ctypes.c_float),
     ]
 
 
@@ -76,6 +78,8 @@ def layout_reason(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_da
     ek, ev = kk.encoder, kv.encoder
     if ek is None or ev is None or (ek != ev and (kk.cuda_code, kv.cuda_code) not in MIXED):  # k8v4
         return f"format {fmt.name}: the CUDA write serves fp8 / int8 / int4 / nvfp4 / mxfp4 / k8v4"
+    if fmt.rotate and (ek, ev) not in ROTATING_ENCODERS:
+        return f"format {fmt.name}: the CUDA write rotates nvfp4 / mxfp4 / int4 / k8v4 rows"
     if key.dtype != value.dtype:
         return f"K is {key.dtype}, V {value.dtype} (one input dtype per launch)"
     d = int(key.shape[2])
@@ -130,12 +134,13 @@ def layer_write(fmt: CacheFormat, k_data, k_scales, v_data, v_scales, k_gs, v_gs
     p.bs = bs
     p.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
     p.lanes_log2 = (d // 32).bit_length() - 1  # 32 elements per thread
+    p.rotate_scale = inv_sqrt(d) if fmt.rotate else 0.0
     return LayerWrite(p, (codes[0], codes[1]), hkv, k_data.device, kernel_library(k_data.device).kvx_paged_write)
 
 
 def launch_layer(layer: LayerWrite, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write `reason`-approved K/V `[T, H, D]` (already rotated for Hadamard formats) at int32/int64 `slots [T]`
-    (negative: skipped) into `layer`'s pools."""
+    """Write `reason`-approved K/V `[T, H, D]` (unrotated: the kernel rotates `_rot` formats' rows) at int32/int64
+    `slots [T]` (negative: skipped) into `layer`'s pools."""
     key = key if _x_ok(key) else key.contiguous()
     value = value if _x_ok(value) else value.contiguous()
     slots = slots.contiguous()
@@ -151,6 +156,6 @@ def launch_layer(layer: LayerWrite, key: torch.Tensor, value: torch.Tensor, slot
 
 def launch(key: torch.Tensor, value: torch.Tensor, args: WriteArgs, k_data, k_scales, v_data, v_scales,
            fmt: CacheFormat) -> None:
-    """Write `reason`-approved, checked K/V (already rotated for Hadamard formats) into the pools; the pools were
-    checked by the caller (`ops.write.launch_write`)."""
+    """Write `reason`-approved, checked K/V (unrotated) into the pools; the pools were checked by the caller
+    (`ops.write.launch_write`)."""
     launch_layer(layer_write(fmt, k_data, k_scales, v_data, v_scales, args.k_gs, args.v_gs), key, value, args.slots)
