@@ -56,7 +56,7 @@ struct WriteParams {
                          // their encode; 0: no rotation
 };
 
-constexpr int THREADS = 256;
+constexpr int THREADS = 128;  // 1-3% over 256 on the H200 (write_cta_size_h200.jsonl)
 constexpr int N = 32;      // elements per thread: two 16-element halves (the fixed per-thread work over 32)
 constexpr int HALVES = N / 16;
 constexpr unsigned FULL = 0xFFFFFFFFu;
@@ -518,11 +518,11 @@ __device__ __forceinline__ void rotate(Chunk& c, const Row& r, float s) {
 
 // One CTA: THREADS / lanes token rows of one (head, side); grid = (cdiv(T, rows per CTA), H, 2). Every lane
 // encodes (rows past T or with a negative slot encode zeros and store nothing), so shuffles run on full warps.
-// k8v4's kernel holds both encoders: left alone ptxas gives it 97 registers (2 CTAs per SM, 22% occupancy); capped
-// for 3 CTAs it takes 80 (8 spilled bytes) and runs 1.11x faster on the H200 (write_k8v4_launch_bounds_h200.jsonl).
-// A minimum of 0 keeps ptxas' own choice for the others (an explicit 1 raised NVFP4 to 85 registers, 1.18x slower).
+// k8v4's kernel holds both encoders: left alone ptxas gives it 97 registers (22% occupancy); capped for 24 warps per
+// SM it takes 80 (8 spilled bytes) and runs 1.11x faster on the H200 (write_k8v4_launch_bounds_h200.jsonl, 256-thread
+// CTAs). A minimum of 0 keeps ptxas' own choice for the others (an explicit 1 raised NVFP4 to 85 registers).
 template <typename TX, int EK, int EV, bool ROT>
-__global__ void __launch_bounds__(THREADS, EK != EV ? 3 : 0) write_kernel(const WriteParams p) {
+__global__ void __launch_bounds__(THREADS, EK != EV ? 768 / THREADS : 0) write_kernel(const WriteParams p) {
   const int h = blockIdx.y, sd = blockIdx.z;
   const Side& s = p.side[sd];
   const int t = blockIdx.x * (THREADS >> p.lanes_log2) + (threadIdx.x >> p.lanes_log2);
