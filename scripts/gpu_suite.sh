@@ -5,9 +5,9 @@
 # bridge tests import kvx_trtllm). The CUDA library is built first, once, so the xdist workers do not all compile it.
 #   bash scripts/gpu_suite.sh                    # everything, 14 workers
 #   bash scripts/gpu_suite.sh -n 8 tests/kernels # other workers / paths
-# The whole suite takes more than one 10-minute call (2x H200, 28 workers: 92% at 560 s): run it in two parts,
-# `-n 28 tests/kernels` (394 s) and `-n 28 tests --ignore=tests/vllm --ignore=tests/tgi --ignore=tests/kernels` (225-300+ s);
-# `-vv` prints each test as it ends, so a run cut by a time limit still names what passed and failed.
+# Two parts, `-n 16 tests/kernels` and `-n 16 tests --ignore=tests/vllm --ignore=tests/tgi --ignore=tests/kernels`: 91 s
+# and 76 s on one H200 with 16 cores (2026-11-29; 394 s and 300+ s on 2x H200 before the cores were divided among the
+# workers, below); `-vv` prints each test as it ends, so a run cut by a time limit still names what passed and failed.
 # On a machine with several GPUs the workers are spread over them (xdist `--tx` specs, each worker's
 # CUDA_VISIBLE_DEVICES set before it starts: a process picks its GPUs once, when CUDA initializes), so the kernel
 # tests of N GPUs run N times as many at once; the multi-GPU tests (marker `multigpu`) see one GPU in a worker and
