@@ -49,7 +49,9 @@ static inline float e4m3_value(uint32_t byte) { return kvx_host::fp8_value<false
 static inline float rcp_approx(float d) { return 1.0f / d; }
 
 template <typename K, typename P>
-cudaError_t host_launch(K kernel, dim3 grid, int threads, const P& p) { return kvx_host::launch(kernel, grid, threads, 0, p); }
+cudaError_t host_launch(K kernel, dim3 grid, int threads, const P& p) {
+  return kvx_host::launch(kernel, grid, threads, 0, p);
+}
 
 }  // namespace kvx_write
 

@@ -2,10 +2,10 @@
 
 `host_write.cpp` compiles `kvx_core/ops/cuda/paged_write.cu` (the installed copy) for the host with g++ and the CUDA
 headers; the write goes through the same Python path as on a GPU (`ops.write.write_pools(backend="cuda")`: the
-argument and pool checks, the rotation, `cuda_write.layer_write`'s parameters and the ctypes mirror), with only the
-device checks, the library and its stream swapped for the host build. So CI, which has no GPU, checks the CUDA
-kernel's logic bit for bit against the formats' encode; its PTX pieces are emulated (host_write.cpp says how), the
-GPU tests check them on the hardware.
+argument and pool checks, `cuda_write.layer_write`'s parameters and the ctypes mirror; the `_rot` formats' rotation
+runs in the kernel), with only the device checks, the library and its stream swapped for the host build. So CI, which
+has no GPU, checks the CUDA kernel's logic bit for bit against the formats' encode; its PTX pieces are emulated
+(host_write.cpp says how), the GPU tests check them on the hardware.
 """
 from __future__ import annotations
 

@@ -355,8 +355,9 @@ __device__ __forceinline__ void encode_int(const Chunk& ch, const Row& r) {
     uint32_t word = 0u - BIAS;
 #pragma unroll
     for (int k = 0; k < PER_WORD; ++k)
-      word += __float_as_uint(__fmaf_rn(__saturatef(__fmul_rn(fminf(q[PER_WORD * j + k], (float)LEVELS), 1.0f / (LEVELS + 1))),
-                                        (float)(LEVELS + 1), MAGIC)) << (BITS * k);
+      word += __float_as_uint(__fmaf_rn(
+                  __saturatef(__fmul_rn(fminf(q[PER_WORD * j + k], (float)LEVELS), 1.0f / (LEVELS + 1))),
+                  (float)(LEVELS + 1), MAGIC)) << (BITS * k);
     w[j] = usable ? word : 0u;
   }
   if (!r.store) return;
@@ -617,8 +618,9 @@ extern "C" {
 
 int kvx_write_params_size(void) { return (int)sizeof(kvx_write::WriteParams); }
 
-// kenc / venc: encoder codes (enum above); K and V share one, or K is E4M3 and V NVFP4 (k8v4); with p->rotate_scale only
-// the `_rot` formats' (NVFP4, MXFP4 16 / 32 RCEIL, INT4, k8v4). x_dtype: 0 fp32, 1 fp16, 2 bf16. Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
+// kenc / venc: encoder codes (enum above); K and V share one, or K is E4M3 and V NVFP4 (k8v4); with a nonzero
+// p->rotate_scale only the `_rot` formats' (NVFP4, MXFP4 16 / 32 RCEIL, INT4, k8v4). x_dtype: 0 fp32, 1 fp16, 2 bf16.
+// Returns a cudaError_t (0 = launched); cudaErrorInvalidValue for an unsupported combination.
 int kvx_paged_write(const kvx_write::WriteParams* p, int kenc, int venc, int x_dtype, int heads, void* stream) {
   using namespace kvx_write;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
