@@ -226,7 +226,7 @@ __device__ __forceinline__ int ceil_log2(float v) {
 }
 
 // ------------------------------------------------------------------ division by a shared divisor
-// q[i] = x[i] / d for the N values of a thread, with the properties each caller relies on:
+// q[i] = x[i] / d for values of a thread, with the properties each caller relies on:
 //  * d in [2^-40, 2^40] (the "fast" range): the sequence of div.rn.f32's own fast path (MUFU reciprocal, one
 //    Newton step, quotient, FMA remainder, corrected quotient: the SASS nvcc emits for __fdiv_rn) with the
 //    reciprocal computed once. It equals __fdiv_rn(x, d) wherever div.rn's range check (FCHK) takes the fast
@@ -238,21 +238,37 @@ __device__ __forceinline__ int ceil_log2(float v) {
 //  * otherwise: __fdiv_rn per value.
 // INT rows (whose |x - min| may exceed 2^60 while d is small) use the fast range only when every |x - min| of the
 // row is below 2^61 (`encode_int`).
+// The divisor is prepared once per row or group (`divisor`) and applied a few values at a time (`divide`), so a
+// thread never holds all 32 quotients next to its 32 values: the encoders stay within 64 registers (80 when they
+// divided all 32 at once: fewer warps per SM for a kernel that waits on its loads).
 __device__ __forceinline__ bool fast_divisor(float d) { return d >= 0x1p-40f && d <= 0x1p40f; }
 
-template <int M>  // values
-__device__ __forceinline__ void divide(const float* x, float d, float* q, bool fast) {
+struct Divisor {
+  float d;
+  float y;    // the refined reciprocal (fast)
+  bool fast;  // the fast range (see above)
+};
+
+__device__ __forceinline__ Divisor divisor(float d, bool fast) {
+  float y = 0.0f;
   if (fast) {
     const float y0 = rcp_approx(d);
-    const float y = __fmaf_rn(y0, __fmaf_rn(-d, y0, 1.0f), y0);
+    y = __fmaf_rn(y0, __fmaf_rn(-d, y0, 1.0f), y0);
+  }
+  return {d, y, fast};
+}
+
+template <int M>  // values
+__device__ __forceinline__ void divide(const float* x, const Divisor& dv, float* q) {
+  if (dv.fast) {
 #pragma unroll
     for (int i = 0; i < M; ++i) {
-      const float q0 = __fmul_rn(x[i], y);
-      q[i] = __fmaf_rn(y, __fmaf_rn(-d, q0, x[i]), q0);
+      const float q0 = __fmul_rn(x[i], dv.y);
+      q[i] = __fmaf_rn(dv.y, __fmaf_rn(-dv.d, q0, x[i]), q0);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < M; ++i) q[i] = __fdiv_rn(x[i], d);
+    for (int i = 0; i < M; ++i) q[i] = __fdiv_rn(x[i], dv.d);
   }
 }
 
@@ -290,18 +306,19 @@ template <bool E5M2>
 __device__ __forceinline__ void encode_fp8(const Chunk& ch, const Row& r) {
   const float* v = ch.v;
   const float fmax = E5M2 ? 57344.0f : 448.0f;
-  float q[N];
-  divide<N>(v, r.g, q, fast_divisor(r.g));
+  const Divisor dv = divisor(r.g, fast_divisor(r.g));
   const bool fin = all_finite(ch);
   uint32_t w[N / 4];
 #pragma unroll
   for (int i = 0; i < N / 4; ++i) {
+    float q[4];
+    divide<4>(v + 4 * i, dv, q);
     uint32_t word = 0;
 #pragma unroll
     for (int j = 0; j < 4; j += 2) {
       const float x0 = v[4 * i + j], x1 = v[4 * i + j + 1];
-      const float y0 = copysignf(fminf(fabsf(q[4 * i + j]), fmax), x0);  // fminf: NaN -> fmax (see divide)
-      const float y1 = copysignf(fminf(fabsf(q[4 * i + j + 1]), fmax), x1);
+      const float y0 = copysignf(fminf(fabsf(q[j]), fmax), x0);  // fminf: NaN -> fmax (see divide)
+      const float y1 = copysignf(fminf(fabsf(q[j + 1]), fmax), x1);
       uint32_t pair = f8x2<E5M2>(y0, y1);
       if (!fin) {  // NaN / inf elements store the NaN byte
         if (!finite(x0)) pair = (pair & 0xFF00u) | 0x7Fu;
@@ -338,11 +355,8 @@ __device__ __forceinline__ void encode_int(const Chunk& ch, const Row& r) {
   const float s_raw = __half2float(sc_h);
   const bool usable = fin && s_raw > 0.0f;
   const float s = usable ? s_raw : 1.0f, m = __half2float(mn_h);
-  float d[N], q[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) d[i] = __fsub_rn(v[i], m);
   // fp16 scales lie in [2^-24, 65504]; |x - m| <= max(|mn|, |mx|) + 65504 < 2^61 keeps NaN out (see divide)
-  divide<N>(d, s, q, fmaxf(fabsf(mn), fabsf(mx)) <= 0x1p60f);
+  const Divisor dv = divisor(s, fmaxf(fabsf(mn), fabsf(mx)) <= 0x1p60f);
   // clamp(rint(q), 0, LEVELS) = rint(clamp(q, 0, LEVELS)) (integer bounds); the lower clamp is a saturated multiply
   // by 1 / (LEVELS + 1) (a power of two: exact), the rounding MAGIC's, and the codes are packed with their biases,
   // taken off once per word (see encode_fp4). q is never NaN: the fast range has no overflowed quotient, and
@@ -352,11 +366,15 @@ __device__ __forceinline__ void encode_int(const Chunk& ch, const Row& r) {
   uint32_t w[N / PER_WORD];
 #pragma unroll
   for (int j = 0; j < N / PER_WORD; ++j) {
+    float d[PER_WORD], q[PER_WORD];
+#pragma unroll
+    for (int k = 0; k < PER_WORD; ++k) d[k] = __fsub_rn(v[PER_WORD * j + k], m);
+    divide<PER_WORD>(d, dv, q);
     uint32_t word = 0u - BIAS;
 #pragma unroll
     for (int k = 0; k < PER_WORD; ++k)
       word += __float_as_uint(__fmaf_rn(
-                  __saturatef(__fmul_rn(fminf(q[PER_WORD * j + k], (float)LEVELS), 1.0f / (LEVELS + 1))),
+                  __saturatef(__fmul_rn(fminf(q[k], (float)LEVELS), 1.0f / (LEVELS + 1))),
                   (float)(LEVELS + 1), MAGIC)) << (BITS * k);
     w[j] = usable ? word : 0u;
   }
@@ -395,18 +413,15 @@ __device__ __forceinline__ void encode_fp4(const Chunk& ch, const Row& r) {
     }
     amax = fin ? amax : 0.0f;
     uint32_t sbyte;
-    float y[GS];
+    Divisor dv{};  // NVFP4: the group's scale times g
+    float inv = 0.0f;  // MXFP4: 2^-e
     if (NV) {
       float s = __fdiv_rn(amax, __fmul_rn(6.0f, r.g));
       s = s == 0.0f ? 1.0f : s;
       s = fminf(fmaxf(s, 0.001953125f), 448.0f);
       sbyte = f8x2<false>(s, 0.0f) & 0xFFu;
       const float big_s = __fmul_rn(e4m3_value(sbyte), r.g);
-      divide<GS>(v, big_s, y, fast_divisor(big_s) && amax <= 0x1p60f);
-      if (big_s == 0.0f) {  // a global scale below ~2^-140: 0 / 0 is NaN, whose code is 0 (e2m1_encode)
-#pragma unroll
-        for (int i = 0; i < GS; ++i) y[i] = v[i] == 0.0f ? 0.0f : y[i];
-      }
+      dv = divisor(big_s, fast_divisor(big_s) && amax <= 0x1p60f);
     } else {
       int e;
       if (RCEIL) {
@@ -419,17 +434,26 @@ __device__ __forceinline__ void encode_fp4(const Chunk& ch, const Row& r) {
       e = min(max(e, -127), 127);
       sbyte = (uint32_t)(e + 127);
       const uint32_t k = (uint32_t)(127 - e);  // 2^-e as FP32: exact (k = 0 is the subnormal 2^-127)
-      const float inv = __uint_as_float(k ? k << 23 : 0x00400000u);
-#pragma unroll
-      for (int i = 0; i < GS; ++i) y[i] = __fmul_rn(v[i], inv);
+      inv = __uint_as_float(k ? k << 23 : 0x00400000u);
     }
     // Each code sits in the low bits of its MAGIC_BITS-biased word: the eight biases leave the packed sum as one
     // constant, taken off once (mod 2^32).
 #pragma unroll
     for (int j = 0; j < GS / 8; ++j) {
+      float y[8];
+      if (NV) {
+        divide<8>(v + 8 * j, dv, y);
+        if (dv.d == 0.0f) {  // a global scale below ~2^-140: 0 / 0 is NaN, whose code is 0 (e2m1_encode)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) y[i] = v[8 * j + i] == 0.0f ? 0.0f : y[i];
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[8 * j + i], inv);
+      }
       uint32_t word = ch.signs[GS / 8 * gi + j] - MAGIC_BITS * 0x11111111u;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) word += e2m1_biased(y[8 * j + k]) << (4 * k);
+      for (int k = 0; k < 8; ++k) word += e2m1_biased(y[k]) << (4 * k);
       w[GS / 8 * gi + j] = fin ? word : 0u;
     }
     sbytes[gi] = (uint8_t)(fin ? sbyte : (NV ? 0x7Fu : 0xFFu));
@@ -519,11 +543,8 @@ __device__ __forceinline__ void rotate(Chunk& c, const Row& r, float s) {
 
 // One CTA: THREADS / lanes token rows of one (head, side); grid = (cdiv(T, rows per CTA), H, 2). Every lane
 // encodes (rows past T or with a negative slot encode zeros and store nothing), so shuffles run on full warps.
-// k8v4's kernel holds both encoders: left alone ptxas gives it 97 registers (22% occupancy); capped for 24 warps per
-// SM it takes 80 (8 spilled bytes) and runs 1.11x faster on the H200 (write_k8v4_launch_bounds_h200.jsonl, 256-thread
-// CTAs). A minimum of 0 keeps ptxas' own choice for the others (an explicit 1 raised NVFP4 to 85 registers).
 template <typename TX, int EK, int EV, bool ROT>
-__global__ void __launch_bounds__(THREADS, EK != EV ? 768 / THREADS : 0) write_kernel(const WriteParams p) {
+__global__ void __launch_bounds__(THREADS) write_kernel(const WriteParams p) {
   const int h = blockIdx.y, sd = blockIdx.z;
   const Side& s = p.side[sd];
   const int t = blockIdx.x * (THREADS >> p.lanes_log2) + (threadIdx.x >> p.lanes_log2);
