@@ -168,9 +168,9 @@ def combine_segments(layer: int, digests: list[int], seed: int) -> int:
     return _xxh64(struct.pack(f"<I{len(digests)}Q", layer, *digests), seed=seed)
 
 
-def segments(nbytes: int, segment: int) -> list[tuple[int, int]]:
-    """[start, stop) byte ranges of a payload's checksum segments."""
-    return [(a, min(a + segment, nbytes)) for a in range(0, nbytes, segment)]
+def segments(nbytes: int, segment: int, start: int = 0) -> list[tuple[int, int]]:
+    """[start, stop) byte ranges of a payload's checksum segments, from byte `start` (a segment boundary) on."""
+    return [(a, min(a + segment, nbytes)) for a in range(start, nbytes, segment)]
 
 
 def chunk_checksum(layer: int, payload, seed: int, segment: int) -> int:

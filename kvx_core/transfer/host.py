@@ -197,7 +197,7 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
                     return
                 done.synchronize()
             at = e.at(i)
-            host = segments(size, segment) if not cuda else ([(e.whole, size)] if e.whole < size else [])
+            host = segments(size, segment, e.whole if cuda else 0)
             futures.append([pool.submit(segment_digest, mem[at + a:at + b], seed) for a, b in host])
 
     dev = caches[0].k.tensor.device
@@ -333,7 +333,7 @@ class HostBundle:
             at = chunk_at(self.first, n, i)
             check_chunk_head(bytes(m[at:at + 16]), i, n)
             futures.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
-                            for a, b in segments(n, self.segment) if a >= whole])
+                            for a, b in segments(n, self.segment, whole)])  # those the GPU does not hash
             if cuda and n:  # copies on a side stream; each chunk's GPU hash waits for its copy only
                 dst, side, done = staged[i * stride:i * stride + n], _copy_stream(device), torch.cuda.Event()
                 with torch.cuda.stream(side):

@@ -9,9 +9,14 @@ arithmetic), so the chunk is bit-identical to the torch gather.
 A pool is addressed through its 5-D block view `[blocks, block_size, H, Dp, pack]` with any element strides
 (NHD, HND, HND_PACKED, regions of a page buffer), plus a token split for pools interleaved by G tokens
 (`scale_layout.Interleave4Rows`): the element of (block, offset, head, dp, p) lies at
-`block*s_b + (offset // G)*s_g + (offset % G)*s_o + head*s_h + dp*s_d + p*s_p`. Grid `(cdiv(T, BT), 8,
-cdiv(max row, BE))`: axis 1 picks one of four pools or four flat tensors; absent ones return at once. A pool whose
-token rows are contiguous (`PoolRows.flat`) skips the index arithmetic.
+`block*s_b + (offset // G)*s_g + (offset % G)*s_o + head*s_h + dp*s_d + p*s_p`. A program moves a tile of
+(token, head) rows by a block of row elements that divides the row (`_row_block`): grid `(cdiv(T * H, BR), 8,
+max X / block)`, axis 1 picks one of four pools or four flat tensors (absent ones return at once). The address work
+is per row (a slot load, its block and offset), not per element, and a pool whose head rows are contiguous runs of
+elements (`PoolRows.contiguous`: every engine layout but the interleaved scales) moves in vectors of up to 16 bytes:
+no element is masked, and row offsets that are multiples of 16 elements are known as such to the compiler (its
+argument specialization; layer offsets are passed in units of 16 elements where they all are). One byte per load
+instruction moved NVFP4 bundles at ~190 GB/s on an H200 (`profile_transfer.py` at 16k tokens x 8 layers).
 
 Layers of one geometry (an engine's layers: the same pool strides and row shapes, each in its own allocation) move
 in the same launch (`plan_layer_rows`): axis 1 runs over 8 x layers, and each layer's pointers are layer 0's plus
@@ -42,6 +47,11 @@ MOVES = tl.constexpr(MAX_POOLS + MAX_FLAT)
 """Programs of one layer on grid axis 1: a pool or a flat tensor each."""
 LAYER_COLUMNS = tl.constexpr(2 * (MAX_POOLS + MAX_FLAT))
 """Element offsets per layer in a launch's layer table: pools, chunk rows, flat sources, flat destinations."""
+ALIGN = 16
+"""Layer offsets of pools and chunk rows go in units of 16 elements where they all are multiples of 16 (the compiler
+then knows each layer's rows start as aligned as the first layer's: 16-byte vectors for byte pools)."""
+TILE_BYTES = 16384
+"""Bytes one program moves of the pool with the widest row block (BR rows): 128 per thread with 4 warps."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +79,10 @@ class PoolRows:
         return self.heads * self.x
 
     @property
-    def flat(self) -> bool:
-        """Whether a token's row is one contiguous run of elements (NHD pools, vLLM pages): the kernel then
-        addresses it without dividing the element index, and its loads and stores vectorize."""
-        return self.g == 1 and self.pk == 1 and self.dp == 1 and (self.heads == 1 or self.head == self.x)
+    def contiguous(self) -> bool:
+        """Whether a head's `x` elements are one contiguous run (`dp * pack` in order): moved in vectors, without
+        dividing the element index."""
+        return self.dp == self.pk and (self.pk == 1 or self.pack == 1)
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -100,27 +110,28 @@ def interleaved_rows(pool: torch.Tensor, group: int) -> PoolRows:
 
 
 @triton.jit
-def _move(P, s_b, s_g, s_o, s_h, s_d, s_p, C, SLOT, T, t0, e0, X, R, BS,
-          G: tl.constexpr, PK: tl.constexpr, FLAT: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+def _move(P, s_b, s_g, s_o, s_h, s_d, s_p, C, SLOT, T, n0, e0, X, NH, BS,
+          G: tl.constexpr, PK: tl.constexpr, CONTIG: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr,
           SCATTER: tl.constexpr):
-    """Tokens t0 .. t0+BT, row elements e0 .. e0+BE of one pool <-> its chunk rows `C [T, R]` (FLAT: each token's
-    row is contiguous in the pool)."""
-    t = t0 + tl.arange(0, BT)
-    e = e0 + tl.arange(0, BE)
-    tm = t < T
-    m = tm[:, None] & (e < R)[None, :]
-    slot = tl.load(SLOT + t, mask=tm, other=0).to(tl.int64)
+    """(token, head) rows n0 .. n0+BR (token n // NH, head n % NH), row elements e0 .. e0+BE of one pool <-> its
+    chunk rows `C [T * NH, X]` (CONTIG: a head's elements are contiguous in the pool). BE divides X: no element
+    mask, so the row mask is constant along a row and contiguous elements move in vectors."""
+    n = n0 + tl.arange(0, BR)
+    r = e0 + tl.arange(0, BE)
+    nm = n < T * NH
+    t = n // NH
+    h = (n - t * NH).to(tl.int64)
+    slot = tl.load(SLOT + t, mask=nm, other=0).to(tl.int64)
     blk = slot // BS
     off = slot % BS
-    tok = blk * s_b + (off // G) * s_g + (off % G) * s_o
-    if FLAT:
-        elem = e.to(tl.int64)
+    row = blk * s_b + (off // G) * s_g + (off % G) * s_o + h * s_h
+    if CONTIG:
+        elem = r.to(tl.int64)
     else:
-        h = (e // X).to(tl.int64)
-        r = e % X
-        elem = h * s_h + (r // PK).to(tl.int64) * s_d + (r % PK).to(tl.int64) * s_p
-    p = P + tok[:, None] + elem[None, :]
-    c = C + t.to(tl.int64)[:, None] * R + e[None, :]
+        elem = (r // PK).to(tl.int64) * s_d + (r % PK).to(tl.int64) * s_p
+    m = tl.broadcast_to(nm[:, None], (BR, BE))
+    p = P + row[:, None] + elem[None, :]
+    c = C + n.to(tl.int64)[:, None] * X + r[None, :]
     if SCATTER:
         tl.store(p, tl.load(c, mask=m), mask=m)
     else:
@@ -128,9 +139,11 @@ def _move(P, s_b, s_g, s_o, s_h, s_d, s_p, C, SLOT, T, t0, e0, X, R, BS,
 
 
 @triton.jit
-def _copy(F, C, N, e0, BE: tl.constexpr):
-    e = e0 + tl.arange(0, BE)
-    tl.store(C + e, tl.load(F + e, mask=e < N), mask=e < N)
+def _copy(F, C, N, BLOCK: tl.constexpr):
+    """A flat tensor of N bytes, whole (they are small: global scales, key vectors)."""
+    for e0 in range(0, N, BLOCK):
+        e = e0 + tl.arange(0, BLOCK)
+        tl.store(C + e, tl.load(F + e, mask=e < N), mask=e < N)
 
 
 # T not specialized (Triton would compile T == 1 and T % 16 == 0 apart): a bundle length never met before must not
@@ -138,45 +151,49 @@ def _copy(F, C, N, e0, BE: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def _rows_kernel(
     SLOT, T, BS, LT,
-    P0, b0, g0, o0, h0, d0, p0, C0, X0, R0,
-    P1, b1, g1, o1, h1, d1, p1, C1, X1, R1,
-    P2, b2, g2, o2, h2, d2, p2, C2, X2, R2,
-    P3, b3, g3, o3, h3, d3, p3, C3, X3, R3,
-    F0, FC0, N0, F1, FC1, N1, F2, FC2, N2, F3, FC3, N3,
+    P0, b0, g0, o0, h0, d0, p0, C0, X0, N0,
+    P1, b1, g1, o1, h1, d1, p1, C1, X1, N1,
+    P2, b2, g2, o2, h2, d2, p2, C2, X2, N2,
+    P3, b3, g3, o3, h3, d3, p3, C3, X3, N3,
+    F0, FC0, M0, F1, FC1, M1, F2, FC2, M2, F3, FC3, M3,
     G0: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, G3: tl.constexpr,
     K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
     L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr,
-    BT: tl.constexpr, BE: tl.constexpr, SCATTER: tl.constexpr,
+    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
+    A: tl.constexpr, BR: tl.constexpr, SCATTER: tl.constexpr,
 ):
-    t0 = tl.program_id(0) * BT
+    n0 = tl.program_id(0) * BR
     which = tl.program_id(1) % MOVES
     lt = LT + (tl.program_id(1) // MOVES).to(tl.int64) * LAYER_COLUMNS  # this layer's element offsets
-    e0 = tl.program_id(2) * BE
     if which == 0:
-        if e0 < R0:
-            _move(P0 + tl.load(lt), b0, g0, o0, h0, d0, p0, C0 + tl.load(lt + 4), SLOT, T, t0, e0, X0, R0, BS, G0,
-                  K0, L0, BT, BE, SCATTER)
+        e0 = tl.program_id(2) * E0
+        if e0 < X0:
+            _move(P0 + tl.load(lt) * A, b0, g0, o0, h0, d0, p0, C0 + tl.load(lt + 4) * A, SLOT, T, n0, e0, X0, N0,
+                  BS, G0, K0, L0, BR, E0, SCATTER)
     elif which == 1:
-        if e0 < R1:
-            _move(P1 + tl.load(lt + 1), b1, g1, o1, h1, d1, p1, C1 + tl.load(lt + 5), SLOT, T, t0, e0, X1, R1, BS, G1,
-                  K1, L1, BT, BE, SCATTER)
+        e0 = tl.program_id(2) * E1
+        if e0 < X1:
+            _move(P1 + tl.load(lt + 1) * A, b1, g1, o1, h1, d1, p1, C1 + tl.load(lt + 5) * A, SLOT, T, n0, e0, X1,
+                  N1, BS, G1, K1, L1, BR, E1, SCATTER)
     elif which == 2:
-        if e0 < R2:
-            _move(P2 + tl.load(lt + 2), b2, g2, o2, h2, d2, p2, C2 + tl.load(lt + 6), SLOT, T, t0, e0, X2, R2, BS, G2,
-                  K2, L2, BT, BE, SCATTER)
+        e0 = tl.program_id(2) * E2
+        if e0 < X2:
+            _move(P2 + tl.load(lt + 2) * A, b2, g2, o2, h2, d2, p2, C2 + tl.load(lt + 6) * A, SLOT, T, n0, e0, X2,
+                  N2, BS, G2, K2, L2, BR, E2, SCATTER)
     elif which == 3:
-        if e0 < R3:
-            _move(P3 + tl.load(lt + 3), b3, g3, o3, h3, d3, p3, C3 + tl.load(lt + 7), SLOT, T, t0, e0, X3, R3, BS, G3,
-                  K3, L3, BT, BE, SCATTER)
-    elif tl.program_id(0) == 0:
+        e0 = tl.program_id(2) * E3
+        if e0 < X3:
+            _move(P3 + tl.load(lt + 3) * A, b3, g3, o3, h3, d3, p3, C3 + tl.load(lt + 7) * A, SLOT, T, n0, e0, X3,
+                  N3, BS, G3, K3, L3, BR, E3, SCATTER)
+    elif (tl.program_id(0) == 0) & (tl.program_id(2) == 0):
         if which == 4:
-            _copy(F0 + tl.load(lt + 8), FC0 + tl.load(lt + 12), N0, e0, BE)
+            _copy(F0 + tl.load(lt + 8), FC0 + tl.load(lt + 12), M0, 1024)
         elif which == 5:
-            _copy(F1 + tl.load(lt + 9), FC1 + tl.load(lt + 13), N1, e0, BE)
+            _copy(F1 + tl.load(lt + 9), FC1 + tl.load(lt + 13), M1, 1024)
         elif which == 6:
-            _copy(F2 + tl.load(lt + 10), FC2 + tl.load(lt + 14), N2, e0, BE)
+            _copy(F2 + tl.load(lt + 10), FC2 + tl.load(lt + 14), M2, 1024)
         else:
-            _copy(F3 + tl.load(lt + 11), FC3 + tl.load(lt + 15), N3, e0, BE)
+            _copy(F3 + tl.load(lt + 11), FC3 + tl.load(lt + 15), M3, 1024)
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -196,8 +213,7 @@ class LayerRows(NamedTuple):
     flat: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool, block_t: int = 16,
-                    block_e: int = 1024) -> Callable[[], None]:
+def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool) -> Callable[[], None]:
     """The launches that gather (`scatter=False`: pools -> chunk rows) or scatter (`True`: chunk rows -> pools) the
     rows of `slots` (int64 `[T]`, checked by the caller: in range and distinct) for every layer of `layers`: per layer
     up to four `(pool, rows)` pairs, `rows` a contiguous `[T, H, X]` tensor of the pool's element width, and up to
@@ -221,8 +237,7 @@ def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter
             require(dst.is_contiguous() and src.numel() * src.element_size() == dst.numel() * dst.element_size(),
                     Status.INVALID_ARGUMENT,
                     f"plan_layer_rows: flat tensor {i}: a contiguous destination of equal bytes")
-    launches = [_plan_group(slots, t, group, scatter, block_t, block_e)
-                for group in _group(layers, scatter)]
+    launches = [_plan_group(slots, t, group, scatter) for group in _group(layers, scatter)]
     launches = [f for f in launches if f is not None]
 
     def launch() -> None:
@@ -267,63 +282,117 @@ def _group(layers: Sequence[LayerRows], scatter: bool) -> list[list[LayerRows]]:
 _ZERO_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def _layer_table(group: list[LayerRows], device: torch.device) -> torch.Tensor:
-    """`[layers, LAYER_COLUMNS]` int64 on `device`: each layer's element offsets from the group's first layer, per
-    pool, chunk rows, flat source and flat destination (a single layer: zeros, kept per device)."""
-    if len(group) == 1:
-        if device not in _ZERO_TABLES:
-            _ZERO_TABLES[device] = torch.zeros(1, LAYER_COLUMNS.value, dtype=torch.int64, device=device)
-        return _ZERO_TABLES[device]
-
-    def ptrs(layer: LayerRows) -> list[tuple[int, int]]:
+def _byte_offsets(group: list[LayerRows]) -> list[list[int]]:
+    """Per layer of `group`, the byte offsets of its tensors from the first layer's: pools, chunk rows, flat
+    sources, flat destinations (`LAYER_COLUMNS`; absent ones 0)."""
+    def ptrs(layer: LayerRows) -> list[int]:
         _, pools, flat = layer
-        cols = [(p.base.data_ptr(), p.base.element_size()) for p, _ in pools] + [(0, 1)] * (MAX_POOLS - len(pools))
-        cols += [(c.data_ptr(), p.base.element_size()) for p, c in pools] + [(0, 1)] * (MAX_POOLS - len(pools))
-        cols += [(s.data_ptr(), 1) for s, _ in flat] + [(0, 1)] * (MAX_FLAT - len(flat))
-        return cols + [(d.data_ptr(), 1) for _, d in flat] + [(0, 1)] * (MAX_FLAT - len(flat))
+        pad = [0] * (MAX_POOLS - len(pools))
+        cols = [p.base.data_ptr() for p, _ in pools] + pad + [c.data_ptr() for _, c in pools] + pad
+        pad = [0] * (MAX_FLAT - len(flat))
+        return cols + [src.data_ptr() for src, _ in flat] + pad + [d.data_ptr() for _, d in flat] + pad
 
     first = ptrs(group[0])
-    rows = []
-    for layer in group:
-        row = []
-        for (a, size), (b, _) in zip(ptrs(layer), first, strict=True):
-            require((a - b) % size == 0, Status.INTERNAL_ERROR, "plan_layer_rows: a layer's tensor is not aligned "
-                                                                "to its element width relative to the first layer's")
-            row.append((a - b) // size)
-        rows.append(row)
+    return [[a - b for a, b in zip(ptrs(layer), first, strict=True)] for layer in group]
+
+
+def _layer_table(offsets: list[list[int]], widths: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(`[layers, LAYER_COLUMNS]` int64 on `device`, A): `offsets` (`_byte_offsets`) in elements of each column's
+    width (pools and chunk rows: as they move, `widths`; flat tensors: bytes), the pool and chunk columns in units of
+    A elements: A = `ALIGN` where every one of them is a multiple of it (the kernel then knows each layer's rows start
+    as aligned as the first layer's), else 1. A single layer: zeros, kept per device."""
+    if len(offsets) == 1:
+        if device not in _ZERO_TABLES:
+            _ZERO_TABLES[device] = torch.zeros(1, LAYER_COLUMNS.value, dtype=torch.int64, device=device)
+        return _ZERO_TABLES[device], ALIGN
+    sizes = widths + widths + [1] * (2 * MAX_FLAT)
+    for row in offsets:
+        require(all(o % size == 0 for o, size in zip(row, sizes, strict=True)), Status.INTERNAL_ERROR,
+                "plan_layer_rows: a layer's tensor is not aligned to its element width relative to the first layer's")
+    rows = [[o // size for o, size in zip(row, sizes, strict=True)] for row in offsets]
+    scaled = 2 * MAX_POOLS  # pool and chunk columns
+    align = ALIGN if all(x % ALIGN == 0 for row in rows for x in row[:scaled]) else 1
+    rows = [[x // align for x in row[:scaled]] + row[scaled:] for row in rows]
     cuda = device.type == "cuda"
-    return torch.tensor(rows, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda)
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda), align
 
 
-def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bool, block_t: int, block_e: int
-                ) -> Callable[[], None] | None:
-    """One launch moving every layer of `group` (layers of one `_signature`, checked), or None: nothing to move."""
+def _width(p: PoolRows, rows: torch.Tensor, offsets: list[int]) -> int:
+    """The integer width (bytes) a pool and its chunk rows move as: for a contiguous pool whose head rows are shorter
+    than 16 bytes (scale pools), the widest up to 8 that divides its rows, token and head strides, both starts and
+    every layer's `offsets` (bytes, from the first layer's): a row of 8 scale bytes is then one 8-byte move, not
+    eight byte moves. Otherwise its element width."""
+    w = p.base.element_size()
+    if not p.contiguous or p.x * w >= 16:
+        return w
+    for wide in (8, 4, 2):
+        f = wide // w
+        starts = (p.base.storage_offset() * w, rows.storage_offset() * rows.element_size(), *offsets)
+        if (wide > w and (p.x * w) % wide == 0 and all(s % f == 0 for s in (p.block, p.group, p.offset, p.head))
+                and all(o % wide == 0 for o in starts)):
+            return wide
+    return w
+
+
+def _as_width(p: PoolRows, rows: torch.Tensor, wide: int) -> tuple[PoolRows, torch.Tensor]:
+    """`p` and its chunk rows as integers of `wide` bytes (`_width`); as they are at their own width."""
+    w = p.base.element_size()
+    if wide == w:
+        return p, _as_dtype(rows, p.base.dtype)
+    f, dtype = wide // w, _INT[wide]
+    base = torch.empty(0, dtype=dtype, device=p.base.device).set_(
+        p.base.untyped_storage(), p.base.storage_offset() // f, (p.base.numel() // f,), (1,))
+    return (PoolRows(base, p.block // f, p.group // f, p.offset // f, p.head // f, 1, 1, p.g, p.heads, p.x // f, 1),
+            rows.reshape(-1).view(torch.uint8).view(dtype))
+
+
+def _row_block(x: int) -> int:
+    """Row elements one program moves of a pool with rows of `x` elements: the largest power of two <= 1024 that
+    divides `x` (so no element is masked: its row mask holds along the row, and vectors form)."""
+    return min(1024, x & -x) if x else 1
+
+
+def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bool) -> Callable[[], None] | None:
+    """One launch moving every layer of `group` (layers of one `_signature`, checked), or None: nothing to move.
+    A program moves BR (token, head) rows by `_row_block` elements of each pool: `TILE_BYTES` for the pool of the
+    widest such block."""
     block_size, pools, flat = group[0]
-    pargs, consts, widest = [], [], 0
+    offsets = _byte_offsets(group)
+    widths = [_width(p, c, [row[i] for row in offsets] + [row[MAX_POOLS + i] for row in offsets])
+              for i, (p, c) in enumerate(pools)]
+    pools = [_as_width(p, c, w) for (p, c), w in zip(pools, widths, strict=True)]
+    pargs, consts, blocks, xs, heads, widest = [], [], [], [], 1, 1
     for i in range(MAX_POOLS):
         if i < len(pools):
             p, c = pools[i]
-            pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, _as_dtype(c, p.base.dtype), p.x, p.row]
-            consts.append((p.g, p.pk, p.flat))
-            widest = max(widest, p.row)
-        else:  # an absent pool: R = 0, its programs return at once
-            pargs += [slots, 0, 0, 0, 0, 0, 0, slots, 1, 0]
+            pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, c, p.x, p.heads]
+            consts.append((p.g, p.pk, p.contiguous))
+            blocks.append(_row_block(p.x))
+            xs.append(p.x)
+            heads = max(heads, p.heads)
+            widest = max(widest, blocks[-1] * p.base.element_size())
+        else:  # an absent pool: X = 0, its programs return at once
+            pargs += [slots, 0, 0, 0, 0, 0, 0, slots, 0, 1]
             consts.append((1, 1, True))
+            blocks.append(1)
     fargs = []
     for i in range(MAX_FLAT):
         if i < len(flat):
             src, dst = flat[i]
             src = _as_dtype(src, torch.uint8)
             fargs += [src, _as_dtype(dst, torch.uint8), src.numel()]
-            widest = max(widest, src.numel())
         else:
             fargs += [slots, slots, 0]
-    if widest == 0 or (t == 0 and not flat):
+    spans = [x // b for x, b in zip(xs, blocks[:len(xs)], strict=True)]  # programs along a row, per pool
+    if (t == 0 or not any(spans)) and not flat:
         return None
     require(len(group) * (MAX_POOLS + MAX_FLAT) < 65536, Status.INVALID_ARGUMENT,
             f"plan_layer_rows: {len(group)} layers in one launch exceed the grid (at most 8191)")
-    table = _layer_table(group, slots.device)
-    grid = (max(1, triton.cdiv(t, block_t)), len(group) * (MAX_POOLS + MAX_FLAT), triton.cdiv(widest, block_e))
+    require(t * heads < 2 ** 31, Status.INVALID_ARGUMENT,
+            f"plan_layer_rows: {t} tokens x {heads} heads exceed the kernel's int32 row index")
+    table, align = _layer_table(offsets, widths + [1] * (MAX_POOLS - len(widths)), slots.device)
+    br = max(1, TILE_BYTES // widest)
+    grid = (max(1, triton.cdiv(t * heads, br)), len(group) * (MAX_POOLS + MAX_FLAT), max([1, *spans]))
 
     def launch() -> None:
         with on_device(slots.device):
@@ -331,5 +400,6 @@ def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bo
                                G0=consts[0][0], G1=consts[1][0], G2=consts[2][0], G3=consts[3][0],
                                K0=consts[0][1], K1=consts[1][1], K2=consts[2][1], K3=consts[3][1],
                                L0=consts[0][2], L1=consts[1][2], L2=consts[2][2], L3=consts[3][2],
-                               BT=block_t, BE=block_e, SCATTER=scatter, num_warps=4)
+                               E0=blocks[0], E1=blocks[1], E2=blocks[2], E3=blocks[3],
+                               A=align, BR=br, SCATTER=scatter, num_warps=4)
     return launch
