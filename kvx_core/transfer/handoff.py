@@ -37,6 +37,7 @@ from .kernels import use_kernels
 from .rows import (
     KEY_TRANSFORMS,
     LAYER_TENSORS,
+    binding,
     bound,
     checked_once,
     format_specs,
@@ -317,8 +318,12 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     t0, t1 = (0, count) if token_range is None else token_range
     require(isinstance(slots, torch.Tensor) and slots.numel() == t1 - t0, Status.INVALID_ARGUMENT,
             f"import_bundle: slots must be a tensor of {t1 - t0} entries (one per imported token)")
-    slots, wheres, formats = layer_slots(caches, slots)  # the destination checked before any payload is read
+    binding(caches[0])  # validated (once per state of its fields), so its device can be read
     dev = caches[0].k.tensor.device
+    for r in readers:  # bundles in host memory start copying to the GPU while the destination is checked
+        if isinstance(r, HostBundle):
+            r.prefetch(dev)
+    slots, wheres, formats = layer_slots(caches, slots)  # the destination checked before any payload is read
     # every shard verified, used or not
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]
     rows = _assemble(shards, a, b)

@@ -168,6 +168,23 @@ def _digest_lists(digests: torch.Tensor | list[torch.Tensor], layers: int) -> li
     return [[int(d) for d in row] for row in digests.cpu().numpy().view(np.uint64).tolist()]
 
 
+def _copy_out(host: StorageViews, chunks: list[tuple[int, torch.Tensor]], size: int, device: torch.device,
+              keep: torch.Tensor) -> torch.cuda.Event:
+    """Copy each `(offset, chunk)` of `size` bytes from the GPU into `host` on the device's side stream, after the
+    work queued so far (the gathers), so the copies overlap what is queued next; `keep` (the chunks' storage) stays
+    allocated until they ran. Returns the event of their end."""
+    side, ready, done = _copy_stream(device), torch.cuda.Event(), torch.cuda.Event()
+    ready.record()
+    with torch.cuda.stream(side):
+        side.wait_event(ready)
+        for at, chunk in chunks if size else ():
+            host.view(at, torch.uint8, (size,)).copy_(chunk, non_blocking=True)
+        done.record(side)
+    if size:
+        keep.record_stream(side)
+    return done
+
+
 @checked_once
 def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: ModelFingerprint,
                    token_ids: Sequence[int] | None = None, kv_heads: tuple[int, int] | None = None,
@@ -203,27 +220,21 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     dev = caches[0].k.tensor.device
     stage = e.staging(dev)
     host = StorageViews(buf)
-    for i, chunk in e.chunks(stage):  # queue each layer's gather and copy; hash the landed
-        if cuda:  # the copy runs on a side stream, so it overlaps the next layers' gathers and GPU hashes
-            side, ready, done = _copy_stream(dev), torch.cuda.Event(), torch.cuda.Event()
-            ready.record()
-            with torch.cuda.stream(side):
-                side.wait_event(ready)
-                if size:
-                    host.view(e.at(i), torch.uint8, (size,)).copy_(chunk, non_blocking=True)
-                done.record(side)
+    if cuda and stage is not None:  # every layer gathered by one launch, hashed by one (overlapping the copies)
+        chunks = list(e.chunks(stage))
+        if size:
+            on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)
+        landed = [_copy_out(host, [(e.at(i), c) for i, c in chunks], size, dev, stage.buf)] * e.layers
+    for i, chunk in e.chunks(stage) if not (cuda and stage is not None) else ():
+        if cuda:  # a chunk per layer: gathered, hashed and copied in turn
             if size:
-                chunk.record_stream(side)
-                if stage is None:  # staged layers are hashed in one launch after the loop
-                    on_gpu.append(gpu_segment_digests(chunk, segment, seed))
-            landed.append(done)
+                on_gpu.append(gpu_segment_digests(chunk, segment, seed))
+            landed.append(_copy_out(host, [(e.at(i), chunk)], size, dev, chunk))
         else:
             if size:
                 host.view(e.at(i), torch.uint8, (size,)).copy_(chunk)
             landed.append(None)
         hash_landed(block=False)
-    if cuda and size and stage is not None:
-        on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)
     hash_landed(block=True)
     sums = e.sums(_digest_lists(on_gpu, e.layers), [[f.result() for f in fs] for fs in futures])
     for at, b in e.small_bytes(sums):
@@ -313,6 +324,28 @@ class HostBundle:
         self.num_layers, self.tokens, self.specs = reader.num_layers, reader.tokens, reader.specs
         self.segment, self.format = reader.segment, reader.format
         self.first, self.size, self.total = reader.offset, reader.payload, reader.total
+        self._staged: tuple[torch.device, torch.Tensor, torch.cuda.Event] | None = None
+
+    def prefetch(self, device: torch.device | str) -> None:
+        """Start copying every payload of a bundle in host memory to `device` (CUDA; elsewhere nothing to do), back to
+        back on the device's side stream, into a staging buffer of this reader (nothing else is written), so that
+        what the host does next (an import's destination checks) overlaps the copies. `read_all(device)` waits for
+        them and verifies every byte."""
+        device = torch.device(device)
+        if self.mem is None or device.type != "cuda" or (self._staged is not None and self._staged[0] == device):
+            return
+        n = self.size
+        stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
+        staged = torch.empty(self.num_layers * stride, dtype=torch.uint8, device=device)
+        side, ready, done = _copy_stream(device), torch.cuda.Event(), torch.cuda.Event()
+        ready.record()  # the staging memory may be a block freed by work still queued on the current stream
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            for i in range(self.num_layers if n else 0):
+                at = chunk_at(self.first, n, i) + 16
+                staged[i * stride:i * stride + n].copy_(self.buf[at:at + n], non_blocking=True)
+            done.record(side)
+        self._staged = (device, staged, done)
 
     def read_all(self, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
         """Every layer's tensors on `device` (default: views of the host buffer), after every check passed. Onto a
@@ -325,8 +358,13 @@ class HostBundle:
             return self._read_all_cuda(device)
         m, n = self.mem, self.size
         on_gpu = cuda and n and self.segment <= GPU_HASH_MAX_SEGMENT
-        stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
-        staged = torch.empty(self.num_layers * stride, dtype=torch.uint8, device=device) if cuda else None
+        stride = -(-n // 256) * 256
+        staged = None
+        if cuda:  # the payloads copied (or copying since `prefetch`); what runs next on the device waits for them
+            self.prefetch(device)
+            _, staged, done = self._staged
+            self._staged = None  # a later read_all copies again
+            torch.cuda.current_stream(device).wait_event(done)
         whole = n // self.segment * self.segment if on_gpu else 0
         pool, futures = _hash_pool(), []
         for i in range(self.num_layers):
@@ -334,12 +372,6 @@ class HostBundle:
             check_chunk_head(bytes(m[at:at + 16]), i, n)
             futures.append([pool.submit(segment_digest, m[at + 16 + a:at + 16 + b], self.seed)
                             for a, b in segments(n, self.segment, whole)])  # those the GPU does not hash
-            if cuda and n:  # copies on a side stream; each chunk's GPU hash waits for its copy only
-                dst, side, done = staged[i * stride:i * stride + n], _copy_stream(device), torch.cuda.Event()
-                with torch.cuda.stream(side):
-                    dst.copy_(self.buf[at + 16:at + 16 + n], non_blocking=True)
-                    done.record(side)
-                torch.cuda.current_stream(device).wait_event(done)
         # every layer's whole segments in one launch, after all the copies it waited for
         gpu_sums = gpu_chunk_digests(staged, self.num_layers, stride, n, self.segment, self.seed).cpu().numpy().view(
             np.uint64).tolist() if on_gpu else [[] for _ in futures]
