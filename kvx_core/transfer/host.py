@@ -220,11 +220,11 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     dev = caches[0].k.tensor.device
     stage = e.staging(dev)
     host = StorageViews(buf)
-    if cuda and stage is not None:  # every layer gathered by one launch, hashed by one (overlapping the copies)
+    if cuda and stage is not None:  # every layer gathered by one launch, hashed by one while the copies run
         chunks = list(e.chunks(stage))
-        if size:
-            on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)
         landed = [_copy_out(host, [(e.at(i), c) for i, c in chunks], size, dev, stage.buf)] * e.layers
+        if size:  # queued after the copies' start event: the copies wait for the gather only
+            on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)
     for i, chunk in e.chunks(stage) if not (cuda and stage is not None) else ():
         if cuda:  # a chunk per layer: gathered, hashed and copied in turn
             if size:
