@@ -165,7 +165,7 @@ def _digest_lists(digests: torch.Tensor | list[torch.Tensor], layers: int) -> li
         if not digests:
             return [[] for _ in range(layers)]
         digests = torch.stack(digests)
-    return [[int(d) for d in row] for row in digests.cpu().numpy().view(np.uint64).tolist()]
+    return digests.cpu().numpy().view(np.uint64).tolist()  # Python ints already
 
 
 def _copy_out(host: StorageViews, chunks: list[tuple[int, torch.Tensor]], size: int, device: torch.device,
@@ -375,7 +375,7 @@ class HostBundle:
         # every layer's whole segments in one launch, after all the copies it waited for
         gpu_sums = gpu_chunk_digests(staged, self.num_layers, stride, n, self.segment, self.seed).cpu().numpy().view(
             np.uint64).tolist() if on_gpu else [[] for _ in futures]
-        sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in gpu_sums[i]] + [f.result() for f in fs],
+        sums = [check_chunk_sum(i, combine_segments(i, gpu_sums[i] + [f.result() for f in fs],
                                                     self.seed),
                                 bytes(m[chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
@@ -415,7 +415,7 @@ class HostBundle:
         digests = gpu_chunk_digests(staged, layers, stride, n, self.segment, self.seed).cpu().numpy().view(
             np.uint64).tolist() if n else [[] for _ in range(layers)]
         tails = [[segment_digest(piece(2 * layers + i), self.seed)] if whole < n else [] for i in range(layers)]
-        sums = [check_chunk_sum(i, combine_segments(i, [int(d) for d in digests[i]] + tails[i], self.seed),
+        sums = [check_chunk_sum(i, combine_segments(i, digests[i] + tails[i], self.seed),
                                 piece(layers + i)) for i in range(layers)]
         check_trailer(piece(len(sizes) - 1), layers, self.total - 24, sums, self.seed)
         out = split_chunks(staged, 0, stride, layers, self.specs, self.tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -20,7 +21,7 @@ from kvx_core.ops.dispatch import _kernel_pools
 from kvx_core.transfer import ModelFingerprint, import_bundle
 from kvx_core.transfer.bundle import TensorSpec, split_chunks, split_payload
 from kvx_core.transfer.host import export_to_host
-from kvx_core.transfer.rows import check_slots
+from kvx_core.transfer.rows import check_slots, host_slot_facts
 
 from .. import interpret  # noqa: F401  (Triton's interpreter on the CPU)
 from ..fuzz import mutate_bytes, mutate_json, run_capped
@@ -314,6 +315,19 @@ def test_a_slot_check_reads_the_device_once():
         with pytest.raises(KvxError) as e:
             check_slots(cache, torch.tensor(slots))
         assert e.value.status == status
+
+
+def test_host_slot_facts_are_those_of_the_sorted_slots():
+    """Slots in host memory for a CUDA cache are checked on the host (`rows.host_slot_facts`: no device round trip
+    queued behind a bundle's copies): smallest, largest and repeats as the sorted slots give them, for increasing
+    slots (no sort) and any others."""
+    rng = np.random.default_rng(0)
+    cases = [[3], [0, 1, 2], [-5, 0, 7], [0, 1, 10 ** 12], [2, 1], [1, 1], [1, 1, 1], [0, 2, 2, 5], [5, 3, 5, 3],
+             rng.permutation(1000), rng.integers(-3, 50, 200), np.arange(4096) * 16 + 3]
+    for c in cases:
+        a = np.asarray(c, dtype=np.int64)
+        u = np.sort(a)
+        assert host_slot_facts(a) == (int(u[0]), int(u[-1]), int(a.size - np.unique(a).size)), c
 
 
 @pytest.mark.parametrize("pair", [("nvfp4", "nvfp4"), ("bf16", "nvfp4"), ("bf16", "bf16")], ids="->".join)
