@@ -324,22 +324,55 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
         if isinstance(r, HostBundle):
             r.prefetch(dev)
     slots, wheres, formats = layer_slots(caches, slots)  # the destination checked before any payload is read
+    src = readers[0].format
+    early = _early_store(readers, ranges, (a, b), (t0, t1, count), src, caches, slots, wheres, formats, dev)
     # every shard verified, used or not
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]
-    rows = _assemble(shards, a, b)
-    if (t0, t1) != (0, count):
-        rows = [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in rows]
-    src = readers[0].format
+    rows = _cut(_assemble(shards, a, b), t0, t1, count)
     same, scales = _same_rows(rows, src, caches, formats)
     scratch: dict = {}
     kept = [i for i, ok in enumerate(same) if ok]  # stored as they are: the scatters of one geometry in one launch
-    stores = [prepare_write_layers([caches[i] for i in kept], slots, [rows[i] for i in kept],
-                                   [wheres[i] for i in kept], [formats[i] for i in kept])]
+    if early is not None and early[0] is shards[0][2] and len(kept) == len(caches):
+        stores = [early[1]]
+    else:
+        stores = [prepare_write_layers([caches[i] for i in kept], slots, [rows[i] for i in kept],
+                                       [wheres[i] for i in kept], [formats[i] for i in kept])]
     stores += [_prepare(rows[i], src, caches[i], slots, wheres[i], formats[i], scales[i], scratch)
                for i in range(len(caches)) if not same[i]]
     for store in stores:
         store()
     return [r.header for r in readers]
+
+
+def _cut(rows: list[dict[str, torch.Tensor]], t0: int, t1: int, count: int) -> list[dict[str, torch.Tensor]]:
+    """The per-token tensors of `rows` cut to tokens [t0, t1) of the bundle's `count` (views; `rows` itself when
+    that is all of them)."""
+    if (t0, t1) == (0, count):
+        return rows
+    return [{n: t if n in LAYER_TENSORS else t[t0:t1] for n, t in layer.items()} for layer in rows]
+
+
+def _early_store(readers: list, ranges: list[tuple[int, int]], heads: tuple[int, int], tokens: tuple[int, int, int],
+                 src: CacheFormat, caches: Sequence[CacheDesc], slots: torch.Tensor,
+                 wheres: Sequence[tuple[torch.Tensor, torch.Tensor]], formats: Sequence[CacheFormat],
+                 dev: torch.device):
+    """(The staged layers, the store of them as they are), planned while a bundle's payloads still copy to the GPU
+    (`HostBundle.prefetch`), or None. Only for one bundle in host memory holding exactly the destination's heads
+    whose format every layer shares: the plan reads no values, and `import_bundle` runs it only if every check
+    passes, `read_all` returns these same tensors and every layer keeps its rows as stored (`_same_rows`);
+    otherwise the store is planned after the checks, as it always was (a planning error too surfaces there, in
+    the checks' order)."""
+    r = readers[0]
+    if (len(readers) != 1 or tuple(ranges[0]) != heads or not isinstance(r, HostBundle)
+            or any(f != src for f in formats)):
+        return None
+    staged = r.staged_layers(dev)
+    if staged is None:
+        return None
+    try:
+        return staged, prepare_write_layers(caches, slots, _cut(staged, *tokens), wheres, formats)
+    except KvxError:
+        return None
 
 
 _BYTES = (bytes, bytearray, memoryview)

@@ -325,6 +325,7 @@ class HostBundle:
         self.segment, self.format = reader.segment, reader.format
         self.first, self.size, self.total = reader.offset, reader.payload, reader.total
         self._staged: tuple[torch.device, torch.Tensor, torch.cuda.Event] | None = None
+        self._views: list[dict[str, torch.Tensor]] | None = None
 
     def prefetch(self, device: torch.device | str) -> None:
         """Start copying every payload of a bundle in host memory to `device` (CUDA; elsewhere nothing to do), back to
@@ -347,6 +348,21 @@ class HostBundle:
             done.record(side)
         self._staged = (device, staged, done)
 
+    def staged_layers(self, device: torch.device | str) -> list[dict[str, torch.Tensor]] | None:
+        """The layers' tensors in the staging buffer `prefetch(device)` fills (None without one): bytes still
+        copying and not yet verified, for planning what will read them once they are (an import's store: the plan
+        reads no values); work queued on the current stream from here on waits for the copies. `read_all(device)`
+        returns these same tensors once every check passed."""
+        device = torch.device(device)
+        if self._staged is None or self._staged[0] != device:
+            return None
+        if self._views is None:
+            _, staged, done = self._staged
+            torch.cuda.current_stream(device).wait_event(done)
+            self._views = split_chunks(staged, 0, -(-self.size // 256) * 256, self.num_layers, self.specs,
+                                       self.tokens)
+        return self._views
+
     def read_all(self, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
         """Every layer's tensors on `device` (default: views of the host buffer), after every check passed. Onto a
         GPU, small checksum segments are verified there after the copy; otherwise in the host thread pool."""
@@ -359,11 +375,11 @@ class HostBundle:
         m, n = self.mem, self.size
         on_gpu = cuda and n and self.segment <= GPU_HASH_MAX_SEGMENT
         stride = -(-n // 256) * 256
-        staged = None
+        staged = views = None
         if cuda:  # the payloads copied (or copying since `prefetch`); what runs next on the device waits for them
             self.prefetch(device)
-            _, staged, done = self._staged
-            self._staged = None  # a later read_all copies again
+            (_, staged, done), views = self._staged, self._views
+            self._staged = self._views = None  # a later read_all copies again
             torch.cuda.current_stream(device).wait_event(done)
         whole = n // self.segment * self.segment if on_gpu else 0
         pool, futures = _hash_pool(), []
@@ -380,7 +396,8 @@ class HostBundle:
                                 bytes(m[chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
         at, step = (0, stride) if cuda else (chunk_at(self.first, n, 0) + 16, chunk_at(0, n, 1))
-        layers = split_chunks(staged if cuda else self.buf, at, step, self.num_layers, self.specs, self.tokens)
+        layers = views if views is not None else split_chunks(staged if cuda else self.buf, at, step,
+                                                              self.num_layers, self.specs, self.tokens)
         check_layers(layers, self.format)  # one host sync for the bundle
         return layers
 
