@@ -99,6 +99,12 @@ def bundle_size(header: dict) -> tuple[int, int, int]:
     return first, payload, bundle_bytes(first, payload, layers)
 
 
+def staged_stride(payload: int) -> int:
+    """Bytes per layer in a GPU staging buffer of chunk payloads of `payload` bytes: rounded up to 256, so each
+    layer's payload starts aligned (the GPU hash reads 8-byte words)."""
+    return -(-payload // 256) * 256
+
+
 def _host_bytes(buf: torch.Tensor, what: str, cuda_ok: bool = False) -> None:
     """A contiguous 1-D uint8 tensor in host memory (or, when `cuda_ok`, a CUDA device's)."""
     where = ("cpu", "cuda") if cuda_ok else ("cpu",)
@@ -122,7 +128,7 @@ class _Export:
         self.first, self.size = len(self.prefix), sum(s.nbytes(tokens) for s in self.specs)
         self.total = bundle_bytes(self.first, self.size, self.layers)
         self.whole = self.size // self.segment * self.segment  # the bytes of whole checksum segments
-        self.stride = -(-self.size // 256) * 256  # a staged chunk's start, 256-byte aligned (the GPU hash reads words)
+        self.stride = staged_stride(self.size)
         # each layer's blocks / offsets (block sizes may differ)
         self.slots, self.wheres, self.formats = layer_slots(caches, slots)
 
@@ -225,16 +231,17 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
         landed = [_copy_out(host, [(e.at(i), c) for i, c in chunks], size, dev, stage.buf)] * e.layers
         if size:  # queued after the copies' start event: the copies wait for the gather only
             on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)
-    for i, chunk in e.chunks(stage) if not (cuda and stage is not None) else ():
-        if cuda:  # a chunk per layer: gathered, hashed and copied in turn
-            if size:
-                on_gpu.append(gpu_segment_digests(chunk, segment, seed))
-            landed.append(_copy_out(host, [(e.at(i), chunk)], size, dev, chunk))
-        else:
-            if size:
-                host.view(e.at(i), torch.uint8, (size,)).copy_(chunk)
-            landed.append(None)
-        hash_landed(block=False)
+    else:
+        for i, chunk in e.chunks(stage):
+            if cuda:  # a chunk per layer: gathered, hashed and copied in turn
+                if size:
+                    on_gpu.append(gpu_segment_digests(chunk, segment, seed))
+                landed.append(_copy_out(host, [(e.at(i), chunk)], size, dev, chunk))
+            else:
+                if size:
+                    host.view(e.at(i), torch.uint8, (size,)).copy_(chunk)
+                landed.append(None)
+            hash_landed(block=False)
     hash_landed(block=True)
     sums = e.sums(_digest_lists(on_gpu, e.layers), [[f.result() for f in fs] for fs in futures])
     for at, b in e.small_bytes(sums):
@@ -327,6 +334,10 @@ class HostBundle:
         self._staged: tuple[torch.device, torch.Tensor, torch.cuda.Event] | None = None
         self._views: list[dict[str, torch.Tensor]] | None = None
 
+    @property
+    def _stride(self) -> int:
+        return staged_stride(self.size)
+
     def prefetch(self, device: torch.device | str) -> None:
         """Start copying every payload of a bundle in host memory to `device` (CUDA; elsewhere nothing to do), back to
         back on the device's side stream, into a staging buffer of this reader (nothing else is written), so that
@@ -335,8 +346,7 @@ class HostBundle:
         device = torch.device(device)
         if self.mem is None or device.type != "cuda" or (self._staged is not None and self._staged[0] == device):
             return
-        n = self.size
-        stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
+        n, stride = self.size, self._stride
         staged = torch.empty(self.num_layers * stride, dtype=torch.uint8, device=device)
         side, ready, done = _copy_stream(device), torch.cuda.Event(), torch.cuda.Event()
         ready.record()  # the staging memory may be a block freed by work still queued on the current stream
@@ -359,8 +369,7 @@ class HostBundle:
         if self._views is None:
             _, staged, done = self._staged
             torch.cuda.current_stream(device).wait_event(done)
-            self._views = split_chunks(staged, 0, -(-self.size // 256) * 256, self.num_layers, self.specs,
-                                       self.tokens)
+            self._views = split_chunks(staged, 0, self._stride, self.num_layers, self.specs, self.tokens)
         return self._views
 
     def read_all(self, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
@@ -374,8 +383,7 @@ class HostBundle:
             return self._read_all_cuda(device)
         m, n = self.mem, self.size
         on_gpu = cuda and n and self.segment <= GPU_HASH_MAX_SEGMENT
-        stride = -(-n // 256) * 256
-        staged = views = None
+        stride, staged, views = self._stride, None, None
         if cuda:  # the payloads copied (or copying since `prefetch`); what runs next on the device waits for them
             self.prefetch(device)
             (_, staged, done), views = self._staged, self._views
@@ -425,7 +433,7 @@ class HostBundle:
 
         for i in range(layers):
             check_chunk_head(piece(i), i, n)
-        stride = -(-n // 256) * 256  # each staged chunk 256-byte aligned (the GPU hash reads 8-byte words)
+        stride = self._stride
         staged = torch.empty(layers * stride, dtype=torch.uint8, device=device)
         if n:  # every payload in one strided copy
             staged.view(layers, stride)[:, :n].copy_(every_layer(16, n))
