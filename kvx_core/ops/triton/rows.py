@@ -26,15 +26,17 @@ flat destinations). One launch per bundle instead of one per layer: the host wor
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ...errors import Status, require
+from ...errors import KvxError, Status, require
 from .launch import check_device, on_device
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -77,6 +79,23 @@ class PoolRows:
     def row(self) -> int:
         """Elements per token row (the chunk holds `[T, row]`)."""
         return self.heads * self.x
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """Its addressing and element type (what layers launched together share), made once per pool view: the
+        views are kept per descriptor binding, so a bundle's layers reuse theirs call after call."""
+        return (self.block, self.group, self.offset, self.head, self.dp, self.pack, self.g, self.heads, self.x,
+                self.pk, self.base.dtype)
+
+    @functools.cached_property
+    def address(self) -> int:
+        """The device address of its first element."""
+        return self.base.data_ptr()
+
+    @functools.cached_property
+    def storage(self) -> int:
+        """The address of the storage it lies in (layers whose pools share one must not scatter in one launch)."""
+        return self.base.untyped_storage().data_ptr()
 
     @property
     def contiguous(self) -> bool:
@@ -224,19 +243,21 @@ def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter
     # a flat source is read from its start: a strided one (a key vector given as a view) is copied first
     layers = [LayerRows(bs, pools, [(s if s.is_contiguous() else s.contiguous(), d) for s, d in flat])
               for bs, pools, flat in layers]
+    # per layer of a bundle: the messages are formatted only for a layer that fails
     for _, pools, flat in layers:
-        require(len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat),
-                Status.INVALID_ARGUMENT, f"plan_layer_rows: at most {MAX_POOLS} pools and {MAX_FLAT} flat tensors "
-                                         "(gather only)")
-        check_device(slots, *(c for _, c in pools), *(x for f in flat for x in f))
+        if not (len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat)):
+            raise KvxError(Status.INVALID_ARGUMENT, f"plan_layer_rows: at most {MAX_POOLS} pools and {MAX_FLAT} flat "
+                                                    "tensors (gather only)")
         for i, (p, c) in enumerate(pools):
-            require(c.is_contiguous() and c.numel() * c.element_size() == t * p.row * p.base.element_size(),
-                    Status.INVALID_ARGUMENT, f"plan_layer_rows: rows {i} must be contiguous [{t}, {p.heads}, {p.x}] "
-                                             f"elements of {p.base.element_size()} bytes")
+            if not (c.is_contiguous() and c.numel() * c.element_size() == t * p.row * p.base.element_size()):
+                raise KvxError(Status.INVALID_ARGUMENT, f"plan_layer_rows: rows {i} must be contiguous [{t}, "
+                                                        f"{p.heads}, {p.x}] elements of {p.base.element_size()} bytes")
         for i, (src, dst) in enumerate(flat):
-            require(dst.is_contiguous() and src.numel() * src.element_size() == dst.numel() * dst.element_size(),
-                    Status.INVALID_ARGUMENT,
-                    f"plan_layer_rows: flat tensor {i}: a contiguous destination of equal bytes")
+            if not (dst.is_contiguous() and src.numel() * src.element_size() == dst.numel() * dst.element_size()):
+                raise KvxError(Status.INVALID_ARGUMENT,
+                               f"plan_layer_rows: flat tensor {i}: a contiguous destination of equal bytes")
+    check_device(slots, *(c for _, pools, _ in layers for _, c in pools),
+                 *(x for _, _, flat in layers for f in flat for x in f))
     launches = [_plan_group(slots, t, group, scatter) for group in _group(layers, scatter)]
     launches = [f for f in launches if f is not None]
 
@@ -250,9 +271,7 @@ def _signature(layer: LayerRows) -> tuple:
     """What layers launched together share: the block size, each pool's addressing and element width, each flat
     tensor's bytes."""
     block_size, pools, flat = layer
-    return (block_size, tuple((p.block, p.group, p.offset, p.head, p.dp, p.pack, p.g, p.heads, p.x, p.pk, p.base.dtype)
-                  for p, _ in pools),
-            tuple(src.numel() * src.element_size() for src, _ in flat))
+    return (block_size, tuple(p.key for p, _ in pools), tuple(src.numel() * src.element_size() for src, _ in flat))
 
 
 def _group(layers: Sequence[LayerRows], scatter: bool) -> list[list[LayerRows]]:
@@ -262,7 +281,7 @@ def _group(layers: Sequence[LayerRows], scatter: bool) -> list[list[LayerRows]]:
     groups: list[tuple[tuple, set, list[LayerRows]]] = []
     for layer in layers:
         sig = _signature(layer)
-        storages = {p.base.untyped_storage().data_ptr() for p, _ in layer.pools} if scatter else set()
+        storages = {p.storage for p, _ in layer.pools} if scatter else set()
         # the last group of this signature, unless a later group aliases this layer (ordering: it must run after)
         home = None
         for g in reversed(groups):
@@ -282,21 +301,19 @@ def _group(layers: Sequence[LayerRows], scatter: bool) -> list[list[LayerRows]]:
 _ZERO_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def _byte_offsets(group: list[LayerRows]) -> list[list[int]]:
-    """Per layer of `group`, the byte offsets of its tensors from the first layer's: pools, chunk rows, flat
-    sources, flat destinations (`LAYER_COLUMNS`; absent ones 0)."""
-    def ptrs(layer: LayerRows) -> list[int]:
-        _, pools, flat = layer
-        pad = [0] * (MAX_POOLS - len(pools))
-        cols = [p.base.data_ptr() for p, _ in pools] + pad + [c.data_ptr() for _, c in pools] + pad
-        pad = [0] * (MAX_FLAT - len(flat))
-        return cols + [src.data_ptr() for src, _ in flat] + pad + [d.data_ptr() for _, d in flat] + pad
-
-    first = ptrs(group[0])
-    return [[a - b for a, b in zip(ptrs(layer), first, strict=True)] for layer in group]
+def _byte_offsets(group: list[LayerRows]) -> np.ndarray:
+    """`[layers, LAYER_COLUMNS]` int64: per layer of `group`, the byte offsets of its tensors from the first
+    layer's: pools, chunk rows, flat sources, flat destinations (absent ones 0)."""
+    ptrs = np.zeros((len(group), LAYER_COLUMNS.value), dtype=np.int64)
+    for row, (_, pools, flat) in zip(ptrs, group, strict=True):
+        for i, (p, c) in enumerate(pools):
+            row[i], row[MAX_POOLS + i] = p.address, c.data_ptr()
+        for i, (src, dst) in enumerate(flat):
+            row[2 * MAX_POOLS + i], row[2 * MAX_POOLS + MAX_FLAT + i] = src.data_ptr(), dst.data_ptr()
+    return ptrs - ptrs[0]
 
 
-def _layer_table(offsets: list[list[int]], widths: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
+def _layer_table(offsets: np.ndarray, widths: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
     """(`[layers, LAYER_COLUMNS]` int64 on `device`, A): `offsets` (`_byte_offsets`) in elements of each column's
     width (pools and chunk rows: as they move, `widths`; flat tensors: bytes), the pool and chunk columns in units of
     A elements: A = `ALIGN` where every one of them is a multiple of it (the kernel then knows each layer's rows start
@@ -305,19 +322,19 @@ def _layer_table(offsets: list[list[int]], widths: list[int], device: torch.devi
         if device not in _ZERO_TABLES:
             _ZERO_TABLES[device] = torch.zeros(1, LAYER_COLUMNS.value, dtype=torch.int64, device=device)
         return _ZERO_TABLES[device], ALIGN
-    sizes = widths + widths + [1] * (2 * MAX_FLAT)
-    for row in offsets:
-        require(all(o % size == 0 for o, size in zip(row, sizes, strict=True)), Status.INTERNAL_ERROR,
-                "plan_layer_rows: a layer's tensor is not aligned to its element width relative to the first layer's")
-    rows = [[o // size for o, size in zip(row, sizes, strict=True)] for row in offsets]
+    sizes = np.array(widths + widths + [1] * (2 * MAX_FLAT), dtype=np.int64)
+    require(not (offsets % sizes).any(), Status.INTERNAL_ERROR,
+            "plan_layer_rows: a layer's tensor is not aligned to its element width relative to the first layer's")
+    rows = offsets // sizes
     scaled = 2 * MAX_POOLS  # pool and chunk columns
-    align = ALIGN if all(x % ALIGN == 0 for row in rows for x in row[:scaled]) else 1
-    rows = [[x // align for x in row[:scaled]] + row[scaled:] for row in rows]
+    align = ALIGN if not (rows[:, :scaled] % ALIGN).any() else 1
+    rows[:, :scaled] //= align
     cuda = device.type == "cuda"
-    return torch.tensor(rows, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda), align
+    table = torch.from_numpy(rows)
+    return (table.pin_memory() if cuda else table).to(device, non_blocking=cuda), align
 
 
-def _width(p: PoolRows, rows: torch.Tensor, offsets: list[int]) -> int:
+def _width(p: PoolRows, rows: torch.Tensor, offsets: np.ndarray) -> int:
     """The integer width (bytes) a pool and its chunk rows move as: for a contiguous pool whose head rows are shorter
     than 16 bytes (scale pools), the widest up to 8 that divides its rows, token and head strides, both starts and
     every layer's `offsets` (bytes, from the first layer's): a row of 8 scale bytes is then one 8-byte move, not
@@ -327,9 +344,9 @@ def _width(p: PoolRows, rows: torch.Tensor, offsets: list[int]) -> int:
         return w
     for wide in (8, 4, 2):
         f = wide // w
-        starts = (p.base.storage_offset() * w, rows.storage_offset() * rows.element_size(), *offsets)
+        starts = (p.base.storage_offset() * w, rows.storage_offset() * rows.element_size())
         if (wide > w and (p.x * w) % wide == 0 and all(s % f == 0 for s in (p.block, p.group, p.offset, p.head))
-                and all(o % wide == 0 for o in starts)):
+                and all(o % wide == 0 for o in starts) and not (offsets % wide).any()):
             return wide
     return w
 
@@ -358,7 +375,7 @@ def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bo
     widest such block."""
     block_size, pools, flat = group[0]
     offsets = _byte_offsets(group)
-    widths = [_width(p, c, [row[i] for row in offsets] + [row[MAX_POOLS + i] for row in offsets])
+    widths = [_width(p, c, offsets[:, [i, MAX_POOLS + i]])
               for i, (p, c) in enumerate(pools)]
     pools = [_as_width(p, c, w) for (p, c), w in zip(pools, widths, strict=True)]
     pargs, consts, blocks, xs, heads, widest = [], [], [], [], 1, 1
