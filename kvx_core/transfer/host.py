@@ -174,19 +174,20 @@ def _digest_lists(digests: torch.Tensor | list[torch.Tensor], layers: int) -> li
     return digests.cpu().numpy().view(np.uint64).tolist()  # Python ints already
 
 
-def _copy_out(host: StorageViews, chunks: list[tuple[int, torch.Tensor]], size: int, device: torch.device,
-              keep: torch.Tensor) -> torch.cuda.Event:
-    """Copy each `(offset, chunk)` of `size` bytes from the GPU into `host` on the device's side stream, after the
-    work queued so far (the gathers), so the copies overlap what is queued next; `keep` (the chunks' storage) stays
-    allocated until they ran. Returns the event of their end."""
+def _side_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, keep: torch.Tensor
+                 ) -> torch.cuda.Event:
+    """Each `dst.copy_(src)` of `pairs` (between the host and `device`) on the device's side stream, back to back,
+    after the work queued so far on the current stream (the gathers; whatever last used a freshly allocated block),
+    so the copies overlap what is queued next. `keep`, the device memory they use, stays allocated until they ran
+    even if its owner drops it first (a refused import). Returns the event of their end."""
     side, ready, done = _copy_stream(device), torch.cuda.Event(), torch.cuda.Event()
     ready.record()
     with torch.cuda.stream(side):
         side.wait_event(ready)
-        for at, chunk in chunks if size else ():
-            host.view(at, torch.uint8, (size,)).copy_(chunk, non_blocking=True)
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
         done.record(side)
-    if size:
+    if pairs:
         keep.record_stream(side)
     return done
 
@@ -228,7 +229,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     host = StorageViews(buf)
     if cuda and stage is not None:  # every layer gathered by one launch, hashed by one while the copies run
         chunks = list(e.chunks(stage))
-        landed = [_copy_out(host, [(e.at(i), c) for i, c in chunks], size, dev, stage.buf)] * e.layers
+        landed = [_side_copies([(host.view(e.at(i), torch.uint8, (size,)), c) for i, c in chunks if size], dev,
+                               stage.buf)] * e.layers
         if size:  # queued after the copies' start event: the copies wait for the gather only
             on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)
     else:
@@ -236,7 +238,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
             if cuda:  # a chunk per layer: gathered, hashed and copied in turn
                 if size:
                     on_gpu.append(gpu_segment_digests(chunk, segment, seed))
-                landed.append(_copy_out(host, [(e.at(i), chunk)], size, dev, chunk))
+                landed.append(_side_copies([(host.view(e.at(i), torch.uint8, (size,)), chunk)] if size else [],
+                                           dev, chunk))
             else:
                 if size:
                     host.view(e.at(i), torch.uint8, (size,)).copy_(chunk)
@@ -348,14 +351,9 @@ class HostBundle:
             return
         n, stride = self.size, self._stride
         staged = torch.empty(self.num_layers * stride, dtype=torch.uint8, device=device)
-        side, ready, done = _copy_stream(device), torch.cuda.Event(), torch.cuda.Event()
-        ready.record()  # the staging memory may be a block freed by work still queued on the current stream
-        with torch.cuda.stream(side):
-            side.wait_event(ready)
-            for i in range(self.num_layers if n else 0):
-                at = chunk_at(self.first, n, i) + 16
-                staged[i * stride:i * stride + n].copy_(self.buf[at:at + n], non_blocking=True)
-            done.record(side)
+        at = [chunk_at(self.first, n, i) + 16 for i in range(self.num_layers if n else 0)]
+        done = _side_copies([(staged[i * stride:i * stride + n], self.buf[a:a + n]) for i, a in enumerate(at)], device,
+                            staged)
         self._staged = (device, staged, done)
 
     def staged_layers(self, device: torch.device | str) -> list[dict[str, torch.Tensor]] | None:

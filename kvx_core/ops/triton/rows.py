@@ -104,14 +104,14 @@ class PoolRows:
         return self.dp == self.pk and (self.pk == 1 or self.pack == 1)
 
 
-def int_view(t: torch.Tensor) -> torch.Tensor:
-    """The storage of `t` from its first element to the storage's end, as the integer dtype of its element width
-    (a view: the kernel reads and writes the pool itself)."""
-    size = t.element_size()
-    dt = _INT[size]
+def int_view(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """The storage of `t` from its first element to the storage's end, as the integer dtype of `width` bytes (default:
+    its element width; `t`'s first byte a multiple of it) -- a view: the kernel reads and writes the pool itself."""
+    size = t.element_size() if width is None else width
+    start = t.storage_offset() * t.element_size() // size
     storage = t.untyped_storage()
-    count = storage.nbytes() // size - t.storage_offset()
-    return torch.empty(0, dtype=dt, device=t.device).set_(storage, t.storage_offset(), (count,), (1,))
+    return torch.empty(0, dtype=_INT[size], device=t.device).set_(storage, start, (storage.nbytes() // size - start,),
+                                                                  (1,))
 
 
 def block_rows(view5: torch.Tensor) -> PoolRows:
@@ -342,9 +342,9 @@ def _width(p: PoolRows, rows: torch.Tensor, offsets: np.ndarray) -> int:
     w = p.base.element_size()
     if not p.contiguous or p.x * w >= 16:
         return w
+    starts = (p.base.storage_offset() * w, rows.storage_offset() * rows.element_size())
     for wide in (8, 4, 2):
         f = wide // w
-        starts = (p.base.storage_offset() * w, rows.storage_offset() * rows.element_size())
         if (wide > w and (p.x * w) % wide == 0 and all(s % f == 0 for s in (p.block, p.group, p.offset, p.head))
                 and all(o % wide == 0 for o in starts) and not (offsets % wide).any()):
             return wide
@@ -356,11 +356,10 @@ def _as_width(p: PoolRows, rows: torch.Tensor, wide: int) -> tuple[PoolRows, tor
     w = p.base.element_size()
     if wide == w:
         return p, _as_dtype(rows, p.base.dtype)
-    f, dtype = wide // w, _INT[wide]
-    base = torch.empty(0, dtype=dtype, device=p.base.device).set_(
-        p.base.untyped_storage(), p.base.storage_offset() // f, (p.base.numel() // f,), (1,))
-    return (PoolRows(base, p.block // f, p.group // f, p.offset // f, p.head // f, 1, 1, p.g, p.heads, p.x // f, 1),
-            rows.reshape(-1).view(torch.uint8).view(dtype))
+    f = wide // w
+    return (PoolRows(int_view(p.base, wide), p.block // f, p.group // f, p.offset // f, p.head // f, 1, 1, p.g,
+                     p.heads, p.x // f, 1),
+            rows.reshape(-1).view(torch.uint8).view(_INT[wide]))
 
 
 def _row_block(x: int) -> int:
