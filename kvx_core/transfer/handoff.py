@@ -34,6 +34,7 @@ from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec, split
 from .header import bundle_header, head_range, transform_flags
 from .host import HostBundle
 from .kernels import use_kernels
+from .layer_set import layer_slots
 from .rows import (
     KEY_TRANSFORMS,
     LAYER_TENSORS,
@@ -43,7 +44,6 @@ from .rows import (
     format_specs,
     key_transforms,
     layer_global_scales,
-    layer_slots,
     on_device,
     prepare_write_layers,
     read_chunk,

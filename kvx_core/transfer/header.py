@@ -11,7 +11,8 @@ import torch
 from ..descriptors import CacheDesc
 from ..errors import Status, require
 from .bundle import SEGMENT_BYTES, TensorSpec
-from .rows import KEY_TRANSFORMS, LAYER_TENSORS, binding, format_specs, key_transforms
+from .layer_set import layer_set
+from .rows import KEY_TRANSFORMS, LAYER_TENSORS, format_specs
 from .schema import ModelFingerprint, token_hash, token_list
 
 
@@ -32,7 +33,8 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     require(len(caches) == model.num_layers and len(caches) > 0, Status.INVALID_ARGUMENT,
             f"export_bundle: {len(caches)} layer caches for a {model.num_layers}-layer model")
     first = caches[0]
-    fmt = binding(first).fmt  # each layer validated (once per descriptor state: `rows.binding`)
+    layers = layer_set(caches)  # each layer validated (once per descriptor state: `rows.binding`)
+    fmt = layers.formats[0]
     a, b = head_range(kv_heads, model, "export_bundle")
     require(first.num_kv_heads == b - a and first.head_dim == model.head_dim, Status.INCOMPATIBLE,
             f"export_bundle: the cache has {first.num_kv_heads} KV heads x {first.head_dim}, KV heads [{a}, {b}) of "
@@ -41,16 +43,8 @@ def bundle_header(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: Mo
     require(isinstance(slots, torch.Tensor), Status.INVALID_ARGUMENT, "export_bundle: slots must be a tensor")
     require(ids is None or len(ids) == slots.numel(), Status.INVALID_ARGUMENT,
             f"export_bundle: {len(ids or [])} token ids for {slots.numel()} slots")
-    geometry = (first.num_kv_heads, first.head_dim)
-    transforms = key_transforms(first)
-    for i, cache in enumerate(caches):
-        require(binding(cache).fmt == fmt and (cache.num_kv_heads, cache.head_dim) == geometry, Status.INVALID_ARGUMENT,
-                f"export_bundle: layer {i}'s cache differs from layer 0's in format or geometry")
-        for t in KEY_TRANSFORMS:
-            has = t.tensor in transforms
-            require((t.of(cache) is not None) == has, Status.INVALID_ARGUMENT,
-                    f"export_bundle: layer {i}'s cache {'lacks' if has else 'has'} {t.what}, layer 0's "
-                    f"{'has' if has else 'lacks'} it (a bundle's layers all carry the same key transforms)")
+    geometry, transforms = layers.geometry, layers.transforms
+    require(layers.mismatch is None, Status.INVALID_ARGUMENT, layers.mismatch or "")
     specs = [TensorSpec(n, dt, sh, n not in LAYER_TENSORS)
              for n, (dt, sh) in format_specs(fmt, *geometry, transforms).items()]
     return {"model": asdict(model),

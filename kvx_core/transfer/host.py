@@ -39,7 +39,8 @@ from .bundle import (
 )
 from .header import bundle_header
 from .kernels import use_kernels
-from .rows import checked_once, layer_global_scales, layer_slots, read_chunk, read_chunks
+from .layer_set import layer_set, layer_slots
+from .rows import checked_once, read_chunk, read_chunks
 from .schema import ModelFingerprint, check_layers
 from .views import StorageViews
 
@@ -144,8 +145,16 @@ class _Export:
 
     def chunks(self, stage: StorageViews | None) -> Iterator[tuple[int, torch.Tensor]]:
         """(layer, its chunk payload on the caches' device), gathered in layer order; into `stage` when given, every
-        layer's gather queued first (one launch for the layers of one geometry: `rows.read_chunks`)."""
-        scales = layer_global_scales(self.caches, self.formats)
+        layer's gather queued first: the layers bound once (`layer_set.LayerSet.plan_rows`), else one launch per
+        geometry planned for this request (`rows.read_chunks`)."""
+        layers = layer_set(self.caches)
+        if stage is not None:
+            gather = layers.plan_rows(self.slots, self.specs, stage, self.stride, scatter=False)
+            if gather is not None:
+                gather()
+                yield from ((i, stage.view(i * self.stride, torch.uint8, (self.size,))) for i in range(self.layers))
+                return
+        scales = layers.scales()
         if stage is not None:
             yield from enumerate(read_chunks(self.caches, self.slots, self.specs, stage, self.stride, scales,
                                              self.formats))

@@ -12,7 +12,6 @@ import enum
 import functools
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -250,77 +249,66 @@ def _checked_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor,
     return s, s // cache.block_size, s % cache.block_size
 
 
-class CheckedLayers(NamedTuple):
-    """What `layer_slots` checked: the slots as int64 on the first layer's device (what every layer's kernel takes:
-    moved once per bundle, since slots in host memory moved per layer cost a copy and a host sync per layer on a
-    GPU), each layer's (block, offset) of them, and each layer's format (derived once per layer and call: deriving a
-    format checks the quantization descriptor again)."""
+class GlobalScales:
+    """How each layer's FP32 `[H]` K / V global scales are built as `cache_global_scales` builds them (values
+    unchecked; for layers `layer_slots` checked, their types and shapes included), worked out once for a list of
+    layers so that building them is a fixed number of tensor ops per bundle, not a chain per scale: scales already
+    FP32 `[H]` and contiguous on the cache's device are used as they are, the others are stacked by kind (shape,
+    dtype, device) and converted at once; absent ones (1.0) are rows of one `ones` tensor, made here and never
+    written. Calling it reads the scales' current values."""
 
-    slots: torch.Tensor
-    wheres: list[tuple[torch.Tensor, torch.Tensor]]
-    formats: list[CacheFormat]
+    def __init__(self, caches: Sequence[CacheDesc], formats: Sequence[CacheFormat]):
+        self.caches, self.formats = caches, formats
+        self.fixed: list[list[torch.Tensor | None]] = [[None, None] for _ in caches]
+        self.numbers: list[tuple[int, int]] = []  # Python numbers: built per call, one at a time
+        groups: dict[tuple, list[tuple[int, int, torch.Tensor | None]]] = {}
+        for i, (cache, fmt) in enumerate(zip(caches, formats, strict=True)):
+            q, dev, heads = cache.quant, cache.k.tensor.device, cache.num_kv_heads
+            for j, (which, tf) in enumerate((("k", fmt.k), ("v", fmt.v))):
+                g = getattr(q, f"{which}_global_scale") if q is not None else None
+                if not tf.uses_global_scale:
+                    continue
+                if not isinstance(g, torch.Tensor) and g is not None:
+                    self.numbers.append((i, j))
+                elif g is not None and g.dtype == torch.float32 and g.device == dev and tuple(g.shape) == (heads,) \
+                        and g.is_contiguous():
+                    self.fixed[i][j] = g
+                else:
+                    key = (heads, dev) if g is None else (heads, dev, g.shape, g.dtype, g.device)
+                    groups.setdefault(key, []).append((i, j, g))
+        self.groups = []  # (heads, device, members, their scales): stacked and converted per call
+        for (heads, dev, *_), members in groups.items():
+            if members[0][2] is None:
+                for (i, j, _), row in zip(members, torch.ones(len(members), heads, dtype=torch.float32,
+                                                              device=dev).unbind(0), strict=True):
+                    self.fixed[i][j] = row
+            else:
+                self.groups.append((heads, dev, [(i, j) for i, j, _ in members], [g for _, _, g in members]))
 
+    @property
+    def constant(self) -> bool:
+        """Whether every scale is a tensor the layers hold (or the kept 1.0 rows): the same tensors every call."""
+        return not self.groups and not self.numbers
 
-def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> CheckedLayers:
-    """`check_slots` of `slots` against every layer's own cache (layers may differ in block size and count), after
-    validating each cache as `read_rows` does: what an export or import checks before its first byte is written. Each
-    descriptor is validated once per state (`binding`), its key-transform vectors' values every call, batched: one
-    host sync for the bundle's vectors, and one slot check per distinct geometry (each is a host sync)."""
-    seen: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-    wheres, formats, moved, flags, owners = [], [], slots, [], []
-    for i, cache in enumerate(caches):
-        formats.append(binding(cache).fmt)
-        for t in KEY_TRANSFORMS:
-            v = t.of(cache)
-            if v is not None:
-                flags.append(t.valid(v))
-                owners.append(cache)
-        key = (cache.num_blocks, cache.block_size, cache.k.tensor.device)
-        if key not in seen:
-            checked, *where = _checked_slots(cache, slots)
-            seen[key] = tuple(where)
-            if i == 0:  # the first layer's geometry is checked first: its slots are the ones every layer takes
-                moved = checked
-        wheres.append(seen[key])
-    if flags and not all(torch.stack([f.to(flags[0].device) for f in flags]).tolist()):
-        for cache in owners:
-            cache.validate()  # raises, naming the first layer's vector that fails its rule
-    return CheckedLayers(moved, wheres, formats)
+    def __call__(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        if self.constant:
+            return [(k, v) for k, v in self.fixed]
+        out = [list(pair) for pair in self.fixed]
+        for i, j in self.numbers:
+            out[i][j] = cache_global_scales(self.caches[i], self.formats[i], None, None, "read_rows",
+                                            check_values=False)[j]
+        for heads, dev, members, scales in self.groups:
+            n = len(members)
+            built = torch.stack(scales).to(device=dev, dtype=torch.float32).reshape(n, -1).expand(n, heads).contiguous()
+            for (i, j), row in zip(members, built.unbind(0), strict=True):
+                out[i][j] = row
+        return [(k, v) for k, v in out]
 
 
 def layer_global_scales(caches: Sequence[CacheDesc], formats: Sequence[CacheFormat]
                         ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Each layer's FP32 `[H]` K / V global scales as `cache_global_scales` builds them (values unchecked; call after
-    `layer_slots`, which checked their types and shapes and gave the layers' `formats`), with a fixed number of
-    tensor ops per bundle instead of a chain per scale: scales already FP32 `[H]` and contiguous on the cache's
-    device are used as they are, the others are stacked by kind (shape, dtype, device) and converted at once; absent
-    ones (1.0) are one `ones` tensor."""
-    out: list[list[torch.Tensor | None]] = [[None, None] for _ in caches]
-    groups: dict[tuple, list[tuple[int, int, torch.Tensor | None]]] = {}
-    for i, (cache, fmt) in enumerate(zip(caches, formats, strict=True)):
-        q, dev, heads = cache.quant, cache.k.tensor.device, cache.num_kv_heads
-        for j, (which, tf) in enumerate((("k", fmt.k), ("v", fmt.v))):
-            g = getattr(q, f"{which}_global_scale") if q is not None else None
-            if not tf.uses_global_scale:
-                continue
-            if not isinstance(g, torch.Tensor) and g is not None:  # a Python number: the one-off path
-                out[i][j] = cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False)[j]
-            elif g is not None and g.dtype == torch.float32 and g.device == dev and tuple(g.shape) == (heads,) \
-                    and g.is_contiguous():
-                out[i][j] = g
-            else:
-                key = (heads, dev) if g is None else (heads, dev, g.shape, g.dtype, g.device)
-                groups.setdefault(key, []).append((i, j, g))
-    for (heads, dev, *_), members in groups.items():
-        n = len(members)
-        if members[0][2] is None:
-            built = torch.ones(n, heads, dtype=torch.float32, device=dev)
-        else:
-            stacked = torch.stack([g for _, _, g in members]).to(device=dev, dtype=torch.float32)
-            built = stacked.reshape(n, -1).expand(n, heads).contiguous()
-        for (i, j, _), row in zip(members, built.unbind(0), strict=True):
-            out[i][j] = row
-    return [(k, v) for k, v in out]
+    """Each layer's FP32 `[H]` K / V global scales (`GlobalScales`, worked out for this call)."""
+    return GlobalScales(caches, formats)()
 
 
 def read_rows(cache: CacheDesc, slots: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -286,8 +286,8 @@ def test_every_layer_launches_with_the_slots_moved_once_per_bundle(pair, monkeyp
         for layer in range(layers):
             dst.set_global_scales(layer, src.layers[layer].k_global, src.layers[layer].v_global)
     seen: list[torch.Tensor] = []
-    moves, conversion = rows.plan_layer_rows, convert.plan_convert
-    monkeypatch.setattr(rows, "plan_layer_rows",
+    moves, conversion = rows.plan_bound, convert.plan_convert  # every row-kernel launch is planned by plan_bound
+    monkeypatch.setattr(rows, "plan_bound",
                         lambda slots, *a, **kw: seen.append(slots) or moves(slots, *a, **kw))
     monkeypatch.setattr(convert, "plan_convert", lambda fmt, r, args, *a, **kw: seen.append(args.slots)
                         or conversion(fmt, r, args, *a, **kw))

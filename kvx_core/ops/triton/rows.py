@@ -232,17 +232,55 @@ class LayerRows(NamedTuple):
     flat: list[tuple[torch.Tensor, torch.Tensor]]
 
 
+class LayerPools(NamedTuple):
+    """One layer's side of the moves that does not change between requests (`bind_layer_rows`): its cache's block
+    size, its pools and the bytes of each flat tensor it copies (gather only)."""
+
+    block_size: int
+    pools: list[PoolRows]
+    flat: list[int]
+
+
+@dataclass
+class BoundGroup:
+    """Layers of one `_signature` that launch together, bound once (the plan / run split of issue 36: an engine's
+    layers are the same pools request after request): the indices of its layers in what was bound, the first
+    layer's pools and the bytes of its flat tensors, per layer the byte offsets of its pools from the first layer's
+    (`[layers, MAX_POOLS]`: the chunk and flat columns are a request's, `plan_bound`), and the widest integer each
+    pool's side allows its rows to move as (`_pool_width`)."""
+
+    layers: list[int]
+    block_size: int
+    pools: list[PoolRows]
+    flat: list[int]
+    offsets: np.ndarray
+    widths: list[int]
+    wide: dict[tuple[int, int], PoolRows]
+
+
+def bind_layer_rows(layers: Sequence[LayerPools], *, scatter: bool) -> list[BoundGroup]:
+    """The launch groups of `layers` (`_group`) with the request-independent half of each launch (`BoundGroup`)."""
+    groups = []
+    for members in _group(layers, scatter):
+        block_size, pools, flat = layers[members[0]]
+        offsets = np.zeros((len(members), MAX_POOLS), dtype=np.int64)
+        for row, i in zip(offsets, members, strict=True):
+            ps = layers[i].pools
+            row[:len(ps)] = [p.address for p in ps]
+        offsets -= offsets[0]
+        groups.append(BoundGroup(members, block_size, pools, flat, offsets,
+                                 [_pool_width(p, offsets[:, i]) for i, p in enumerate(pools)], {}))
+    return groups
+
+
 def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter: bool) -> Callable[[], None]:
     """The launches that gather (`scatter=False`: pools -> chunk rows) or scatter (`True`: chunk rows -> pools) the
     rows of `slots` (int64 `[T]`, checked by the caller: in range and distinct) for every layer of `layers`: per layer
     up to four `(pool, rows)` pairs, `rows` a contiguous `[T, H, X]` tensor of the pool's element width, and up to
     four flat `(src, dst)` tensors of equal bytes (`dst` contiguous) copied whole (gather only). Layers of one
     geometry launch together (`_group`); everything is checked and built here, the returned callable only launches
-    (one launch for an engine's layers)."""
+    (one launch for an engine's layers). Layers bound once launch through `plan_bound` instead."""
     t = int(slots.numel())
-    # a flat source is read from its start: a strided one (a key vector given as a view) is copied first
-    layers = [LayerRows(bs, pools, [(s if s.is_contiguous() else s.contiguous(), d) for s, d in flat])
-              for bs, pools, flat in layers]
     # per layer of a bundle: the messages are formatted only for a layer that fails
     for _, pools, flat in layers:
         if not (len(pools) <= MAX_POOLS and len(flat) <= MAX_FLAT and not (scatter and flat)):
@@ -258,7 +296,20 @@ def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter
                                f"plan_layer_rows: flat tensor {i}: a contiguous destination of equal bytes")
     check_device(slots, *(c for _, pools, _ in layers for _, c in pools),
                  *(x for _, _, flat in layers for f in flat for x in f))
-    launches = [_plan_group(slots, t, group, scatter) for group in _group(layers, scatter)]
+    # a flat source is read from its start: a strided one (a key vector given as a view) is copied first
+    layers = [LayerRows(bs, pools, [(s if s.is_contiguous() else s.contiguous(), d) for s, d in flat])
+              for bs, pools, flat in layers]
+    bound = bind_layer_rows([LayerPools(bs, [p for p, _ in pools], [s.numel() * s.element_size() for s, _ in flat])
+                             for bs, pools, flat in layers], scatter=scatter)
+    launches = []
+    for g in bound:
+        chunks = np.array([[c.data_ptr() for _, c in layers[i].pools] + [0] * (MAX_POOLS - len(layers[i].pools))
+                           for i in g.layers], dtype=np.int64)
+        flats = np.array([[t.data_ptr() for pair in layers[i].flat for t in pair] for i in g.layers],
+                         dtype=np.int64).reshape(len(g.layers), -1, 2)
+        _, pools, flat = layers[g.layers[0]]
+        launches.append(plan_bound(slots, g, [c for _, c in pools], chunks - chunks[0], flat,
+                                   flats - flats[0], scatter=scatter))
     launches = [f for f in launches if f is not None]
 
     def launch() -> None:
@@ -267,21 +318,21 @@ def plan_layer_rows(slots: torch.Tensor, layers: Sequence[LayerRows], *, scatter
     return launch
 
 
-def _signature(layer: LayerRows) -> tuple:
+def _signature(layer: LayerPools) -> tuple:
     """What layers launched together share: the block size, each pool's addressing and element width, each flat
     tensor's bytes."""
     block_size, pools, flat = layer
-    return (block_size, tuple(p.key for p, _ in pools), tuple(src.numel() * src.element_size() for src, _ in flat))
+    return (block_size, tuple(p.key for p in pools), tuple(flat))
 
 
-def _group(layers: Sequence[LayerRows], scatter: bool) -> list[list[LayerRows]]:
-    """`layers` in launch groups of one `_signature`, in order. A scatter never puts two layers whose pools share a
-    storage in one group (their stores would race; in separate launches the later layer's land last, as one launch
-    per layer did); a gather only reads the pools."""
-    groups: list[tuple[tuple, set, list[LayerRows]]] = []
-    for layer in layers:
+def _group(layers: Sequence[LayerPools], scatter: bool) -> list[list[int]]:
+    """The indices of `layers` in launch groups of one `_signature`, in order. A scatter never puts two layers whose
+    pools share a storage in one group (their stores would race; in separate launches the later layer's land last,
+    as one launch per layer did); a gather only reads the pools."""
+    groups: list[tuple[tuple, set, list[int]]] = []
+    for i, layer in enumerate(layers):
         sig = _signature(layer)
-        storages = {p.storage for p, _ in layer.pools} if scatter else set()
+        storages = {p.storage for p in layer.pools} if scatter else set()
         # the last group of this signature, unless a later group aliases this layer (ordering: it must run after)
         home = None
         for g in reversed(groups):
@@ -294,30 +345,19 @@ def _group(layers: Sequence[LayerRows], scatter: bool) -> list[list[LayerRows]]:
             home = (sig, set(), [])
             groups.append(home)
         home[1].update(storages)
-        home[2].append(layer)
+        home[2].append(i)
     return [g[2] for g in groups]
 
 
 _ZERO_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def _byte_offsets(group: list[LayerRows]) -> np.ndarray:
-    """`[layers, LAYER_COLUMNS]` int64: per layer of `group`, the byte offsets of its tensors from the first
-    layer's: pools, chunk rows, flat sources, flat destinations (absent ones 0)."""
-    ptrs = np.zeros((len(group), LAYER_COLUMNS.value), dtype=np.int64)
-    for row, (_, pools, flat) in zip(ptrs, group, strict=True):
-        for i, (p, c) in enumerate(pools):
-            row[i], row[MAX_POOLS + i] = p.address, c.data_ptr()
-        for i, (src, dst) in enumerate(flat):
-            row[2 * MAX_POOLS + i], row[2 * MAX_POOLS + MAX_FLAT + i] = src.data_ptr(), dst.data_ptr()
-    return ptrs - ptrs[0]
-
-
 def _layer_table(offsets: np.ndarray, widths: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
-    """(`[layers, LAYER_COLUMNS]` int64 on `device`, A): `offsets` (`_byte_offsets`) in elements of each column's
-    width (pools and chunk rows: as they move, `widths`; flat tensors: bytes), the pool and chunk columns in units of
-    A elements: A = `ALIGN` where every one of them is a multiple of it (the kernel then knows each layer's rows start
-    as aligned as the first layer's), else 1. A single layer: zeros, kept per device."""
+    """(`[layers, LAYER_COLUMNS]` int64 on `device`, A): byte `offsets` from the first layer's (pools, chunk rows,
+    flat sources, flat destinations) in elements of each column's width (pools and chunk rows: as they move,
+    `widths`; flat tensors: bytes), the pool and chunk columns in units of A elements: A = `ALIGN` where every one
+    of them is a multiple of it (the kernel then knows each layer's rows start as aligned as the first layer's),
+    else 1. A single layer: zeros, kept per device."""
     if len(offsets) == 1:
         if device not in _ZERO_TABLES:
             _ZERO_TABLES[device] = torch.zeros(1, LAYER_COLUMNS.value, dtype=torch.int64, device=device)
@@ -334,32 +374,29 @@ def _layer_table(offsets: np.ndarray, widths: list[int], device: torch.device) -
     return (table.pin_memory() if cuda else table).to(device, non_blocking=cuda), align
 
 
-def _width(p: PoolRows, rows: torch.Tensor, offsets: np.ndarray) -> int:
-    """The integer width (bytes) a pool and its chunk rows move as: for a contiguous pool whose head rows are shorter
-    than 16 bytes (scale pools), the widest up to 8 that divides its rows, token and head strides, both starts and
-    every layer's `offsets` (bytes, from the first layer's): a row of 8 scale bytes is then one 8-byte move, not
-    eight byte moves. Otherwise its element width."""
+def _pool_width(p: PoolRows, offsets: np.ndarray) -> int:
+    """The widest integer (bytes) a pool's side lets its rows move as: for a contiguous pool whose head rows are
+    shorter than 16 bytes (scale pools), the widest up to 8 that divides its rows, token and head strides, its start
+    and every layer's pool `offsets` (bytes, from the first layer's): a row of 8 scale bytes is then one 8-byte move,
+    not eight byte moves. Otherwise its element width. The chunk side may narrow it (`_chunk_width`)."""
     w = p.base.element_size()
     if not p.contiguous or p.x * w >= 16:
         return w
-    starts = (p.base.storage_offset() * w, rows.storage_offset() * rows.element_size())
     for wide in (8, 4, 2):
         f = wide // w
         if (wide > w and (p.x * w) % wide == 0 and all(s % f == 0 for s in (p.block, p.group, p.offset, p.head))
-                and all(o % wide == 0 for o in starts) and not (offsets % wide).any()):
+                and (p.base.storage_offset() * w) % wide == 0 and not (offsets % wide).any()):
             return wide
     return w
 
 
-def _as_width(p: PoolRows, rows: torch.Tensor, wide: int) -> tuple[PoolRows, torch.Tensor]:
-    """`p` and its chunk rows as integers of `wide` bytes (`_width`); as they are at their own width."""
-    w = p.base.element_size()
-    if wide == w:
-        return p, _as_dtype(rows, p.base.dtype)
-    f = wide // w
-    return (PoolRows(int_view(p.base, wide), p.block // f, p.group // f, p.offset // f, p.head // f, 1, 1, p.g,
-                     p.heads, p.x // f, 1),
-            rows.reshape(-1).view(torch.uint8).view(_INT[wide]))
+def _chunk_width(wide: int, w: int, rows: torch.Tensor, offsets: np.ndarray) -> int:
+    """`_pool_width`'s `wide` narrowed (to at least the element width `w`) until it divides the first layer's chunk
+    rows' start and every layer's chunk `offsets` (bytes, from the first layer's)."""
+    start = rows.storage_offset() * rows.element_size()
+    while wide > w and (start % wide or (offsets % wide).any()):
+        wide //= 2
+    return wide
 
 
 def _row_block(x: int) -> int:
@@ -368,51 +405,77 @@ def _row_block(x: int) -> int:
     return min(1024, x & -x) if x else 1
 
 
-def _plan_group(slots: torch.Tensor, t: int, group: list[LayerRows], scatter: bool) -> Callable[[], None] | None:
-    """One launch moving every layer of `group` (layers of one `_signature`, checked), or None: nothing to move.
-    A program moves BR (token, head) rows by `_row_block` elements of each pool: `TILE_BYTES` for the pool of the
-    widest such block."""
-    block_size, pools, flat = group[0]
-    offsets = _byte_offsets(group)
-    widths = [_width(p, c, offsets[:, [i, MAX_POOLS + i]])
-              for i, (p, c) in enumerate(pools)]
-    pools = [_as_width(p, c, w) for (p, c), w in zip(pools, widths, strict=True)]
-    pargs, consts, blocks, xs, heads, widest = [], [], [], [], 1, 1
+def _wide_pool(group: BoundGroup, i: int, wide: int) -> PoolRows:
+    """Pool `i` of `group` addressed as integers of `wide` bytes (made once per group and width)."""
+    p = group.pools[i]
+    w = p.base.element_size()
+    if wide == w:
+        return p
+    if (i, wide) not in group.wide:
+        f = wide // w
+        group.wide[i, wide] = PoolRows(int_view(p.base, wide), p.block // f, p.group // f, p.offset // f, p.head // f,
+                                       1, 1, p.g, p.heads, p.x // f, 1)
+    return group.wide[i, wide]
+
+
+def plan_bound(slots: torch.Tensor, group: BoundGroup, chunks: list[torch.Tensor], chunk_offsets: np.ndarray,
+               flat: Sequence[tuple[torch.Tensor, torch.Tensor]], flat_offsets: np.ndarray, *, scatter: bool
+               ) -> Callable[[], None] | None:
+    """The launch moving every layer of a bound `group` for one request, or None: nothing to move. `slots`: int64
+    `[T]` on the pools' device, checked by the caller (in range, distinct); `chunks`: the first layer's chunk rows
+    (contiguous `[T, H, X]` of each pool's element width) and `chunk_offsets` every layer's from them (bytes,
+    `[layers, MAX_POOLS]`); `flat`: the first layer's contiguous flat `(src, dst)` pairs (gather) of `group.flat`
+    bytes, and `flat_offsets` every layer's from them (bytes, `[layers, len(flat), 2]`). A program moves BR
+    (token, head) rows by `_row_block` elements of each pool: `TILE_BYTES` for the pool of the widest such block.
+    Only launches run in the returned callable."""
+    t = int(slots.numel())
+    offsets = np.zeros((len(group.layers), LAYER_COLUMNS.value), dtype=np.int64)
+    offsets[:, :MAX_POOLS] = group.offsets
+    offsets[:, MAX_POOLS:2 * MAX_POOLS] = chunk_offsets
+    if len(flat):
+        offsets[:, 2 * MAX_POOLS:2 * MAX_POOLS + len(flat)] = flat_offsets[:, :, 0]
+        offsets[:, 2 * MAX_POOLS + MAX_FLAT:2 * MAX_POOLS + MAX_FLAT + len(flat)] = flat_offsets[:, :, 1]
+    pargs, consts, blocks, xs, widths, heads, widest = [], [], [], [], [], 1, 1
     for i in range(MAX_POOLS):
-        if i < len(pools):
-            p, c = pools[i]
+        if i < len(group.pools):
+            w = group.pools[i].base.element_size()
+            wide = _chunk_width(group.widths[i], w, chunks[i], chunk_offsets[:, i])
+            p = _wide_pool(group, i, wide)
+            c = _as_dtype(chunks[i], p.base.dtype) if wide == w else chunks[i].reshape(-1).view(torch.uint8).view(
+                p.base.dtype)
             pargs += [p.base, p.block, p.group, p.offset, p.head, p.dp, p.pack, c, p.x, p.heads]
             consts.append((p.g, p.pk, p.contiguous))
             blocks.append(_row_block(p.x))
             xs.append(p.x)
+            widths.append(wide)
             heads = max(heads, p.heads)
-            widest = max(widest, blocks[-1] * p.base.element_size())
+            widest = max(widest, blocks[-1] * wide)
         else:  # an absent pool: X = 0, its programs return at once
             pargs += [slots, 0, 0, 0, 0, 0, 0, slots, 0, 1]
             consts.append((1, 1, True))
             blocks.append(1)
+            widths.append(1)
     fargs = []
     for i in range(MAX_FLAT):
         if i < len(flat):
-            src, dst = flat[i]
-            src = _as_dtype(src, torch.uint8)
-            fargs += [src, _as_dtype(dst, torch.uint8), src.numel()]
+            src = _as_dtype(flat[i][0], torch.uint8)
+            fargs += [src, _as_dtype(flat[i][1], torch.uint8), src.numel()]
         else:
             fargs += [slots, slots, 0]
     spans = [x // b for x, b in zip(xs, blocks[:len(xs)], strict=True)]  # programs along a row, per pool
-    if (t == 0 or not any(spans)) and not flat:
+    if (t == 0 or not any(spans)) and not len(flat):
         return None
-    require(len(group) * (MAX_POOLS + MAX_FLAT) < 65536, Status.INVALID_ARGUMENT,
-            f"plan_layer_rows: {len(group)} layers in one launch exceed the grid (at most 8191)")
+    require(len(group.layers) * (MAX_POOLS + MAX_FLAT) < 65536, Status.INVALID_ARGUMENT,
+            f"plan_layer_rows: {len(group.layers)} layers in one launch exceed the grid (at most 8191)")
     require(t * heads < 2 ** 31, Status.INVALID_ARGUMENT,
             f"plan_layer_rows: {t} tokens x {heads} heads exceed the kernel's int32 row index")
-    table, align = _layer_table(offsets, widths + [1] * (MAX_POOLS - len(widths)), slots.device)
+    table, align = _layer_table(offsets, widths, slots.device)
     br = max(1, TILE_BYTES // widest)
-    grid = (max(1, triton.cdiv(t * heads, br)), len(group) * (MAX_POOLS + MAX_FLAT), max([1, *spans]))
+    grid = (max(1, triton.cdiv(t * heads, br)), len(group.layers) * (MAX_POOLS + MAX_FLAT), max([1, *spans]))
 
     def launch() -> None:
         with on_device(slots.device):
-            _rows_kernel[grid](slots, t, block_size, table, *pargs, *fargs,
+            _rows_kernel[grid](slots, t, group.block_size, table, *pargs, *fargs,
                                G0=consts[0][0], G1=consts[1][0], G2=consts[2][0], G3=consts[3][0],
                                K0=consts[0][1], K1=consts[1][1], K2=consts[2][1], K3=consts[3][1],
                                L0=consts[0][2], L1=consts[1][2], L2=consts[2][2], L3=consts[3][2],
