@@ -34,7 +34,7 @@ from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec, split
 from .header import bundle_header, head_range, transform_flags
 from .host import HostBundle
 from .kernels import use_kernels
-from .layer_set import layer_slots
+from .layer_set import layer_set, layer_slots
 from .rows import (
     KEY_TRANSFORMS,
     LAYER_TENSORS,
@@ -199,7 +199,7 @@ def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: 
     scales checked as one tensor, and each kind of compared tensor (`k_global`, ..., `k_center`) stacked over the
     layers and compared at once (one flag per layer)."""
     ours, same, scales, compare = [], [], [], {}  # compare: (name, device, shape) -> ([layer], [ours], [theirs])
-    for i, (rows, cache, dst, (kg, vg)) in enumerate(zip(layers, caches, formats, layer_global_scales(caches, formats),
+    for i, (rows, cache, dst, (kg, vg)) in enumerate(zip(layers, caches, formats, layer_set(caches).scales(),
                                                          strict=True)):
         scales.append((kg, vg))
         ours += [g for g in (kg, vg) if g is not None]
@@ -325,14 +325,14 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
             r.prefetch(dev)
     slots, wheres, formats = layer_slots(caches, slots)  # the destination checked before any payload is read
     src = readers[0].format
-    early = _early_store(readers, ranges, (a, b), (t0, t1, count), src, caches, slots, wheres, formats, dev)
+    early = _early_store(readers, ranges, (a, b), (t0, t1, count), src, caches, slots, formats, dev)
     # every shard verified, used or not
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]
     rows = _cut(_assemble(shards, a, b), t0, t1, count)
     same, scales = _same_rows(rows, src, caches, formats)
     scratch: dict = {}
     kept = [i for i, ok in enumerate(same) if ok]  # stored as they are: the scatters of one geometry in one launch
-    if early is not None and early[0] is shards[0][2] and len(kept) == len(caches):
+    if early is not None and readers[0].verified is early[0] and len(kept) == len(caches):
         stores = [early[1]]
     else:
         stores = [prepare_write_layers([caches[i] for i in kept], slots, [rows[i] for i in kept],
@@ -353,26 +353,27 @@ def _cut(rows: list[dict[str, torch.Tensor]], t0: int, t1: int, count: int) -> l
 
 
 def _early_store(readers: list, ranges: list[tuple[int, int]], heads: tuple[int, int], tokens: tuple[int, int, int],
-                 src: CacheFormat, caches: Sequence[CacheDesc], slots: torch.Tensor,
-                 wheres: Sequence[tuple[torch.Tensor, torch.Tensor]], formats: Sequence[CacheFormat],
+                 src: CacheFormat, caches: Sequence[CacheDesc], slots: torch.Tensor, formats: Sequence[CacheFormat],
                  dev: torch.device):
-    """(The staged layers, the store of them as they are), planned while a bundle's payloads still copy to the GPU
-    (`HostBundle.prefetch`), or None. Only for one bundle in host memory holding exactly the destination's heads
-    whose format every layer shares: the plan reads no values, and `import_bundle` runs it only if every check
-    passes, `read_all` returns these same tensors and every layer keeps its rows as stored (`_same_rows`);
-    otherwise the store is planned after the checks, as it always was (a planning error too surfaces there, in
-    the checks' order)."""
+    """(The staging buffer, the store of its layers as they are), planned while a bundle's payloads still copy to
+    the GPU (`HostBundle.prefetch`), or None. Only for one bundle in host memory holding exactly the destination's
+    heads whose format every layer shares: the plan (the layers' bound row scatter, `LayerSet.plan_rows`, tokens
+    [t0, t1) of `tokens` = (t0, t1, count)) reads no values, and `import_bundle` runs it only if every check passes,
+    `read_all` verified this same buffer (`HostBundle.verified`) and every layer keeps its rows as stored
+    (`_same_rows`); otherwise the store is planned after the checks, as it always was (a planning error too
+    surfaces there, in the checks' order)."""
     r = readers[0]
     if (len(readers) != 1 or tuple(ranges[0]) != heads or not isinstance(r, HostBundle)
             or any(f != src for f in formats)):
         return None
-    staged = r.staged_layers(dev)
+    staged = r.staging(dev)
     if staged is None:
         return None
     try:
-        return staged, prepare_write_layers(caches, slots, _cut(staged, *tokens), wheres, formats)
+        store = layer_set(caches).plan_rows(slots, r.specs, *staged, scatter=True, tokens=tokens)
     except KvxError:
         return None
+    return None if store is None else (staged[0].buf, store)
 
 
 _BYTES = (bytes, bytearray, memoryview)

@@ -344,7 +344,7 @@ class HostBundle:
         self.segment, self.format = reader.segment, reader.format
         self.first, self.size, self.total = reader.offset, reader.payload, reader.total
         self._staged: tuple[torch.device, torch.Tensor, torch.cuda.Event] | None = None
-        self._views: list[dict[str, torch.Tensor]] | None = None
+        self.verified: torch.Tensor | None = None  # the staging buffer the last `read_all` onto a GPU verified
 
     @property
     def _stride(self) -> int:
@@ -365,19 +365,17 @@ class HostBundle:
                             staged)
         self._staged = (device, staged, done)
 
-    def staged_layers(self, device: torch.device | str) -> list[dict[str, torch.Tensor]] | None:
-        """The layers' tensors in the staging buffer `prefetch(device)` fills (None without one): bytes still
-        copying and not yet verified, for planning what will read them once they are (an import's store: the plan
-        reads no values); work queued on the current stream from here on waits for the copies. `read_all(device)`
-        returns these same tensors once every check passed."""
+    def staging(self, device: torch.device | str) -> tuple[StorageViews, int] | None:
+        """(Views of the staging buffer `prefetch(device)` fills, its bytes per layer), or None without one: bytes
+        still copying and not yet verified, for planning what will read them once they are (an import's store: the
+        plan reads no values); work queued on the current stream from here on waits for the copies. `read_all(device)`
+        then verifies exactly this buffer (`verified`)."""
         device = torch.device(device)
         if self._staged is None or self._staged[0] != device:
             return None
-        if self._views is None:
-            _, staged, done = self._staged
-            torch.cuda.current_stream(device).wait_event(done)
-            self._views = split_chunks(staged, 0, self._stride, self.num_layers, self.specs, self.tokens)
-        return self._views
+        _, staged, done = self._staged
+        torch.cuda.current_stream(device).wait_event(done)
+        return StorageViews(staged), self._stride
 
     def read_all(self, device: torch.device | str | None = None) -> list[dict[str, torch.Tensor]]:
         """Every layer's tensors on `device` (default: views of the host buffer), after every check passed. Onto a
@@ -390,11 +388,11 @@ class HostBundle:
             return self._read_all_cuda(device)
         m, n = self.mem, self.size
         on_gpu = cuda and n and self.segment <= GPU_HASH_MAX_SEGMENT
-        stride, staged, views = self._stride, None, None
+        stride, staged = self._stride, None
         if cuda:  # the payloads copied (or copying since `prefetch`); what runs next on the device waits for them
             self.prefetch(device)
-            (_, staged, done), views = self._staged, self._views
-            self._staged = self._views = None  # a later read_all copies again
+            _, staged, done = self._staged
+            self._staged = None  # a later read_all copies again
             torch.cuda.current_stream(device).wait_event(done)
         whole = n // self.segment * self.segment if on_gpu else 0
         pool, futures = _hash_pool(), []
@@ -411,9 +409,9 @@ class HostBundle:
                                 bytes(m[chunk_at(self.first, n, i) + 16 + n:][:8])) for i, fs in enumerate(futures)]
         check_trailer(bytes(m[self.total - 24:]), self.num_layers, self.total - 24, sums, self.seed)
         at, step = (0, stride) if cuda else (chunk_at(self.first, n, 0) + 16, chunk_at(0, n, 1))
-        layers = views if views is not None else split_chunks(staged if cuda else self.buf, at, step,
-                                                              self.num_layers, self.specs, self.tokens)
+        layers = split_chunks(staged if cuda else self.buf, at, step, self.num_layers, self.specs, self.tokens)
         check_layers(layers, self.format)  # one host sync for the bundle
+        self.verified = staged
         return layers
 
     def _read_all_cuda(self, device: torch.device) -> list[dict[str, torch.Tensor]]:

@@ -121,13 +121,14 @@ class LayerSet:
             out.append([t if t.is_contiguous() else t.contiguous() for t in (flat[n] for n in names)])
         return out
 
-    def plan_rows(self, slots: torch.Tensor, specs: Sequence, buf: StorageViews, stride: int, *, scatter: bool
-                  ) -> Callable[[], None] | None:
+    def plan_rows(self, slots: torch.Tensor, specs: Sequence, buf: StorageViews, stride: int, *, scatter: bool,
+                  tokens: tuple[int, int, int] | None = None) -> Callable[[], None] | None:
         """The row kernel's launches moving every layer's rows of `slots` (checked: `check_slots`' int64 answer on
         the layers' device) between the pools and chunk payloads in `buf` at byte offsets `0, stride, 2 * stride,
         ...`, packed in the order of `specs` (the bundle's `TensorSpec`s, `format_specs(self.formats[0], ...)`
         order): a gather (`scatter=False`: an export's staging) also copies the global scales and key vectors; a
-        scatter (an import's staged payloads) stores the per-token rows. Only the launches run in the returned
+        scatter (an import's staged payloads) stores the per-token rows of the chunks' tokens [t0, t1) of `tokens`
+        = (t0, t1, count), the chunks holding `count` (default: all of them). Only the launches run in the returned
         callable; None where the layers' formats or geometry differ: the per-layer path serves them."""
         from ..ops.triton.launch import check_device
         from ..ops.triton.rows import _INT, MAX_POOLS, plan_bound
@@ -135,6 +136,8 @@ class LayerSet:
         if self.mismatch is not None:
             return None
         t = int(slots.numel())
+        t0, t1, count = (0, t, t) if tokens is None else tokens
+        require(t1 - t0 == t and (scatter or t0 == 0), Status.INTERNAL_ERROR, "plan_rows: slots for other tokens")
         want = format_specs(self.formats[0], *self.geometry, self.transforms if not scatter else ())
         got = {s.name: s for s in specs}
         require(all(n in got and got[n].dtype == dt and tuple(got[n].shape) == sh for n, (dt, sh) in want.items()
@@ -142,8 +145,8 @@ class LayerSet:
                 "plan_rows: the chunk's tensors are not the layers' format's")
         starts, pos = {}, 0
         for s in specs:
-            starts[s.name] = pos
-            pos += s.nbytes(t)
+            starts[s.name] = pos + (s.nbytes(t0) if s.per_token else 0)
+            pos += s.nbytes(count)
         require(pos <= stride or len(self.caches) == 1, Status.INTERNAL_ERROR, "plan_rows: chunks overlap")
         flat_names = () if scatter else tuple(n for n in LAYER_TENSORS if n in got)
         sources = self._flat_sources(flat_names)

@@ -76,6 +76,45 @@ def launches(monkeypatch) -> list[tuple[str, int]]:
     return seen
 
 
+@pytest.mark.parametrize("fmt", list_formats())
+@pytest.mark.parametrize("page_buffer", [False, True])
+def test_bound_layers_move_the_rows_read_rows_gives(fmt, page_buffer):
+    """`LayerSet.plan_rows`, the bound path of a staged export and of an import from its staging buffer: the gather
+    packs every layer's rows of ragged slots (global scales included) at `i * stride` exactly as `read_rows` gives
+    them, and the scatter of tokens [3, 11) of those chunks into another cache (other block size and block order)
+    stores exactly those rows at its slots and leaves every other slot as it was."""
+    from kvx_core.transfer.bundle import parse_specs, split_chunks
+    from kvx_core.transfer.header import bundle_header
+    from kvx_core.transfer.host import staged_stride
+    from kvx_core.transfer.layer_set import layer_set, layer_slots
+    from kvx_core.transfer.views import StorageViews
+
+    src, slots = _cache(fmt, 4, 12, page_buffer=page_buffer, tokens=13)
+    dst, others = _cache(fmt, 8, 6, page_buffer=not page_buffer, seed=1, tokens=48)
+    descs, targets = _descs(src), _descs(dst)
+    _, tokens, specs, _ = parse_specs(bundle_header(descs, slots, model=MODEL))
+    stride = staged_stride(sum(s.nbytes(tokens) for s in specs))
+    buf = StorageViews(torch.zeros(LAYERS * stride, dtype=torch.uint8, device=DEVICE))
+    into = others[torch.randperm(48, generator=torch.Generator().manual_seed(2))[:8]]
+    before = [read_rows(d, others) for d in targets]
+    with _path("triton"):
+        layer_set(descs).plan_rows(layer_slots(descs, slots).slots, specs, buf, stride, scatter=False)()
+        layer_set(targets).plan_rows(layer_slots(targets, into).slots, specs, buf, stride, scatter=True,
+                                     tokens=(3, 11, tokens))()
+    bits = functools.partial(torch.Tensor.view, dtype=torch.uint8)
+    for i, chunk in enumerate(split_chunks(buf.buf, 0, stride, LAYERS, specs, tokens)):
+        want = read_rows(descs[i], slots)
+        assert chunk.keys() == want.keys()
+        assert all(torch.equal(bits(chunk[n]), bits(want[n])) for n in want)
+        after = read_rows(targets[i], others)
+        moved = torch.isin(others, into)
+        for n, t in after.items():
+            if t.dim() == 3:  # per-token rows: the imported tokens at their slots, the rest untouched
+                assert torch.equal(bits(t[~moved]), bits(before[i][n][~moved]))
+                order = [int((others == s).nonzero()) for s in into]
+                assert torch.equal(bits(t[order]), bits(want[n][3:11]))
+
+
 def _exports(caches, slots, model=MODEL, **kw) -> dict[str, tuple[bytes, bytes]]:
     """{path: (stream bundle, host bundle)} of both paths."""
     out = {}
