@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import enum
 import functools
+import operator
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -103,31 +105,62 @@ def _fields(cache: CacheDesc) -> tuple[list, list[torch.Tensor]] | None:
     return objs, [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
-def _state(cache: CacheDesc, tensors: list[torch.Tensor]) -> tuple:
-    """What validation reads of `tensors` that may change in place (`set_`, `resize_`, `.data =`): storage pointer,
-    dtype, device, shape and strides; and, where a descriptor says HOST_PINNED (the one memory type a host
-    tensor's pinning decides), whether each is pinned."""
+def _pinned(cache: CacheDesc) -> bool:
+    """Whether a descriptor of `cache` says HOST_PINNED (the one memory type a host tensor's pinning decides)."""
     q, p = cache.quant, cache.pool
     memories = [cache.k.memory, cache.v.memory, *(d.memory for d in ((q.k_scales, q.v_scales) if q else ()) if d),
                 *((p.memory,) if p is not None else ())]
-    pinned = Memory.HOST_PINNED in memories
+    return Memory.HOST_PINNED in memories
+
+
+def _state(tensors: list[torch.Tensor], pinned: bool) -> tuple:
+    """What validation reads of `tensors` that may change in place (`set_`, `resize_`, `.data =`): storage pointer,
+    dtype, device, shape and strides; and, where `pinned` (`_pinned`), whether each is pinned."""
     return tuple((t.data_ptr(), t.dtype, t.device, t.shape, t.stride(), pinned and t.is_pinned()) for t in tensors)
+
+
+@functools.cache
+def _field_getter(cls: type) -> Callable[[object], tuple]:
+    """All dataclass fields of a descriptor class, read in one call (a tuple)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    get = operator.attrgetter(*names)
+    return get if len(names) > 1 else (lambda d: (get(d),))
+
+
+def _descriptors(cache: CacheDesc) -> list:
+    """`cache` and its sub-descriptors (of their own types: `_fields` passed)."""
+    q = cache.quant
+    subs = [cache.k, cache.v, q, cache.pool, *((q.k_scales, q.v_scales) if q is not None else ())]
+    return [cache, *(d for d in subs if d is not None)]
 
 
 class Binding:
     """One cache descriptor as checked once for every call while it stays the same (issue 36): `validate()` and
-    `format_of` passed with fields `objs` (None: not bindable, see `_IMMUTABLE`) and tensor state `state`, and what
-    was derived from it (`derive`). Only the descriptor's own structure is kept: values read from pools, scales and
-    key-transform vectors are checked per call (they may change between requests), and so is all of a bundle."""
+    `format_of` passed for its fields and tensor state, and what was derived from it (`derive`). Only the
+    descriptor's own structure is kept: values read from pools, scales and key-transform vectors are checked per call
+    (they may change between requests), and so is all of a bundle. A descriptor with a field of a kind it cannot
+    keep (`_IMMUTABLE`) is not bound (`holds` is never true: validated on every call)."""
 
-    def __init__(self, objs: list | None, state: tuple, fmt: CacheFormat):
-        self.objs, self.state, self.fmt, self.derived = objs, state, fmt, {}
+    def __init__(self, cache: CacheDesc, fields: tuple[list, list[torch.Tensor]] | None, fmt: CacheFormat):
+        self.fmt, self.derived = fmt, {}
+        bindable = fields is not None and all(
+            isinstance(o, _IMMUTABLE) or (type(o) is tuple and all(type(x) is int for x in o)) for o in fields[0])
+        self.pinned = bindable and _pinned(cache)
+        self.tensors = fields[1] if bindable else None
+        self.state = _state(self.tensors, self.pinned) if bindable else ()
+        # each descriptor's fields by identity: the same objects, so the same sub-descriptors and tensors
+        self.fields = [(d, _field_getter(type(d))(d)) for d in _descriptors(cache)] if bindable else None
 
-    def holds(self, cache: CacheDesc, fields: tuple[list, list[torch.Tensor]] | None) -> bool:
-        """Whether `cache`'s `fields` now are the objects, and its tensors in the state, this binding checked."""
-        return fields is not None and self.objs is not None and len(self.objs) == len(fields[0]) \
-            and all(a is b for a, b in zip(self.objs, fields[0], strict=True)) \
-            and self.state == _state(cache, fields[1])
+    def holds(self, cache: CacheDesc) -> bool:
+        """Whether `cache` and its sub-descriptors now hold the objects, and its tensors the state, this binding
+        checked (a few C-level calls per descriptor: a bundle of 32 layers checks all of them per call)."""
+        kept = self.fields
+        if kept is None or kept[0][0] is not cache:
+            return False
+        for d, values in kept:
+            if not all(map(operator.is_, _field_getter(type(d))(d), values)):
+                return False
+        return self.state == _state(self.tensors, self.pinned)
 
     def derive(self, name: str, build: Callable[[], object]) -> object:
         """`build()`, derived once per binding (issue 32's bind: pool views and kernel arguments depend only on the
@@ -178,16 +211,14 @@ def binding(cache: CacheDesc) -> Binding:
 
 def _binding(cache: CacheDesc) -> Binding:
     """`binding` outside a call's memo."""
-    fields = _fields(cache)
     held = cache.__dict__.get(_BOUND)
-    if held is not None and held.holds(cache, fields):
+    if held is not None and held.holds(cache):
         return held
+    fields = _fields(cache)
     cache.validate()
     fmt = format_of(cache)
     cache_global_scales(cache, fmt, None, None, "read_rows", check_values=False, build=False)
-    objs = fields[0] if fields is not None and all(
-        isinstance(o, _IMMUTABLE) or (type(o) is tuple and all(type(x) is int for x in o)) for o in fields[0]) else None
-    held = Binding(objs, _state(cache, fields[1]) if objs is not None else (), fmt)
+    held = Binding(cache, fields, fmt)
     cache.__dict__[_BOUND] = held
     return held
 

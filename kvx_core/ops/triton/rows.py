@@ -256,6 +256,7 @@ class BoundGroup:
     offsets: np.ndarray
     widths: list[int]
     wide: dict[tuple[int, int], PoolRows]
+    tables: dict[bytes, tuple[torch.Tensor, int]]
 
 
 def bind_layer_rows(layers: Sequence[LayerPools], *, scatter: bool) -> list[BoundGroup]:
@@ -269,7 +270,7 @@ def bind_layer_rows(layers: Sequence[LayerPools], *, scatter: bool) -> list[Boun
             row[:len(ps)] = [p.address for p in ps]
         offsets -= offsets[0]
         groups.append(BoundGroup(members, block_size, pools, flat, offsets,
-                                 [_pool_width(p, offsets[:, i]) for i, p in enumerate(pools)], {}))
+                                 [_pool_width(p, offsets[:, i]) for i, p in enumerate(pools)], {}, {}))
     return groups
 
 
@@ -374,6 +375,23 @@ def _layer_table(offsets: np.ndarray, widths: list[int], device: torch.device) -
     return (table.pin_memory() if cuda else table).to(device, non_blocking=cuda), align
 
 
+_KEPT_TABLES = 8
+"""Device layer tables kept per bound group: one per chunk stride and flat-tensor arrangement a request met (a chunk
+stride follows from the request's token count; an engine meets a few often)."""
+
+
+def _table(group: BoundGroup, offsets: np.ndarray, widths: list[int], device: torch.device
+           ) -> tuple[torch.Tensor, int]:
+    """`_layer_table` of a bound group's `offsets`, kept on the group: the same offsets (the same stride, the
+    flat tensors laid out alike) reuse the device table instead of uploading another (never written after)."""
+    key = offsets.tobytes() + bytes(widths)
+    if key not in group.tables:
+        while len(group.tables) >= _KEPT_TABLES:
+            group.tables.pop(next(iter(group.tables)))
+        group.tables[key] = _layer_table(offsets, widths, device)
+    return group.tables[key]
+
+
 def _pool_width(p: PoolRows, offsets: np.ndarray) -> int:
     """The widest integer (bytes) a pool's side lets its rows move as: for a contiguous pool whose head rows are
     shorter than 16 bytes (scale pools), the widest up to 8 that divides its rows, token and head strides, its start
@@ -469,7 +487,7 @@ def plan_bound(slots: torch.Tensor, group: BoundGroup, chunks: list[torch.Tensor
             f"plan_layer_rows: {len(group.layers)} layers in one launch exceed the grid (at most 8191)")
     require(t * heads < 2 ** 31, Status.INVALID_ARGUMENT,
             f"plan_layer_rows: {t} tokens x {heads} heads exceed the kernel's int32 row index")
-    table, align = _layer_table(offsets, widths, slots.device)
+    table, align = _table(group, offsets, widths, slots.device)
     br = max(1, TILE_BYTES // widest)
     grid = (max(1, triton.cdiv(t * heads, br)), len(group.layers) * (MAX_POOLS + MAX_FLAT), max([1, *spans]))
 
