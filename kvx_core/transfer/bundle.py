@@ -263,8 +263,8 @@ def split_chunks(buf: torch.Tensor, start: int, step: int, count: int, specs: li
         if any((buf.storage_offset() + a) % s.dtype.itemsize for a in at):
             packed = buf.as_strided((count, n), (step, 1), buf.storage_offset() + pos).clone()
             at, src = [i * n for i in range(count)], StorageViews(packed.view(-1))
-        for layer, a in zip(out, at, strict=True):
-            layer[s.name] = src.view(a, s.dtype, shape)
+        for layer, t in zip(out, src.views(at, s.dtype, shape), strict=True):
+            layer[s.name] = t
         pos += n
     return out
 

@@ -152,7 +152,8 @@ class _Export:
             gather = layers.plan_rows(self.slots, self.specs, stage, self.stride, scatter=False)
             if gather is not None:
                 gather()
-                yield from ((i, stage.view(i * self.stride, torch.uint8, (self.size,))) for i in range(self.layers))
+                yield from enumerate(stage.views([i * self.stride for i in range(self.layers)], torch.uint8,
+                                                 (self.size,)))
                 return
         scales = layers.scales()
         if stage is not None:
@@ -238,7 +239,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     host = StorageViews(buf)
     if cuda and stage is not None:  # every layer gathered by one launch, hashed by one while the copies run
         chunks = list(e.chunks(stage))
-        landed = [_side_copies([(host.view(e.at(i), torch.uint8, (size,)), c) for i, c in chunks if size], dev,
+        dsts = host.views([e.at(i) for i, _ in chunks], torch.uint8, (size,))
+        landed = [_side_copies([(d, c) for d, (_, c) in zip(dsts, chunks, strict=True) if size], dev,
                                stage.buf)] * e.layers
         if size:  # queued after the copies' start event: the copies wait for the gather only
             on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)

@@ -17,9 +17,15 @@ class StorageViews:
     def view(self, pos: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The contiguous `shape` tensor of `dtype` at byte `pos` of `buf`; None where `pos` is not aligned to the
         dtype's width."""
+        views = self.views([pos], dtype, shape)
+        return views[0] if views else None
+
+    def views(self, positions: list[int], dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """`view` at each byte position of `positions` (a bundle's layers: the strides worked out once, then one
+        `as_strided` each); [] where any is not aligned to the dtype's width."""
         size = dtype.itemsize
-        if (self.base + pos) % size:
-            return None
+        if any((self.base + pos) % size for pos in positions):
+            return []
         if dtype not in self.typed:
             self.typed[dtype] = torch.empty(0, dtype=dtype, device=self.buf.device).set_(
                 self.storage, 0, (self.storage.nbytes() // size,), (1,))
@@ -27,4 +33,6 @@ class StorageViews:
         for d in reversed(shape):
             strides.append(step)
             step *= d
-        return self.typed[dtype].as_strided(shape, strides[::-1], (self.base + pos) // size)
+        strides.reverse()
+        typed, base = self.typed[dtype], self.base
+        return [typed.as_strided(shape, strides, (base + pos) // size) for pos in positions]
