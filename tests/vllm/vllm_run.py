@@ -2,11 +2,14 @@
 
 Run as a script (vLLM spawns an engine-core process, so it needs its own `__main__`):
     python tests/vllm/vllm_run.py CKPT_DIR CACHE_DTYPE [--rotate] [--prefill-cache] [--multiproc] [--preempt]
+    python tests/vllm/vllm_run.py --runs RUNS_JSON    (a list of [CKPT_DIR, CACHE_DTYPE, *FLAGS])
 Without --multiproc the engine core and worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
 and the 'uni' executor, set by the caller's environment / here). --prefill-cache runs the "cache" prefill route
 (everything over the KVX pages) instead of the default split prefill.
 Measures: KV capacity vLLM reports, generation for prompts of different lengths, greedy
 continuations, `prompt_logprobs` perplexity on the demo text, and prefix-cache reuse.
+`--runs`: the runs one after another in this process, each engine shut down (its distributed state and memory)
+before the next starts; one JSON line of their results in order: vLLM is imported once, not once per run.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ def main(ckpt: str, cache_dtype: str, rotate: bool, multiproc: bool, prefill: st
     out["timing"] = {"gen": round(t_gen - t0 - startup, 1), "ppl": round(t_ppl - t_gen, 1),
                      "prefix": round(t1 - t_ppl, 1)}
     out["total_s"] = round(time.perf_counter() - t0, 1)
+    llm.llm_engine.engine_core.shutdown()
     return out
 
 
@@ -96,11 +100,13 @@ def preempt(ckpt: str, cache_dtype: str) -> dict:
         gaps.append([_rank1(lp).logprob - lp[t].logprob
                      for t, lp in zip(ids[n:], scored.prompt_logprobs[n:], strict=True)])
     cc = llm.llm_engine.vllm_config.cache_config
-    return {"dtype": cache_dtype, "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
-            "prompt_tokens": [len(r.prompt_token_ids) for r in together], "preemptions": preemptions,
-            "free_blocks_before": free_before, "free_blocks_after": free_after,
-            "finished": [r.finished for r in together],
-            "together": [list(r.outputs[0].token_ids) for r in together], "greedy_gaps": gaps}
+    out = {"dtype": cache_dtype, "num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
+           "prompt_tokens": [len(r.prompt_token_ids) for r in together], "preemptions": preemptions,
+           "free_blocks_before": free_before, "free_blocks_after": free_after,
+           "finished": [r.finished for r in together],
+           "together": [list(r.outputs[0].token_ids) for r in together], "greedy_gaps": gaps}
+    llm.llm_engine.engine_core.shutdown()  # after reading the cache config: the shutdown clears its block count
+    return out
 
 
 def _rank1(lp: dict):
@@ -147,11 +153,14 @@ def _logprobs(req) -> list[list]:
     return [[t, sorted((k, v.logprob) for k, v in lp.items())] for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
 
 
-if __name__ == "__main__":
-    flags = sys.argv[3:]
+def run(ckpt: str, cache_dtype: str, *flags: str) -> dict:
+    """One run of the command line's arguments."""
     if "--preempt" in flags:
-        res = preempt(sys.argv[1], sys.argv[2])
-    else:
-        res = main(sys.argv[1], sys.argv[2], "--rotate" in flags, "--multiproc" in flags,
-                   "cache" if "--prefill-cache" in flags else "split")
+        return preempt(ckpt, cache_dtype)
+    return main(ckpt, cache_dtype, "--rotate" in flags, "--multiproc" in flags,
+                "cache" if "--prefill-cache" in flags else "split")
+
+
+if __name__ == "__main__":
+    res = [run(*args) for args in json.loads(sys.argv[2])] if sys.argv[1] == "--runs" else run(*sys.argv[1:])
     print("KVX_RESULT " + json.dumps(res), flush=True)
