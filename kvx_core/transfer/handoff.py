@@ -34,7 +34,7 @@ from .bundle import SEGMENT_BYTES, BundleReader, BundleWriter, TensorSpec, split
 from .header import bundle_header, head_range, transform_flags
 from .host import HostBundle
 from .kernels import use_kernels
-from .layer_set import layer_set, layer_slots
+from .layer_set import LayerSet, layer_set
 from .rows import (
     KEY_TRANSFORMS,
     LAYER_TENSORS,
@@ -43,7 +43,6 @@ from .rows import (
     checked_once,
     format_specs,
     key_transforms,
-    layer_global_scales,
     on_device,
     prepare_write_layers,
     read_chunk,
@@ -100,9 +99,10 @@ def export_bundle(out: BinaryIO, caches: Sequence[CacheDesc], slots: torch.Tenso
     nothing)."""
     header = bundle_header(caches, slots, model=model, token_ids=token_ids, kv_heads=kv_heads,
                            segment_bytes=segment_bytes)
-    slots, wheres, formats = layer_slots(caches, slots)
+    layers = layer_set(caches)
+    slots, wheres, formats = layers.check_slots(slots)
     w = BundleWriter(out, header)
-    for cache, where, gs, fmt in zip(caches, wheres, layer_global_scales(caches, formats), formats, strict=True):
+    for cache, where, gs, fmt in zip(caches, wheres, layers.scales(), formats, strict=True):
         w.add_layer(split_payload(read_chunk(cache, slots, w.specs, where=where, scales=gs, fmt=fmt), w.specs,
                                   w.tokens))
     w.close()
@@ -190,17 +190,16 @@ def convert_bundle(src: BinaryIO, out: BinaryIO, fmt: CacheFormat | str) -> dict
     return new
 
 
-def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, caches: Sequence[CacheDesc],
-               formats: Sequence[CacheFormat]
+def _same_rows(layers: list[dict[str, torch.Tensor]], src: CacheFormat, bound: LayerSet
                ) -> tuple[list[bool], list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
     """Per layer, whether its destination takes the bundled rows as stored: same format, global scales and key
     transform (the stored bytes mean the same K/V there); and its global scales (`cache_global_scales`), checked
     (finite, > 0) for every layer. One host sync and a fixed number of tensor ops for the bundle: every layer's
     scales checked as one tensor, and each kind of compared tensor (`k_global`, ..., `k_center`) stacked over the
-    layers and compared at once (one flag per layer)."""
+    layers and compared at once (one flag per layer). `bound`: the destination's layers."""
+    caches, formats = bound.caches, bound.formats
     ours, same, scales, compare = [], [], [], {}  # compare: (name, device, shape) -> ([layer], [ours], [theirs])
-    for i, (rows, cache, dst, (kg, vg)) in enumerate(zip(layers, caches, formats, layer_set(caches).scales(),
-                                                         strict=True)):
+    for i, (rows, cache, dst, (kg, vg)) in enumerate(zip(layers, caches, formats, bound.scales(), strict=True)):
         scales.append((kg, vg))
         ours += [g for g in (kg, vg) if g is not None]
         pairs = [(n, g, rows.get(n)) for n, g in (("k_global", kg), ("v_global", vg)) if g is not None]
@@ -323,13 +322,14 @@ def import_bundle(src: BinaryIO | torch.Tensor | Sequence[BinaryIO | torch.Tenso
     for r in readers:  # bundles in host memory start copying to the GPU while the destination is checked
         if isinstance(r, HostBundle):
             r.prefetch(dev)
-    slots, wheres, formats = layer_slots(caches, slots)  # the destination checked before any payload is read
+    bound = layer_set(caches)
+    slots, wheres, formats = bound.check_slots(slots)  # the destination checked before any payload is read
     src = readers[0].format
-    early = _early_store(readers, ranges, (a, b), (t0, t1, count), src, caches, slots, formats, dev)
+    early = _early_store(readers, ranges, (a, b), (t0, t1, count), src, bound, slots, dev)
     # every shard verified, used or not
     shards = [(lo, hi, r.read_all(dev)) for (lo, hi), r in zip(ranges, readers, strict=True)]
     rows = _cut(_assemble(shards, a, b), t0, t1, count)
-    same, scales = _same_rows(rows, src, caches, formats)
+    same, scales = _same_rows(rows, src, bound)
     scratch: dict = {}
     kept = [i for i, ok in enumerate(same) if ok]  # stored as they are: the scatters of one geometry in one launch
     if early is not None and readers[0].verified is early[0] and len(kept) == len(caches):
@@ -353,8 +353,7 @@ def _cut(rows: list[dict[str, torch.Tensor]], t0: int, t1: int, count: int) -> l
 
 
 def _early_store(readers: list, ranges: list[tuple[int, int]], heads: tuple[int, int], tokens: tuple[int, int, int],
-                 src: CacheFormat, caches: Sequence[CacheDesc], slots: torch.Tensor, formats: Sequence[CacheFormat],
-                 dev: torch.device):
+                 src: CacheFormat, bound: LayerSet, slots: torch.Tensor, dev: torch.device):
     """(The staging buffer, the store of its layers as they are), planned while a bundle's payloads still copy to
     the GPU (`HostBundle.prefetch`), or None. Only for one bundle in host memory holding exactly the destination's
     heads whose format every layer shares: the plan (the layers' bound row scatter, `LayerSet.plan_rows`, tokens
@@ -364,13 +363,13 @@ def _early_store(readers: list, ranges: list[tuple[int, int]], heads: tuple[int,
     surfaces there, in the checks' order)."""
     r = readers[0]
     if (len(readers) != 1 or tuple(ranges[0]) != heads or not isinstance(r, HostBundle)
-            or any(f != src for f in formats)):
+            or any(f != src for f in bound.formats)):
         return None
     staged = r.staging(dev)
     if staged is None:
         return None
     try:
-        store = layer_set(caches).plan_rows(slots, r.specs, *staged, scatter=True, tokens=tokens)
+        store = bound.plan_rows(slots, r.specs, *staged, scatter=True, tokens=tokens)
     except KvxError:
         return None
     return None if store is None else (staged[0].buf, store)

@@ -39,7 +39,7 @@ from .bundle import (
 )
 from .header import bundle_header
 from .kernels import use_kernels
-from .layer_set import layer_set, layer_slots
+from .layer_set import layer_set
 from .rows import checked_once, read_chunk, read_chunks
 from .schema import ModelFingerprint, check_layers
 from .views import StorageViews
@@ -130,8 +130,9 @@ class _Export:
         self.total = bundle_bytes(self.first, self.size, self.layers)
         self.whole = self.size // self.segment * self.segment  # the bytes of whole checksum segments
         self.stride = staged_stride(self.size)
-        # each layer's blocks / offsets (block sizes may differ)
-        self.slots, self.wheres, self.formats = layer_slots(caches, slots)
+        # the layers bound once (`layer_set`); each layer's blocks / offsets (block sizes may differ)
+        self.set = layer_set(caches)
+        self.slots, self.wheres, self.formats = self.set.check_slots(slots)
 
     def at(self, i: int) -> int:
         """The offset of layer `i`'s payload in the bundle."""
@@ -147,15 +148,14 @@ class _Export:
         """(layer, its chunk payload on the caches' device), gathered in layer order; into `stage` when given, every
         layer's gather queued first: the layers bound once (`layer_set.LayerSet.plan_rows`), else one launch per
         geometry planned for this request (`rows.read_chunks`)."""
-        layers = layer_set(self.caches)
         if stage is not None:
-            gather = layers.plan_rows(self.slots, self.specs, stage, self.stride, scatter=False)
+            gather = self.set.plan_rows(self.slots, self.specs, stage, self.stride, scatter=False)
             if gather is not None:
                 gather()
                 yield from enumerate(stage.views([i * self.stride for i in range(self.layers)], torch.uint8,
                                                  (self.size,)))
                 return
-        scales = layers.scales()
+        scales = self.set.scales()
         if stage is not None:
             yield from enumerate(read_chunks(self.caches, self.slots, self.specs, stage, self.stride, scales,
                                              self.formats))
@@ -240,8 +240,8 @@ def export_to_host(caches: Sequence[CacheDesc], slots: torch.Tensor, *, model: M
     if cuda and stage is not None:  # every layer gathered by one launch, hashed by one while the copies run
         chunks = list(e.chunks(stage))
         dsts = host.views([e.at(i) for i, _ in chunks], torch.uint8, (size,))
-        landed = [_side_copies([(d, c) for d, (_, c) in zip(dsts, chunks, strict=True) if size], dev,
-                               stage.buf)] * e.layers
+        pairs = [(d, c) for d, (_, c) in zip(dsts, chunks, strict=True)] if size else []
+        landed = [_side_copies(pairs, dev, stage.buf)] * e.layers
         if size:  # queued after the copies' start event: the copies wait for the gather only
             on_gpu = gpu_chunk_digests(stage.buf, e.layers, e.stride, size, segment, seed)
     else:

@@ -40,9 +40,9 @@ _KEPT_SETS = 4
 
 
 class CheckedLayers(NamedTuple):
-    """What `layer_slots` checked: the slots as int64 on the first layer's device (what every layer's kernel takes:
-    moved once per bundle, since slots in host memory moved per layer cost a copy and a host sync per layer on a
-    GPU), each layer's (block, offset) of them, and each layer's format."""
+    """What `LayerSet.check_slots` checked: the slots as int64 on the first layer's device (what every layer's
+    kernel takes: moved once per bundle, since slots in host memory moved per layer cost a copy and a host sync per
+    layer on a GPU), each layer's (block, offset) of them, and each layer's format."""
 
     slots: torch.Tensor
     wheres: list[tuple[torch.Tensor, torch.Tensor]]
@@ -197,8 +197,3 @@ def layer_set(caches: Sequence[CacheDesc]) -> LayerSet:
         held = sets[key] = LayerSet(caches, bindings)
     return held
 
-
-def layer_slots(caches: Sequence[CacheDesc], slots: torch.Tensor) -> CheckedLayers:
-    """`LayerSet.check_slots` of `caches`' set: what an export or import checks before its first byte is written.
-    Each descriptor is validated once per state (`rows.binding`), its key-transform vectors' values every call."""
-    return layer_set(caches).check_slots(slots)

@@ -199,7 +199,7 @@ def binding(cache: CacheDesc) -> Binding:
     its fields and pool tensors, not per layer and call: the binding kept on the descriptor is reused while every
     field is the same object and every tensor keeps its storage, dtype, device, shape and strides; any change (a
     pool re-allocated or resized, a field reassigned) validates it again. The key-transform vectors' values are not
-    checked here (`layer_slots` checks them per call). Inside `one_call`, checked once per call."""
+    checked here (`LayerSet.check_slots` checks them per call). Inside `one_call`, checked once per call."""
     memo = _CALL.get()
     if memo is not None and id(cache) in memo:
         return memo[id(cache)][1]
@@ -281,12 +281,12 @@ def _checked_slots(cache: CacheDesc, slots: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class GlobalScales:
-    """How each layer's FP32 `[H]` K / V global scales are built as `cache_global_scales` builds them (values
-    unchecked; for layers `layer_slots` checked, their types and shapes included), worked out once for a list of
-    layers so that building them is a fixed number of tensor ops per bundle, not a chain per scale: scales already
-    FP32 `[H]` and contiguous on the cache's device are used as they are, the others are stacked by kind (shape,
-    dtype, device) and converted at once; absent ones (1.0) are rows of one `ones` tensor, made here and never
-    written. Calling it reads the scales' current values."""
+    """How each layer's FP32 `[H]` K / V global scales are built as `cache_global_scales` builds them (values unchecked;
+    for layers `LayerSet.check_slots` checked, their types and shapes included), worked out once for a list of layers so
+    that building them is a fixed number of tensor ops per bundle, not a chain per scale: scales already FP32 `[H]` and
+    contiguous on the cache's device are used as they are, the others are stacked by kind (shape, dtype, device) and
+    converted at once; absent ones (1.0) are rows of one `ones` tensor, made here and never written. Calling it reads
+    the scales' current values."""
 
     def __init__(self, caches: Sequence[CacheDesc], formats: Sequence[CacheFormat]):
         self.caches, self.formats = caches, formats
@@ -336,19 +336,13 @@ class GlobalScales:
         return [(k, v) for k, v in out]
 
 
-def layer_global_scales(caches: Sequence[CacheDesc], formats: Sequence[CacheFormat]
-                        ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Each layer's FP32 `[H]` K / V global scales (`GlobalScales`, worked out for this call)."""
-    return GlobalScales(caches, formats)()
-
-
 def read_rows(cache: CacheDesc, slots: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor] | None = None,
               scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
     """The stored rows of `slots` ([T] token slots, in sequence order): `{name: [T, H, X]}` (payload in its stored
     dtype, scales as bytes) plus the layer's global scales `{k_global, v_global: fp32 [H]}` where the format has
-    them. Copies, on the cache's device. `where`: `layer_slots`' answer for this cache (which validated it and
+    them. Copies, on the cache's device. `where`: `LayerSet.check_slots`' answer for this cache (which validated it and
     checked its slots: layers read without a validation and a host sync each); `scales`: the layer's
-    `layer_global_scales` (built here when None)."""
+    `GlobalScales` answer (built here when None)."""
     if where is None:
         cache.validate()
     held = binding(cache)
@@ -378,7 +372,7 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
     (`kernels.use_kernels`) one gather kernel writes every tensor straight into the chunk; else torch gathers and
     joins them. `where`, `scales` as for `read_rows`; `into`: (views of a device buffer, byte offset) where the
     kernel writes the chunk (an exporter's staging for all its layers: one view per tensor), else a new tensor;
-    `fmt`: the cache's format as `layer_slots` gave it (derived here when None)."""
+    `fmt`: the cache's format as `LayerSet.check_slots` gave it (derived here when None)."""
     if not kernels.use_kernels(cache.k.tensor.device):
         rows = read_rows(cache, slots, where=where, scales=scales)
         return torch.cat([rows[s.name].reshape(-1).view(torch.uint8) for s in specs])
@@ -393,7 +387,7 @@ def read_chunk(cache: CacheDesc, slots: torch.Tensor, specs: Sequence,
 def read_chunks(caches: Sequence[CacheDesc], slots: torch.Tensor, specs: Sequence, into: StorageViews, stride: int,
                 scales: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
                 formats: Sequence[CacheFormat]) -> list[torch.Tensor]:
-    """`read_chunk` of every layer of `caches` (on a kernel device, checked by `layer_slots` with `slots`, its
+    """`read_chunk` of every layer of `caches` (on a kernel device, checked by `LayerSet.check_slots` with `slots`, its
     answer) into `into` at byte offsets `0, stride, 2 * stride, ...`: the gathers of every layer of one geometry in
     one launch (`ops.triton.rows.plan_layer_rows`). Returns each layer's chunk."""
     chunks, moves = [], []
@@ -516,7 +510,7 @@ def prepare_write_rows(cache: CacheDesc, slots: torch.Tensor, rows: dict[str, to
 
 def prepare_write_layers(caches: Sequence[CacheDesc], slots: torch.Tensor, rows: Sequence[dict[str, torch.Tensor]],
                          wheres: Sequence[tuple[torch.Tensor, torch.Tensor]], formats: Sequence[CacheFormat]):
-    """`prepare_write_rows` of several layers (checked by `layer_slots`, whose answers `slots`, `wheres` and
+    """`prepare_write_rows` of several layers (checked by `LayerSet.check_slots`, whose answers `slots`, `wheres` and
     `formats` are): on a kernel device the scatters of every layer of one geometry in one launch
     (`ops.triton.rows.plan_layer_rows`); the store runs them all."""
     if not caches:

@@ -86,7 +86,7 @@ def test_bound_layers_move_the_rows_read_rows_gives(fmt, page_buffer):
     from kvx_core.transfer.bundle import parse_specs, split_chunks
     from kvx_core.transfer.header import bundle_header
     from kvx_core.transfer.host import staged_stride
-    from kvx_core.transfer.layer_set import layer_set, layer_slots
+    from kvx_core.transfer.layer_set import layer_set
     from kvx_core.transfer.views import StorageViews
 
     src, slots = _cache(fmt, 4, 12, page_buffer=page_buffer, tokens=13)
@@ -98,8 +98,8 @@ def test_bound_layers_move_the_rows_read_rows_gives(fmt, page_buffer):
     into = others[torch.randperm(48, generator=torch.Generator().manual_seed(2))[:8]]
     before = [read_rows(d, others) for d in targets]
     with _path("triton"):
-        layer_set(descs).plan_rows(layer_slots(descs, slots).slots, specs, buf, stride, scatter=False)()
-        layer_set(targets).plan_rows(layer_slots(targets, into).slots, specs, buf, stride, scatter=True,
+        layer_set(descs).plan_rows(layer_set(descs).check_slots(slots).slots, specs, buf, stride, scatter=False)()
+        layer_set(targets).plan_rows(layer_set(targets).check_slots(into).slots, specs, buf, stride, scatter=True,
                                      tokens=(3, 11, tokens))()
     bits = functools.partial(torch.Tensor.view, dtype=torch.uint8)
     for i, chunk in enumerate(split_chunks(buf.buf, 0, stride, LAYERS, specs, tokens)):
